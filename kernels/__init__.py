@@ -1,0 +1,1 @@
+"""Kernels: Triton implementations and their torch twins (``kernels.ref``)."""

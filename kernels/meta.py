@@ -1,0 +1,64 @@
+"""Per-step metadata the kernels read: flat tensors, built once per step by ``slora_batch.batch``.
+
+Running example (used in the comments below): three sequences in a step, sequence 0 decodes one
+token with adapter slot 2, sequence 1 prefills a chunk of 3 tokens on the base model, sequence 2
+decodes with slot 2 as well. Tokens of the step: t0 (seq 0), t1 t2 t3 (seq 1), t4 (seq 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMeta:
+    """Where each sequence's queries are and where its keys live.
+
+    b1_start [B+1]: cumulative new tokens, leading 0.           example: [0, 1, 4, 5]
+    b_seq_len [B]: context length after this step (new included). example: [17, 3, 9]
+    page_table [B, max_ctx, 2] int32: (K page, V page) per position, -1 past b_seq_len[b].
+    max_new: the largest new-token count of a sequence (1 in a pure decode step).
+    """
+
+    b1_start: torch.Tensor
+    b_seq_len: torch.Tensor
+    page_table: torch.Tensor
+    max_new: int
+
+
+@dataclass
+class LoraMeta:
+    """Which adapter each token uses and where each adapter's rows are in the pool.
+
+    b_slot [T]: adapter slot per token, -1 for the base model.        example: [2, -1, -1, -1, 2]
+    token_order [T]: token indices stably sorted by slot, base tokens last. example: [0, 4, 1, 2, 3]
+    seg1_start [S+1]: segments of token_order sharing one slot (adapter tokens only). ex.: [0, 2]
+    seg_slot [S]: the slot of each segment.                            example: [2]
+    slot_rank [N]: rank per slot (0 for an empty slot).
+    slot_scale [N] fp32: lora_alpha / r, or lora_alpha / sqrt(r) with rslora.
+    slot_pages [N, W] int32: an adapter's pages, -1 padded. Target by target (canonical order
+      q, k, v, o, gate, up, down), first the A rows (rank x ceil(d_in / page_size) pages), then
+      the B^T rows (rank x ceil(d_out / page_size) pages).
+    slot_offsets [N, num_targets, 2] int32: start in slot_pages of (A, B^T) per target; -1 when
+      the adapter does not target it.
+    max_rank: the largest rank among this step's slots (0 when no token uses an adapter).
+    """
+
+    b_slot: torch.Tensor
+    token_order: torch.Tensor
+    seg1_start: torch.Tensor
+    seg_slot: torch.Tensor
+    slot_rank: torch.Tensor
+    slot_scale: torch.Tensor
+    slot_pages: torch.Tensor
+    slot_offsets: torch.Tensor
+    max_rank: int
+
+    def segments(self) -> Iterator[tuple[int, int, int]]:
+        """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""
+        starts = self.seg1_start.tolist()
+        for i, slot in enumerate(self.seg_slot.tolist()):
+            yield slot, starts[i], starts[i + 1]

@@ -1,0 +1,162 @@
+"""Torch twins of every kernel: the CPU backend and the oracle the Triton kernels are tested against.
+
+The pool is one tensor per layer view, ``pool_layer: [num_pages, page_size]``; a page is one
+vector of ``page_size`` elements (the model's kv_dim) in every layer. A token's K and V each take
+one page; an adapter's LoRA rows take whole pages (a row of width d takes ceil(d / page_size)).
+
+Sentinels: slot -1 means "no adapter", page -1 means "no page"; both cost nothing.
+
+Each function below has a Triton counterpart in ``kernels/`` with the same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.meta import AttnMeta, LoraMeta
+
+
+def kv_write(pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_pages: torch.Tensor) -> None:
+    """Store the step's keys and values in their pages.
+
+    Semantics: pool_layer[out_pages[t, 0], :kv_dim] = k[t]; pool_layer[out_pages[t, 1], :kv_dim] = v[t]
+    Shape: pool_layer [P, page_size]; k, v [T, kv_dim]; out_pages [T, 2] int32 (K page, V page).
+    """
+    kv_dim = k.shape[1]
+    pages = out_pages.long()
+    pool_layer[pages[:, 0], :kv_dim] = k.to(pool_layer.dtype)
+    pool_layer[pages[:, 1], :kv_dim] = v.to(pool_layer.dtype)
+
+
+def gather_kv(pool_layer: torch.Tensor, pages: torch.Tensor, kv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence. pages [n, 2] int -> k, v [n, kv_dim]."""
+    pages = pages.long()
+    return pool_layer[pages[:, 0], :kv_dim], pool_layer[pages[:, 1], :kv_dim]
+
+
+def attention(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int,
+              scale: float) -> torch.Tensor:
+    """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
+    context, chunked prefill and decode alike).
+
+    Semantics: for sequence b with n_b = b1_start[b+1] - b1_start[b] new tokens and context
+      L_b = b_seq_len[b] (new tokens included, their KV already written), query i of b sits at
+      position L_b - n_b + i and attends to keys 0 .. L_b - n_b + i, read through page_table[b].
+    Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
+      meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
+    Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    kv_dim = num_kv_heads * head_dim
+    out = torch.empty_like(q)
+    starts = meta.b1_start.tolist()
+    seq_lens = meta.b_seq_len.tolist()
+    for b, ctx in enumerate(seq_lens):
+        lo, hi = starts[b], starts[b + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim)
+        k = k.view(ctx, num_kv_heads, head_dim).float().repeat_interleave(group, dim=1)
+        v = v.view(ctx, num_kv_heads, head_dim).float().repeat_interleave(group, dim=1)
+        qb = q[lo:hi].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [heads, n, ctx]
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def attention_decode(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int,
+                     scale: float) -> torch.Tensor:
+    """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B)."""
+    return attention(q, pool_layer, meta, num_kv_heads, scale)
+
+
+def gather_lora_rows(pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int,
+                     width: int) -> torch.Tensor:
+    """The rank rows of one adapter's A (which=0, rows of d_in) or B^T (which=1, rows of d_out).
+
+    Row j of the matrix lies in pages slot_pages[slot, start + j * pages_per_row + c],
+    c = 0 .. pages_per_row - 1, with start = slot_offsets[slot, target, which] and
+    pages_per_row = ceil(width / page_size). Returns [rank, width].
+    """
+    page_size = pool_layer.shape[1]
+    rank = int(meta.slot_rank[slot])
+    per_row = -(-width // page_size)
+    start = int(meta.slot_offsets[slot, target, which])
+    pages = meta.slot_pages[slot, start:start + rank * per_row].long()
+    return pool_layer[pages].reshape(rank, per_row * page_size)[:, :width]
+
+
+def lora_shrink(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int,
+                out: torch.Tensor) -> None:
+    """First LoRA factor, gathered from pool pages, a different rank per adapter.
+
+    Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
+      out[t, :rank[s]] = x[t] @ A_s^T   (A_s: rank[s] rows of d_in, read from pages)
+    Rows without adapter (slot -1) or whose adapter lacks the target are left untouched.
+    Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, max_rank] (fp32 or x's dtype).
+    """
+    for s, lo, hi in meta.segments():
+        if int(meta.slot_offsets[s, target, 0]) < 0:
+            continue
+        idx = meta.token_order[lo:hi].long()
+        a = gather_lora_rows(pool_layer, meta, s, target, 0, x.shape[1])
+        out[idx, : a.shape[0]] = (x[idx].float() @ a.float().T).to(out.dtype)
+
+
+def lora_expand(v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int,
+                out: torch.Tensor) -> None:
+    """Second LoRA factor, added in place into the base projection's output.
+
+    Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
+      out[t] += (v[t, :rank[s]] @ B_s^T) * scale[s]   (B_s^T: rank[s] rows of d_out, from pages)
+    Shape: v [T, max_rank]; pool_layer [P, page_size]; out [T, d_out] (may be a column slice).
+    """
+    d_out = out.shape[1]
+    for s, lo, hi in meta.segments():
+        if int(meta.slot_offsets[s, target, 1]) < 0:
+            continue
+        idx = meta.token_order[lo:hi].long()
+        b = gather_lora_rows(pool_layer, meta, s, target, 1, d_out)
+        delta = (v[idx, : b.shape[0]].float() @ b.float()) * float(meta.slot_scale[s])
+        out[idx] = (out[idx].float() + delta).to(out.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm, as Hugging Face Llama computes it (fp32 inside).
+
+    Semantics: r = x + residual (or x); y = weight * (r / sqrt(mean(r^2) + eps)).
+    Shape: x, residual [T, H]; weight [H]. Returns (y, r).
+    """
+    r = x if residual is None else x + residual
+    h = r.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), r
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotary embedding in place (the rotate-half convention of Hugging Face Llama).
+
+    Shape: q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim]; positions [T] int;
+    cos_sin [max_pos, head_dim] fp32 holding cos in the first half, sin in the second.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions.long()]
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)[:, None, :]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)[:, None, :]
+    for t in (q, k):
+        rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+        t.copy_((t.float() * cos + rotated.float() * sin).to(t.dtype))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up. Shape: gate_up [T, 2 * I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,230 @@
+"""PEFT LoRA adapters: parsing, validation against the model, and the CPU store.
+
+The store knows every adapter by name from the start (a directory listing or a mapping) but
+reads a config only when asked and weights only when the adapter is first needed; weights stay
+in host memory (pinned when a GPU is used) in an LRU bounded by bytes, so thousands fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from slora_batch.spec import MODULE_OF, TARGETS, ModelSpec
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$")
+_MODULE_TO_TARGET = {module.split(".")[1]: target for target, module in MODULE_OF.items()}
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out")
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be used; the message names the adapter, its path and the reason."""
+
+    def __init__(self, name: str, path: str | Path, reason: str) -> None:
+        self.name, self.path, self.reason = name, str(path), reason
+        super().__init__(f"adapter {name!r} ({path}): {reason}")
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What the engine needs of an adapter before loading its weights."""
+
+    name: str
+    path: Path
+    rank: int
+    alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...]  # in TARGETS order
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+@dataclass
+class AdapterWeights:
+    """Host copies of the factors, per target: A rows [L, r, d_in] and B^T rows [L, r, d_out]."""
+
+    a: dict[str, torch.Tensor]
+    b_t: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
+
+
+def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
+    """Read and check one PEFT adapter directory (config and safetensors header only)."""
+    path = Path(path)
+    cfg_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not path.is_dir():
+        raise AdapterError(name, path, "no such adapter directory")
+    if not cfg_path.is_file():
+        raise AdapterError(name, path, f"missing {CONFIG_FILE}")
+    if not weights_path.is_file():
+        raise AdapterError(name, path, f"missing {WEIGHTS_FILE}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AdapterError(name, path, f"unreadable {CONFIG_FILE}: {exc}") from exc
+    refuse = _refusal(cfg)
+    if refuse:
+        raise AdapterError(name, path, refuse)
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises several types for a corrupt file
+        raise AdapterError(name, path, f"unreadable {WEIGHTS_FILE}: {exc}") from exc
+    rank = int(cfg.get("r", 0))
+    targets = _check_shapes(name, path, shapes, spec, rank)
+    return AdapterInfo(name=name, path=path, rank=rank, alpha=float(cfg.get("lora_alpha", rank)),
+                       use_rslora=bool(cfg.get("use_rslora", False)), targets=targets)
+
+
+def _refusal(cfg: dict) -> str | None:
+    """Why PEFT could write this adapter but the engine cannot run it, or None."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        return f"peft_type {cfg.get('peft_type')!r} is not LORA"
+    if cfg.get("use_dora"):
+        return "DoRA adapters (use_dora: true) are not supported"
+    if cfg.get("modules_to_save"):
+        return f"modules_to_save {cfg['modules_to_save']} is not supported (it replaces base weights)"
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    hit = [t for t in targets if any(e in t for e in _EMBEDDING_NAMES)]
+    if hit:
+        return f"embedding or lm_head targets {hit} are not supported"
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        return f"LoRA bias ({cfg.get('bias')!r}) is not supported"
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        return "rank_pattern / alpha_pattern (per-module ranks) are not supported"
+    if cfg.get("layers_to_transform") is not None:
+        return "layers_to_transform (adapters on a subset of layers) is not supported"
+    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+        return f"rank r must be an integer >= 1, got {cfg.get('r')!r}"
+    return None
+
+
+def _check_shapes(name: str, path: Path, shapes: dict[str, tuple], spec: ModelSpec,
+                  rank: int) -> tuple[str, ...]:
+    seen: dict[str, set[int]] = {}
+    for key, shape in shapes.items():
+        if any(e in key for e in _EMBEDDING_NAMES):
+            raise AdapterError(name, path, f"embedding or lm_head weights ({key}) are not supported")
+        m = _KEY.search(key)
+        if m is None or m.group(3) not in _MODULE_TO_TARGET:
+            raise AdapterError(name, path, f"unexpected tensor {key!r} {list(shape)}")
+        layer, target, factor = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)], m.group(4)
+        d_in, d_out = spec.target_dims(target)
+        want = (rank, d_in) if factor == "A" else (d_out, rank)
+        if layer >= spec.num_layers or tuple(shape) != want:
+            raise AdapterError(name, path, f"tensor {key!r} has shape {list(shape)}, the model "
+                               f"({spec.num_layers} layers) needs {list(want)} at layers < {spec.num_layers}")
+        seen.setdefault(target, set()).add(layer * 2 + (factor == "B"))
+    if not seen:
+        raise AdapterError(name, path, f"no LoRA tensors in {WEIGHTS_FILE}")
+    for target, got in seen.items():
+        if len(got) != 2 * spec.num_layers:
+            raise AdapterError(name, path, f"target {target} has {len(got)} of "
+                               f"{2 * spec.num_layers} factors (every layer needs A and B)")
+    return tuple(t for t in TARGETS if t in seen)
+
+
+def load_weights(info: AdapterInfo, spec: ModelSpec, pin: bool = False) -> AdapterWeights:
+    """Read an adapter's factors into host memory, stacked over layers."""
+    a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
+    b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
+    try:
+        with safe_open(str(info.path / WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                m = _KEY.search(key)
+                layer, target = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)]
+                tensor = f.get_tensor(key)
+                if m.group(4) == "A":
+                    a[target][layer] = tensor  # [r, d_in]
+                else:
+                    b[target][layer] = tensor.t()  # [d_out, r] -> [r, d_out]
+    except Exception as exc:
+        raise AdapterError(info.name, info.path, f"cannot read weights: {exc}") from exc
+
+    def stack(rows: list) -> torch.Tensor:
+        out = torch.stack(rows).contiguous()
+        return out.pin_memory() if pin else out
+
+    return AdapterWeights(a={t: stack(v) for t, v in a.items()}, b_t={t: stack(v) for t, v in b.items()})
+
+
+class AdapterStore:
+    """All adapters by name: configs parsed on demand, weights kept in an LRU bounded by bytes."""
+
+    def __init__(self, spec: ModelSpec, sources: dict[str, str | Path] | str | Path | None = None,
+                 cache_bytes: int = 8 << 30, pin: bool = False) -> None:
+        self.spec = spec
+        self.sources = resolve_sources(sources)
+        self.cache_bytes = cache_bytes
+        self.pin = pin
+        self._infos: dict[str, AdapterInfo] = {}
+        self._weights: OrderedDict[str, AdapterWeights] = OrderedDict()
+        self._weight_bytes = 0
+        self.disk_loads = 0
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.sources)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sources
+
+    def info(self, name: str) -> AdapterInfo:
+        if name not in self._infos:
+            if name not in self.sources:
+                raise KeyError(f"unknown adapter {name!r} ({len(self.sources)} known)")
+            self._infos[name] = parse_adapter(name, self.sources[name], self.spec)
+        return self._infos[name]
+
+    def validate_all(self) -> list[AdapterInfo]:
+        """Parse every adapter; the first incompatible one raises ``AdapterError``."""
+        return [self.info(name) for name in self.names]
+
+    def pages(self, name: str) -> int:
+        info = self.info(name)
+        return self.spec.adapter_pages(info.rank, info.targets)
+
+    def weights(self, name: str) -> AdapterWeights:
+        """Host weights, read from disk on first use and kept while the byte budget allows."""
+        cached = self._weights.get(name)
+        if cached is not None:
+            self._weights.move_to_end(name)
+            return cached
+        weights = load_weights(self.info(name), self.spec, pin=self.pin)
+        self.disk_loads += 1
+        self._weights[name] = weights
+        self._weight_bytes += weights.nbytes
+        while self._weight_bytes > self.cache_bytes and len(self._weights) > 1:
+            _, old = self._weights.popitem(last=False)
+            self._weight_bytes -= old.nbytes
+        return weights
+
+
+def resolve_sources(sources: dict[str, str | Path] | str | Path | None) -> dict[str, Path]:
+    """A directory of adapter directories (name = folder name) or a mapping name -> path."""
+    if sources is None:
+        return {}
+    if isinstance(sources, dict):
+        return {str(k): Path(v) for k, v in sources.items()}
+    root = Path(sources)
+    if not root.is_dir():
+        raise AdapterError("*", root, "adapters directory does not exist")
+    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir()}

@@ -1,0 +1,103 @@
+"""Engine and sampling settings: the one place their defaults are written.
+
+Each dataclass validates itself in ``__post_init__``; ``from_dict`` rejects unknown keys by
+name, so the job loader and the CLI can fill them from YAML without repeating a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or out of range; the message names the key."""
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str) -> T:
+    """Build dataclass ``cls`` from ``data``, naming ``where`` and the key on an unknown key."""
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(names))})"
+        )
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are drawn. ``Request`` fields of the same names override these per row."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+              f"temperature must be >= 0, got {self.temperature!r}")
+        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+              f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0,
+              f"top_k must be an integer >= 0, got {self.top_k!r}")
+        check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+              f"stop must be a list of non-empty strings, got {self.stop!r}")
+        check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. Memory is one page pool shared by KV cache and adapter weights."""
+
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    backend: str = "auto"  # kernels: "torch" (kernels/ref.py) or "triton"; auto: triton on cuda
+    num_pages: int | None = None  # pool size in pages; None sizes it from memory_fraction
+    memory_fraction: float = 0.9  # of free device memory after weights (cuda) for the pool
+    cpu_pool_bytes: int = 1 << 30  # pool size on cpu when num_pages is None
+    max_num_seqs: int = 256  # running requests at once
+    max_num_batched_tokens: int = 2048  # tokens per step (decode + prefill chunks)
+    max_adapters_per_batch: int = 64  # adapter clustering cap: distinct adapters running
+    max_resident_adapters: int = 1024  # adapter slots on the device
+    max_model_len: int | None = None  # context cap; None takes the model's
+    lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
+    cuda_graphs: bool = True  # capture decode steps on cuda
+    prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
+
+    def __post_init__(self) -> None:
+        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+              f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+              f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        check(self.backend in ("auto", "torch", "triton"),
+              f"backend must be auto, torch or triton, got {self.backend!r}")
+        check(self.num_pages is None or self.num_pages >= 1,
+              f"num_pages must be >= 1, got {self.num_pages}")
+        check(0 < self.memory_fraction <= 1, f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_adapters_per_batch",
+                     "max_resident_adapters", "lookahead", "cpu_pool_bytes"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        check(self.max_model_len is None or self.max_model_len >= 2,
+              f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)

@@ -1,0 +1,233 @@
+"""The engine: requests in, results out, as a lazy iterator over a continuous-batching loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from slora_batch.adapters import AdapterStore
+from slora_batch.batch import build_step
+from slora_batch.config import ConfigError, EngineConfig, SamplingConfig
+from slora_batch.loader import load_model
+from slora_batch.pool import PagePool
+from slora_batch.request import SAMPLING_FIELDS, Request, Result
+from slora_batch.residency import AdapterResidency
+from slora_batch.sample_model import resolve_model
+from slora_batch.sampling import SamplingBatch, row_key, sample
+from slora_batch.scheduler import PAGES_PER_TOKEN, Scheduler, ScheduledStep
+from slora_batch.sequence import Sequence
+from slora_batch.spec import read_spec
+from slora_batch.stats import EngineCounters
+from slora_batch.tokens import Detokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Engine:
+    """One base model, many adapters, one page pool.
+
+    ``Engine(model, adapters=dir_or_mapping, config=EngineConfig(...), sampling=SamplingConfig())``
+    then ``for result in engine.generate(requests): ...``.
+    """
+
+    def __init__(self, model: str | Path, adapters: dict[str, str | Path] | str | Path | None = None,
+                 config: EngineConfig | None = None, sampling: SamplingConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.sampling = sampling or SamplingConfig()
+        self.model_path = resolve_model(model)
+        self.spec = read_spec(self.model_path)
+        self.device = _pick_device(self.config.device)
+        self.dtype = _pick_dtype(self.config.dtype, self.device)
+        self.ops = _pick_backend(self.config.backend, self.device)
+        self.store = AdapterStore(self.spec, adapters, pin=self.device.type == "cuda")
+        self.store.validate_all()  # an incompatible adapter fails the engine before any work
+        limit = self.config.max_model_len or self.spec.max_context
+        self.max_model_len = min(limit, self.spec.max_context)
+        self.model = load_model(self.spec, self.dtype, self.device, self.max_model_len)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.pool = PagePool(self._num_pages(), self.spec.page_size, self.spec.num_layers,
+                             self.dtype, self.device)
+        self.residency = AdapterResidency(self.pool, self.store, self.config.max_resident_adapters,
+                                          self.device)
+        self.scheduler = Scheduler(self.config, self.pool, self.residency)
+        self.counters = EngineCounters()
+        self._arrivals = 0
+        log.info("engine: %s on %s/%s, pool %d pages (%d tokens), %d adapters",
+                 self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
+                 self.pool.num_pages, self.pool.num_pages // PAGES_PER_TOKEN, len(self.store.names))
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return self.store.names
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Pulls requests lazily (a window of ``lookahead`` ahead) and yields results as they finish."""
+        source = iter(requests)
+        exhausted = False
+        sched = self.scheduler
+        while True:
+            while not exhausted and len(sched.waiting) + len(sched.running) < self.config.lookahead:
+                request = next(source, None)
+                if request is None:
+                    exhausted = True
+                    break
+                prepared = self._prepare(request)
+                if isinstance(prepared, Result):
+                    self.counters.count_result(prepared)
+                    yield prepared
+                else:
+                    sched.add(prepared)
+            if not sched.has_work():
+                if exhausted:
+                    return
+                continue
+            step = sched.schedule()
+            if not step:
+                raise RuntimeError(f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
+                                   f"{self.pool.num_free} of {self.pool.num_pages} pages free")
+            yield from self._run(step)
+
+    def _run(self, step: ScheduledStep) -> Iterator[Result]:
+        step_input, logit_rows = build_step(step, self.residency, self.device)
+        with torch.inference_mode():
+            logits = self.model.forward(step_input, self.pool, self.ops)
+        drawn = [s for s, row in zip(step.seqs, logit_rows, strict=True) if row >= 0]
+        tokens: list[int] = []
+        if drawn:
+            params = SamplingBatch.build([(s.temperature, s.top_k, s.top_p, s.key, len(s.output_ids))
+                                          for s in drawn], logits.device)
+            tokens = sample(logits, params).tolist()
+        self.counters.count_step(step, self.pool, self.scheduler, self.residency)
+        token_of = dict(zip(map(id, drawn), tokens, strict=True))
+        for seq, n in zip(step.seqs, step.num_new, strict=True):
+            seq.num_computed += n
+            if id(seq) in token_of:
+                seq.output_ids.append(token_of[id(seq)])
+                if self._finished(seq):
+                    self.scheduler.finish(seq)
+                    result = self._result(seq)
+                    self.counters.count_result(result)
+                    yield result
+
+    def _finished(self, seq: Sequence) -> bool:
+        token = seq.output_ids[-1]
+        if token in self.spec.eos_token_ids and not seq.ignore_eos:
+            seq.finish_reason = "stop"
+        elif seq.stop and seq.detok is not None and seq.detok.find_stop(seq.output_ids, seq.stop):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= seq.max_new_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _result(self, seq: Sequence) -> Result:
+        if seq.detok is not None:
+            text = seq.detok.final_text(seq.output_ids, seq.stop)
+        else:
+            text = ""
+        return Result(id=seq.request.id, adapter=seq.adapter, text=text, token_ids=list(seq.output_ids),
+                      prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+                      finish_reason=seq.finish_reason)
+
+    def _prepare(self, request: Request) -> Sequence | Result:
+        """Checks and tokenizes one request; a bad one becomes an error result, never an exception."""
+        adapter = request.adapter or None
+        if adapter is not None and adapter not in self.store:
+            return Result.failed(request, f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known)")
+        try:
+            params = self._sampling_for(request)
+            prompt_ids = self._tokenize(request)
+        except (ConfigError, ValueError, TypeError) as exc:
+            return Result.failed(request, str(exc))
+        n = len(prompt_ids)
+        if n == 0:
+            return Result.failed(request, "empty prompt")
+        if n >= self.max_model_len:
+            return Result.failed(request, f"prompt of {n} tokens does not fit the context of "
+                                 f"{self.max_model_len} tokens", prompt_tokens=n)
+        max_new = min(params.max_new_tokens, self.max_model_len - n)
+        self._arrivals += 1
+        seq = Sequence(request=request, order=self._arrivals, adapter=adapter, prompt_ids=prompt_ids,
+                       max_new_tokens=max_new, temperature=float(params.temperature),
+                       top_k=params.top_k, top_p=float(params.top_p),
+                       key=row_key(params.seed, request.id), stop=list(params.stop),
+                       ignore_eos=params.ignore_eos,
+                       detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None)
+        need = self.scheduler.pages_for(seq)
+        if need > self.pool.num_pages:
+            return Result.failed(request, f"needs {need} pages (prompt {n} + {max_new} new tokens"
+                                 f"{' + adapter' if adapter else ''}), the pool has {self.pool.num_pages}",
+                                 prompt_tokens=n)
+        return seq
+
+    def _sampling_for(self, request: Request) -> SamplingConfig:
+        merged = asdict(self.sampling)
+        merged.update({k: getattr(request, k) for k in SAMPLING_FIELDS if getattr(request, k) is not None})
+        return SamplingConfig(**merged)
+
+    def _tokenize(self, request: Request) -> list[int]:
+        given = [f.name for f in fields(Request)
+                 if f.name in ("prompt", "messages", "prompt_token_ids") and getattr(request, f.name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt, messages, prompt_token_ids is needed, got {given or 'none'}")
+        if request.prompt_token_ids is not None:
+            ids = [int(t) for t in request.prompt_token_ids]
+            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:3]} outside the vocabulary of {self.spec.vocab_size}")
+            return ids
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt_token_ids")
+        if request.prompt is not None:
+            if not isinstance(request.prompt, str):
+                raise TypeError(f"prompt must be a string, got {type(request.prompt).__name__}")
+            return [] if not request.prompt else self.tokenizer(request.prompt)["input_ids"]
+        return self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+
+    def _num_pages(self) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        spec = self.spec
+        page_bytes = spec.num_layers * spec.page_size * torch.finfo(self.dtype).bits // 8
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_pool_bytes // page_bytes)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        elt = torch.finfo(self.dtype).bits // 8
+        tokens = self.config.max_num_batched_tokens
+        width = 3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size
+        activations = tokens * width * elt + self.config.max_num_seqs * spec.vocab_size * 4 * 4
+        usable = int(free * self.config.memory_fraction) - activations
+        if usable < page_bytes * 64:
+            raise RuntimeError(f"only {free >> 20} MiB free on {self.device} after the weights; "
+                               f"the pool needs at least {page_bytes * 64 >> 20} MiB")
+        return usable // page_bytes
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def _pick_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from kernels import triton_ops
+
+        return triton_ops
+    from kernels import ref
+
+    return ref

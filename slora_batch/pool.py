@@ -1,0 +1,75 @@
+"""The unified page pool: one tensor, one free list, for KV cache and adapter weights alike.
+
+A page is one vector of ``page_size`` elements in every layer: ``data[layer, page]``. A token's K
+and V take one page each; an adapter of rank r takes r rows per factor and target, each row
+ceil(width / page_size) pages, so its cost grows with r and never with another adapter's rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages; carries the numbers."""
+
+    def __init__(self, need: int, free: int, total: int, what: str = "") -> None:
+        self.need, self.free, self.total = need, free, total
+        suffix = f" for {what}" if what else ""
+        super().__init__(f"page pool exhausted{suffix}: need {need} pages, {free} free of {total}")
+
+
+class PagePool:
+    """Bookkeeping of the pages (host side) plus the device tensor that holds them.
+
+    The free list is a stack of page ids in a numpy array: ``alloc(n)`` pops n ids in O(1)
+    Python calls, ``free(ids)`` pushes them back.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_layers: int = 0,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if num_pages < 1:
+            raise ValueError(f"a pool needs at least 1 page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Reversed so that pages come out in ascending order at first (easier to read in tests).
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = num_pages
+        self._used = np.zeros(num_pages, dtype=bool)
+        self.peak_used = 0
+        self.data = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._top
+
+    def alloc(self, n: int, what: str = "") -> np.ndarray:
+        """Take ``n`` pages; raises ``PoolExhausted`` (taking none) when fewer are free."""
+        if n > self._top:
+            raise PoolExhausted(n, self._top, self.num_pages, what)
+        pages = self._stack[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self._used[pages] = True
+        self.peak_used = max(self.peak_used, self.num_used)
+        return pages
+
+    def free(self, pages: np.ndarray) -> None:
+        """Give pages back. Freeing a page that is not in use is a bug and raises."""
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        if pages.size == 0:
+            return
+        if not self._used[pages].all() or np.unique(pages).size != pages.size:
+            bad = pages[~self._used[pages]][:5].tolist()
+            raise ValueError(f"double free of pages {bad} (or duplicates in {pages.size} pages)")
+        self._used[pages] = False
+        self._stack[self._top:self._top + pages.size] = pages[::-1]
+        self._top += pages.size
+
+    def layer(self, index: int) -> torch.Tensor:
+        """The pool's view for one layer: [num_pages, page_size]."""
+        return self.data[index]

@@ -1,0 +1,153 @@
+"""Adapters resident in the page pool: slots, pages, reference counts, LRU eviction.
+
+An adapter in use by a running request is pinned (refcount > 0). Idle adapters stay resident
+(a later request reuses them for free) until their pages are needed, then leave least recently
+used first. The slot tables here are what ``LoraMeta`` carries to the kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slora_batch.adapters import AdapterStore
+from slora_batch.pool import PagePool, PoolExhausted
+from slora_batch.spec import TARGETS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resident:
+    slot: int
+    pages: np.ndarray
+    refcount: int = 0
+
+
+class AdapterResidency:
+    def __init__(self, pool: PagePool, store: AdapterStore, max_slots: int, device: torch.device) -> None:
+        self.pool, self.store, self.spec = pool, store, store.spec
+        self.max_slots = max_slots
+        width = max([store.pages(n) for n in store.names] or [1])
+        self.slot_rank = np.zeros(max_slots, dtype=np.int32)
+        self.slot_scale = np.zeros(max_slots, dtype=np.float32)
+        self.slot_pages = np.full((max_slots, width), -1, dtype=np.int32)
+        self.slot_offsets = np.full((max_slots, len(TARGETS), 2), -1, dtype=np.int32)
+        self.device = device
+        self.dev_rank = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.dev_scale = torch.zeros(max_slots, dtype=torch.float32, device=device)
+        self.dev_pages = torch.full((max_slots, width), -1, dtype=torch.int32, device=device)
+        self.dev_offsets = torch.full((max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device)
+        self._resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order, most recent last
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.loads = 0
+        self.evictions = 0
+
+    def is_resident(self, name: str) -> bool:
+        return name in self._resident
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._resident)
+
+    def slot(self, name: str) -> int:
+        return self._resident[name].slot
+
+    def evictable_pages(self) -> int:
+        return sum(r.pages.size for r in self._resident.values() if r.refcount == 0)
+
+    def cost(self, name: str | None) -> int:
+        """Pages that admitting a request on ``name`` takes beyond its KV (0 when resident)."""
+        if not name or name in self._resident:
+            return 0
+        return self.store.pages(name)
+
+    def make_room(self, need: int) -> bool:
+        """Evict idle adapters, least recently used first, until ``need`` pages are free."""
+        for name in [n for n, r in self._resident.items() if r.refcount == 0]:
+            if self.pool.num_free >= need:
+                break
+            self._evict(name)
+        return self.pool.num_free >= need
+
+    def acquire(self, name: str) -> int:
+        """Pin an adapter for one request, loading it into pool pages first if needed."""
+        entry = self._resident.get(name)
+        if entry is None:
+            entry = self._load(name)
+        entry.refcount += 1
+        self._resident.move_to_end(name)
+        return entry.slot
+
+    def release(self, name: str) -> None:
+        entry = self._resident[name]
+        if entry.refcount <= 0:
+            raise ValueError(f"adapter {name!r} released more often than acquired")
+        entry.refcount -= 1
+
+    def _load(self, name: str) -> Resident:
+        info = self.store.info(name)
+        need = self.spec.adapter_pages(info.rank, info.targets)
+        if not self._free_slots:
+            idle = [n for n, r in self._resident.items() if r.refcount == 0]
+            if not idle:
+                raise PoolExhausted(1, 0, self.max_slots, f"adapter slot for {name!r}")
+            self._evict(idle[0])
+        if not self.make_room(need):
+            raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
+        weights = self.store.weights(name)
+        pages = self.pool.alloc(need, f"adapter {name!r}")
+        slot = self._free_slots.pop()
+        offsets = np.full((len(TARGETS), 2), -1, dtype=np.int32)
+        cursor = 0
+        for t_index, target in enumerate(TARGETS):
+            if target not in info.targets:
+                continue
+            for which, rows in enumerate((weights.a[target], weights.b_t[target])):
+                offsets[t_index, which] = cursor
+                cursor += self._write_rows(rows, pages[cursor:])
+        self.slot_rank[slot] = info.rank
+        self.slot_scale[slot] = info.scale
+        self.slot_pages[slot] = -1
+        self.slot_pages[slot, :need] = pages
+        self.slot_offsets[slot] = offsets
+        self._sync_slot(slot)
+        self.loads += 1
+        log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
+        entry = Resident(slot=slot, pages=pages)
+        self._resident[name] = entry
+        return entry
+
+    def _write_rows(self, rows: torch.Tensor, pages: np.ndarray) -> int:
+        """Copy rows [L, r, width] into whole pages; returns the pages used (r * ceil(width / P))."""
+        num_layers, rank, width = rows.shape
+        page_size = self.pool.page_size
+        per_row = -(-width // page_size)
+        used = rank * per_row
+        padded = torch.zeros(num_layers, rank, per_row * page_size, dtype=self.pool.data.dtype)
+        padded[:, :, :width] = rows
+        index = torch.from_numpy(pages[:used].astype(np.int64)).to(self.pool.data.device)
+        src = padded.view(num_layers, used, page_size).to(self.pool.data.device, non_blocking=True)
+        self.pool.data.index_copy_(1, index, src)
+        return used
+
+    def _evict(self, name: str) -> None:
+        entry = self._resident.pop(name)
+        self.pool.free(entry.pages)
+        self.slot_rank[entry.slot] = 0
+        self.slot_pages[entry.slot] = -1
+        self.slot_offsets[entry.slot] = -1
+        self._sync_slot(entry.slot)
+        self._free_slots.append(entry.slot)
+        self.evictions += 1
+        log.debug("evicted adapter %r from slot %d", name, entry.slot)
+
+    def _sync_slot(self, slot: int) -> None:
+        self.dev_rank[slot] = int(self.slot_rank[slot])
+        self.dev_scale[slot] = float(self.slot_scale[slot])
+        self.dev_pages[slot].copy_(torch.from_numpy(self.slot_pages[slot]))
+        self.dev_offsets[slot].copy_(torch.from_numpy(self.slot_offsets[slot]))

@@ -1,0 +1,55 @@
+"""Counters of an engine run: what tests assert on and what the stats file reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
+    adapters_resident: int = 0
+    peak_pages: int = 0
+    rows: int = 0
+    ok_rows: int = 0
+    error_rows: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def count_step(self, step, pool, scheduler, residency) -> None:
+        self.steps += 1
+        if max(step.num_new) == 1:
+            self.decode_steps += 1
+        for n in step.num_new:
+            if n == 1:
+                self.decode_tokens += 1
+            else:
+                self.prefill_tokens += n
+        self.preemptions = scheduler.preemptions
+        self.adapter_loads = residency.loads
+        self.adapter_evictions = residency.evictions
+        self.adapters_resident = residency.num_resident
+        self.peak_pages = pool.peak_used
+
+    def count_result(self, result) -> None:
+        self.rows += 1
+        if result.finish_reason == "error":
+            self.error_rows += 1
+        else:
+            self.ok_rows += 1
+        self.prompt_tokens += result.prompt_tokens
+        self.completion_tokens += result.completion_tokens
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("started")
+        out["wall_s"] = time.perf_counter() - self.started
+        return out
