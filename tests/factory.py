@@ -1,0 +1,129 @@
+"""Tiny random models and adapters in Hugging Face / PEFT format, and the reference generations."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL = ATTN + ["gate_proj", "up_proj", "down_proj"]
+
+# (name, rank, targets, alpha, rslora): ranks 1, 3, 8, 16, 64; attention-only and all-linear.
+ADAPTERS = [
+    ("r1-attn", 1, ["q_proj", "v_proj"], 2, False),
+    ("r3-all", 3, ALL, 6, False),
+    ("r8-attn", 8, ATTN, 16, False),
+    ("r16-all-rs", 16, ALL, 8, True),
+    ("r64-mlp", 64, ["gate_proj", "up_proj", "down_proj", "k_proj"], 32, False),
+    ("r5-qo", 5, ["q_proj", "o_proj"], 5, False),
+]
+
+KINDS = ("mha", "gqa", "qwen2")
+
+
+def model_config(kind: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "mha":
+        return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                           rope_theta=10000.0, **common)
+    if kind == "gqa":
+        return LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                           rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                           **common)
+    if kind == "qwen2":
+        return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                           use_sliding_window=False, **common)
+    raise ValueError(kind)
+
+
+def make_model(root: Path, kind: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(kind), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
+    out = root / f"model-{kind}"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def make_adapter(model_dir: Path, out: Path, rank: int, targets: list[str], alpha: float,
+                 rslora: bool, seed: int, **extra) -> Path:
+    """A PEFT LoRA adapter with random non-zero A and B (PEFT's default B = 0 is a no-op)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                        lora_dropout=0.0, **extra)
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.normal_(0, 0.5 / max(1, rank) ** 0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def make_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+    return {name: make_adapter(model_dir, root / name, r, t, a, rs, seed=i + 1)
+            for i, (name, r, t, a, rs) in enumerate(ADAPTERS)}
+
+
+def make_rows(n: int, vocab: int, adapters: list[str], seed: int = 0) -> list[dict]:
+    """Rows with varied prompt lengths and max_new_tokens; every fifth on the base model."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = rng.choice([1, 2, 5, 9, 17, 33, 50, 70])
+        rows.append({"id": i, "adapter": None if i % 5 == 0 else adapters[i % len(adapters)],
+                     "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)],
+                     "max_new_tokens": rng.choice([1, 3, 8, 16, 24])})
+    return rows
+
+
+def reference(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> dict:
+    """Greedy generations of transformers + PEFT, row by row (the adapter set per row)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model.eval()
+    eos = base.config.eos_token_id
+    out = {}
+    for row in rows:
+        ids = torch.tensor([row["prompt_token_ids"]])
+        kwargs = dict(max_new_tokens=row["max_new_tokens"], do_sample=False, eos_token_id=eos,
+                      pad_token_id=0, attention_mask=torch.ones_like(ids))
+        with torch.no_grad():
+            if row["adapter"]:
+                model.set_adapter(row["adapter"])
+                gen = model.generate(input_ids=ids, **kwargs)
+            else:
+                with model.disable_adapter():
+                    gen = model.generate(input_ids=ids, **kwargs)
+        tokens = gen[0, ids.shape[1]:].tolist()
+        if eos in tokens:
+            tokens = tokens[: tokens.index(eos) + 1]
+        out[row["id"]] = tokens
+    return out
