@@ -1,29 +1,30 @@
-"""Input listing, streaming rows into requests (bad rows become error results), part writer."""
+"""Input listing, streaming rows into requests (bad rows become error results)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from slora_batch import io
+from slora_batch import writer as output
 from slora_batch.config import SamplingConfig
-from slora_batch.io import (
-    InputError,
+from slora_batch.io import InputError, iter_input_files, read_rows, to_request
+from slora_batch.request import Request, Result
+from slora_batch.writer import (
+    LOCK_FILE,
+    OutputError,
+    OutputLock,
     OutputWriter,
     done_ids,
     done_keys,
-    iter_input_files,
-    read_rows,
     read_success,
-    to_request,
     write_stats,
     write_success,
 )
-from slora_batch.request import Request, Result
 
 COLUMNS = {"id": "id", "adapter": "adapter", "prompt": "prompt", "messages": "messages"}
 SAMPLING = SamplingConfig()
@@ -194,10 +195,10 @@ def test_writer_parts_schema_and_types(tmp_path):
             writer.write(result(i, adapter="a" if i % 2 else ""))
         writer.write(result("x", reason="error", tokens=(), error="bad"))
     parts = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert parts == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert parts == [LOCK_FILE, "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     assert writer.rows_written == 6
     table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
-    assert table.schema == io.PART_SCHEMA
+    assert table.schema == output.PART_SCHEMA
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     assert table.to_pylist()[1] == {
         "id": "1", "adapter": "a", "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
@@ -233,7 +234,7 @@ def test_failed_commit_leaves_no_part(tmp_path):
     writer.write(result(1, tokens=(2**40,)))  # does not fit int32: the part cannot be built
     with pytest.raises(pa.ArrowException):
         writer.flush()
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]
 
 
 def test_resume_keys_with_fanout(tmp_path):
@@ -242,7 +243,7 @@ def test_resume_keys_with_fanout(tmp_path):
             writer.write(result(7, adapter=adapter))
         writer.write(result("8", adapter="b"))
     assert done_keys(tmp_path) == {("7", None), ("7", "a"), ("8", "b")}
-    assert io.row_key(7, "") in done_keys(tmp_path)
+    assert output.row_key(7, "") in done_keys(tmp_path)
     assert done_ids(tmp_path) == {"7", "8"}
     assert done_ids(tmp_path / "missing") == set()
 
@@ -253,13 +254,32 @@ def test_reopen_and_overwrite(tmp_path):
     write_stats(tmp_path, {"rows": 1}, [])
     write_success(tmp_path, "job", 1)
     (tmp_path / "README").write_text("user file")
-    OutputWriter(tmp_path, part_rows=1)  # resume: the job is incomplete again
+    OutputWriter(tmp_path, part_rows=1).close()  # resume: the job is incomplete again
     assert read_success(tmp_path) is None
     assert (tmp_path / "part-00000.parquet").exists() and (tmp_path / "stats.parquet").exists()
     write_success(tmp_path, "job", 1)
     writer = OutputWriter(tmp_path, part_rows=1, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "README"]
     assert writer.next_part == 0 and done_ids(tmp_path) == set()
+    writer.close()
+
+
+def test_one_writer_per_directory(tmp_path):
+    first = OutputWriter(tmp_path / "out", part_rows=1)
+    with pytest.raises(OutputError, match=rf"'.*out' is in use by another run \(pid {os.getpid()}"):
+        OutputWriter(tmp_path / "out", part_rows=1)
+    first.close()
+    with OutputLock(tmp_path / "out") as lock:  # released on close: a later run may take it
+        OutputWriter(tmp_path / "out", part_rows=1, lock=lock).close()
+        with pytest.raises(OutputError, match="in use by another run"):
+            OutputLock(tmp_path / "out")
+    OutputWriter(tmp_path / "out", part_rows=1).close()
+
+
+def test_unreadable_part_is_named(tmp_path):
+    (tmp_path / "part-00000.parquet").write_bytes(b"not parquet")
+    with pytest.raises(OutputError, match=r"part-00000.parquet: committed part is unreadable"):
+        done_keys(tmp_path)
 
 
 def test_stats_columns_and_types(tmp_path):
@@ -272,7 +292,7 @@ def test_stats_columns_and_types(tmp_path):
     adapter_rows = [{"adapter": None, "rows": 4, "tokens": 20, "seconds": 1.0},
                     {"adapter": "a", "rows": 6, "tokens": 30, "seconds": 1.5}]  # fmt: skip
     table = pq.read_table(write_stats(tmp_path, job_row, adapter_rows))
-    assert table.schema == io.STATS_SCHEMA
+    assert table.schema == output.STATS_SCHEMA
     assert table["kind"].to_pylist() == ["job", "adapter", "adapter"]
     assert table["adapter"].to_pylist() == [None, None, "a"]
     assert table["wall_s"].to_pylist() == [2.0, None, None]
