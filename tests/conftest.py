@@ -16,3 +16,15 @@ def sample_model_dir() -> Path:
     empty directory to exercise the conversion itself.
     """
     return resolve_model(SAMPLE_MODEL_ALIAS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where CUDA is available (the device machine)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
