@@ -79,6 +79,10 @@ class EngineConfig:
     lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
     cuda_graphs: bool = True  # capture decode steps on cuda
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
+    lora_layout: str = "paged"  # "paged": kernels gather rows from pool pages; "bmm": ablation,
+    # each step copies its adapters contiguous, padded to the largest rank, for a batched matmul
+    unified_pool: bool = True  # False (ablation): adapters get a separate pool of
+    adapter_pool_fraction: float = 0.25  # this share of the pages, KV the rest
 
     def __post_init__(self) -> None:
         check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -89,6 +93,9 @@ class EngineConfig:
               f"backend must be auto, torch or triton, got {self.backend!r}")
         check(self.num_pages is None or self.num_pages >= 1,
               f"num_pages must be >= 1, got {self.num_pages}")
+        check(self.lora_layout in ("paged", "bmm"), f"lora_layout must be paged or bmm, got {self.lora_layout!r}")
+        check(0 < self.adapter_pool_fraction < 1,
+              f"adapter_pool_fraction must be in (0, 1), got {self.adapter_pool_fraction}")
         check(0 < self.memory_fraction <= 1, f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_adapters_per_batch",
                      "max_resident_adapters", "lookahead", "cpu_pool_bytes"):

@@ -33,11 +33,13 @@ class Engine:
     """One base model, many adapters, one page pool.
 
     ``Engine(model, adapters=dir_or_mapping, config=EngineConfig(...), sampling=SamplingConfig())``
-    then ``for result in engine.generate(requests): ...``.
+    then ``for result in engine.generate(requests): ...``. ``weights`` (Hugging Face tensor names)
+    replaces reading the model directory's safetensors, for benchmarks on random weights.
     """
 
     def __init__(self, model: str | Path, adapters: dict[str, str | Path] | str | Path | None = None,
-                 config: EngineConfig | None = None, sampling: SamplingConfig | None = None) -> None:
+                 config: EngineConfig | None = None, sampling: SamplingConfig | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingConfig()
         self.model_path = resolve_model(model)
@@ -49,7 +51,7 @@ class Engine:
         self.store.validate_all()  # an incompatible adapter fails the engine before any work
         limit = self.config.max_model_len or self.spec.max_context
         self.max_model_len = min(limit, self.spec.max_context)
-        self.model = load_model(self.spec, self.dtype, self.device, self.max_model_len)
+        self.model = load_model(self.spec, self.dtype, self.device, self.max_model_len, weights)
         self.tokenizer = load_tokenizer(self.model_path)
         self.pool = PagePool(self._num_pages(), self.spec.page_size, self.spec.num_layers,
                              self.dtype, self.device)

@@ -32,9 +32,11 @@ def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_pos: int) -> LlamaModel:
-    """Reads the weights of ``spec.path`` and builds the model on ``device`` in ``dtype``."""
-    raw = load_tensors(Path(spec.path))
+def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_pos: int,
+               weights: dict[str, torch.Tensor] | None = None) -> LlamaModel:
+    """Builds the model on ``device`` in ``dtype`` from the safetensors of ``spec.path``, or from
+    ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict."""
+    raw = dict(weights) if weights is not None else load_tensors(Path(spec.path))
 
     def take(name: str, required: bool = True) -> torch.Tensor | None:
         tensor = raw.pop(name, None)
