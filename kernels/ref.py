@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from kernels.meta import AttnMeta, LoraMeta
 
 
-def kv_write(pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_pages: torch.Tensor) -> None:
+def kv_write(
+    pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_pages: torch.Tensor
+) -> None:
     """Store the step's keys and values in their pages.
 
     Semantics: pool_layer[out_pages[t, 0], :kv_dim] = k[t]; pool_layer[out_pages[t, 1], :kv_dim] = v[t]
@@ -29,14 +31,17 @@ def kv_write(pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_pag
     pool_layer[pages[:, 1], :kv_dim] = v.to(pool_layer.dtype)
 
 
-def gather_kv(pool_layer: torch.Tensor, pages: torch.Tensor, kv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    pool_layer: torch.Tensor, pages: torch.Tensor, kv_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence. pages [n, 2] int -> k, v [n, kv_dim]."""
     pages = pages.long()
     return pool_layer[pages[:, 0], :kv_dim], pool_layer[pages[:, 1], :kv_dim]
 
 
-def attention(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int,
-              scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int, scale: float
+) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
 
@@ -71,14 +76,16 @@ def attention(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_
     return out
 
 
-def attention_decode(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int,
-                     scale: float) -> torch.Tensor:
+def attention_decode(
+    q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int, scale: float
+) -> torch.Tensor:
     """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B)."""
     return attention(q, pool_layer, meta, num_kv_heads, scale)
 
 
-def gather_lora_rows(pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int,
-                     width: int) -> torch.Tensor:
+def gather_lora_rows(
+    pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int, width: int
+) -> torch.Tensor:
     """The rank rows of one adapter's A (which=0, rows of d_in) or B^T (which=1, rows of d_out).
 
     Row j of the matrix lies in pages slot_pages[slot, start + j * pages_per_row + c],
@@ -89,12 +96,13 @@ def gather_lora_rows(pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target
     rank = int(meta.slot_rank[slot])
     per_row = -(-width // page_size)
     start = int(meta.slot_offsets[slot, target, which])
-    pages = meta.slot_pages[slot, start:start + rank * per_row].long()
+    pages = meta.slot_pages[slot, start : start + rank * per_row].long()
     return pool_layer[pages].reshape(rank, per_row * page_size)[:, :width]
 
 
-def lora_shrink(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int,
-                out: torch.Tensor) -> None:
+def lora_shrink(
+    x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+) -> None:
     """First LoRA factor, gathered from pool pages, a different rank per adapter.
 
     Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
@@ -110,8 +118,9 @@ def lora_shrink(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, targe
         out[idx, : a.shape[0]] = (x[idx].float() @ a.float().T).to(out.dtype)
 
 
-def lora_expand(v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int,
-                out: torch.Tensor) -> None:
+def lora_expand(
+    v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+) -> None:
     """Second LoRA factor, added in place into the base projection's output.
 
     Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
@@ -128,8 +137,9 @@ def lora_expand(v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, targe
         out[idx] = (out[idx].float() + delta).to(out.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm, as Hugging Face Llama computes it (fp32 inside).
 
     Semantics: r = x + residual (or x); y = weight * (r / sqrt(mean(r^2) + eps)).

@@ -89,8 +89,14 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         raise AdapterError(name, path, f"unreadable {WEIGHTS_FILE}: {exc}") from exc
     rank = int(cfg.get("r", 0))
     targets = _check_shapes(name, path, shapes, spec, rank)
-    return AdapterInfo(name=name, path=path, rank=rank, alpha=float(cfg.get("lora_alpha", rank)),
-                       use_rslora=bool(cfg.get("use_rslora", False)), targets=targets)
+    return AdapterInfo(
+        name=name,
+        path=path,
+        rank=rank,
+        alpha=float(cfg.get("lora_alpha", rank)),
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        targets=targets,
+    )
 
 
 def _refusal(cfg: dict) -> str | None:
@@ -100,7 +106,9 @@ def _refusal(cfg: dict) -> str | None:
     if cfg.get("use_dora"):
         return "DoRA adapters (use_dora: true) are not supported"
     if cfg.get("modules_to_save"):
-        return f"modules_to_save {cfg['modules_to_save']} is not supported (it replaces base weights)"
+        return (
+            f"modules_to_save {cfg['modules_to_save']} is not supported (it replaces base weights)"
+        )
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     hit = [t for t in targets if any(e in t for e in _EMBEDDING_NAMES)]
@@ -117,12 +125,15 @@ def _refusal(cfg: dict) -> str | None:
     return None
 
 
-def _check_shapes(name: str, path: Path, shapes: dict[str, tuple], spec: ModelSpec,
-                  rank: int) -> tuple[str, ...]:
+def _check_shapes(
+    name: str, path: Path, shapes: dict[str, tuple], spec: ModelSpec, rank: int
+) -> tuple[str, ...]:
     seen: dict[str, set[int]] = {}
     for key, shape in shapes.items():
         if any(e in key for e in _EMBEDDING_NAMES):
-            raise AdapterError(name, path, f"embedding or lm_head weights ({key}) are not supported")
+            raise AdapterError(
+                name, path, f"embedding or lm_head weights ({key}) are not supported"
+            )
         m = _KEY.search(key)
         if m is None or m.group(3) not in _MODULE_TO_TARGET:
             raise AdapterError(name, path, f"unexpected tensor {key!r} {list(shape)}")
@@ -130,19 +141,27 @@ def _check_shapes(name: str, path: Path, shapes: dict[str, tuple], spec: ModelSp
         d_in, d_out = spec.target_dims(target)
         want = (rank, d_in) if factor == "A" else (d_out, rank)
         if layer >= spec.num_layers or tuple(shape) != want:
-            raise AdapterError(name, path, f"tensor {key!r} has shape {list(shape)}, the model "
-                               f"({spec.num_layers} layers) needs {list(want)} at layers < {spec.num_layers}")
+            raise AdapterError(
+                name,
+                path,
+                f"tensor {key!r} has shape {list(shape)}, the model "
+                f"({spec.num_layers} layers) needs {list(want)} at layers < {spec.num_layers}",
+            )
         seen.setdefault(target, set()).add(layer * 2 + (factor == "B"))
     if not seen:
         raise AdapterError(name, path, f"no LoRA tensors in {WEIGHTS_FILE}")
     for target, got in seen.items():
         if len(got) != 2 * spec.num_layers:
-            raise AdapterError(name, path, f"target {target} has {len(got)} of "
-                               f"{2 * spec.num_layers} factors (every layer needs A and B)")
+            raise AdapterError(
+                name,
+                path,
+                f"target {target} has {len(got)} of "
+                f"{2 * spec.num_layers} factors (every layer needs A and B)",
+            )
     return tuple(t for t in TARGETS if t in seen)
 
 
-def load_weights(info: AdapterInfo, spec: ModelSpec, pin: bool = False) -> AdapterWeights:
+def load_weights(info: AdapterInfo, spec: ModelSpec) -> AdapterWeights:
     """Read an adapter's factors into host memory, stacked over layers."""
     a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
     b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
@@ -159,25 +178,75 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, pin: bool = False) -> Adapt
     except Exception as exc:
         raise AdapterError(info.name, info.path, f"cannot read weights: {exc}") from exc
 
-    def stack(rows: list) -> torch.Tensor:
-        out = torch.stack(rows).contiguous()
-        return out.pin_memory() if pin else out
+    return AdapterWeights(
+        a={t: torch.stack(v) for t, v in a.items()}, b_t={t: torch.stack(v) for t, v in b.items()}
+    )
 
-    return AdapterWeights(a={t: stack(v) for t, v in a.items()}, b_t={t: stack(v) for t, v in b.items()})
+
+@dataclass
+class PagedAdapter:
+    """An adapter laid out the way it sits in the pool: ``data[layer, i]`` goes to the adapter's
+    i-th page. Per target (canonical order) the A rows, then the B^T rows, each row padded to
+    whole pages. ``offsets[target, 0 or 1]`` is the first page index of A or B^T (-1: absent)."""
+
+    info: AdapterInfo
+    data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
+    offsets: torch.Tensor  # [len(TARGETS), 2] int32
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def to_pages(
+    info: AdapterInfo,
+    weights: AdapterWeights,
+    page_size: int,
+    dtype: torch.dtype,
+    pin: bool = False,
+) -> PagedAdapter:
+    """Pads each factor's rows to whole pages and concatenates them in page order."""
+    offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
+    chunks, cursor = [], 0
+    for t_index, target in enumerate(TARGETS):
+        if target not in info.targets:
+            continue
+        for which, rows in enumerate((weights.a[target], weights.b_t[target])):
+            num_layers, rank, width = rows.shape
+            per_row = -(-width // page_size)
+            padded = torch.zeros(num_layers, rank, per_row * page_size, dtype=dtype)
+            padded[:, :, :width] = rows
+            offsets[t_index, which] = cursor
+            chunks.append(padded.view(num_layers, rank * per_row, page_size))
+            cursor += rank * per_row
+    data = torch.cat(chunks, dim=1)
+    return PagedAdapter(info=info, data=data.pin_memory() if pin else data, offsets=offsets)
 
 
 class AdapterStore:
-    """All adapters by name: configs parsed on demand, weights kept in an LRU bounded by bytes."""
+    """All adapters by name: configs parsed on demand, weights kept in host memory in their page
+    layout (an LRU bounded by bytes; adapters that share a directory share one copy)."""
 
-    def __init__(self, spec: ModelSpec, sources: dict[str, str | Path] | str | Path | None = None,
-                 cache_bytes: int = 8 << 30, pin: bool = False) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        sources: dict[str, str | Path] | str | Path | None = None,
+        cache_bytes: int = 16 << 30,
+        pin: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.spec = spec
         self.sources = resolve_sources(sources)
         self.cache_bytes = cache_bytes
         self.pin = pin
+        self.dtype = dtype
         self._infos: dict[str, AdapterInfo] = {}
-        self._weights: OrderedDict[str, AdapterWeights] = OrderedDict()
-        self._weight_bytes = 0
+        self._paged: OrderedDict[Path, PagedAdapter] = OrderedDict()
+        self._paged_bytes = 0
         self.disk_loads = 0
 
     @property
@@ -202,20 +271,24 @@ class AdapterStore:
         info = self.info(name)
         return self.spec.adapter_pages(info.rank, info.targets)
 
-    def weights(self, name: str) -> AdapterWeights:
-        """Host weights, read from disk on first use and kept while the byte budget allows."""
-        cached = self._weights.get(name)
+    def paged(self, name: str) -> PagedAdapter:
+        """Host weights in page layout, read from disk on first use and kept while the budget allows."""
+        info = self.info(name)
+        key = info.path.resolve()
+        cached = self._paged.get(key)
         if cached is not None:
-            self._weights.move_to_end(name)
+            self._paged.move_to_end(key)
             return cached
-        weights = load_weights(self.info(name), self.spec, pin=self.pin)
+        paged = to_pages(
+            info, load_weights(info, self.spec), self.spec.page_size, self.dtype, self.pin
+        )
         self.disk_loads += 1
-        self._weights[name] = weights
-        self._weight_bytes += weights.nbytes
-        while self._weight_bytes > self.cache_bytes and len(self._weights) > 1:
-            _, old = self._weights.popitem(last=False)
-            self._weight_bytes -= old.nbytes
-        return weights
+        self._paged[key] = paged
+        self._paged_bytes += paged.nbytes
+        while self._paged_bytes > self.cache_bytes and len(self._paged) > 1:
+            _, old = self._paged.popitem(last=False)
+            self._paged_bytes -= old.nbytes
+        return paged
 
 
 def resolve_sources(sources: dict[str, str | Path] | str | Path | None) -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""Turns a scheduled step (host bookkeeping) into the flat tensors the model and kernels read.
+"""Turns a scheduled step (host bookkeeping) into the flat arrays the model and kernels read.
 
 This is the one place per-step tensors are built. Running example: sequence A decodes its 17th
 token with adapter slot 2, sequence B prefills a 3-token chunk at positions 5..7 on the base model.
@@ -10,6 +10,8 @@ token with adapter slot 2, sequence B prefills a 3-token chunk at positions 5..7
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -19,15 +21,36 @@ from slora_batch.residency import AdapterResidency
 from slora_batch.scheduler import ScheduledStep
 
 
-def build_step(step: ScheduledStep, residency: AdapterResidency, device: torch.device) -> tuple[StepInput, list[int]]:
-    """Returns the step's tensors and, per sequence, its row in the logits (-1: no token drawn)."""
+@dataclass
+class HostStep:
+    """The step on the host, as numpy arrays (see the module docstring for an example)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    out_pages: np.ndarray  # [T, 2] int32
+    b1_start: np.ndarray  # [B+1] int32
+    b_seq_len: np.ndarray  # [B] int32
+    page_table: np.ndarray  # [B, max_ctx, 2] int32, -1 past the end
+    b_slot: np.ndarray  # [T] int64, -1 for base-model tokens
+    logits_index: np.ndarray  # [S] int64
+    logit_rows: list[int]  # per sequence: its row in the logits, -1 when no token is drawn
+    max_new: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_new == 1
+
+
+def plan_step(step: ScheduledStep) -> HostStep:
     ids, positions, slots, out_pages = [], [], [], []
     b1_start, seq_lens, logit_rows, logits_index = [0], [], [], []
     for seq, n in zip(step.seqs, step.num_new, strict=True):
         start = seq.num_computed
         positions.append(np.arange(start, start + n))
-        ids.append([seq.token(p) for p in range(start, start + n)])
-        out_pages.append(seq.pages[start:start + n])
+        ids.append(
+            [seq.token(start)] if n == 1 else (seq.prompt_ids + seq.output_ids)[start : start + n]
+        )
+        out_pages.append(seq.pages[start : start + n])
         slots.append(np.full(n, seq.slot, dtype=np.int64))
         b1_start.append(b1_start[-1] + n)
         seq_lens.append(start + n)
@@ -36,45 +59,102 @@ def build_step(step: ScheduledStep, residency: AdapterResidency, device: torch.d
             logits_index.append(b1_start[-1] - 1)
         else:
             logit_rows.append(-1)
-    max_ctx = max(seq_lens)
-    table = np.full((len(step.seqs), max_ctx, 2), -1, dtype=np.int32)
+    table = np.full((len(step.seqs), max(seq_lens), 2), -1, dtype=np.int32)
     for b, seq in enumerate(step.seqs):
-        table[b, :seq_lens[b]] = seq.pages[:seq_lens[b]]
-    b_slot = np.concatenate(slots)
-
-    def dev(array, dtype=torch.int64) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(array), dtype=dtype).to(device, non_blocking=True)
-
-    attn = AttnMeta(b1_start=dev(b1_start, torch.int32), b_seq_len=dev(seq_lens, torch.int32),
-                    page_table=dev(table, torch.int32), max_new=max(step.num_new))
-    step_input = StepInput(
-        input_ids=dev([t for chunk in ids for t in chunk]),
-        positions=dev(np.concatenate(positions)),
-        out_pages=dev(np.concatenate(out_pages), torch.int32),
-        attn=attn,
-        lora=_lora_meta(b_slot, residency, dev),
-        logits_index=dev(logits_index),
-        decode_only=max(step.num_new) == 1,
+        table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
+    return HostStep(
+        input_ids=np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64),
+        positions=np.concatenate(positions),
+        out_pages=np.concatenate(out_pages).astype(np.int32),
+        b1_start=np.asarray(b1_start, dtype=np.int32),
+        b_seq_len=np.asarray(seq_lens, dtype=np.int32),
+        page_table=table,
+        b_slot=np.concatenate(slots),
+        logits_index=np.asarray(logits_index, dtype=np.int64),
+        logit_rows=logit_rows,
+        max_new=max(step.num_new),
     )
-    return step_input, logit_rows
 
 
-def _lora_meta(b_slot: np.ndarray, residency: AdapterResidency, dev) -> LoraMeta | None:
-    """Segments of tokens sharing an adapter; None when the step is base-model only."""
-    if (b_slot < 0).all():
-        return None
-    # Stable sort with base tokens (-1) moved last, so adapter segments come first and contiguous.
+def lora_segments(
+    b_slot: np.ndarray, pad_to: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token_order, seg1_start, seg_slot) of the step's adapter tokens.
+
+    Tokens are stably sorted by slot with base tokens (-1) last, so each adapter's tokens form one
+    contiguous segment. ``pad_to`` pads the segment arrays to a fixed length (CUDA graphs) with
+    empty segments of slot -1, which kernels skip.
+    """
     key = np.where(b_slot < 0, np.iinfo(np.int64).max, b_slot)
     order = np.argsort(key, kind="stable")
-    sorted_slots = b_slot[order]
-    used = sorted_slots[sorted_slots >= 0]
+    used = b_slot[order]
+    used = used[used >= 0]
     change = np.flatnonzero(np.diff(used)) + 1
-    seg_start = np.concatenate([[0], change, [used.size]])
-    seg_slot = used[seg_start[:-1]]
+    seg1_start = (
+        np.concatenate([[0], change, [used.size]]).astype(np.int32)
+        if used.size
+        else np.zeros(1, np.int32)
+    )
+    seg_slot = used[seg1_start[:-1]]
+    if pad_to is not None:
+        extra = pad_to - seg_slot.size
+        seg_slot = np.concatenate([seg_slot, np.full(extra, -1)])
+        seg1_start = np.concatenate([seg1_start, np.full(extra, seg1_start[-1], dtype=np.int32)])
+    return order.astype(np.int32), seg1_start, seg_slot.astype(np.int32)
+
+
+def lora_meta(
+    b_slot: torch.Tensor,
+    token_order: torch.Tensor,
+    seg1_start: torch.Tensor,
+    seg_slot: torch.Tensor,
+    residency: AdapterResidency,
+    max_rank: int,
+) -> LoraMeta:
     return LoraMeta(
-        b_slot=dev(b_slot, torch.int32), token_order=dev(order, torch.int32),
-        seg1_start=dev(seg_start, torch.int32), seg_slot=dev(seg_slot, torch.int32),
-        slot_rank=residency.dev_rank, slot_scale=residency.dev_scale,
-        slot_pages=residency.dev_pages, slot_offsets=residency.dev_offsets,
-        max_rank=int(residency.slot_rank[seg_slot].max()),
+        b_slot=b_slot,
+        token_order=token_order,
+        seg1_start=seg1_start,
+        seg_slot=seg_slot,
+        slot_rank=residency.dev_rank,
+        slot_scale=residency.dev_scale,
+        slot_pages=residency.dev_pages,
+        slot_offsets=residency.dev_offsets,
+        max_rank=max_rank,
+    )
+
+
+def upload(host: HostStep, residency: AdapterResidency, device: torch.device) -> StepInput:
+    """Device tensors of an eager step; LoRA metadata only when a token uses an adapter."""
+
+    def dev(array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(
+            device, dtype=dtype, non_blocking=True
+        )
+
+    lora = None
+    if (host.b_slot >= 0).any():
+        order, seg1_start, seg_slot = lora_segments(host.b_slot)
+        lora = lora_meta(
+            dev(host.b_slot, torch.int32),
+            dev(order, torch.int32),
+            dev(seg1_start, torch.int32),
+            dev(seg_slot, torch.int32),
+            residency,
+            int(residency.slot_rank[seg_slot].max()),
+        )
+    attn = AttnMeta(
+        b1_start=dev(host.b1_start, torch.int32),
+        b_seq_len=dev(host.b_seq_len, torch.int32),
+        page_table=dev(host.page_table, torch.int32),
+        max_new=host.max_new,
+    )
+    return StepInput(
+        input_ids=dev(host.input_ids),
+        positions=dev(host.positions),
+        out_pages=dev(host.out_pages, torch.int32),
+        attn=attn,
+        lora=lora,
+        logits_index=dev(host.logits_index),
+        decode_only=host.decode_only,
     )

@@ -47,18 +47,30 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-              f"temperature must be >= 0, got {self.temperature!r}")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-              f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0,
-              f"top_k must be an integer >= 0, got {self.top_k!r}")
+        check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
+        )
+        check(
+            isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            f"temperature must be >= 0, got {self.temperature!r}",
+        )
+        check(
+            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be an integer >= 0, got {self.top_k!r}",
+        )
         check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-              f"stop must be a list of non-empty strings, got {self.stop!r}")
-        check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a list of non-empty strings, got {self.stop!r}",
+        )
+        check(
+            isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}"
+        )
 
 
 @dataclass
@@ -85,24 +97,51 @@ class EngineConfig:
     adapter_pool_fraction: float = 0.25  # this share of the pages, KV the rest
 
     def __post_init__(self) -> None:
-        check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-              f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        check(self.dtype in ("auto", "float32", "float16", "bfloat16"),
-              f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        check(self.backend in ("auto", "torch", "triton"),
-              f"backend must be auto, torch or triton, got {self.backend!r}")
-        check(self.num_pages is None or self.num_pages >= 1,
-              f"num_pages must be >= 1, got {self.num_pages}")
-        check(self.lora_layout in ("paged", "bmm"), f"lora_layout must be paged or bmm, got {self.lora_layout!r}")
-        check(0 < self.adapter_pool_fraction < 1,
-              f"adapter_pool_fraction must be in (0, 1), got {self.adapter_pool_fraction}")
-        check(0 < self.memory_fraction <= 1, f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_adapters_per_batch",
-                     "max_resident_adapters", "lookahead", "cpu_pool_bytes"):
+        check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
+        check(
+            self.dtype in ("auto", "float32", "float16", "bfloat16"),
+            f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        check(
+            self.backend in ("auto", "torch", "triton"),
+            f"backend must be auto, torch or triton, got {self.backend!r}",
+        )
+        check(
+            self.num_pages is None or self.num_pages >= 1,
+            f"num_pages must be >= 1, got {self.num_pages}",
+        )
+        check(
+            self.lora_layout in ("paged", "bmm"),
+            f"lora_layout must be paged or bmm, got {self.lora_layout!r}",
+        )
+        check(
+            0 < self.adapter_pool_fraction < 1,
+            f"adapter_pool_fraction must be in (0, 1), got {self.adapter_pool_fraction}",
+        )
+        check(
+            0 < self.memory_fraction <= 1,
+            f"memory_fraction must be in (0, 1], got {self.memory_fraction}",
+        )
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_adapters_per_batch",
+            "max_resident_adapters",
+            "lookahead",
+            "cpu_pool_bytes",
+        ):
             value = getattr(self, name)
-            check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-        check(self.max_model_len is None or self.max_model_len >= 2,
-              f"max_model_len must be >= 2, got {self.max_model_len}")
+            check(
+                isinstance(value, int) and value >= 1,
+                f"{name} must be an integer >= 1, got {value!r}",
+            )
+        check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2, got {self.max_model_len}",
+        )
 
 
 def check(condition: bool, message: str) -> None:

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from slora_batch.adapters import AdapterStore
-from slora_batch.batch import build_step
+from slora_batch.batch import plan_step
 from slora_batch.config import ConfigError, EngineConfig, SamplingConfig
 from slora_batch.loader import load_model
 from slora_batch.pool import PagePool
 from slora_batch.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.residency import AdapterResidency
+from slora_batch.runner import ModelRunner
 from slora_batch.sample_model import resolve_model
 from slora_batch.sampling import SamplingBatch, row_key, sample
-from slora_batch.scheduler import PAGES_PER_TOKEN, Scheduler, ScheduledStep
+from slora_batch.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
 from slora_batch.sequence import Sequence
 from slora_batch.spec import read_spec
 from slora_batch.stats import EngineCounters
@@ -37,32 +40,67 @@ class Engine:
     replaces reading the model directory's safetensors, for benchmarks on random weights.
     """
 
-    def __init__(self, model: str | Path, adapters: dict[str, str | Path] | str | Path | None = None,
-                 config: EngineConfig | None = None, sampling: SamplingConfig | None = None,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        adapters: dict[str, str | Path] | str | Path | None = None,
+        config: EngineConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingConfig()
         self.model_path = resolve_model(model)
         self.spec = read_spec(self.model_path)
         self.device = _pick_device(self.config.device)
         self.dtype = _pick_dtype(self.config.dtype, self.device)
-        self.ops = _pick_backend(self.config.backend, self.device)
-        self.store = AdapterStore(self.spec, adapters, pin=self.device.type == "cuda")
+        self.ops = _pick_backend(self.config.backend, self.device, self.config.lora_layout)
+        self.store = AdapterStore(
+            self.spec, adapters, pin=self.device.type == "cuda", dtype=self.dtype
+        )
         self.store.validate_all()  # an incompatible adapter fails the engine before any work
         limit = self.config.max_model_len or self.spec.max_context
         self.max_model_len = min(limit, self.spec.max_context)
         self.model = load_model(self.spec, self.dtype, self.device, self.max_model_len, weights)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.pool = PagePool(self._num_pages(), self.spec.page_size, self.spec.num_layers,
-                             self.dtype, self.device)
-        self.residency = AdapterResidency(self.pool, self.store, self.config.max_resident_adapters,
-                                          self.device)
+        self.pool, self.lora_pool = self._make_pools()
+        self.residency = AdapterResidency(
+            self.lora_pool, self.store, self.config.max_resident_adapters, self.device
+        )
         self.scheduler = Scheduler(self.config, self.pool, self.residency)
+        use_graphs = (
+            self.config.cuda_graphs
+            and self.ops.__name__.endswith("triton_ops")
+            and self.config.lora_layout == "paged"
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.lora_pool,
+            self.residency,
+            self.ops,
+            self.device,
+            self.config.max_num_seqs,
+            self.max_model_len,
+            use_graphs,
+        )
+        self.prefetch_stream = (
+            torch.cuda.Stream(self.device)
+            if self.config.prefetch and self.device.type == "cuda"
+            else None
+        )
+        self._prefetched = None  # event the next step waits on after a prefetch
         self.counters = EngineCounters()
         self._arrivals = 0
-        log.info("engine: %s on %s/%s, pool %d pages (%d tokens), %d adapters",
-                 self.spec.architecture, self.device, str(self.dtype).removeprefix("torch."),
-                 self.pool.num_pages, self.pool.num_pages // PAGES_PER_TOKEN, len(self.store.names))
+        log.info(
+            "engine: %s on %s/%s, pool %d pages (%d tokens), %d adapters",
+            self.spec.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.pool.num_pages,
+            self.pool.num_pages // PAGES_PER_TOKEN,
+            len(self.store.names),
+        )
 
     @property
     def adapter_names(self) -> list[str]:
@@ -89,23 +127,44 @@ class Engine:
                 if exhausted:
                     return
                 continue
+            started = time.perf_counter()
             step = sched.schedule()
             if not step:
-                raise RuntimeError(f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
-                                   f"{self.pool.num_free} of {self.pool.num_pages} pages free")
-            yield from self._run(step)
+                raise RuntimeError(
+                    f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
+                    f"{self.pool.num_free} of {self.pool.num_pages} pages free"
+                )
+            yield from self._run(step, started)
 
-    def _run(self, step: ScheduledStep) -> Iterator[Result]:
-        step_input, logit_rows = build_step(step, self.residency, self.device)
+    def _run(self, step: ScheduledStep, started: float) -> Iterator[Result]:
+        host = plan_step(step)
+        if self._prefetched is not None:  # adapters copied on the side stream must have landed
+            torch.cuda.current_stream(self.device).wait_event(self._prefetched)
+            self._prefetched = None
         with torch.inference_mode():
-            logits = self.model.forward(step_input, self.pool, self.ops)
-        drawn = [s for s, row in zip(step.seqs, logit_rows, strict=True) if row >= 0]
-        tokens: list[int] = []
-        if drawn:
-            params = SamplingBatch.build([(s.temperature, s.top_k, s.top_p, s.key, len(s.output_ids))
-                                          for s in drawn], logits.device)
-            tokens = sample(logits, params).tolist()
-        self.counters.count_step(step, self.pool, self.scheduler, self.residency)
+            prepared = time.perf_counter()
+            logits = self.runner.forward(host)
+            drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
+            tokens: list[int] = []
+            if drawn:
+                params = SamplingBatch.build(
+                    [(s.temperature, s.top_k, s.top_p, s.key, len(s.output_ids)) for s in drawn],
+                    logits.device,
+                )
+                next_tokens = sample(logits, params)
+            if self.prefetch_stream is not None:
+                self._prefetch()  # overlaps the step running on the GPU
+            if drawn:
+                tokens = next_tokens.tolist()
+        self.counters.count_step(
+            step,
+            self.pool,
+            self.scheduler,
+            self.residency,
+            host_s=prepared - started,
+            step_s=time.perf_counter() - started,
+            graph=self.runner.graph_steps,
+        )
         token_of = dict(zip(map(id, drawn), tokens, strict=True))
         for seq, n in zip(step.seqs, step.num_new, strict=True):
             seq.num_computed += n
@@ -117,30 +176,52 @@ class Engine:
                     self.counters.count_result(result)
                     yield result
 
+    def _prefetch(self, lookahead: int = 8) -> None:
+        """Copies the adapters of the next waiting requests into free pages on the side stream."""
+        loaded = False
+        seen: set[str] = set()
+        for seq in self.scheduler.waiting:
+            if len(seen) >= lookahead:
+                break
+            if seq.adapter and seq.adapter not in seen:
+                seen.add(seq.adapter)
+                loaded |= self.residency.prefetch(seq.adapter, self.prefetch_stream)
+        if loaded:
+            self._prefetched = self.prefetch_stream.record_event()
+
     def _finished(self, seq: Sequence) -> bool:
         token = seq.output_ids[-1]
-        if token in self.spec.eos_token_ids and not seq.ignore_eos:
-            seq.finish_reason = "stop"
-        elif seq.stop and seq.detok is not None and seq.detok.find_stop(seq.output_ids, seq.stop):
+        if (
+            token in self.spec.eos_token_ids
+            and not seq.ignore_eos
+            or seq.stop
+            and seq.detok is not None
+            and seq.detok.find_stop(seq.output_ids, seq.stop)
+        ):
             seq.finish_reason = "stop"
         elif len(seq.output_ids) >= seq.max_new_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
     def _result(self, seq: Sequence) -> Result:
-        if seq.detok is not None:
-            text = seq.detok.final_text(seq.output_ids, seq.stop)
-        else:
-            text = ""
-        return Result(id=seq.request.id, adapter=seq.adapter, text=text, token_ids=list(seq.output_ids),
-                      prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-                      finish_reason=seq.finish_reason)
+        text = seq.detok.final_text(seq.output_ids, seq.stop) if seq.detok is not None else ""
+        return Result(
+            id=seq.request.id,
+            adapter=seq.adapter,
+            text=text,
+            token_ids=list(seq.output_ids),
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            finish_reason=seq.finish_reason,
+        )
 
     def _prepare(self, request: Request) -> Sequence | Result:
         """Checks and tokenizes one request; a bad one becomes an error result, never an exception."""
         adapter = request.adapter or None
         if adapter is not None and adapter not in self.store:
-            return Result.failed(request, f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known)")
+            return Result.failed(
+                request, f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known)"
+            )
         try:
             params = self._sampling_for(request)
             prompt_ids = self._tokenize(request)
@@ -150,38 +231,62 @@ class Engine:
         if n == 0:
             return Result.failed(request, "empty prompt")
         if n >= self.max_model_len:
-            return Result.failed(request, f"prompt of {n} tokens does not fit the context of "
-                                 f"{self.max_model_len} tokens", prompt_tokens=n)
+            return Result.failed(
+                request,
+                f"prompt of {n} tokens does not fit the context of {self.max_model_len} tokens",
+                prompt_tokens=n,
+            )
         max_new = min(params.max_new_tokens, self.max_model_len - n)
         self._arrivals += 1
-        seq = Sequence(request=request, order=self._arrivals, adapter=adapter, prompt_ids=prompt_ids,
-                       max_new_tokens=max_new, temperature=float(params.temperature),
-                       top_k=params.top_k, top_p=float(params.top_p),
-                       key=row_key(params.seed, request.id), stop=list(params.stop),
-                       ignore_eos=params.ignore_eos,
-                       detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None)
+        seq = Sequence(
+            request=request,
+            order=self._arrivals,
+            adapter=adapter,
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new,
+            temperature=float(params.temperature),
+            top_k=params.top_k,
+            top_p=float(params.top_p),
+            key=row_key(params.seed, request.id),
+            stop=list(params.stop),
+            ignore_eos=params.ignore_eos,
+            detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
+        )
         need = self.scheduler.pages_for(seq)
         if need > self.pool.num_pages:
-            return Result.failed(request, f"needs {need} pages (prompt {n} + {max_new} new tokens"
-                                 f"{' + adapter' if adapter else ''}), the pool has {self.pool.num_pages}",
-                                 prompt_tokens=n)
+            return Result.failed(
+                request,
+                f"needs {need} pages (prompt {n} + {max_new} new tokens"
+                f"{' + adapter' if adapter else ''}), the pool has {self.pool.num_pages}",
+                prompt_tokens=n,
+            )
         return seq
 
     def _sampling_for(self, request: Request) -> SamplingConfig:
         merged = asdict(self.sampling)
-        merged.update({k: getattr(request, k) for k in SAMPLING_FIELDS if getattr(request, k) is not None})
+        merged.update(
+            {k: getattr(request, k) for k in SAMPLING_FIELDS if getattr(request, k) is not None}
+        )
         return SamplingConfig(**merged)
 
     def _tokenize(self, request: Request) -> list[int]:
-        given = [f.name for f in fields(Request)
-                 if f.name in ("prompt", "messages", "prompt_token_ids") and getattr(request, f.name) is not None]
+        given = [
+            f.name
+            for f in fields(Request)
+            if f.name in ("prompt", "messages", "prompt_token_ids")
+            and getattr(request, f.name) is not None
+        ]
         if len(given) != 1:
-            raise ValueError(f"exactly one of prompt, messages, prompt_token_ids is needed, got {given or 'none'}")
+            raise ValueError(
+                f"exactly one of prompt, messages, prompt_token_ids is needed, got {given or 'none'}"
+            )
         if request.prompt_token_ids is not None:
             ids = [int(t) for t in request.prompt_token_ids]
             bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
             if bad:
-                raise ValueError(f"token ids {bad[:3]} outside the vocabulary of {self.spec.vocab_size}")
+                raise ValueError(
+                    f"token ids {bad[:3]} outside the vocabulary of {self.spec.vocab_size}"
+                )
             return ids
         if self.tokenizer is None:
             raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt_token_ids")
@@ -189,8 +294,22 @@ class Engine:
             if not isinstance(request.prompt, str):
                 raise TypeError(f"prompt must be a string, got {type(request.prompt).__name__}")
             return [] if not request.prompt else self.tokenizer(request.prompt)["input_ids"]
-        return self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)
+        return self.tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    def _make_pools(self) -> tuple[PagePool, PagePool]:
+        """One pool for KV and adapters; two (KV, adapters) in the no-unified ablation."""
+        total = self._num_pages()
+        spec = self.spec
+        if self.config.unified_pool:
+            pool = PagePool(total, spec.page_size, spec.num_layers, self.dtype, self.device)
+            return pool, pool
+        adapter_pages = max(1, int(total * self.config.adapter_pool_fraction))
+        kv = PagePool(
+            total - adapter_pages, spec.page_size, spec.num_layers, self.dtype, self.device
+        )
+        return kv, PagePool(adapter_pages, spec.page_size, spec.num_layers, self.dtype, self.device)
 
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
@@ -202,12 +321,16 @@ class Engine:
         free, _ = torch.cuda.mem_get_info(self.device)
         elt = torch.finfo(self.dtype).bits // 8
         tokens = self.config.max_num_batched_tokens
-        width = 3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size
+        width = (
+            3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size
+        )
         activations = tokens * width * elt + self.config.max_num_seqs * spec.vocab_size * 4 * 4
         usable = int(free * self.config.memory_fraction) - activations
         if usable < page_bytes * 64:
-            raise RuntimeError(f"only {free >> 20} MiB free on {self.device} after the weights; "
-                               f"the pool needs at least {page_bytes * 64 >> 20} MiB")
+            raise RuntimeError(
+                f"only {free >> 20} MiB free on {self.device} after the weights; "
+                f"the pool needs at least {page_bytes * 64 >> 20} MiB"
+            )
         return usable // page_bytes
 
 
@@ -223,13 +346,18 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _pick_backend(name: str, device: torch.device):
+def _pick_backend(name: str, device: torch.device, lora_layout: str) -> ModuleType:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        from kernels import triton_ops
+        from kernels import triton_ops as ops
+    else:
+        from kernels import ref as ops
+    if lora_layout == "bmm":  # the ablation: the backend's ops with padded-bmm LoRA
+        from kernels import bmm
 
-        return triton_ops
-    from kernels import ref
-
-    return ref
+        mixed = ModuleType(f"{ops.__name__}+bmm")
+        mixed.__dict__.update({k: v for k, v in vars(ops).items() if not k.startswith("__")})
+        mixed.lora_shrink, mixed.lora_expand = bmm.lora_shrink, bmm.lora_expand
+        return mixed
+    return ops

@@ -32,8 +32,13 @@ def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_pos: int,
-               weights: dict[str, torch.Tensor] | None = None) -> LlamaModel:
+def load_model(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_pos: int,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> LlamaModel:
     """Builds the model on ``device`` in ``dtype`` from the safetensors of ``spec.path``, or from
     ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict."""
     raw = dict(weights) if weights is not None else load_tensors(Path(spec.path))
@@ -51,20 +56,25 @@ def load_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_po
         p = f"model.layers.{i}."
         qkv = [take(p + f"self_attn.{t}_proj.weight") for t in "qkv"]
         biases = [take(p + f"self_attn.{t}_proj.bias", spec.attention_bias) for t in "qkv"]
-        layers.append(LayerWeights(
-            input_norm=take(p + "input_layernorm.weight"),
-            qkv=torch.cat(qkv).contiguous(),
-            qkv_bias=torch.cat(biases).contiguous() if spec.attention_bias else None,
-            o=take(p + "self_attn.o_proj.weight"),
-            o_bias=take(p + "self_attn.o_proj.bias", spec.o_bias),
-            post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]).contiguous(),
-            down=take(p + "mlp.down_proj.weight"),
-        ))
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat(qkv).contiguous(),
+                qkv_bias=torch.cat(biases).contiguous() if spec.attention_bias else None,
+                o=take(p + "self_attn.o_proj.weight"),
+                o_bias=take(p + "self_attn.o_proj.bias", spec.o_bias),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                ).contiguous(),
+                down=take(p + "mlp.down_proj.weight"),
+            )
+        )
     embed = take("model.embed_tokens.weight")
     head = take("lm_head.weight", required=not spec.tie_word_embeddings)
-    model = LlamaModel(spec, embed, layers, take("model.norm.weight"),
-                       head if head is not None else embed, max_pos)
+    model = LlamaModel(
+        spec, embed, layers, take("model.norm.weight"), head if head is not None else embed, max_pos
+    )
     leftover = [k for k in raw if "rotary_emb" not in k]
     if leftover:
         log.warning("model %s: %d unused tensors, e.g. %s", spec.path, len(leftover), leftover[:3])

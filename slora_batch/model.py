@@ -63,7 +63,11 @@ def rope_cos_sin(spec: ModelSpec, max_pos: int, device: torch.device) -> torch.T
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     """Llama 3.1's frequency-dependent scaling of the rotary frequencies."""
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
     old_len = float(s["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
@@ -77,56 +81,81 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class LlamaModel:
     """Weights plus a forward over one step's flat tokens; stateless besides the pool."""
 
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, max_pos: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_pos: int,
+    ) -> None:
         self.spec = spec
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.cos_sin = rope_cos_sin(spec, max_pos, embed.device)
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.head_dim**-0.5
         q, kv = spec.q_dim, spec.kv_dim
         # Column ranges of q, k, v inside the fused qkv output.
         self.qkv_cols = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         inter = spec.intermediate_size
         self.gate_up_cols = {"gate": (0, inter), "up": (inter, 2 * inter)}
 
-    def forward(self, step: StepInput, pool: PagePool, ops: ModuleType) -> torch.Tensor:
-        """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index."""
+    def forward(
+        self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
+    ) -> torch.Tensor:
+        """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index.
+        Adapter rows are read from ``lora_pool`` when given (the no-unified ablation), else from
+        ``pool`` itself."""
+        lora_pool = lora_pool if lora_pool is not None else pool
         spec = self.spec
         x = F.embedding(step.input_ids, self.embed)  # [T, H]
         residual = None
         attend = ops.attention_decode if step.decode_only else ops.attention
         lora_buf = None
         if step.lora is not None and step.lora.max_rank > 0:
-            lora_buf = torch.zeros(x.shape[0], step.lora.max_rank, dtype=torch.float32, device=x.device)
+            lora_buf = torch.zeros(
+                x.shape[0], step.lora.max_rank, dtype=torch.float32, device=x.device
+            )
         for index, layer in enumerate(self.layers):
-            pool_layer = pool.layer(index)
+            pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             h, residual = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps, residual)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            self._lora(h, qkv, self.qkv_cols, pool_layer, step.lora, lora_buf, ops)
+            self._lora(h, qkv, self.qkv_cols, lora_layer, step.lora, lora_buf, ops)
             q, k, v = (qkv[:, lo:hi] for lo, hi in self.qkv_cols.values())
             q = q.reshape(-1, spec.num_heads, spec.head_dim)
             k = k.reshape(-1, spec.num_kv_heads, spec.head_dim)
             q, k = q.contiguous(), k.contiguous()
             ops.rope(q, k, step.positions, self.cos_sin)
             ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
-            attn = attend(q, pool_layer, step.attn, spec.num_kv_heads, self.scale).view(-1, spec.q_dim)
+            attn = attend(q, pool_layer, step.attn, spec.num_kv_heads, self.scale).view(
+                -1, spec.q_dim
+            )
             o = F.linear(attn, layer.o, layer.o_bias)
-            self._lora(attn, o, {"o": (0, o.shape[1])}, pool_layer, step.lora, lora_buf, ops)
+            self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
             h, residual = ops.rms_norm(o, layer.post_norm, spec.rms_norm_eps, residual)
             gate_up = F.linear(h, layer.gate_up)
-            self._lora(h, gate_up, self.gate_up_cols, pool_layer, step.lora, lora_buf, ops)
+            self._lora(h, gate_up, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops)
             act = ops.silu_mul(gate_up)
             down = F.linear(act, layer.down)
-            self._lora(act, down, {"down": (0, down.shape[1])}, pool_layer, step.lora, lora_buf, ops)
+            self._lora(
+                act, down, {"down": (0, down.shape[1])}, lora_layer, step.lora, lora_buf, ops
+            )
             x = down
-        h, _ = ops.rms_norm(x[step.logits_index], self.final_norm, spec.rms_norm_eps,
-                            residual[step.logits_index])
+        h, _ = ops.rms_norm(
+            x[step.logits_index], self.final_norm, spec.rms_norm_eps, residual[step.logits_index]
+        )
         return F.linear(h, self.lm_head).float()
 
     @staticmethod
-    def _lora(x: torch.Tensor, out: torch.Tensor, cols: dict[str, tuple[int, int]],
-              pool_layer: torch.Tensor, meta: LoraMeta | None, buf: torch.Tensor | None,
-              ops: ModuleType) -> None:
+    def _lora(
+        x: torch.Tensor,
+        out: torch.Tensor,
+        cols: dict[str, tuple[int, int]],
+        pool_layer: torch.Tensor,
+        meta: LoraMeta | None,
+        buf: torch.Tensor | None,
+        ops: ModuleType,
+    ) -> None:
         """Adds each target's LoRA delta into its column range of the fused output, in place."""
         if buf is None:
             return

@@ -27,8 +27,14 @@ class PagePool:
     Python calls, ``free(ids)`` pushes them back.
     """
 
-    def __init__(self, num_pages: int, page_size: int, num_layers: int = 0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         if num_pages < 1:
             raise ValueError(f"a pool needs at least 1 page, got {num_pages}")
         self.num_pages = num_pages
@@ -52,7 +58,7 @@ class PagePool:
         """Take ``n`` pages; raises ``PoolExhausted`` (taking none) when fewer are free."""
         if n > self._top:
             raise PoolExhausted(n, self._top, self.num_pages, what)
-        pages = self._stack[self._top - n:self._top][::-1].copy()
+        pages = self._stack[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._used[pages] = True
         self.peak_used = max(self.peak_used, self.num_used)
@@ -67,7 +73,7 @@ class PagePool:
             bad = pages[~self._used[pages]][:5].tolist()
             raise ValueError(f"double free of pages {bad} (or duplicates in {pages.size} pages)")
         self._used[pages] = False
-        self._stack[self._top:self._top + pages.size] = pages[::-1]
+        self._stack[self._top : self._top + pages.size] = pages[::-1]
         self._top += pages.size
 
     def layer(self, index: int) -> torch.Tensor:

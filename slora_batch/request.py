@@ -50,5 +50,11 @@ class Result:
     @classmethod
     def failed(cls, request: Request, message: str, prompt_tokens: int = 0) -> Result:
         adapter = request.adapter or None
-        return cls(id=request.id, adapter=adapter, text="", prompt_tokens=prompt_tokens,
-                   finish_reason="error", error=f"row {request.id!r} (adapter {adapter!r}): {message}")
+        return cls(
+            id=request.id,
+            adapter=adapter,
+            text="",
+            prompt_tokens=prompt_tokens,
+            finish_reason="error",
+            error=f"row {request.id!r} (adapter {adapter!r}): {message}",
+        )

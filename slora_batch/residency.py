@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,10 +27,13 @@ class Resident:
     slot: int
     pages: np.ndarray
     refcount: int = 0
+    prefetched: bool = False
 
 
 class AdapterResidency:
-    def __init__(self, pool: PagePool, store: AdapterStore, max_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, pool: PagePool, store: AdapterStore, max_slots: int, device: torch.device
+    ) -> None:
         self.pool, self.store, self.spec = pool, store, store.spec
         self.max_slots = max_slots
         width = max([store.pages(n) for n in store.names] or [1])
@@ -41,11 +45,16 @@ class AdapterResidency:
         self.dev_rank = torch.zeros(max_slots, dtype=torch.int32, device=device)
         self.dev_scale = torch.zeros(max_slots, dtype=torch.float32, device=device)
         self.dev_pages = torch.full((max_slots, width), -1, dtype=torch.int32, device=device)
-        self.dev_offsets = torch.full((max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device)
+        self.dev_offsets = torch.full(
+            (max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device
+        )
         self._resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order, most recent last
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.loads = 0
         self.evictions = 0
+        self.prefetch_hits = 0  # acquired an adapter that a prefetch had loaded
+        self.prefetch_misses = 0  # acquired an adapter that had to be loaded on the spot
+        self.bytes_copied = 0
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
@@ -79,6 +88,10 @@ class AdapterResidency:
         entry = self._resident.get(name)
         if entry is None:
             entry = self._load(name)
+            self.prefetch_misses += 1
+        elif entry.prefetched:
+            entry.prefetched = False
+            self.prefetch_hits += 1
         entry.refcount += 1
         self._resident.move_to_end(name)
         return entry.slot
@@ -89,7 +102,17 @@ class AdapterResidency:
             raise ValueError(f"adapter {name!r} released more often than acquired")
         entry.refcount -= 1
 
-    def _load(self, name: str) -> Resident:
+    def prefetch(self, name: str, stream: torch.cuda.Stream | None = None) -> bool:
+        """Loads an adapter ahead of need (idle, unpinned) if its pages are free right now; the
+        copy goes on ``stream``. Returns whether it loaded."""
+        if name in self._resident or not self._free_slots:
+            return False
+        if self.store.pages(name) > self.pool.num_free:
+            return False
+        self._load(name, stream).prefetched = True
+        return True
+
+    def _load(self, name: str, stream: torch.cuda.Stream | None = None) -> Resident:
         info = self.store.info(name)
         need = self.spec.adapter_pages(info.rank, info.targets)
         if not self._free_slots:
@@ -99,41 +122,24 @@ class AdapterResidency:
             self._evict(idle[0])
         if not self.make_room(need):
             raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
-        weights = self.store.weights(name)
+        paged = self.store.paged(name)
         pages = self.pool.alloc(need, f"adapter {name!r}")
         slot = self._free_slots.pop()
-        offsets = np.full((len(TARGETS), 2), -1, dtype=np.int32)
-        cursor = 0
-        for t_index, target in enumerate(TARGETS):
-            if target not in info.targets:
-                continue
-            for which, rows in enumerate((weights.a[target], weights.b_t[target])):
-                offsets[t_index, which] = cursor
-                cursor += self._write_rows(rows, pages[cursor:])
         self.slot_rank[slot] = info.rank
         self.slot_scale[slot] = info.scale
         self.slot_pages[slot] = -1
         self.slot_pages[slot, :need] = pages
-        self.slot_offsets[slot] = offsets
-        self._sync_slot(slot)
+        self.slot_offsets[slot] = paged.offsets.numpy()
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            index = torch.from_numpy(pages.astype(np.int64)).to(self.device, non_blocking=True)
+            self.pool.data.index_copy_(1, index, paged.data.to(self.device, non_blocking=True))
+            self._sync_slot(slot)
         self.loads += 1
+        self.bytes_copied += paged.nbytes
         log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
         entry = Resident(slot=slot, pages=pages)
         self._resident[name] = entry
         return entry
-
-    def _write_rows(self, rows: torch.Tensor, pages: np.ndarray) -> int:
-        """Copy rows [L, r, width] into whole pages; returns the pages used (r * ceil(width / P))."""
-        num_layers, rank, width = rows.shape
-        page_size = self.pool.page_size
-        per_row = -(-width // page_size)
-        used = rank * per_row
-        padded = torch.zeros(num_layers, rank, per_row * page_size, dtype=self.pool.data.dtype)
-        padded[:, :, :width] = rows
-        index = torch.from_numpy(pages[:used].astype(np.int64)).to(self.pool.data.device)
-        src = padded.view(num_layers, used, page_size).to(self.pool.data.device, non_blocking=True)
-        self.pool.data.index_copy_(1, index, src)
-        return used
 
     def _evict(self, name: str) -> None:
         entry = self._resident.pop(name)
@@ -149,5 +155,5 @@ class AdapterResidency:
     def _sync_slot(self, slot: int) -> None:
         self.dev_rank[slot] = int(self.slot_rank[slot])
         self.dev_scale[slot] = float(self.slot_scale[slot])
-        self.dev_pages[slot].copy_(torch.from_numpy(self.slot_pages[slot]))
-        self.dev_offsets[slot].copy_(torch.from_numpy(self.slot_offsets[slot]))
+        self.dev_pages[slot].copy_(torch.from_numpy(self.slot_pages[slot]), non_blocking=True)
+        self.dev_offsets[slot].copy_(torch.from_numpy(self.slot_offsets[slot]), non_blocking=True)

@@ -18,7 +18,9 @@ _MASK63 = (1 << 63) - 1
 
 def row_key(seed: int, row_id: Any) -> int:
     """A stable 63-bit key for (seed, row id): the same in every process and on every run."""
-    digest = hashlib.blake2b(f"{seed}\x00{type(row_id).__name__}\x00{row_id}".encode(), digest_size=8)
+    digest = hashlib.blake2b(
+        f"{seed}\x00{type(row_id).__name__}\x00{row_id}".encode(), digest_size=8
+    )
     return int.from_bytes(digest.digest(), "little") & _MASK63
 
 
@@ -37,14 +39,18 @@ class SamplingBatch:
     step: torch.Tensor
 
     @classmethod
-    def build(cls, rows: list[tuple[float, int, float, int, int]], device: torch.device) -> SamplingBatch:
+    def build(
+        cls, rows: list[tuple[float, int, float, int, int]], device: torch.device
+    ) -> SamplingBatch:
         """rows: (temperature, top_k, top_p, key, step) per sampled row."""
         t, k, p, key, step = zip(*rows, strict=True)
-        return cls(temperature=torch.tensor(t, dtype=torch.float32, device=device),
-                   top_k=torch.tensor(k, dtype=torch.int64, device=device),
-                   top_p=torch.tensor(p, dtype=torch.float32, device=device),
-                   key=torch.tensor(key, dtype=torch.int64, device=device),
-                   step=torch.tensor(step, dtype=torch.int64, device=device))
+        return cls(
+            temperature=torch.tensor(t, dtype=torch.float32, device=device),
+            top_k=torch.tensor(k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(p, dtype=torch.float32, device=device),
+            key=torch.tensor(key, dtype=torch.int64, device=device),
+            step=torch.tensor(step, dtype=torch.int64, device=device),
+        )
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -81,13 +87,17 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), torch.full_like(params.top_k, vocab))
+    k = torch.where(
+        params.top_k > 0, params.top_k.clamp(max=vocab), torch.full_like(params.top_k, vocab)
+    )
     drop = rank >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= mass_before >= params.top_p[:, None]
     drop[:, 0] = False
-    filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    filtered = torch.full_like(scaled, float("-inf")).scatter(
+        1, order, sorted_logits.masked_fill(drop, float("-inf"))
+    )
     gumbel = -torch.log(-torch.log(uniform_noise(params.key, params.step, vocab)))
     drawn = (filtered.double() + gumbel).argmax(dim=-1)
     return torch.where(sampled_rows, drawn, greedy)

@@ -53,7 +53,7 @@ class Scheduler:
     def pages_for(self, seq: Sequence) -> int:
         """Pages a sequence needs to run at all: its whole context plus its adapter."""
         total = PAGES_PER_TOKEN * (len(seq.prompt_ids) + seq.max_new_tokens)
-        if seq.adapter:
+        if seq.adapter and self.unified:
             total += self.residency.store.pages(seq.adapter)
         return total
 
@@ -91,7 +91,7 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
         need = PAGES_PER_TOKEN * n
-        while not self.residency.make_room(need):
+        while not self._kv_room(need):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -106,17 +106,34 @@ class Scheduler:
         evictable = self.residency.evictable_pages()
         if adapter and self.residency.is_resident(adapter) and self._idle(adapter):
             evictable -= self.residency.store.pages(adapter)  # it is about to be pinned
-        if need + cost > self.pool.num_free + evictable:
+        if self.unified:
+            fits = need + cost <= self.pool.num_free + evictable
+        else:
+            fits = need <= self.pool.num_free and cost <= self.residency.pool.num_free + evictable
+        if not fits:
             return False
         self.waiting.remove(seq)
         if adapter:
             seq.slot = self.residency.acquire(adapter)
-        if not self.residency.make_room(need):
-            raise AssertionError(f"admission counted {self.pool.num_free + evictable} pages, "
-                                 f"{self.pool.num_free} free after loading {adapter!r}")
+        if not self._kv_room(need):
+            raise AssertionError(
+                f"admission counted {need} KV pages, {self.pool.num_free} free "
+                f"after loading {adapter!r}"
+            )
         self._take_pages(seq, n)
         self.running.append(seq)
         return True
+
+    @property
+    def unified(self) -> bool:
+        """KV and adapters share the pool (False only in the no-unified ablation)."""
+        return self.residency.pool is self.pool
+
+    def _kv_room(self, need: int) -> bool:
+        """Whether ``need`` KV pages are free, evicting idle adapters first when they share the pool."""
+        if self.unified:
+            return self.residency.make_room(need)
+        return self.pool.num_free >= need
 
     def _idle(self, adapter: str) -> bool:
         return all(s.adapter != adapter for s in self.running)
@@ -142,8 +159,11 @@ class Scheduler:
 
     def _adapter_allowed(self, adapter: str | None) -> bool:
         running_adapters = {s.adapter for s in self.running if s.adapter}
-        return (not adapter or adapter in running_adapters
-                or len(running_adapters) < self.config.max_adapters_per_batch)
+        return (
+            not adapter
+            or adapter in running_adapters
+            or len(running_adapters) < self.config.max_adapters_per_batch
+        )
 
     def _take_pages(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed
@@ -160,8 +180,12 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
-        log.debug("preempted row %r after %d tokens (%d free pages)",
-                  seq.request.id, len(seq.output_ids), self.pool.num_free)
+        log.debug(
+            "preempted row %r after %d tokens (%d free pages)",
+            seq.request.id,
+            len(seq.output_ids),
+            self.pool.num_free,
+        )
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.pages.reshape(-1))

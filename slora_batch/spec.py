@@ -12,9 +12,15 @@ SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 # LoRA targets in their canonical order; the page layout and kernels index them by position.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-MODULE_OF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-             "down": "mlp.down_proj"}
+MODULE_OF = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 
 
 class ModelError(ValueError):
@@ -66,16 +72,25 @@ class ModelSpec:
     def target_dims(self, target: str) -> tuple[int, int]:
         """(d_in, d_out) of a LoRA target's base projection."""
         h, i = self.hidden_size, self.intermediate_size
-        return {"q": (h, self.q_dim), "k": (h, self.kv_dim), "v": (h, self.kv_dim),
-                "o": (self.q_dim, h), "gate": (h, i), "up": (h, i), "down": (i, h)}[target]
+        return {
+            "q": (h, self.q_dim),
+            "k": (h, self.kv_dim),
+            "v": (h, self.kv_dim),
+            "o": (self.q_dim, h),
+            "gate": (h, i),
+            "up": (h, i),
+            "down": (i, h),
+        }[target]
 
     def pages_per_row(self, width: int) -> int:
         return math.ceil(width / self.page_size)
 
     def adapter_pages(self, rank: int, targets: tuple[str, ...]) -> int:
         """Pages an adapter takes: its rank times the row pages of its targets' two factors."""
-        return rank * sum(self.pages_per_row(d_in) + self.pages_per_row(d_out)
-                          for d_in, d_out in map(self.target_dims, targets))
+        return rank * sum(
+            self.pages_per_row(d_in) + self.pages_per_row(d_out)
+            for d_in, d_out in map(self.target_dims, targets)
+        )
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:
@@ -89,14 +104,18 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"model {str(model_dir)!r}: architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelError(
+            f"model {str(model_dir)!r}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     # transformers 5 writes rope settings as rope_parameters; older configs as rope_theta/rope_scaling.
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE:
-        raise ModelError(f"model {str(model_dir)!r}: rope scaling {rope_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ROPE)})")
+        raise ModelError(
+            f"model {str(model_dir)!r}: rope scaling {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE)})"
+        )
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         raise ModelError(f"model {str(model_dir)!r}: Qwen2 use_sliding_window is not supported")
@@ -110,16 +129,23 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias"))
     return ModelSpec(
-        path=str(model_dir), architecture=arch, vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        path=str(model_dir),
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
         rope_scaling=rope if rope_type != "default" else None,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias, o_bias=bool(cfg.get("attention_bias")) and arch != "Qwen2ForCausalLM",
+        attention_bias=qkv_bias,
+        o_bias=bool(cfg.get("attention_bias")) and arch != "Qwen2ForCausalLM",
         sliding_window=cfg.get("sliding_window") if arch == "MistralForCausalLM" else None,
-        eos_token_ids=eos_ids, bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"),
     )

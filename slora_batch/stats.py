@@ -17,6 +17,14 @@ class EngineCounters:
     adapter_evictions: int = 0
     adapters_resident: int = 0
     peak_pages: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    adapter_bytes_copied: int = 0
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    host_s: float = 0.0  # scheduling and batch preparation, all steps
+    step_s: float = 0.0  # wall time of all steps
+    decode_host_s: float = 0.0  # the same two for decode-only steps
+    decode_step_s: float = 0.0
     rows: int = 0
     ok_rows: int = 0
     error_rows: int = 0
@@ -24,10 +32,17 @@ class EngineCounters:
     completion_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
-    def count_step(self, step, pool, scheduler, residency) -> None:
+    def count_step(
+        self, step, pool, scheduler, residency, host_s: float, step_s: float, graph: int
+    ) -> None:
         self.steps += 1
+        self.host_s += host_s
+        self.step_s += step_s
+        self.graph_steps = graph
         if max(step.num_new) == 1:
             self.decode_steps += 1
+            self.decode_host_s += host_s
+            self.decode_step_s += step_s
         for n in step.num_new:
             if n == 1:
                 self.decode_tokens += 1
@@ -38,6 +53,9 @@ class EngineCounters:
         self.adapter_evictions = residency.evictions
         self.adapters_resident = residency.num_resident
         self.peak_pages = pool.peak_used
+        self.prefetch_hits = residency.prefetch_hits
+        self.prefetch_misses = residency.prefetch_misses
+        self.adapter_bytes_copied = residency.bytes_copied
 
     def count_result(self, result) -> None:
         self.rows += 1

@@ -29,7 +29,7 @@ class Detokenizer:
         # A stop string can only complete within the text of the last token or the ones before it,
         # so decoding a tail as long as the longest stop string (in tokens, at worst 1 char each)
         # suffices.
-        tail = ids[-(max(map(len, stops)) + 1):]
+        tail = ids[-(max(map(len, stops)) + 1) :]
         text = self.text(tail)
         return any(stop in text for stop in stops)
 

@@ -26,21 +26,49 @@ KINDS = ("mha", "gqa", "qwen2")
 def model_config(kind: str):
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if kind == "mha":
-        return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-                           rope_theta=10000.0, **common)
+        return LlamaConfig(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            **common,
+        )
     if kind == "gqa":
-        return LlamaConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                           rope_theta=500000.0,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                           **common)
+        return LlamaConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            **common,
+        )
     if kind == "qwen2":
-        return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                           use_sliding_window=False, **common)
+        return Qwen2Config(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            **common,
+        )
     raise ValueError(kind)
 
 
@@ -60,16 +88,30 @@ def make_model(root: Path, kind: str, seed: int = 0) -> Path:
     return out
 
 
-def make_adapter(model_dir: Path, out: Path, rank: int, targets: list[str], alpha: float,
-                 rslora: bool, seed: int, **extra) -> Path:
+def make_adapter(
+    model_dir: Path,
+    out: Path,
+    rank: int,
+    targets: list[str],
+    alpha: float,
+    rslora: bool,
+    seed: int,
+    **extra,
+) -> Path:
     """A PEFT LoRA adapter with random non-zero A and B (PEFT's default B = 0 is a no-op)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                        lora_dropout=0.0, **extra)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets,
+        use_rslora=rslora,
+        lora_dropout=0.0,
+        **extra,
+    )
     peft_model = get_peft_model(base, config)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -82,8 +124,10 @@ def make_adapter(model_dir: Path, out: Path, rank: int, targets: list[str], alph
 
 
 def make_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
-    return {name: make_adapter(model_dir, root / name, r, t, a, rs, seed=i + 1)
-            for i, (name, r, t, a, rs) in enumerate(ADAPTERS)}
+    return {
+        name: make_adapter(model_dir, root / name, r, t, a, rs, seed=i + 1)
+        for i, (name, r, t, a, rs) in enumerate(ADAPTERS)
+    }
 
 
 def make_rows(n: int, vocab: int, adapters: list[str], seed: int = 0) -> list[dict]:
@@ -92,9 +136,14 @@ def make_rows(n: int, vocab: int, adapters: list[str], seed: int = 0) -> list[di
     rows = []
     for i in range(n):
         length = rng.choice([1, 2, 5, 9, 17, 33, 50, 70])
-        rows.append({"id": i, "adapter": None if i % 5 == 0 else adapters[i % len(adapters)],
-                     "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)],
-                     "max_new_tokens": rng.choice([1, 3, 8, 16, 24])})
+        rows.append(
+            {
+                "id": i,
+                "adapter": None if i % 5 == 0 else adapters[i % len(adapters)],
+                "prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length)],
+                "max_new_tokens": rng.choice([1, 3, 8, 16, 24]),
+            }
+        )
     return rows
 
 
@@ -113,8 +162,13 @@ def reference(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> d
     out = {}
     for row in rows:
         ids = torch.tensor([row["prompt_token_ids"]])
-        kwargs = dict(max_new_tokens=row["max_new_tokens"], do_sample=False, eos_token_id=eos,
-                      pad_token_id=0, attention_mask=torch.ones_like(ids))
+        kwargs = dict(
+            max_new_tokens=row["max_new_tokens"],
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
         with torch.no_grad():
             if row["adapter"]:
                 model.set_adapter(row["adapter"])
@@ -122,7 +176,7 @@ def reference(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> d
             else:
                 with model.disable_adapter():
                     gen = model.generate(input_ids=ids, **kwargs)
-        tokens = gen[0, ids.shape[1]:].tolist()
+        tokens = gen[0, ids.shape[1] :].tolist()
         if eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
         out[row["id"]] = tokens

@@ -26,8 +26,9 @@ def spec(model_dir):
 
 def adapter(model_dir, tmp_path, name="a", **extra):
     targets = extra.pop("targets", ["q_proj", "v_proj"])
-    return make_adapter(model_dir, tmp_path / name, rank=4, targets=targets, alpha=8, rslora=False,
-                        seed=0, **extra)
+    return make_adapter(
+        model_dir, tmp_path / name, rank=4, targets=targets, alpha=8, rslora=False, seed=0, **extra
+    )
 
 
 def refused(name, path, spec) -> str:
@@ -39,14 +40,18 @@ def refused(name, path, spec) -> str:
 
 
 def test_good_adapter_parsed(model_dir, spec, tmp_path):
-    info = parse_adapter("good", adapter(model_dir, tmp_path, targets=["q_proj", "down_proj"]), spec)
+    info = parse_adapter(
+        "good", adapter(model_dir, tmp_path, targets=["q_proj", "down_proj"]), spec
+    )
     assert (info.rank, info.alpha, info.targets) == (4, 8.0, ("q", "down"))
     assert info.scale == 2.0
     assert spec.adapter_pages(4, info.targets) == 4 * (2 + 2 + 3 + 2)  # rows of 64, 64, 96, 64 / 32
 
 
 def test_rslora_scale(model_dir, spec, tmp_path):
-    path = make_adapter(model_dir, tmp_path / "rs", rank=16, targets=["k_proj"], alpha=8, rslora=True, seed=0)
+    path = make_adapter(
+        model_dir, tmp_path / "rs", rank=16, targets=["k_proj"], alpha=8, rslora=True, seed=0
+    )
     assert parse_adapter("rs", path, spec).scale == 8 / 4
 
 
@@ -95,7 +100,11 @@ def test_refuses_wrong_rank_in_config(model_dir, spec, tmp_path):
 
 def test_refuses_missing_layers(model_dir, spec, tmp_path):
     path = adapter(model_dir, tmp_path, "layers")
-    tensors = {k: v for k, v in load_file(path / "adapter_model.safetensors").items() if "layers.1." not in k}
+    tensors = {
+        k: v
+        for k, v in load_file(path / "adapter_model.safetensors").items()
+        if "layers.1." not in k
+    }
     save_file(tensors, path / "adapter_model.safetensors")
     assert "every layer" in refused("layers", path, spec)
 
@@ -124,17 +133,22 @@ def test_engine_refuses_incompatible_adapter_before_work(model_dir, tmp_path):
         Engine(model_dir, adapters={"dora": path}, config=EngineConfig(device="cpu", num_pages=100))
 
 
-def test_store_lazy_and_bounded(model_dir, spec, tmp_path):
+def test_store_lazy_bounded_and_paged(model_dir, spec, tmp_path):
     paths = {f"a{i}": adapter(model_dir, tmp_path, f"a{i}") for i in range(3)}
     store = AdapterStore(spec, tmp_path, cache_bytes=1)
     assert store.names == ["a0", "a1", "a2"] and store.disk_loads == 0
-    w0 = store.weights("a0")
-    assert w0.a["q"].shape == (spec.num_layers, 4, 64) and w0.b_t["v"].shape == (spec.num_layers, 4, 32)
+    paged = store.paged("a0")
+    # q: A rows of 64 (2 pages each), B^T rows of 64 (2 pages); v: A rows 64 (2), B^T rows 32 (1)
+    assert paged.data.shape == (spec.num_layers, 4 * (2 + 2 + 2 + 1), spec.page_size)
+    assert paged.offsets[0].tolist() == [0, 8] and paged.offsets[2].tolist() == [16, 24]
+    assert paged.offsets[1].tolist() == [-1, -1]
     ref = load_file(paths["a0"] / "adapter_model.safetensors")
-    key = next(k for k in ref if "layers.1.self_attn.v_proj.lora_B" in k)
-    assert torch.equal(w0.b_t["v"][1], ref[key].t())
-    store.weights("a1")
-    store.weights("a0")  # evicted by the 1-byte budget: read again
+    b_v = next(v for k, v in ref.items() if "layers.1.self_attn.v_proj.lora_B" in k)  # [32, 4]
+    assert torch.equal(paged.data[1, 24:28], b_v.t())
+    a_q = next(v for k, v in ref.items() if "layers.0.self_attn.q_proj.lora_A" in k)  # [4, 64]
+    assert torch.equal(paged.data[0, 0:8].reshape(4, 64), a_q)
+    store.paged("a1")
+    store.paged("a0")  # evicted by the 1-byte budget: read again
     assert store.disk_loads == 3
     with pytest.raises(KeyError, match="unknown adapter 'zz'"):
         store.info("zz")

@@ -27,12 +27,18 @@ def run(model_dir, adapters, rows, **knobs) -> tuple[dict, Engine]:
     engine = Engine(model_dir, adapters=adapters, config=config)
     results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
     assert sorted(map(str, results)) == sorted(str(row["id"]) for row in rows)
-    assert all(r.error is None for r in results.values()), [r.error for r in results.values() if r.error]
+    assert all(r.error is None for r in results.values()), [
+        r.error for r in results.values() if r.error
+    ]
     return results, engine
 
 
 def assert_parity(results, expected) -> None:
-    wrong = {i: (results[i].token_ids, want) for i, want in expected.items() if results[i].token_ids != want}
+    wrong = {
+        i: (results[i].token_ids, want)
+        for i, want in expected.items()
+        if results[i].token_ids != want
+    }
     assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"
 
 
@@ -41,7 +47,9 @@ def test_parity_roomy_pool(case):
     results, engine = run(model_dir, adapters, rows, num_pages=8000, max_num_batched_tokens=64)
     assert_parity(results, expected)
     assert engine.counters.preemptions == 0
-    assert engine.counters.steps > 10  # chunked prefill and decode steps mixed, not one row at a time
+    assert (
+        engine.counters.steps > 10
+    )  # chunked prefill and decode steps mixed, not one row at a time
     for row in rows:
         r = results[row["id"]]
         assert r.completion_tokens == len(r.token_ids) <= row["max_new_tokens"]
@@ -52,8 +60,14 @@ def test_parity_roomy_pool(case):
 
 def test_parity_with_preemption_and_eviction(case):
     model_dir, adapters, rows, expected = case
-    results, engine = run(model_dir, adapters, rows, num_pages=1400, max_num_batched_tokens=48,
-                          max_adapters_per_batch=3)
+    results, engine = run(
+        model_dir,
+        adapters,
+        rows,
+        num_pages=1400,
+        max_num_batched_tokens=48,
+        max_adapters_per_batch=3,
+    )
     assert_parity(results, expected)
     assert engine.counters.preemptions > 0
     assert engine.counters.adapter_evictions > 0
@@ -64,16 +78,36 @@ def test_shuffled_input_same_outputs(case):
     model_dir, adapters, rows, expected = case
     shuffled = rows[:]
     random.Random(7).shuffle(shuffled)
-    results, _ = run(model_dir, adapters, shuffled, num_pages=3000, max_num_batched_tokens=32,
-                     max_num_seqs=6)
+    results, _ = run(
+        model_dir, adapters, shuffled, num_pages=3000, max_num_batched_tokens=32, max_num_seqs=6
+    )
     assert_parity(results, expected)
 
 
 def test_seeded_sample_independent_of_batch(case):
     model_dir, adapters, rows, _ = case
-    probe = dict(rows[3], id="probe", temperature=0.9, top_p=0.9, top_k=50, seed=11, max_new_tokens=12)
+    probe = dict(
+        rows[3], id="probe", temperature=0.9, top_p=0.9, top_k=50, seed=11, max_new_tokens=12
+    )
     alone, _ = run(model_dir, adapters, [probe], num_pages=3000)
-    crowd, _ = run(model_dir, adapters, rows[:20] + [probe], num_pages=3000, max_num_batched_tokens=40)
+    crowd, _ = run(
+        model_dir, adapters, rows[:20] + [probe], num_pages=3000, max_num_batched_tokens=40
+    )
     assert alone["probe"].token_ids == crowd["probe"].token_ids
     other_seed, _ = run(model_dir, adapters, [dict(probe, seed=12)], num_pages=3000)
     assert other_seed["probe"].token_ids != alone["probe"].token_ids
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"lora_layout": "bmm"}, {"unified_pool": False}], ids=["bmm", "no-unified"]
+)
+def test_ablations_compute_the_same(case, knobs):
+    """The benchmark's ablations (padded bmm LoRA; separate KV and adapter pools) are exact too."""
+    model_dir, adapters, rows, expected = case
+    results, engine = run(
+        model_dir, adapters, rows, num_pages=8000, max_num_batched_tokens=64, **knobs
+    )
+    assert_parity(results, expected)
+    if not knobs.get("unified_pool", True):
+        assert engine.lora_pool is not engine.pool
+        assert engine.pool.num_pages + engine.lora_pool.num_pages == 8000

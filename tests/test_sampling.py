@@ -38,7 +38,7 @@ def test_row_independent_of_batch():
     rows = [(0.8, 0, 1.0, 11, 2), (1.0, 20, 0.9, 12, 0), (0.0, 0, 1.0, 13, 5), (1.3, 5, 0.5, 14, 1)]
     together = sample(logits, batch(rows))
     for i, row in enumerate(rows):
-        assert int(sample(logits[i:i + 1], batch([row]))) == int(together[i])
+        assert int(sample(logits[i : i + 1], batch([row]))) == int(together[i])
 
 
 def test_top_k_and_top_p_restrict_support():

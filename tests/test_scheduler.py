@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from slora_batch.adapters import AdapterInfo, AdapterWeights
+from slora_batch.adapters import AdapterInfo, AdapterWeights, to_pages
 from slora_batch.config import EngineConfig
 from slora_batch.pool import PagePool, PoolExhausted
 from slora_batch.request import Request
@@ -16,11 +16,27 @@ from slora_batch.scheduler import Scheduler
 from slora_batch.sequence import Sequence
 from slora_batch.spec import ModelSpec
 
-SPEC = ModelSpec(path="fake", architecture="LlamaForCausalLM", vocab_size=10, hidden_size=8,
-                 intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
-                 rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None, max_position_embeddings=512,
-                 tie_word_embeddings=True, attention_bias=False, o_bias=False, sliding_window=None,
-                 eos_token_ids=(), bos_token_id=None)
+SPEC = ModelSpec(
+    path="fake",
+    architecture="LlamaForCausalLM",
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=8,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    rope_scaling=None,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    o_bias=False,
+    sliding_window=None,
+    eos_token_ids=(),
+    bos_token_id=None,
+)
 # page_size = kv_dim = 4; a q-only adapter of rank r takes r * (8/4 + 8/4) = 4r pages.
 
 
@@ -42,15 +58,19 @@ class FakeStore:
     def pages(self, name):
         return SPEC.adapter_pages(self.ranks[name], ("q",))
 
-    def weights(self, name):
+    def paged(self, name):
         r = self.ranks[name]
-        return AdapterWeights(a={"q": torch.full((1, r, 8), float(r))}, b_t={"q": torch.ones(1, r, 8)})
+        weights = AdapterWeights(
+            a={"q": torch.full((1, r, 8), float(r))}, b_t={"q": torch.ones(1, r, 8)}
+        )
+        return to_pages(self.info(name), weights, SPEC.page_size, torch.float32)
 
 
 def make(num_pages, ranks=None, **knobs):
     pool = PagePool(num_pages, SPEC.page_size, num_layers=1)
-    residency = AdapterResidency(pool, FakeStore(ranks or {}), max_slots=knobs.pop("slots", 8),
-                                 device=torch.device("cpu"))
+    residency = AdapterResidency(
+        pool, FakeStore(ranks or {}), max_slots=knobs.pop("slots", 8), device=torch.device("cpu")
+    )
     return Scheduler(EngineConfig(device="cpu", **knobs), pool, residency), pool, residency
 
 
@@ -58,9 +78,19 @@ _order = iter(range(10**6))
 
 
 def seq(prompt_len, adapter=None, max_new=4):
-    return Sequence(request=Request(id=next(_order)), order=0, adapter=adapter, prompt_ids=[1] * prompt_len,
-                    max_new_tokens=max_new, temperature=0.0, top_k=0, top_p=1.0, key=0, stop=[],
-                    ignore_eos=False)
+    return Sequence(
+        request=Request(id=next(_order)),
+        order=0,
+        adapter=adapter,
+        prompt_ids=[1] * prompt_len,
+        max_new_tokens=max_new,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        key=0,
+        stop=[],
+        ignore_eos=False,
+    )
 
 
 def advance(sched):
@@ -146,14 +176,18 @@ def test_residency_writes_rows_into_pages_and_evicts_lru():
         residency.acquire(name)
         residency.release(name)
     slot = residency.slot("b")
-    pages = residency.slot_pages[slot, : 12]
+    pages = residency.slot_pages[slot, :12]
     start = residency.slot_offsets[slot, 0, 0]
     assert start == 0 and residency.slot_offsets[slot, 1, 0] == -1  # only q is targeted
     # A rows of b are rows of 8 = 2 pages each, all filled with 3.0
     assert torch.all(pool.data[0, torch.from_numpy(pages[:6]).long()] == 3.0)
     residency.acquire("a")  # a becomes most recently used
     assert residency.make_room(pool.num_free + 20)  # evicts b (12) then c (8); a is pinned
-    assert residency.is_resident("a") and not residency.is_resident("b") and not residency.is_resident("c")
+    assert (
+        residency.is_resident("a")
+        and not residency.is_resident("b")
+        and not residency.is_resident("c")
+    )
     assert residency.evictions == 2
     pool.alloc(pool.num_free)  # KV takes every free page; a is pinned, nothing is idle
     with pytest.raises(PoolExhausted, match="need 12 pages, 0 free of 40"):

@@ -1,0 +1,164 @@
+"""Runs one step's forward: eager for prefill and mixed steps, CUDA-graph replay for decode.
+
+Decode steps are captured once per batch-size bucket (1, 2, 4, 8, then every 16) into graphs
+that share one memory pool. Every tensor a graph reads lives in a static buffer filled before
+replay; rows past the real batch are padding that writes its K/V to a reserved scratch page and
+attends to it alone, and the LoRA segment arrays are padded with empty segments of slot -1. The
+adapter slot tables are read in place, so the set of adapters may change from step to step.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from kernels.meta import AttnMeta
+from slora_batch.batch import HostStep, lora_meta, lora_segments, upload
+from slora_batch.model import LlamaModel, StepInput
+from slora_batch.pool import PagePool
+from slora_batch.residency import AdapterResidency
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: PagePool,
+        lora_pool: PagePool,
+        residency: AdapterResidency,
+        ops: ModuleType,
+        device: torch.device,
+        max_batch: int,
+        max_model_len: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model, self.pool, self.lora_pool = model, pool, lora_pool
+        self.residency, self.ops, self.device = residency, ops, device
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepInput, torch.Tensor]] = {}
+        self.graph_steps = 0
+        if use_graphs and device.type == "cuda":
+            self.scratch = pool.alloc(2, "CUDA-graph padding rows")  # K and V of padding rows
+            self.max_rank = int(
+                max((residency.store.info(n).rank for n in residency.store.names), default=0)
+            )
+            self._capture(graph_buckets(max_batch))
+
+    def forward(self, host: HostStep) -> torch.Tensor:
+        """Logits [S, vocab] fp32 of the rows in ``host.logits_index``."""
+        batch = len(host.b_seq_len)
+        if host.decode_only and self.graphs and batch <= max(self.graphs):
+            bucket = min(b for b in self.graphs if b >= batch)
+            graph, static, logits = self.graphs[bucket]
+            self._fill(static, host, bucket)
+            graph.replay()
+            self.graph_steps += 1
+            return logits[:batch]
+        step = upload(host, self.residency, self.device)
+        return self.model.forward(step, self.pool, self.ops, self.lora_pool)
+
+    def _static_input(self, bucket: int) -> StepInput:
+        dev = self.device
+
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        attn = AttnMeta(
+            b1_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
+            b_seq_len=zeros(bucket),
+            page_table=zeros(bucket, self.max_model_len, 2),
+            max_new=1,
+        )
+        lora = None
+        if self.max_rank > 0:
+            lora = lora_meta(
+                zeros(bucket),
+                zeros(bucket),
+                zeros(bucket + 1),
+                zeros(bucket),
+                self.residency,
+                self.max_rank,
+            )
+        return StepInput(
+            input_ids=zeros(bucket, dtype=torch.int64),
+            positions=zeros(bucket, dtype=torch.int64),
+            out_pages=zeros(bucket, 2),
+            attn=attn,
+            lora=lora,
+            logits_index=torch.arange(bucket, dtype=torch.int64, device=dev),
+            decode_only=True,
+        )
+
+    def _fill(self, static: StepInput, host: HostStep, bucket: int) -> None:
+        """Copies the step into the bucket's buffers; rows past the batch become padding."""
+        batch = len(host.b_seq_len)
+        pad = bucket - batch
+
+        def put(dst: torch.Tensor, array: np.ndarray, fill) -> None:
+            if pad:
+                array = np.concatenate(
+                    [array, np.full((pad, *array.shape[1:]), fill, dtype=array.dtype)]
+                )
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(array)), non_blocking=True)
+
+        scratch = self.scratch.astype(np.int32)
+        put(static.input_ids, host.input_ids, 0)
+        put(static.positions, host.positions, 0)
+        put(static.out_pages, host.out_pages, 0)
+        if pad:
+            static.out_pages[batch:].copy_(
+                torch.from_numpy(np.tile(scratch, (pad, 1))), non_blocking=True
+            )
+        put(static.attn.b_seq_len, host.b_seq_len, 1)
+        ctx = host.page_table.shape[1]
+        table = host.page_table
+        if pad:
+            padding = np.full((pad, ctx, 2), -1, dtype=np.int32)
+            padding[:, 0] = scratch
+            table = np.concatenate([table, padding])
+        static.attn.page_table[:, :ctx].copy_(torch.from_numpy(table), non_blocking=True)
+        if static.lora is not None:
+            b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
+            order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)
+            static.lora.b_slot.copy_(torch.from_numpy(b_slot.astype(np.int32)), non_blocking=True)
+            static.lora.token_order.copy_(torch.from_numpy(order), non_blocking=True)
+            static.lora.seg1_start.copy_(torch.from_numpy(seg1_start), non_blocking=True)
+            static.lora.seg_slot.copy_(torch.from_numpy(seg_slot), non_blocking=True)
+
+    def _capture(self, buckets: list[int]) -> None:
+        mempool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(buckets, reverse=True):  # largest first: smaller ones reuse its pool
+            static = self._static_input(bucket)
+            host = HostStep(
+                input_ids=np.zeros(bucket, np.int64),
+                positions=np.zeros(bucket, np.int64),
+                out_pages=np.tile(self.scratch.astype(np.int32), (bucket, 1)),
+                b1_start=np.arange(bucket + 1, dtype=np.int32),
+                b_seq_len=np.ones(bucket, np.int32),
+                page_table=np.tile(self.scratch.astype(np.int32), (bucket, 1, 1)),
+                b_slot=np.full(bucket, -1),
+                logits_index=np.arange(bucket),
+                logit_rows=list(range(bucket)),
+                max_new=1,
+            )
+            self._fill(static, host, bucket)
+            for _ in range(2):  # warm up: compile kernels outside the capture
+                self.model.forward(static, self.pool, self.ops, self.lora_pool)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                logits = self.model.forward(static, self.pool, self.ops, self.lora_pool)
+            self.graphs[bucket] = (graph, static, logits)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
