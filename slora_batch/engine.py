@@ -176,6 +176,23 @@ class Engine:
                     self.counters.count_result(result)
                     yield result
 
+    def prompt_logits(self, request: Request) -> torch.Tensor:
+        """Next-token logits after the request's prompt, fp32 [vocab]: for checking the engine
+        against another implementation. Runs alone: the engine must have no other work."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        seq = self._prepare(request)
+        if isinstance(seq, Result):
+            raise ValueError(seq.error)
+        self.scheduler.add(seq)
+        with torch.inference_mode():
+            while seq.remaining:
+                step = self.scheduler.schedule()
+                logits = self.runner.forward(plan_step(step))
+                seq.num_computed += step.num_new[0]
+        self.scheduler.finish(seq)
+        return logits[0].float()
+
     def _prefetch(self, lookahead: int = 8) -> None:
         """Copies the adapters of the next waiting requests into free pages on the side stream."""
         loaded = False

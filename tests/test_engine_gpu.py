@@ -1,0 +1,176 @@
+"""The engine in bf16 on a GPU against transformers + PEFT (run on the device machine).
+
+Models are random, built on the GPU from a config: SmolLM2-135M's shape (GQA 9/3 heads, tied
+embeddings) and Llama-2-7B's. First-step logits are close; greedy tokens equal the reference up to
+the first step whose top-2 logit margin is small (bf16 rounding may flip a near tie there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slora_batch import Engine, EngineConfig, Request
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "llama2-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+}
+ADAPTERS = {
+    "r1": (1, ["q_proj", "v_proj"]),
+    "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "r16": (16, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+    "r64": (64, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "r128": (128, ["k_proj", "o_proj"]),
+}
+MARGIN = 0.05  # logits closer than this at the top may swap under bf16 rounding
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def gpu_case(request, tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp(request.param)
+    config = LlamaConfig(
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        **SHAPES[request.param],
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    config.save_pretrained(root / "model")
+    weights = dict(model.state_dict())  # HF names, taken before PEFT wraps the layers
+    peft_model = None
+    for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=targets,
+            lora_dropout=0.0,
+            use_rslora=(i == 2),
+        )
+        if peft_model is None:
+            peft_model = get_peft_model(model, cfg, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_A" in pname:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+            elif "lora_B" in pname:
+                p.normal_(0, 0.02)
+    peft_model.save_pretrained(root / "adapters")
+    adapters = {name: root / "adapters" / name for name in ADAPTERS}
+    adapters[next(iter(ADAPTERS))] = root / "adapters"  # PEFT saves the first adapter at the top
+    peft_model.eval()
+    return root / "model", weights, adapters, peft_model
+
+
+def rows(vocab: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(3)
+    names = [None, *ADAPTERS, None, "r8", "r64"]
+    lengths = [5, 17, 64, 130, 300, 9, 33, 200]
+    return [
+        {
+            "id": i,
+            "adapter": names[i],
+            "max_new_tokens": 24,
+            "ignore_eos": True,
+            "prompt_token_ids": torch.randint(3, vocab, (lengths[i],), generator=gen).tolist(),
+        }
+        for i in range(len(names))
+    ]
+
+
+def reference(peft_model, row):
+    ids = torch.tensor([row["prompt_token_ids"]], device="cuda")
+    kwargs = dict(
+        max_new_tokens=row["max_new_tokens"],
+        min_new_tokens=row["max_new_tokens"],
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        attention_mask=torch.ones_like(ids),
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        if row["adapter"]:
+            peft_model.set_adapter(row["adapter"])
+            out = peft_model.generate(input_ids=ids, **kwargs)
+        else:
+            with peft_model.disable_adapter():
+                out = peft_model.generate(input_ids=ids, **kwargs)
+    return out.sequences[0, ids.shape[1] :].tolist(), [s[0].float() for s in out.scores]
+
+
+def make_engine(model_dir, weights, adapters, **knobs):
+    config = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        num_pages=200_000 if "llama" not in str(model_dir) else 60_000,
+        max_num_seqs=16,
+        **knobs,
+    )
+    return Engine(model_dir, adapters=adapters, config=config, weights=weights)
+
+
+def test_bf16_engine_matches_peft(gpu_case):
+    model_dir, weights, adapters, peft_model = gpu_case
+    engine = make_engine(model_dir, weights, adapters)
+    vocab = engine.spec.vocab_size
+    cases = rows(vocab)
+    for row in cases:  # first-step logits
+        ours = engine.prompt_logits(Request(**row))
+        _, scores = reference(peft_model, row)
+        rel = float((ours - scores[0]).norm() / scores[0].norm())
+        assert rel < 3e-2, (row["id"], row["adapter"], rel)
+    results = {r.id: r for r in engine.generate(Request(**row) for row in cases)}
+    for row in cases:
+        want, scores = reference(peft_model, row)
+        got = results[row["id"]].token_ids
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            top2 = scores[step].topk(2).values
+            if float(top2[0] - top2[1]) < MARGIN:
+                break  # a near tie: the rest may legitimately differ
+            assert a == b, (row["id"], row["adapter"], step, got, want)
+    assert engine.counters.graph_steps > 0
+
+
+def test_cuda_graph_replay_equals_eager(gpu_case):
+    model_dir, weights, adapters, _ = gpu_case
+    cases = rows(32000)
+    outputs = []
+    for graphs in (True, False):
+        engine = make_engine(model_dir, weights, adapters, cuda_graphs=graphs)
+        outputs.append(
+            {r.id: r.token_ids for r in engine.generate(Request(**row) for row in cases)}
+        )
+        assert (engine.counters.graph_steps > 0) == graphs
+        del engine
+        torch.cuda.empty_cache()
+    assert outputs[0] == outputs[1]
