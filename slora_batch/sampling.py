@@ -30,6 +30,7 @@ class SamplingBatch:
 
     temperature [S] fp32 (0 = greedy); top_k [S] int64 (0 = off); top_p [S] fp32;
     key [S] int64 from ``row_key``; step [S] int64: index of the token being drawn.
+    any_sampled: whether a row has temperature > 0 (known on the host, so greedy needs no sync).
     """
 
     temperature: torch.Tensor
@@ -37,6 +38,7 @@ class SamplingBatch:
     top_p: torch.Tensor
     key: torch.Tensor
     step: torch.Tensor
+    any_sampled: bool = True
 
     @classmethod
     def build(
@@ -50,6 +52,7 @@ class SamplingBatch:
             top_p=torch.tensor(p, dtype=torch.float32, device=device),
             key=torch.tensor(key, dtype=torch.int64, device=device),
             step=torch.tensor(step, dtype=torch.int64, device=device),
+            any_sampled=any(x > 0 for x in t),
         )
 
 
@@ -79,9 +82,9 @@ def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     draw with Gumbel-max using ``uniform_noise(key, step)``.
     """
     greedy = logits.argmax(dim=-1)
-    sampled_rows = params.temperature > 0
-    if not bool(sampled_rows.any()):
+    if not params.any_sampled:  # decided on the host: no device sync for greedy batches
         return greedy
+    sampled_rows = params.temperature > 0
     temp = torch.where(sampled_rows, params.temperature, torch.ones_like(params.temperature))
     scaled = logits.float() / temp[:, None]
     vocab = logits.shape[-1]

@@ -13,8 +13,6 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from slora_batch.config import EngineConfig
 from slora_batch.pool import PagePool
 from slora_batch.residency import AdapterResidency
@@ -170,7 +168,7 @@ class Scheduler:
         have = seq.pages.shape[0]
         if start + n > have:
             new = self.pool.alloc(PAGES_PER_TOKEN * (start + n - have)).reshape(-1, PAGES_PER_TOKEN)
-            seq.pages = np.concatenate([seq.pages, new])
+            seq.add_pages(new)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
@@ -188,8 +186,7 @@ class Scheduler:
         )
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.pages.reshape(-1))
-        seq.pages = np.zeros((0, PAGES_PER_TOKEN), dtype=np.int32)
+        self.pool.free(seq.drop_pages())
         if seq.adapter and seq.slot >= 0:
             self.residency.release(seq.adapter)
         seq.slot = -1

@@ -32,12 +32,33 @@ class Sequence:
     ignore_eos: bool
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    pages: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
+    page_buf: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
+    num_paged: int = 0  # tokens with pages; page_buf grows by doubling so appends stay O(1)
     slot: int = -1  # adapter slot while running, -1 for the base model
     text: str = ""
     finish_reason: str | None = None
     preemptions: int = 0
     detok: Detokenizer | None = None
+
+    @property
+    def pages(self) -> np.ndarray:
+        """[num_paged, 2] (K page, V page) per token, a view of the buffer."""
+        return self.page_buf[: self.num_paged]
+
+    def add_pages(self, new: np.ndarray) -> None:
+        end = self.num_paged + new.shape[0]
+        if end > self.page_buf.shape[0]:
+            grown = np.zeros((max(end, 2 * self.page_buf.shape[0], 16), 2), dtype=np.int32)
+            grown[: self.num_paged] = self.pages
+            self.page_buf = grown
+        self.page_buf[self.num_paged : end] = new
+        self.num_paged = end
+
+    def drop_pages(self) -> np.ndarray:
+        """Forgets every page and returns them (flat) for the pool."""
+        pages = self.pages.reshape(-1).copy()
+        self.num_paged = 0
+        return pages
 
     @property
     def num_tokens(self) -> int:
