@@ -1,0 +1,196 @@
+"""One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``, ``no-unified``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+
+import torch
+
+from slora_batch.bench_workload import adapter_sources
+from slora_batch.config import EngineConfig, SamplingConfig
+from slora_batch.engine import Engine
+from slora_batch.request import Request
+from slora_batch.roofline import Work
+
+log = logging.getLogger(__name__)
+
+# EngineConfig settings per system, over the defaults; base is slora with no adapters at all.
+ENGINE_SYSTEMS: dict[str, dict] = {
+    "slora": {},
+    "base": {},
+    "bmm": {"lora_layout": "bmm"},
+    "no-unified": {"unified_pool": False},
+}
+WARMUP_PROMPT = 64  # warm-up requests: prompts cut to this, a few new tokens each
+WARMUP_NEW_TOKENS = 8
+COUNTERS = (
+    "steps",
+    "decode_steps",
+    "decode_tokens",
+    "prefill_tokens",
+    "preemptions",
+    "adapter_loads",
+    "adapter_evictions",
+    "prefetch_hits",
+    "prefetch_misses",
+    "graph_steps",
+    "host_s",
+    "step_s",
+    "decode_host_s",
+    "decode_step_s",
+)
+
+
+def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
+    """Builds an engine on the shared weights, warms it up, then times the workload through it.
+
+    With ``max_seconds`` the run stops feeding requests and stops at the limit; the work counted
+    is every token computed by then: finished requests plus the done part of running ones.
+    """
+    cfg, model = ctx.config, ctx.model
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(model.device)
+    start = time.perf_counter()
+    engine = Engine(
+        model.model_dir,
+        adapters=adapter_sources(n, ctx.rank_dirs) if n else {},
+        config=EngineConfig(
+            device=str(model.device),
+            backend=cfg.backend,
+            dtype=str(model.dtype).removeprefix("torch."),
+            **overrides,
+        ),
+        sampling=SamplingConfig(ignore_eos=True),
+        weights=model.weights,
+    )
+    requests = ctx.workload.requests(0 if system == "base" else n)
+    for _ in engine.generate(_warmup(requests[: cfg.warmup_requests])):
+        pass
+    _sync(model.device)
+    setup_s = time.perf_counter() - start
+    before = _counters(engine)
+    asked = {r.id: r.max_new_tokens for r in requests}
+    deadline = None
+    work, finished, errors, mismatches, fed = Work(), 0, 0, 0, [0]
+    start = time.perf_counter()
+    if cfg.max_seconds:
+        deadline = start + cfg.max_seconds
+    results = engine.generate(_feed(requests, deadline, fed))
+    stopped = False
+    for result in results:
+        if result.finish_reason == "error":
+            errors += 1
+            if errors == 1:
+                log.error("%s@%d: %s", system, n, result.error)
+        else:
+            finished += 1
+            mismatches += result.completion_tokens != asked[result.id]
+            work.add(result.prompt_tokens, result.completion_tokens)
+        if deadline is not None and time.perf_counter() >= deadline:
+            stopped = True
+            break
+    _sync(model.device)
+    wall_s = time.perf_counter() - start
+    for prompt, generated in _partial(engine) if stopped else ():
+        work.add(prompt, generated)
+    results.close()
+    delta = {k: after - before[k] for k, after in _counters(engine).items()}
+    del engine, results
+    row = dict(
+        system=system,
+        adapters=n,
+        requests=len(requests),
+        fed=fed[0],
+        finished=finished,
+        error_rows=errors,
+        length_mismatches=mismatches,
+        truncated=stopped or fed[0] < len(requests),
+        setup_s=setup_s,
+        peak_mem_gib=_peak_gib(model.device),
+    )
+    row.update(figures(ctx, work, finished, wall_s))
+    row.update(delta)
+    row["host_share"] = _share(delta["host_s"], delta["step_s"])
+    row["decode_host_share"] = _share(delta["decode_host_s"], delta["decode_step_s"])
+    row["decode_batch"] = delta["decode_tokens"] / delta["steps"] if delta["steps"] else math.nan
+    return row
+
+
+def figures(ctx, work: Work, finished: int, wall_s: float) -> dict:
+    """The rates and the roofline fraction of a run that did ``work`` in ``wall_s`` seconds."""
+    model = ctx.model
+    floor_s = work.floor_seconds(model.num_params, model.kv_bytes_per_token, ctx.rates)
+    return dict(
+        prompt_tokens=work.prompt_tokens,
+        output_tokens=work.output_tokens,
+        wall_s=wall_s,
+        requests_per_s=finished / wall_s,
+        output_tokens_per_s=work.output_tokens / wall_s,
+        flops=work.flops(model.num_params),
+        kv_bytes=work.kv_bytes(model.kv_bytes_per_token),
+        floor_s=floor_s,
+        roofline_fraction=floor_s / wall_s,
+    )
+
+
+def _warmup(requests: list[Request]) -> list[Request]:
+    return [
+        Request(
+            id=f"warmup-{r.id}",
+            adapter=r.adapter,
+            prompt_token_ids=r.prompt_token_ids[:WARMUP_PROMPT],
+            max_new_tokens=WARMUP_NEW_TOKENS,
+            ignore_eos=True,
+            temperature=0.0,
+        )
+        for r in requests
+    ]
+
+
+def _feed(requests: Iterable[Request], deadline: float | None, fed: list[int]) -> Iterator[Request]:
+    for request in requests:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
+        fed[0] += 1
+        yield request
+
+
+def _partial(engine: Engine) -> list[tuple[int, int]]:
+    """(prompt tokens computed, tokens generated) of the requests still in the engine."""
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is None:
+        log.warning("engine has no scheduler attribute: unfinished requests are not counted")
+        return []
+    out = []
+    for seq in [*scheduler.running, *scheduler.waiting]:
+        generated = len(seq.output_ids)
+        prompt = len(seq.prompt_ids) if generated else min(seq.num_computed, len(seq.prompt_ids))
+        out.append((prompt, generated))
+    return out
+
+
+def _counters(engine: Engine) -> dict[str, float]:
+    """The counters the bench reads; host_s and step_s are NaN where the engine lacks them."""
+    values = asdict(engine.counters)
+    return {k: float(values.get(k, math.nan)) for k in COUNTERS}
+
+
+def _share(part: float, whole: float) -> float:
+    """part / whole; NaN where the engine lacks the counters or ran no such step."""
+    return part / whole if whole > 0 else math.nan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    if device.type != "cuda":
+        return math.nan
+    return torch.cuda.max_memory_allocated(device) / 2**30
