@@ -85,7 +85,7 @@ class EngineConfig:
     cpu_pool_bytes: int = 1 << 30  # pool size on cpu when num_pages is None
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # tokens per step (decode + prefill chunks)
-    max_adapters_per_batch: int = 64  # adapter clustering cap: distinct adapters running
+    max_adapters_per_batch: int = 256  # adapter clustering cap: distinct adapters running
     max_resident_adapters: int = 1024  # adapter slots on the device
     max_model_len: int | None = None  # context cap; None takes the model's
     lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
