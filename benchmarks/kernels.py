@@ -1,0 +1,152 @@
+"""Micro-benchmark of the Triton kernels on a CUDA device, next to their bandwidth/compute floors.
+
+    .venv/bin/python benchmarks/kernels.py            # Llama-2-7B (MHA) and Llama-3-8B (GQA) shapes
+    .venv/bin/python benchmarks/kernels.py --quick    # fewer points
+
+Prints one Markdown table: kernel, case, microseconds, achieved GB/s or TFLOP/s, and the fraction
+of the card's measured copy bandwidth (for memory-bound kernels) or bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+import triton.testing
+
+from kernels import attention, lora, ref, triton_ops
+from kernels.meta import AttnMeta, LoraMeta
+
+DTYPE = torch.bfloat16
+SHAPES = {"mha": (32, 32, 4096, 11008), "gqa": (32, 8, 4096, 14336)}  # heads, kv heads, H, I
+
+
+def _us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50) * 1e3
+
+
+def copy_gbps() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _us(lambda: dst.copy_(src)) / 1e3
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    return 2 * 8192**3 / _us(lambda: a @ a) / 1e6
+
+
+def attn_meta(contexts: list[int], news: list[int], kv_dim: int):
+    pages = torch.randperm(2 * sum(contexts) + 1, device="cuda").int()
+    pool = torch.randn(pages.numel(), kv_dim, dtype=DTYPE, device="cuda")
+    table = torch.full((len(contexts), max(contexts), 2), -1, dtype=torch.int32, device="cuda")
+    cursor = 0
+    for b, ctx in enumerate(contexts):
+        table[b, :ctx] = pages[cursor : cursor + 2 * ctx].view(ctx, 2)
+        cursor += 2 * ctx
+    b1 = torch.tensor([0] + news, device="cuda").cumsum(0).int()
+    seq_len = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    return pool, AttnMeta(b1, seq_len, table, max(news))
+
+
+def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]], page: int):
+    """Adapters with every target in ``dims``, rows on random pages; metadata as batch.py does."""
+    per = [r * sum(-(-i // page) + -(-o // page) for i, o in dims) for r in ranks]
+    perm = torch.randperm(sum(per), device="cuda").int()
+    slot_pages = torch.full((len(ranks), max(per)), -1, dtype=torch.int32, device="cuda")
+    offsets = torch.full((len(ranks), len(dims), 2), -1, dtype=torch.int32)
+    start = 0
+    for s, r in enumerate(ranks):
+        slot_pages[s, : per[s]] = perm[start : start + per[s]]
+        start, cursor = start + per[s], 0
+        for t, (i, o) in enumerate(dims):
+            offsets[s, t, 0], offsets[s, t, 1] = cursor, cursor + r * -(-i // page)
+            cursor += r * (-(-i // page) + -(-o // page))
+    order = torch.sort(torch.where(b_slot < 0, 1 << 40, b_slot), stable=True).indices
+    used = b_slot[order][b_slot[order] >= 0]
+    seg_slot, counts = torch.unique_consecutive(used, return_counts=True)
+    seg1 = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    rank = torch.tensor(ranks, dtype=torch.int32)
+    meta = LoraMeta(b_slot.int().cuda(), order.int().cuda(), seg1.int().cuda(),
+                    seg_slot.int().cuda(), rank.cuda(), torch.ones(len(ranks), device="cuda"),
+                    slot_pages, offsets.cuda(), int(rank[seg_slot].max()))  # fmt: skip
+    pool = torch.randn(sum(per), page, dtype=DTYPE, device="cuda")
+    return pool, meta, sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist()) * 2
+
+
+def lora_step(x, pool, meta, buf, out, dims, fns) -> None:
+    """Shrink and expand of q, k, v, o, as the model runs them."""
+    for target in range(len(dims)):
+        fns[0](x, pool, meta, target, buf)
+        fns[1](buf, pool, meta, target, out[:, : dims[target][1]])
+
+
+def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> list[tuple]:
+    heads, kv_heads, _, _ = SHAPES[kind]
+    kv_dim, rows = kv_heads * 128, []
+    for batch in batches:
+        for ctx in [512, 4096]:
+            pool, meta = attn_meta([ctx] * batch, [1] * batch, kv_dim)
+            q = torch.randn(batch, heads, 128, dtype=DTYPE, device="cuda")
+            us = _us(partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088))
+            gbs = batch * ctx * 2 * kv_dim * 2 / us / 1e3
+            splits = attention.num_splits_for(q.device, batch, kv_heads, ctx)
+            rows.append(("attention_decode", f"{kind} B={batch} ctx={ctx} splits={splits}", us,
+                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))  # fmt: skip
+            del pool
+    pool, meta = attn_meta([1024] * 8, [512] * 8, kv_dim)
+    q = torch.randn(8 * 512, heads, 128, dtype=DTYPE, device="cuda")
+    us = _us(partial(triton_ops.attention, q, pool, meta, kv_heads, 0.088))
+    tflops = 8 * heads * 128 * 4 * sum(512 + i for i in range(512)) / us / 1e6  # causal QK^T, PV
+    rows.append(("attention", f"{kind} 8 x 512 new on 512 context", us, f"{tflops:.0f} TFLOP/s",
+                 f"{tflops / rate:.2f}"))  # fmt: skip
+    return rows
+
+
+def lora_rows(kind: str, bw: float) -> list[tuple]:
+    heads, kv_heads, hidden, _ = SHAPES[kind]
+    kv_dim, rows = kv_heads * 128, []
+    dims = [(hidden, heads * 128), (hidden, kv_dim), (hidden, kv_dim), (heads * 128, hidden)]
+    for label, tokens, adapters in [("decode", 256, 256), ("decode", 256, 8), ("prefill", 4096, 8)]:
+        b_slot = torch.randint(0, adapters, (tokens,))
+        ranks = [(8, 16, 32, 64)[s % 4] for s in range(adapters)]
+        pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
+        x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+        buf = torch.zeros(tokens, meta.max_rank, device="cuda")
+        out = torch.zeros(tokens, heads * 128, dtype=DTYPE, device="cuda")
+        args = (x, pool, meta, buf, out, dims)
+        us = _us(partial(lora_step, *args, (triton_ops.lora_shrink, triton_ops.lora_expand)))
+        shape = "gemv" if lora._use_gemv(meta) else "gemm"
+        case, gbs = f"{kind} {label} T={tokens} {adapters} adapters", nbytes / us / 1e3
+        rows.append((f"lora q,k,v,o ({shape})", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))
+        if adapters == 8:
+            us = _us(partial(lora_step, *args, (ref.lora_shrink, ref.lora_expand)))
+            rows.append(("lora (torch ref)", case, us, "", ""))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    bw, rate = copy_gbps(), matmul_tflops()
+    rows = [("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"),
+            ("matmul", "8192^3 bf16", 0.0, f"{rate:.0f} TFLOP/s", "1.00")]  # fmt: skip
+    batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]
+    for kind in SHAPES:
+        rows += attention_rows(kind, batches, bw, rate) + lora_rows(kind, bw)
+    for tokens in [256, 4096]:
+        x = torch.randn(tokens, 4096, dtype=DTYPE, device="cuda")
+        w = torch.ones(4096, dtype=DTYPE, device="cuda")
+        us = _us(partial(triton_ops.rms_norm, x, w, 1e-5, x))
+        gbs = tokens * 4096 * 2 * 4 / us / 1e3  # x, residual in; y, r out
+        rows.append(("rms_norm+residual", f"T={tokens} H=4096", us, f"{gbs:.0f} GB/s",
+                     f"{gbs / bw:.2f}"))  # fmt: skip
+    print("| kernel | case | us | achieved | fraction |\n|---|---|---:|---:|---:|")
+    for name, case, us, achieved, fraction in rows:
+        print(f"| {name} | {case} | {us:.1f} | {achieved} | {fraction} |")
+
+
+if __name__ == "__main__":
+    main()
