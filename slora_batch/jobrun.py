@@ -1,0 +1,498 @@
+"""Running jobs: input rows -> sorted windows -> engine -> parts, then stats and the marker.
+
+``run_jobs`` checks every job (``check_job``: model config, adapter headers, input files, output
+directory, fan-out; no weights) before it runs any, so a bad job fails before any work. A run
+takes the output directory's lock, skips the rows already in committed parts (resume) and ends
+with ``stats.parquet`` and the completion marker. ``validate_job`` does the checks plus a look
+at the input schema and a sample of rows, and never builds an engine.
+
+Stats after a resume describe the whole output: row and token counts come from the committed
+parts; wall time, throughput and the engine counters (adapter loads, evictions, peak pool pages)
+are this run's. An adapter's ``seconds`` is this run's span from its first row entering the
+engine to its last result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.adapters import AdapterError, AdapterInfo, AdapterStore
+from slora_batch.config import ConfigError
+from slora_batch.io import InputError, iter_input_files, read_rows, to_request
+from slora_batch.job import JobConfig, fanout_adapters
+from slora_batch.ordering import fan_out, sorted_windows
+from slora_batch.request import Request, Result
+from slora_batch.sample_model import ModelNotFoundError, resolve_model
+from slora_batch.spec import ModelError, ModelSpec, read_spec
+from slora_batch.writer import (
+    OutputError,
+    OutputLock,
+    OutputWriter,
+    done_keys,
+    part_files,
+    row_key,
+    write_stats,
+    write_success,
+)
+
+logger = logging.getLogger(__name__)
+
+VALIDATE_ROWS = 200  # input rows validate_job turns into requests and tokenizes
+COUNT_JSONL_BYTES = 256 << 20  # JSONL inputs up to this size are counted for the progress total
+ERROR_EXAMPLES = 3  # error messages of a run kept for the summary
+
+
+class JobError(ValueError):
+    """A job cannot run; the message names the job and the reason."""
+
+
+# What a bad job raises; JobError wraps them with the job's name.
+JOB_ERRORS = (ConfigError, InputError, AdapterError, ModelError, ModelNotFoundError, OutputError)
+
+
+@dataclass
+class JobPlan:
+    """A checked job: what ``check_job`` learned without loading weights."""
+
+    job: JobConfig
+    model_path: Path
+    spec: ModelSpec
+    adapters: list[AdapterInfo]
+    files: list[Path]
+    rows_total: int | None  # input rows before fan-out; None when too costly to count
+    sweep: list[str | None] | None  # fan-out adapters (None = base), or None without fan-out
+
+    @property
+    def total(self) -> int | None:
+        """Output rows the job will have when complete."""
+        return None if self.rows_total is None else self.rows_total * len(self.sweep or [None])
+
+
+@dataclass
+class JobProgress:
+    """What a progress display shows; passed to the callback as rows finish."""
+
+    job: str
+    phase: str  # "loading" (model and adapters), "running", "done"
+    rows_done: int  # rows in the output, earlier runs included
+    rows_total: int | None  # None when counting the input would cost too much
+    completion_tokens: int  # generated this run
+    elapsed_s: float  # since this run's generation started
+    adapters_resident: int
+
+
+ProgressCallback = Callable[[JobProgress], None]
+
+
+@dataclass
+class JobSummary:
+    """A finished job: the stats rows as written to ``stats.parquet`` and this run's share."""
+
+    job: str
+    output: Path
+    stats: dict[str, Any]
+    adapters: list[dict[str, Any]]
+    rows_skipped: int  # already in the output when this run started
+    rows_this_run: int
+    errors: list[str] = field(default_factory=list)  # a few error messages of this run
+
+
+@dataclass
+class ValidationReport:
+    job: str
+    model: str
+    spec: ModelSpec
+    adapters: list[AdapterInfo]
+    files: list[Path]
+    rows_total: int | None  # input rows (before fan-out), None when not counted
+    sweep: list[str | None] | None
+    rows_checked: int
+    problems: list[str]  # schema and sample-row problems: runs would write error rows for them
+
+
+def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:
+    """Every job, or the one called ``name``."""
+    if name is None:
+        return jobs
+    chosen = [job for job in jobs if job.name == name]
+    if not chosen:
+        raise JobError(f"no job {name!r} (jobs: {', '.join(job.name for job in jobs)})")
+    return chosen
+
+
+def check_job(job: JobConfig) -> JobPlan:
+    """Everything that can fail a job, checked without loading weights."""
+    try:
+        device = job.engine.device
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"engine.device is {device!r} but no CUDA device is available")
+        model_path = resolve_model(job.model)
+        spec = read_spec(model_path)
+        adapters = AdapterStore(spec, job.adapters).validate_all()
+        files = iter_input_files(job.input)
+        rows_total = count_rows(files)
+        sweep = fanout_adapters(job)
+        output = Path(job.output)
+        if output.exists() and not output.is_dir():
+            raise OutputError(f"output {str(output)!r} exists and is not a directory")
+    except JOB_ERRORS as exc:
+        raise _job_error(job, exc) from exc
+    return JobPlan(job, model_path, spec, adapters, files, rows_total, sweep)
+
+
+def _job_error(job: JobConfig, exc: Exception) -> JobError:
+    message = str(exc)
+    return JobError(message if f"job {job.name!r}" in message else f"job {job.name!r}: {message}")
+
+
+def run_jobs(
+    jobs: list[JobConfig], overwrite: bool = False, progress: ProgressCallback | None = None
+) -> Iterator[JobSummary]:
+    """Check every job, then run them one by one, yielding each one's summary."""
+    plans = [check_job(job) for job in jobs]
+    for plan in plans:
+        yield run_plan(plan, overwrite=overwrite, progress=progress)
+
+
+def run_job(
+    job: JobConfig, overwrite: bool = False, progress: ProgressCallback | None = None
+) -> JobSummary:
+    return run_plan(check_job(job), overwrite=overwrite, progress=progress)
+
+
+def run_plan(
+    plan: JobPlan, overwrite: bool = False, progress: ProgressCallback | None = None
+) -> JobSummary:
+    """Run a checked job over its output directory: resume unless ``overwrite``."""
+    from slora_batch.engine import Engine  # imports torch and the model code
+
+    job, started = plan.job, time.perf_counter()
+    notify = progress or (lambda update: None)
+    try:
+        lock = OutputLock(job.output)
+    except OutputError as exc:
+        raise _job_error(job, exc) from exc
+    with lock:
+        done = set() if overwrite else done_keys(job.output)
+        total = plan.total
+        if done:
+            logger.info(
+                "job %s: %d rows already in %s, skipping them", job.name, len(done), job.output
+            )
+        notify(JobProgress(job.name, "loading", len(done), total, 0, 0.0, 0))
+        try:
+            engine = Engine(
+                plan.model_path, adapters=job.adapters, config=job.engine, sampling=job.sampling
+            )
+        except JOB_ERRORS as exc:
+            raise _job_error(job, exc) from exc
+        run = _Run(job.name, len(done), total, engine, notify)
+        with OutputWriter(job.output, job.part_rows, overwrite=overwrite, lock=lock) as writer:
+            for result in run.results(_items(plan, done)):
+                writer.write(result)
+                run.count(result)
+        wall_s = time.perf_counter() - started
+        job_row, adapter_rows = _stats(job.output, engine, run, wall_s)
+        write_stats(job.output, job_row, adapter_rows)
+        write_success(job.output, job.name, rows=job_row["rows"])
+        resident = engine.counters.adapters_resident
+        notify(
+            JobProgress(job.name, "done", job_row["rows"], total, run.tokens, run.elapsed, resident)
+        )
+    logger.info("job %s: %d rows this run, %.1f s", job.name, writer.rows_written, wall_s)
+    return JobSummary(
+        job=job.name,
+        output=Path(job.output),
+        stats=job_row,
+        adapters=adapter_rows,
+        rows_skipped=len(done),
+        rows_this_run=writer.rows_written,
+        errors=run.errors,
+    )
+
+
+def _items(plan: JobPlan, done: set) -> Iterator[Request | Result]:
+    """The job's requests and bad-row results not yet in the output, in sorted windows."""
+    job = plan.job
+    items: Iterable[Request | Result] = (
+        to_request(row, job.sampling) for row in read_rows(plan.files, job.columns)
+    )
+    if plan.sweep is not None:
+        items = fan_out(items, plan.sweep)
+    if done:
+        items = (i for i in items if row_key(i.id, i.adapter) not in done)
+    return sorted_windows(items, window=job.window)
+
+
+class _Run:
+    """This run's accounting: progress, per-adapter spans, a few error messages."""
+
+    def __init__(self, job: str, done: int, total: int | None, engine, notify) -> None:
+        self.job, self.done, self.total = job, done, total
+        self.engine, self.notify = engine, notify
+        self.rows = 0
+        self.tokens = 0
+        self.errors: list[str] = []
+        self.first_in: dict[str | None, float] = {}  # adapter -> first row handed to the engine
+        self.last_out: dict[str | None, float] = {}  # adapter -> its last result
+        self.started = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def results(self, items: Iterable[Request | Result]) -> Iterator[Result]:
+        """Engine results and the bad-row results that never reach it, as they come."""
+        passed: list[Result] = []  # bad rows met while the engine pulls requests
+
+        def requests() -> Iterator[Request]:
+            for item in items:
+                if isinstance(item, Result):
+                    passed.append(item)
+                else:
+                    self.first_in.setdefault(item.adapter, time.perf_counter())
+                    yield item
+
+        for result in self.engine.generate(requests()):
+            yield from passed
+            passed.clear()
+            self.last_out[result.adapter] = time.perf_counter()
+            yield result
+        yield from passed
+
+    def count(self, result: Result) -> None:
+        self.done += 1
+        self.rows += 1
+        self.tokens += result.completion_tokens
+        if result.error is not None and len(self.errors) < ERROR_EXAMPLES:
+            self.errors.append(result.error)
+        resident = self.engine.counters.adapters_resident
+        self.notify(
+            JobProgress(
+                self.job, "running", self.done, self.total, self.tokens, self.elapsed, resident
+            )
+        )
+
+
+def count_rows(files: list[Path]) -> int | None:
+    """Input rows: Parquet from file metadata, JSONL by counting non-blank lines when the JSONL
+    files are small enough (``COUNT_JSONL_BYTES``), else None. Every Parquet footer is read, so
+    an unreadable file fails here, before any work."""
+    jsonl = [f for f in files if f.suffix.lower() == ".jsonl"]
+    count_jsonl = sum(f.stat().st_size for f in jsonl) <= COUNT_JSONL_BYTES
+    total = 0
+    for file in files:
+        try:
+            if file not in jsonl:
+                total += pq.ParquetFile(file).metadata.num_rows
+            elif count_jsonl:
+                with open(file, "rb") as handle:
+                    total += sum(1 for line in handle if line.strip())
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{file}: cannot read: {exc}") from exc
+    return total if count_jsonl else None
+
+
+def _stats(
+    out_dir: str, engine, run: _Run, wall_s: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The job row and the per-adapter rows of ``stats.parquet`` (see the module docstring)."""
+    per_adapter = output_counts(out_dir)
+    totals = {key: sum(c[key] for c in per_adapter.values()) for key in _COUNT_KEYS}
+    counters = engine.counters
+    rate = 1.0 / wall_s if wall_s > 0 else 0.0
+    job_row = {
+        **totals,
+        "wall_s": wall_s,
+        "tokens_per_s": run.tokens * rate,
+        "requests_per_s": run.rows * rate,
+        "adapters_seen": sum(1 for a, c in per_adapter.items() if a is not None and c["ok_rows"]),
+        "adapter_loads": counters.adapter_loads,
+        "adapter_evictions": counters.adapter_evictions,
+        "prefetch_hits": counters.prefetch_hits,
+        "peak_pool_pages": counters.peak_pages,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
+    adapter_rows = []
+    for adapter in sorted(per_adapter, key=lambda a: (a is not None, a or "")):
+        counts = per_adapter[adapter]
+        span = None
+        if adapter in run.first_in and adapter in run.last_out:
+            span = run.last_out[adapter] - run.first_in[adapter]
+        adapter_rows.append(
+            {"adapter": adapter, **counts, "tokens": counts["completion_tokens"], "seconds": span}
+        )
+    return job_row, adapter_rows
+
+
+_COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
+
+
+def output_counts(out_dir: str | Path) -> dict[str | None, dict[str, int]]:
+    """Rows, ok and error rows, prompt and completion tokens per adapter over every committed
+    part (None = base model)."""
+    counts: dict[str | None, dict[str, int]] = {}
+    for _, path in part_files(out_dir):
+        table = pq.read_table(
+            path, columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"]
+        )
+        grouped = table.group_by(["adapter", "finish_reason"]).aggregate(
+            [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
+        )
+        for row in grouped.to_pylist():
+            c = counts.setdefault(row["adapter"], dict.fromkeys(_COUNT_KEYS, 0))
+            c["rows"] += row["count_all"]
+            c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
+            c["prompt_tokens"] += row["prompt_tokens_sum"]
+            c["completion_tokens"] += row["completion_tokens_sum"]
+    return counts
+
+
+def validate_job(job: JobConfig) -> ValidationReport:
+    """``check_job``, then the Parquet schemas and the first ``VALIDATE_ROWS`` rows turned into
+    requests and tokenized as the engine would. Builds no engine and loads no weights; problems
+    of rows are reported (a run writes error rows for them), problems of the job raise."""
+    from slora_batch.tokens import load_tokenizer
+
+    plan = check_job(job)
+    problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
+    tokenizer = load_tokenizer(plan.model_path)
+    limit = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
+    known = None if plan.sweep is not None else {a.name for a in plan.adapters}
+    checked = 0
+    try:
+        for row in read_rows(plan.files, job.columns):
+            if checked == VALIDATE_ROWS:
+                break
+            checked += 1
+            item = to_request(row, job.sampling)
+            if isinstance(item, Result):
+                problems.append(item.error)
+                continue
+            problem = _request_problem(item, known, tokenizer, limit)
+            if problem:
+                problems.append(f"{row.where}: {problem}")
+    except InputError as exc:
+        raise _job_error(job, exc) from exc
+    return ValidationReport(
+        job=job.name,
+        model=str(plan.model_path),
+        spec=plan.spec,
+        adapters=plan.adapters,
+        files=plan.files,
+        rows_total=plan.rows_total,
+        sweep=plan.sweep,
+        rows_checked=checked,
+        problems=problems,
+    )
+
+
+_ARROW_TYPES = {  # accepted column types; an all-null column (type null) is always fine
+    "id": (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null),
+    "adapter": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
+    "prompt": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
+    "messages": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+}
+
+
+def _schema_problems(file: Path, columns: dict[str, str]) -> list[str]:
+    if file.suffix.lower() != ".parquet":
+        return []  # JSONL has no schema: the sample of rows covers it
+    schema = pq.read_schema(file)
+    if columns["prompt"] not in schema.names and columns["messages"] not in schema.names:
+        return [
+            f"{file}: no column {columns['prompt']!r} or {columns['messages']!r}: "
+            "every row will be an error row"
+        ]
+    problems = []
+    for key, checks in _ARROW_TYPES.items():
+        name = columns[key]
+        if name in schema.names and not any(ok(schema.field(name).type) for ok in checks):
+            problems.append(
+                f"{file}: column {name!r} has type {schema.field(name).type}: "
+                "its non-null values will be error rows"
+            )
+    return problems
+
+
+def _request_problem(request: Request, known: set[str] | None, tokenizer, limit: int) -> str | None:
+    """Why the engine would turn this request into an error row, or None."""
+    if known is not None and request.adapter is not None and request.adapter not in known:
+        return f"unknown adapter {request.adapter!r} ({len(known)} adapters known)"
+    if tokenizer is None:
+        return "the model has no tokenizer, so prompt and messages cannot be tokenized"
+    try:
+        if request.prompt is not None:
+            n = len(tokenizer(request.prompt)["input_ids"])
+        else:
+            n = len(
+                tokenizer.apply_chat_template(
+                    request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+    except Exception as exc:  # tokenizers and chat templates raise many types
+        return f"cannot tokenize: {exc}"
+    if n >= limit:
+        return f"prompt of {n} tokens does not fit the context of {limit} tokens"
+    return None
+
+
+@dataclass
+class PreviewRow:
+    id: str
+    adapter: str | None
+    prompt: str
+    text: str
+    finish_reason: str
+
+
+def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
+    """A few finished outputs with their prompts, taken from the first ``scan`` input rows: with
+    fan-out one prompt across its adapters (base first), else the first outputs in input order."""
+    prompts: dict[str, str] = {}
+    try:
+        for row in read_rows(iter_input_files(job.input), job.columns):
+            if len(prompts) == scan:
+                break
+            item = to_request(row, job.sampling)
+            if isinstance(item, Request):
+                prompts.setdefault(str(item.id), _prompt_text(item))
+    except InputError:
+        return []
+    found: dict[str, list[dict[str, Any]]] = {}
+    for _, path in part_files(job.output):
+        table = pq.read_table(
+            path,
+            columns=["id", "adapter", "text", "finish_reason"],
+            filters=[("id", "in", list(prompts)), ("finish_reason", "!=", "error")],
+        )
+        for row in table.to_pylist():
+            found.setdefault(row["id"], []).append(row)
+    ids = [i for i in prompts if i in found]
+    if job.fanout is not None:
+        ids = ids[:1]
+    rows = [
+        PreviewRow(i, r["adapter"], prompts[i], r["text"], r["finish_reason"])
+        for i in ids
+        for r in sorted(found[i], key=lambda r: (r["adapter"] is not None, r["adapter"] or ""))
+    ]
+    return rows[:limit]
+
+
+def _prompt_text(request: Request) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    users = [m["content"] for m in request.messages or [] if m["role"] == "user"]
+    return users[-1] if users else (request.messages or [{"content": ""}])[-1]["content"]
