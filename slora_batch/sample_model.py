@@ -162,6 +162,17 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # The GGUF's `general.name` (a training-run label) lands here; it is no path, do not carry it.
     if "_model_name_or_path" in config.__dict__:
         del config._model_name_or_path
+    # Special tokens follow the model config (the GGUF's metadata): transformers 5.17 reads the
+    # tokenizer's eos from the GGUF as <|im_start|> and leaves pad unset.
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    if f"Hi{tokenizer.eos_token}" not in probe:
+        raise RuntimeError(f"{gguf.name}: eos {tokenizer.eos_token!r} does not end a chat turn")
     generation = model.generation_config
     generation.bos_token_id = tokenizer.bos_token_id
     generation.eos_token_id = tokenizer.eos_token_id
