@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything the GPU must check and time, in one call of the device machine.
+#   bash benchmarks/device_run.sh check   # gpu-marked tests + a short bench on every system
+#   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
+# Writes logs and results under $OUT (or ./out/device when OUT is unset).
+set -uo pipefail
+mode=${1:-check}
+out=${OUT:-out/device}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export SLORA_BATCH_COMMIT=${SLORA_BATCH_COMMIT:-$(cat benchmarks/.commit 2>/dev/null || echo unknown)}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv
+  python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+} 2>&1 | tee "$out/env.log"
+
+if [ "$mode" = check ]; then
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -x --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  mkdir -p "$out/smoke"
+  timeout 200 python3 -m slora_batch.bench_cli --systems base,slora,peft,bmm,no-unified --adapters 10 \
+    --peft-adapters 2 --requests 300 --max-input 256 --max-output 64 --max-seconds 4 --warmup-requests 8 \
+    --peft-requests 8 --peft-batch 8 --peft-max-seconds 10 --total-seconds 150 --out "$out/smoke" \
+    > "$out/smoke/bench.log" 2>&1
+  tail -25 "$out/smoke/bench.log"; cat "$out/smoke/results.md" 2>/dev/null
+elif [ "$mode" = bench ]; then
+  mkdir -p "$out/h200"
+  timeout 570 python3 -m slora_batch.bench_cli --systems base,slora,peft,bmm,no-unified \
+    --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --requests 2000 \
+    --max-seconds 25 --peft-requests 64 --peft-batch 64 --peft-max-seconds 150 --total-seconds 520 \
+    --out "$out/h200" > "$out/h200/bench.log" 2>&1
+  tail -15 "$out/h200/bench.log"; cat "$out/h200/results.md" 2>/dev/null
+fi
