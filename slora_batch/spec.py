@@ -9,6 +9,11 @@ from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 # LoRA targets in their canonical order; the page layout and kernels index them by position.
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -101,7 +106,10 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"model {str(model_dir)!r}: cannot read config.json: {exc}") from exc
-    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    # A config saved from a bare transformers config object has no "architectures": use model_type.
+    archs = cfg.get("architectures") or [
+        MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type", "?"))
+    ]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
