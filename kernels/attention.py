@@ -191,21 +191,23 @@ def attention(
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
-    Grid (ceil(max_new / 64), B, num_heads): 64 queries x 64 keys per tile, one query head.
+    Grid (ceil(max_new / BLOCK_M), B, num_heads): BLOCK_M queries x 64 keys per tile, one query
+    head; BLOCK_M 128 on 8 warps when a sequence brings 128 new tokens or more, else 64 on 4.
     """
     _check(q, pool_layer, meta, num_kv_heads)
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
     if q.shape[0] == 0 or num_seqs == 0:
         return out
-    block_m = block_n = 64
+    block_m, warps = (128, 8) if meta.max_new >= 128 else (64, 4)
+    block_n = 64
     grid = (triton.cdiv(meta.max_new, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](q, q.stride(0), q.stride(1), out, pool_layer, meta.b1_start,
                           meta.b_seq_len, meta.page_table, meta.page_table.stride(0), scale * LOG2E,
                           PAGE=pool_layer.shape[1], GROUP=num_heads // num_kv_heads,
                           HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                           BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
-                          num_warps=4, num_stages=2)  # fmt: skip
+                          num_warps=warps, num_stages=2)  # fmt: skip
     return out
 
 
@@ -244,10 +246,11 @@ def decode_splits(
     num_splits: int | None,
 ) -> torch.Tensor:
     """Decode attention in two stages. Stage 1, grid (B, num_kv_heads, num_splits): the query
-    heads of one KV head over one split of the keys, 64 keys per step (``tl.dot`` on a tile of
-    max(16, group) rows under GQA, ``tl.sum`` dot products under MHA); writes the normalized
-    partial output and its log2-sum-exp. Stage 2, grid (B, num_heads): the merge. With one split,
-    stage 1 writes the output and stage 2 is skipped. num_splits None: ``num_splits_for``.
+    heads of one KV head over one split of the keys: under GQA 64 keys per step, ``tl.dot`` on a
+    tile of max(16, group) query rows; under MHA 32 keys per step, ``tl.sum`` dot products. It
+    writes the normalized partial output and its log2-sum-exp. Stage 2, grid (B, num_heads): the
+    merge. With one split, stage 1 writes the output and stage 2 is skipped. num_splits None:
+    ``num_splits_for``.
     """
     _check(q, pool_layer, meta, num_kv_heads)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
@@ -260,7 +263,7 @@ def decode_splits(
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of two"
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64
+    block_n = 64 if group > 1 else 32  # keeps sm_90 builds near 100 registers, spill-free
     part_o = part_lse = out  # unused with one split
     if num_splits > 1:
         part_o = q.new_empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32)

@@ -31,16 +31,17 @@ from kernels.meta import LoraMeta
 # Tokens per segment at or below which the gemv shape is used (decode steps have about 1).
 GEMV_MAX_TOKENS_PER_SEGMENT = 2
 # Block sizes; the tests shrink them to reach every branch on tiny shapes. Blocks along a row are
-# also capped by the largest power of two that divides page_size; tl.dot blocks stay >= 16.
+# also capped by the largest power of two that divides page_size; tl.dot blocks stay >= 16. The
+# gemm tiles keep sm_90 builds under ~100 registers a thread, spill-free (larger ones spilled).
 BLOCKS = {
     "gemv_rank": 16,  # shrink: rank rows per program
     "gemv_k": 256,  # shrink: row elements per loop step
     "gemv_tile": 4096,  # expand: rank x columns elements per program ...
     "gemv_n": 256,  # ... and at most this many columns
     "gemm_tokens": 32,  # tokens per tile
-    "gemm_rank": 64,  # shrink: rank columns per tile
-    "gemm_k": 128,  # shrink: row elements per loop step
-    "gemm_n": 128,  # expand: columns per tile (half when the rank tile is 128)
+    "gemm_rank": 32,  # shrink: rank columns per tile
+    "gemm_k": 64,  # shrink: row elements per loop step
+    "gemm_n": 64,  # expand: columns per tile
     "segment_chunk": 128,  # segments scanned per loop step of the in-kernel block search
 }
 
@@ -239,12 +240,13 @@ def _check(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, out: torch
     assert meta.b_slot.shape[0] == x.shape[0] == meta.token_order.shape[0]
 
 
-def _launch(kernel, grid, src, pool_layer, tokens, meta, target, out, rank_cap, width, **blocks):
+def _launch(kernel, grid, src, pool_layer, tokens, meta, target, out, rank_cap, width, warps,
+            **blocks):  # fmt: skip
     """A LoRA kernel launch, in the argument order the four kernels share."""
     kernel[grid](src, src.stride(0), pool_layer, *tokens, meta.slot_rank, meta.slot_scale,
                  meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, target, out,
                  out.stride(0), rank_cap, width, PAGE=pool_layer.shape[1],
-                 NUM_TARGETS=meta.slot_offsets.shape[1], num_warps=4, **blocks)  # fmt: skip
+                 NUM_TARGETS=meta.slot_offsets.shape[1], num_warps=warps, **blocks)  # fmt: skip
 
 
 def _segments(meta: LoraMeta) -> tuple:
@@ -296,7 +298,7 @@ def shrink_gemv(x, pool_layer, meta: LoraMeta, target: int, out) -> None:
     grid = (x.shape[0], triton.cdiv(max_rank, block_r))
     tokens = (meta.b_slot, meta.token_order)
     _launch(_shrink_gemv_kernel, grid, x, pool_layer, tokens, meta, target, out, out.shape[1],
-            x.shape[1], BLOCK_R=block_r, BLOCK_K=block_k)  # fmt: skip
+            x.shape[1], 4, BLOCK_R=block_r, BLOCK_K=block_k)  # fmt: skip
 
 
 def expand_gemv(v, pool_layer, meta: LoraMeta, target: int, out) -> None:
@@ -312,11 +314,11 @@ def expand_gemv(v, pool_layer, meta: LoraMeta, target: int, out) -> None:
     grid = (v.shape[0], triton.cdiv(out.shape[1], block_n))
     tokens = (meta.b_slot, meta.token_order)
     _launch(_expand_gemv_kernel, grid, v, pool_layer, tokens, meta, target, out, v.shape[1],
-            out.shape[1], BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
+            out.shape[1], 4, BLOCK_R=block_r, BLOCK_N=block_n)  # fmt: skip
 
 
 def shrink_gemm(x, pool_layer, meta: LoraMeta, target: int, out) -> None:
-    """``lora_shrink`` in tl.dot tiles [32 tokens of one segment] x [BLOCK_R <= 64 rank rows]:
+    """``lora_shrink`` in tl.dot tiles [32 tokens of one segment] x [BLOCK_R <= 32 rank rows]:
     grid (ceil(T / 32) + S, ceil(max_rank / BLOCK_R)), an upper bound on the segment blocks."""
     _check(x, pool_layer, meta, out)
     assert x.dtype == pool_layer.dtype, "x and the pool must share a dtype for tl.dot"
@@ -328,23 +330,22 @@ def shrink_gemm(x, pool_layer, meta: LoraMeta, target: int, out) -> None:
     block_k = _pow2_divisor(pool_layer.shape[1], BLOCKS["gemm_k"])
     grid = (triton.cdiv(x.shape[0], block_t) + num_segs, triton.cdiv(max_rank, block_r))
     _launch(_shrink_gemm_kernel, grid, x, pool_layer, _segments(meta), meta, target, out,
-            out.shape[1], x.shape[1], BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
+            out.shape[1], x.shape[1], 4, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
             BLOCK_S=BLOCKS["segment_chunk"], PRECISION=_precision(x.dtype))  # fmt: skip
 
 
 def expand_gemm(v, pool_layer, meta: LoraMeta, target: int, out) -> None:
-    """``lora_expand`` in tl.dot tiles [32 tokens of one segment] x [BLOCK_N columns], the whole
-    rank (next_pow2(max_rank), at least 16) in one step: grid (ceil(T / 32) + S, ceil(d_out /
-    BLOCK_N)). v is fp32: the dot runs in tf32 (ieee for fp32 pools)."""
+    """``lora_expand`` in tl.dot tiles [32 tokens of one segment] x [64 columns], the whole rank
+    (next_pow2(max_rank), at least 16) in one step, 8 warps: grid (ceil(T / 32) + S, ceil(d_out /
+    64)). v is fp32: the dot runs in tf32 (ieee for fp32 pools)."""
     _check(v, pool_layer, meta, out)
     max_rank, num_segs = min(meta.max_rank, v.shape[1]), meta.seg_slot.shape[0]
     if v.shape[0] == 0 or num_segs == 0 or max_rank == 0:
         return
     block_t = BLOCKS["gemm_tokens"]
     block_r = max(16, triton.next_power_of_2(max_rank))
-    block_n = BLOCKS["gemm_n"] if block_r <= 64 else BLOCKS["gemm_n"] // 2
-    block_n = _pow2_divisor(pool_layer.shape[1], block_n)
+    block_n = _pow2_divisor(pool_layer.shape[1], BLOCKS["gemm_n"])
     grid = (triton.cdiv(v.shape[0], block_t) + num_segs, triton.cdiv(out.shape[1], block_n))
     _launch(_expand_gemm_kernel, grid, v, pool_layer, _segments(meta), meta, target, out,
-            v.shape[1], out.shape[1], BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
+            v.shape[1], out.shape[1], 8, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_N=block_n,
             BLOCK_S=BLOCKS["segment_chunk"], PRECISION=_precision(pool_layer.dtype))  # fmt: skip

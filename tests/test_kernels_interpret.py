@@ -264,6 +264,13 @@ DECODE_RUNS = [  # (heads, dtype, splits; None: the launcher's choice)
     ("gqa", torch.float32, None),
     ("mqa", torch.float16, 4),
 ]
+PREFILL_RUNS = [  # (heads, dtype, "short": 64-query tiles, "long": 128-query tiles)
+    ("mha", torch.float32, "short"),
+    ("gqa", torch.float16, "short"),
+    ("mqa", torch.float32, "short"),
+    ("gqa", torch.float32, "long"),
+    ("mha", torch.float16, "long"),
+]
 ATTN_SEQS = [
     (5, 5),
     (3, 20),
@@ -354,24 +361,23 @@ class TestInterpreted:
             expand(buf, pool, meta, 0, wide)
             assert torch.equal(mine, buf) and torch.equal(wide, out)
 
-    @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-    def test_attention_prefill(self, tk, heads, dtype):
+    @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
+    def test_attention_prefill(self, tk, run):
+        kind, dtype, length = run
+        num_heads, num_kv_heads = HEADS[kind]
+        seqs = ATTN_SEQS + [(130, 140)] if length == "long" else ATTN_SEQS  # 128-query tiles
         q, pool, meta = attn_case(
-            seqs=ATTN_SEQS,
-            num_heads=heads[0],
-            num_kv_heads=heads[1],
+            seqs=seqs,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=16,
             dtype=dtype,
             device="cpu",
-            seed=heads[1],
+            seed=num_kv_heads,
         )
         scale = 16**-0.5
-        assert_close(
-            tk.triton_ops.attention(q, pool, meta, heads[1], scale),
-            ref.attention(q, pool, meta, heads[1], scale),
-            dtype,
-        )
+        mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale)
+        assert_close(mine, ref.attention(q, pool, meta, num_kv_heads, scale), dtype)
 
     @pytest.mark.parametrize("run", DECODE_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
     def test_attention_decode(self, tk, run):
