@@ -25,6 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from slora_batch.bench_cli import bench
 from slora_batch.config import ConfigError
 from slora_batch.job import load_jobs
 from slora_batch.jobrun import (
@@ -45,6 +46,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.command("bench")(bench)  # DESIGN section 5; its options live with it in bench_cli.py
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line
 
@@ -78,8 +80,12 @@ def run(
         False, "--verbose", "-v", help="Also log what the engine does (model, pool, adapters)."
     ),
 ) -> None:
-    """Run the jobs of JOBS_FILE: stream the input, generate, write Parquet parts, stats and a
-    completion marker into each job's output directory. Every job is checked before any runs."""
+    """Run the jobs of JOBS_FILE.
+
+    Each job streams its input, generates, and writes Parquet parts, stats.parquet and a
+    _SUCCESS marker into its output directory; a re-run resumes. Every job is checked before
+    any runs, and a bad job stops with one message.
+    """
     _logging(quiet, verbose)
     jobs = _load(jobs_file, job)
     display = _ProgressDisplay(enabled=not quiet)
@@ -103,10 +109,12 @@ def validate(
         None, "--job", "-j", help="Validate only the job with this name (default: every job)."
     ),
 ) -> None:
-    """Check the jobs of JOBS_FILE without running them: keys, model config, every adapter
-    against the model, input files and schema, and a sample of rows (tokenized). Loads no
-    weights. Exits 1 when a job could not run; row problems are listed (a run writes error
-    rows for them) but do not fail validation."""
+    """Check the jobs of JOBS_FILE without running them (loads no weights).
+
+    Checks keys, the model config, every adapter against the model, the input files and
+    schema, and a sample of rows (tokenized). Exits 1 when a job could not run; row problems
+    are listed (a run writes error rows for them) but do not fail validation.
+    """
     _logging(quiet=False, verbose=False)
     failed = 0
     for config in _load(jobs_file, job):
@@ -233,7 +241,8 @@ def _print_summary(summary: JobSummary, job) -> None:
     for message in summary.errors:
         out.print(f"[yellow]error row:[/] {escape(message)}")
     out.print(
-        f"outputs: [bold]{escape(str(summary.output))}[/] (part-*.parquet, stats.parquet, _SUCCESS)"
+        f"outputs: [bold]{escape(_shown(summary.output))}[/] (part-*.parquet, stats.parquet, _SUCCESS)",
+        soft_wrap=True,
     )
     rows = preview(job, limit=PREVIEW_ROWS)
     if rows:
@@ -248,22 +257,28 @@ def _print_summary(summary: JobSummary, job) -> None:
         out.print(sample)
 
 
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative when under the working directory."""
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def _print_report(report: ValidationReport) -> None:
     spec = report.spec
     rows = "?" if report.rows_total is None else f"{report.rows_total:,}"
     fanout = ""
     if report.sweep is not None:
         fanout = f", fan-out over {len(report.sweep)} (base + adapters)"
-    out.print(f"[green]job {escape(report.job)}: ok[/]")
+    out.print(f"[green]job {escape(report.job)}: ok[/]", soft_wrap=True)
     out.print(
         f"  model {escape(report.model)}: {spec.architecture}, {spec.num_layers} layers, "
-        f"hidden {spec.hidden_size}, vocab {spec.vocab_size}, context {spec.max_context}"
+        f"hidden {spec.hidden_size}, vocab {spec.vocab_size}, context {spec.max_context}",
+        soft_wrap=True,
     )
     ranks = sorted({a.rank for a in report.adapters})
     out.print(f"  {len(report.adapters)} adapters" + (f", ranks {ranks}" if ranks else "") + fanout)
     out.print(f"  input: {len(report.files)} files, {rows} rows; {report.rows_checked} checked")
     for problem in report.problems[:10]:
-        out.print(f"  [yellow]row problem:[/] {escape(problem)}")
+        out.print(f"  [yellow]row problem:[/] {escape(problem)}", soft_wrap=True)
     if len(report.problems) > 10:
         out.print(f"  ... and {len(report.problems) - 10} more row problems")
 

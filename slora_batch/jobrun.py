@@ -213,7 +213,7 @@ def run_plan(
     logger.info("job %s: %d rows this run, %.1f s", job.name, writer.rows_written, wall_s)
     return JobSummary(
         job=job.name,
-        output=Path(job.output),
+        output=Path(job.output).resolve(),
         stats=job_row,
         adapters=adapter_rows,
         rows_skipped=len(done),
