@@ -117,9 +117,10 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
         out = torch.zeros(tokens, heads * 128, dtype=DTYPE, device="cuda")
         args = (x, pool, meta, buf, out, dims)
         us = _us(partial(lora_step, *args, (triton_ops.lora_shrink, triton_ops.lora_expand)))
-        shape = "gemv" if lora._use_gemv(meta) else "gemm"
+        splits = lora.shrink_splits(x.device, tokens, meta.max_rank, hidden)
         case, gbs = f"{kind} {label} T={tokens} {adapters} adapters", nbytes / us / 1e3
-        rows.append((f"lora q,k,v,o ({shape})", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))
+        rows.append((f"lora q,k,v,o (shrink splits {splits})", case, us, f"{gbs:.0f} GB/s",
+                     f"{gbs / bw:.2f}"))  # fmt: skip
         if adapters == 8:
             us = _us(partial(lora_step, *args, (ref.lora_shrink, ref.lora_expand)))
             rows.append(("lora (torch ref)", case, us, "", ""))

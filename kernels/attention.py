@@ -223,7 +223,7 @@ def attention_decode(
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a small machine, so that tests see splits
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -232,7 +232,7 @@ def _sm_count(device: torch.device) -> int:
 def num_splits_for(device: torch.device, num_seqs: int, num_kv_heads: int, max_ctx: int) -> int:
     """Splits per sequence from host ints only: enough programs for ~4 waves of the SMs, at least
     MIN_KEYS_PER_SPLIT keys of the longest context per split, a power of two <= MAX_SPLITS."""
-    want = triton.cdiv(4 * _sm_count(device), max(1, num_seqs * num_kv_heads))
+    want = triton.cdiv(4 * sm_count(device), max(1, num_seqs * num_kv_heads))
     splits = max(1, min(want, max_ctx // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from test_kernels_interpret import assert_close, attn_case, lora_case
+from test_kernels_interpret import assert_close, attn_case, lora_case, pad_segments
 
 from kernels import ref
 
@@ -78,16 +78,14 @@ def _check_lora(shrink, expand, pool, meta, dims, dtype, targets=None) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize(
-    "shape,num_tokens,popularity",
-    [("gemv", 256, "uniform"), ("gemv", 96, "skewed"), ("gemm", 2048, "skewed"),
-     ("gemm", 1024, "uniform"), ("auto", 512, "one")],
+    "num_tokens,popularity",
+    [(1, "uniform"), (16, "skewed"), (96, "skewed"), (256, "uniform"), (512, "one"),
+     (1024, "uniform"), (2048, "skewed")],
 )  # fmt: skip
-def test_lora(ops, dtype, model, shape, num_tokens, popularity):
+def test_lora(ops, dtype, model, num_tokens, popularity):
+    """Decode-sized steps (16-token blocks, split reductions) to prefill-sized ones (32)."""
     pool, meta = _lora(model, num_tokens, popularity, dtype, seed=num_tokens)
-    if shape == "auto":
-        shrink, expand = ops.triton_ops.lora_shrink, ops.triton_ops.lora_expand
-    else:
-        shrink, expand = getattr(ops.lora, f"shrink_{shape}"), getattr(ops.lora, f"expand_{shape}")
+    shrink, expand = ops.triton_ops.lora_shrink, ops.triton_ops.lora_expand
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
@@ -148,31 +146,17 @@ def test_pool_past_2_31_elements(ops):
     lora_big = torch.zeros(offset + lora_pool.shape[0], page, dtype=dtype, device="cuda")
     lora_big[offset:] = lora_pool
     far = dataclasses.replace(lora_meta, slot_pages=_shift_pages(lora_meta.slot_pages, offset))
-    for shrink, expand in ((ops.lora.shrink_gemv, ops.lora.expand_gemv),
-                           (ops.lora.shrink_gemm, ops.lora.expand_gemm)):  # fmt: skip
-        x = torch.randn(64, 4096, device="cuda").to(dtype)
-        mine = torch.zeros(64, far.max_rank, device="cuda")
-        theirs = mine.clone()
-        shrink(x, lora_big, far, 0, mine)
-        ref.lora_shrink(x, lora_pool, lora_meta, 0, theirs)
-        assert_close(mine, theirs, dtype)
-        out = torch.zeros(64, 4096, device="cuda").to(dtype)
-        mine_out, theirs_out = out.clone(), out.clone()
-        expand(theirs, lora_big, far, 0, mine_out)
-        ref.lora_expand(theirs, lora_pool, lora_meta, 0, theirs_out)
-        assert_close(mine_out, theirs_out, dtype)
-
-
-def _pad_segments(meta, num_tokens: int, max_rank: int):
-    """The runner's static layout: segments padded to T with empty slot -1 segments."""
-    extra = num_tokens - meta.seg_slot.shape[0]
-    last = meta.seg1_start[-1:].expand(extra)
-    return dataclasses.replace(
-        meta,
-        seg1_start=torch.cat([meta.seg1_start, last]).contiguous(),
-        seg_slot=torch.cat([meta.seg_slot, meta.seg_slot.new_full((extra,), -1)]),
-        max_rank=max_rank,
-    )
+    x = torch.randn(64, 4096, device="cuda").to(dtype)
+    mine = torch.zeros(64, far.max_rank, device="cuda")
+    theirs = mine.clone()
+    ops.triton_ops.lora_shrink(x, lora_big, far, 0, mine)
+    ref.lora_shrink(x, lora_pool, lora_meta, 0, theirs)
+    assert_close(mine, theirs, dtype)
+    out = torch.zeros(64, 4096, device="cuda").to(dtype)
+    mine_out, theirs_out = out.clone(), out.clone()
+    ops.triton_ops.lora_expand(theirs, lora_big, far, 0, mine_out)
+    ref.lora_expand(theirs, lora_pool, lora_meta, 0, theirs_out)
+    assert_close(mine_out, theirs_out, dtype)
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
@@ -192,7 +176,7 @@ def test_cuda_graph_decode_step(ops, kind):
         lora_pool, lora = _lora(kind == "mha" and "llama2-7b" or "llama3-8b", batch, "uniform",
                                 dtype, seed=7, b_slot=b_slot)  # fmt: skip
         x = torch.randn(batch, 4096, device="cuda").to(dtype)
-        steps.append((q, kv_pool, attn, lora_pool, _pad_segments(lora, batch, max(RANKS)), x))
+        steps.append((q, kv_pool, attn, lora_pool, pad_segments(lora, batch, max(RANKS)), x))
 
     def step(q, kv_pool, attn, lora_pool, lora, x, buf, out):
         o = ops.triton_ops.attention_decode(q, kv_pool, attn, num_kv_heads, scale)

@@ -10,6 +10,7 @@ shared with tests/test_kernels_gpu.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -212,28 +213,29 @@ def attn_case(
 # ------------------------------------------------------------------------------------- tests
 
 
-SMALL_LORA_BLOCKS = {  # blocks inside pages, several rank blocks, several segment chunks
-    "gemv_rank": 8,
-    "gemv_k": 16,
-    "gemv_tile": 32,
-    "gemv_n": 16,
-    "gemm_tokens": 16,
-    "gemm_rank": 16,
-    "gemm_k": 16,
-    "gemm_n": 16,
-    "segment_chunk": 2,
-}
+SMALL_LORA_BLOCKS = {"rank": 16, "k": 16, "n": 16, "split_min_k": 16}  # splits; blocks in pages
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
     "skewed": ("skewed", 0.1, 40, torch.float16, 32),
     "one": ("one", 0.3, 70, torch.float32, 64),
 }
-LORA_RUNS = [  # (case, kernel shape, blocks)
-    *[(case, shape, "default") for case in LORA_CASES for shape in ("gemv", "gemm")],
-    ("uniform", "gemv", "small"),
-    ("skewed", "gemm", "small"),
-    ("one", "gemm", "small"),
+LORA_RUNS = [  # (case, blocks, tokens per block; None: the launcher's choice)
+    *[(case, "default", None) for case in LORA_CASES],
+    ("uniform", "small", None),
+    ("skewed", "small", 32),
+    ("one", "small", 64),
 ]
+
+
+def pad_segments(meta: LoraMeta, num_segs: int, max_rank: int) -> LoraMeta:
+    """The runner's CUDA-graph layout: segment arrays padded with empty segments of slot -1."""
+    extra = num_segs - meta.seg_slot.shape[0]
+    return dataclasses.replace(
+        meta,
+        seg1_start=torch.cat([meta.seg1_start, meta.seg1_start[-1:].expand(extra)]),
+        seg_slot=torch.cat([meta.seg_slot, meta.seg_slot.new_full((extra,), -1)]),
+        max_rank=max_rank,
+    )
 
 
 def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
@@ -299,12 +301,16 @@ class TestInterpreted:
                 (p.name, p.kind, p.default) for p in theirs.parameters.values()
             ], name
 
-    @pytest.mark.parametrize("run", LORA_RUNS, ids=lambda r: "-".join(r))
+    @pytest.mark.parametrize("run", LORA_RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
     def test_lora_shrink_expand(self, tk, monkeypatch, run):
-        case, shape, blocks = run
+        case, blocks, block_t = run
         popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
         if blocks == "small":
             monkeypatch.setattr(tk.lora, "BLOCKS", SMALL_LORA_BLOCKS)
+            splits = tk.lora.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
+            assert splits > 1 or case != "uniform"  # the split reduction is exercised
+        if block_t is not None:
+            monkeypatch.setattr(tk.lora, "block_tokens", lambda num_tokens: block_t)
         pool, meta = lora_case(
             page=page,
             target_dims=TARGET_DIMS,
@@ -316,26 +322,27 @@ class TestInterpreted:
             device="cpu",
             seed=num_tokens,
         )
-        shrink = getattr(tk.lora, f"shrink_{shape}")
-        expand = getattr(tk.lora, f"expand_{shape}")
-        check_lora(shrink, expand, pool, meta, dtype)
+        check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta, dtype)
 
-    @pytest.mark.parametrize("popularity", ["uniform", "one"])
-    def test_lora_dispatch(self, tk, popularity):
-        """Decode-like steps (about a token per adapter) take gemv, prefill-like ones gemm."""
+    @pytest.mark.parametrize("blocks", ["default", "small"])
+    def test_lora_padded_segments(self, tk, monkeypatch, blocks):
+        """The runner's captured layout: segments padded to T with empty slot -1 segments, and
+        max_rank the largest rank of all adapters."""
+        if blocks == "small":
+            monkeypatch.setattr(tk.lora, "BLOCKS", SMALL_LORA_BLOCKS)
         pool, meta = lora_case(
             page=32,
             target_dims=TARGET_DIMS,
             ranks=[2, 5, 7, 12, 32, 4, 9],
-            num_tokens=6,
-            popularity=popularity,
-            base_share=0.0,
+            num_tokens=20,
+            popularity="skewed",
+            base_share=0.3,
             dtype=torch.float32,
             device="cpu",
             seed=5,
         )
-        assert tk.lora._use_gemv(meta) == (popularity == "uniform")
-        check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta, torch.float32)
+        check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand,
+                   pool, pad_segments(meta, 20, 32), torch.float32)  # fmt: skip
 
     def test_lora_all_base_tokens_write_nothing(self, tk):
         pool, meta = lora_case(
@@ -351,15 +358,12 @@ class TestInterpreted:
         )
         meta.b_slot.fill_(-1)
         meta.seg_slot.fill_(-1)  # a padded segment table: every segment empty of adapters
+        meta.seg1_start.fill_(0)
         x, buf, out = torch.randn(6, 64), torch.randn(6, 4), torch.randn(6, 64)
-        for shrink, expand in (
-            (tk.lora.shrink_gemv, tk.lora.expand_gemv),
-            (tk.lora.shrink_gemm, tk.lora.expand_gemm),
-        ):
-            mine, wide = buf.clone(), out.clone()
-            shrink(x, pool, meta, 0, mine)
-            expand(buf, pool, meta, 0, wide)
-            assert torch.equal(mine, buf) and torch.equal(wide, out)
+        mine, wide = buf.clone(), out.clone()
+        tk.triton_ops.lora_shrink(x, pool, meta, 0, mine)
+        tk.triton_ops.lora_expand(buf, pool, meta, 0, wide)
+        assert torch.equal(mine, buf) and torch.equal(wide, out)
 
     @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
     def test_attention_prefill(self, tk, run):
