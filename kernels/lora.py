@@ -12,7 +12,7 @@ Tiling: the step's tokens, in ``token_order`` (sorted by slot, base tokens last)
 blocks of BLOCK_T. A program takes one block and walks the segments it overlaps, one ``tl.dot``
 per segment on the rows of that segment (the others masked, so never loaded). Example, BLOCK_T 16,
 segments of 20 (slot 3), 1 (slot 7) and 1 (slot 0) tokens: block 0 = 16 tokens of slot 3, block 1
-= 4 tokens of slot 3, then slot 7, then slot 0. A popular adapter's rows are read once per 16-64 of
+= 4 tokens of slot 3, then slot 7, then slot 0. A popular adapter's rows are read once per 16-32 of
 its tokens; a decode token alone on its adapter costs its own rows. Blocks past the adapter tokens
 return at once. The grid depends on T, max_rank and the widths only, never on the segment count,
 so a captured decode step (segments padded with empty slot -1 ones) replays for any mix.
@@ -32,7 +32,7 @@ from kernels.meta import LoraMeta
 
 # Block sizes; the tests shrink them to reach every branch on tiny shapes. Blocks along a row are
 # also capped by the largest power of two dividing page_size; tl.dot blocks stay >= 16. The
-# sizes keep sm_90 builds spill-free, under ~100 registers a thread.
+# sizes keep sm_90 builds spill-free, at most 128 registers a thread.
 BLOCKS = {
     "rank": 32,  # shrink: rank columns per program
     "k": 64,  # shrink: row elements per loop step
