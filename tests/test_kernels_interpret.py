@@ -1,9 +1,9 @@
 """Triton kernels against their torch twins (kernels/ref.py) on the CPU, in Triton's interpreter.
 
-Triton chooses between compiling and interpreting when it is imported, for the whole process. So
-these tests run in a child process started with TRITON_INTERPRET=1 (``test_kernels_in_interpreter``),
-whatever the order in which pytest imports the suite's files; ``TRITON_INTERPRET=1 pytest
-tests/test_kernels_interpret.py`` runs them in-process, one by one. The case builders here are
+Triton chooses between compiling and interpreting when it is imported, for the whole process.
+So these tests run in a child process started with TRITON_INTERPRET=1
+(``test_kernels_in_interpreter``), whatever the order in which pytest imports the suite's files;
+``TRITON_INTERPRET=1 pytest tests/test_kernels_interpret.py`` runs them in-process, one by one. The case builders here are
 shared with tests/test_kernels_gpu.py.
 """
 
