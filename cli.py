@@ -145,6 +145,8 @@ def _logging(quiet: bool, verbose: bool) -> None:
     level = logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING
     handler = RichHandler(console=err, show_path=False, show_time=False)
     logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
+    if not quiet:  # the one-time conversion of the sample model takes a while: say so
+        logging.getLogger("slora_batch.sample_model").setLevel(logging.INFO)
 
 
 class _ProgressDisplay:

@@ -33,10 +33,12 @@ from slora_batch.request import Request, Result
 from slora_batch.sample_model import ModelNotFoundError, resolve_model
 from slora_batch.spec import ModelError, ModelSpec, read_spec
 from slora_batch.writer import (
+    COUNT_KEYS,
     OutputError,
     OutputLock,
     OutputWriter,
     done_keys,
+    output_counts,
     part_files,
     row_key,
     write_stats,
@@ -199,9 +201,7 @@ def run_plan(
             raise _job_error(job, exc) from exc
         run = _Run(job.name, len(done), total, engine, notify)
         with OutputWriter(job.output, job.part_rows, overwrite=overwrite, lock=lock) as writer:
-            for result in run.results(_items(plan, done)):
-                writer.write(result)
-                run.count(result)
+            run.feed(_items(plan, done), writer.write)
         wall_s = time.perf_counter() - started
         job_row, adapter_rows = _stats(job.output, engine, run, wall_s)
         write_stats(job.output, job_row, adapter_rows)
@@ -252,26 +252,25 @@ class _Run:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def results(self, items: Iterable[Request | Result]) -> Iterator[Result]:
-        """Engine results and the bad-row results that never reach it, as they come."""
-        passed: list[Result] = []  # bad rows met while the engine pulls requests
+    def feed(self, items: Iterable[Request | Result], write: Callable[[Result], None]) -> None:
+        """Hand the requests to the engine and ``write`` every result as it comes: the engine's,
+        and the bad rows' that never reach it (written as the engine pulls past them, so a long
+        run of bad rows is never held in memory)."""
 
         def requests() -> Iterator[Request]:
             for item in items:
                 if isinstance(item, Result):
-                    passed.append(item)
+                    self._done(item, write)
                 else:
                     self.first_in.setdefault(item.adapter, time.perf_counter())
                     yield item
 
         for result in self.engine.generate(requests()):
-            yield from passed
-            passed.clear()
             self.last_out[result.adapter] = time.perf_counter()
-            yield result
-        yield from passed
+            self._done(result, write)
 
-    def count(self, result: Result) -> None:
+    def _done(self, result: Result, write: Callable[[Result], None]) -> None:
+        write(result)
         self.done += 1
         self.rows += 1
         self.tokens += result.completion_tokens
@@ -309,7 +308,7 @@ def _stats(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The job row and the per-adapter rows of ``stats.parquet`` (see the module docstring)."""
     per_adapter = output_counts(out_dir)
-    totals = {key: sum(c[key] for c in per_adapter.values()) for key in _COUNT_KEYS}
+    totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS}
     counters = engine.counters
     rate = 1.0 / wall_s if wall_s > 0 else 0.0
     job_row = {
@@ -335,29 +334,6 @@ def _stats(
             {"adapter": adapter, **counts, "tokens": counts["completion_tokens"], "seconds": span}
         )
     return job_row, adapter_rows
-
-
-_COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
-
-
-def output_counts(out_dir: str | Path) -> dict[str | None, dict[str, int]]:
-    """Rows, ok and error rows, prompt and completion tokens per adapter over every committed
-    part (None = base model)."""
-    counts: dict[str | None, dict[str, int]] = {}
-    for _, path in part_files(out_dir):
-        table = pq.read_table(
-            path, columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"]
-        )
-        grouped = table.group_by(["adapter", "finish_reason"]).aggregate(
-            [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
-        )
-        for row in grouped.to_pylist():
-            c = counts.setdefault(row["adapter"], dict.fromkeys(_COUNT_KEYS, 0))
-            c["rows"] += row["count_all"]
-            c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
-            c["prompt_tokens"] += row["prompt_tokens_sum"]
-            c["completion_tokens"] += row["completion_tokens_sum"]
-    return counts
 
 
 def validate_job(job: JobConfig) -> ValidationReport:

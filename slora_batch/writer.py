@@ -1,4 +1,5 @@
-"""The output directory: Parquet parts written as rows finish, resume keys, stats, marker, lock.
+"""The output directory: Parquet parts written as rows finish, resume keys, counts, stats, the
+completion marker and the lock.
 
 ``part-NNNNN.parquet`` files of ``PART_SCHEMA``. Every file is written to a hidden temp name in
 the same directory, fsync'd and ``os.replace``d, so a committed part is always whole, also after
@@ -103,6 +104,29 @@ def part_files(out_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = ((PART_RE.match(p.name), p) for p in out_dir.iterdir())
     return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
+
+
+def output_counts(out_dir: str | Path) -> dict[str | None, dict[str, int]]:
+    """Rows, ok and error rows, prompt and completion tokens per adapter over every committed
+    part (None = base model)."""
+    counts: dict[str | None, dict[str, int]] = {}
+    for _, path in part_files(out_dir):
+        table = pq.read_table(
+            path, columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"]
+        )
+        grouped = table.group_by(["adapter", "finish_reason"]).aggregate(
+            [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
+        )
+        for row in grouped.to_pylist():
+            c = counts.setdefault(row["adapter"], dict.fromkeys(COUNT_KEYS, 0))
+            c["rows"] += row["count_all"]
+            c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
+            c["prompt_tokens"] += row["prompt_tokens_sum"]
+            c["completion_tokens"] += row["completion_tokens_sum"]
+    return counts
 
 
 class OutputLock:

@@ -21,6 +21,7 @@ from slora_batch.writer import (
     OutputWriter,
     done_ids,
     done_keys,
+    output_counts,
     read_success,
     write_stats,
     write_success,
@@ -308,3 +309,15 @@ def test_success_marker(tmp_path):
     write_success(tmp_path, "sample", 42)
     marker = read_success(tmp_path)
     assert marker["job"] == "sample" and marker["rows"] == 42 and marker["time"].endswith("Z")
+
+
+def test_output_counts_per_adapter_over_every_part(tmp_path):
+    with OutputWriter(tmp_path, part_rows=2) as writer:
+        writer.write(result(1))
+        writer.write(result(2, adapter="a", tokens=(5, 6, 7)))
+        writer.write(result(3, adapter="a", reason="error", tokens=(), error="bad"))
+    assert output_counts(tmp_path) == {
+        None: {"rows": 1, "ok_rows": 1, "error_rows": 0, "prompt_tokens": 3, "completion_tokens": 2},
+        "a": {"rows": 2, "ok_rows": 1, "error_rows": 1, "prompt_tokens": 6, "completion_tokens": 3},
+    }  # fmt: skip
+    assert output_counts(tmp_path / "missing") == {}
