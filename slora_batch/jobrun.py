@@ -338,8 +338,9 @@ def _stats(
 
 def validate_job(job: JobConfig) -> ValidationReport:
     """``check_job``, then the Parquet schemas and the first ``VALIDATE_ROWS`` rows turned into
-    requests and tokenized as the engine would. Builds no engine and loads no weights; problems
-    of rows are reported (a run writes error rows for them), problems of the job raise."""
+    requests and tokenized as the engine would. Builds no engine and loads no weights (only the
+    sample alias's one-time conversion reads its GGUF); problems of rows are reported (a run
+    writes error rows for them), problems of the job raise."""
     from slora_batch.tokens import load_tokenizer
 
     plan = check_job(job)
