@@ -139,7 +139,7 @@ class OutputLock:
     def __init__(self, out_dir: str | Path) -> None:
         import fcntl  # POSIX only, like the atomic renames the writer relies on
 
-        self.path = Path(out_dir) / LOCK_FILE
+        self.path = Path(os.path.abspath(out_dir)) / LOCK_FILE  # abspath: "a/../b" reads "b"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = open(self.path, "a+")  # noqa: SIM115 -- held until release()
         try:
