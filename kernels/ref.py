@@ -64,23 +64,38 @@ def attention(
         if n == 0:
             continue
         k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim)
-        k = k.view(ctx, num_kv_heads, head_dim).float().repeat_interleave(group, dim=1)
-        v = v.view(ctx, num_kv_heads, head_dim).float().repeat_interleave(group, dim=1)
-        qb = q[lo:hi].float()
-        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [heads, n, ctx]
+        k = k.view(ctx, num_kv_heads, head_dim).float()
+        v = v.view(ctx, num_kv_heads, head_dim).float()
+        qb = q[lo:hi].float().view(n, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", qb, k) * scale  # [kv_heads, group, n, ctx]
         q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        out[lo:hi] = (
+            torch.einsum("hgqk,khd->qhgd", probs, v).reshape(n, num_heads, head_dim).to(q.dtype)
+        )
     return out
 
 
 def attention_decode(
     q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int, scale: float
 ) -> torch.Tensor:
-    """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B)."""
-    return attention(q, pool_layer, meta, num_kv_heads, scale)
+    """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B),
+    batched over sequences: keys past a sequence's length are masked out."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    kv_dim = num_kv_heads * head_dim
+    ctx = int(meta.b_seq_len.max())
+    pages = meta.page_table[:, :ctx].long().clamp(min=0)  # [B, ctx, 2]
+    k = pool_layer[pages[..., 0], :kv_dim].view(batch, ctx, num_kv_heads, head_dim).float()
+    v = pool_layer[pages[..., 1], :kv_dim].view(batch, ctx, num_kv_heads, head_dim).float()
+    qb = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bkhd->bhgk", qb, k) * scale  # [B, kv_heads, group, ctx]
+    past_end = torch.arange(ctx, device=q.device)[None, :] >= meta.b_seq_len.long()[:, None]
+    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhgk,bkhd->bhgd", probs, v).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def gather_lora_rows(
