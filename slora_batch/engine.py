@@ -269,6 +269,14 @@ class Engine:
             ignore_eos=params.ignore_eos,
             detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
         )
+        if adapter and self.lora_pool is not self.pool:
+            own = self.store.pages(adapter)
+            if own > self.lora_pool.num_pages:
+                return Result.failed(
+                    request,
+                    f"adapter needs {own} pages, the adapter pool has {self.lora_pool.num_pages}",
+                    prompt_tokens=n,
+                )
         need = self.scheduler.pages_for(seq)
         if need > self.pool.num_pages:
             return Result.failed(

@@ -20,11 +20,11 @@ ADAPTERS = [
     ("r5-qo", 5, ["q_proj", "o_proj"], 5, False),
 ]
 
-KINDS = ("mha", "gqa", "qwen2")
+KINDS = ("mha", "gqa", "qwen2", "mistral")
 
 
 def model_config(kind: str):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=300,
@@ -67,6 +67,14 @@ def model_config(kind: str):
             num_key_value_heads=2,
             tie_word_embeddings=False,
             use_sliding_window=False,
+            **common,
+        )
+    if kind == "mistral":  # GQA with a sliding window wider than the context the tests use
+        return MistralConfig(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            sliding_window=4096,
             **common,
         )
     raise ValueError(kind)
