@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from factory import ALL, make_adapter
+from factory import ALL, make_adapter, reference
 
 from slora_batch import Engine, EngineConfig, Request
 
@@ -37,8 +36,7 @@ def sample_adapters(sample_model_dir, tmp_path_factory):
 
 
 def test_sample_model_parity_fp32(sample_model_dir, sample_adapters):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     names = [None, "r2", "r8", "r16"]
     rows = [
@@ -55,30 +53,12 @@ def test_sample_model_parity_fp32(sample_model_dir, sample_adapters):
     results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
 
     tokenizer = AutoTokenizer.from_pretrained(sample_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(sample_model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, sample_adapters["r2"], adapter_name="r2")
-    for name in ("r8", "r16"):
-        model.load_adapter(sample_adapters[name], adapter_name=name)
-    model.eval()
-    for row in rows:
-        ids = tokenizer(row["prompt"], return_tensors="pt")["input_ids"]
-        kwargs = dict(
-            max_new_tokens=10,
-            do_sample=False,
-            attention_mask=torch.ones_like(ids),
-            pad_token_id=tokenizer.eos_token_id,
-        )
-        with torch.no_grad():
-            if row["adapter"]:
-                model.set_adapter(row["adapter"])
-                out = model.generate(input_ids=ids, **kwargs)
-            else:
-                with model.disable_adapter():
-                    out = model.generate(input_ids=ids, **kwargs)
-        expected = out[0, ids.shape[1] :].tolist()
+    tokenized = [
+        {**row, "prompt_token_ids": tokenizer(row.pop("prompt"))["input_ids"]} for row in rows
+    ]
+    expected = reference(sample_model_dir, sample_adapters, tokenized)
+    for row in tokenized:
         got = results[row["id"]]
-        if tokenizer.eos_token_id in expected:
-            expected = expected[: expected.index(tokenizer.eos_token_id) + 1]
-        assert got.token_ids == expected, (row, got.text)
-        assert got.prompt_tokens == ids.shape[1]
-        assert got.text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert got.token_ids == expected[row["id"]], (row, got.text)
+        assert got.prompt_tokens == len(row["prompt_token_ids"])
+        assert got.text == tokenizer.decode(expected[row["id"]], skip_special_tokens=True)
