@@ -33,12 +33,11 @@ from slora_batch.jobrun import (
     JobError,
     JobProgress,
     JobSummary,
-    ValidationReport,
     preview,
     run_jobs,
     select_jobs,
-    validate_job,
 )
+from slora_batch.validate import ValidationReport, validate_job
 
 app = typer.Typer(
     help="Offline batch inference of one base LLM with many LoRA adapters (S-LoRA design).",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 
@@ -25,7 +25,7 @@ from slora_batch.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
 from slora_batch.sequence import Sequence
 from slora_batch.spec import read_spec
 from slora_batch.stats import EngineCounters
-from slora_batch.tokens import Detokenizer, load_tokenizer
+from slora_batch.tokens import Detokenizer, load_tokenizer, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -295,33 +295,7 @@ class Engine:
         return SamplingConfig(**merged)
 
     def _tokenize(self, request: Request) -> list[int]:
-        given = [
-            f.name
-            for f in fields(Request)
-            if f.name in ("prompt", "messages", "prompt_token_ids")
-            and getattr(request, f.name) is not None
-        ]
-        if len(given) != 1:
-            raise ValueError(
-                f"exactly one of prompt, messages, prompt_token_ids is needed, got {given or 'none'}"
-            )
-        if request.prompt_token_ids is not None:
-            ids = [int(t) for t in request.prompt_token_ids]
-            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"token ids {bad[:3]} outside the vocabulary of {self.spec.vocab_size}"
-                )
-            return ids
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.model_path} has no tokenizer: pass prompt_token_ids")
-        if request.prompt is not None:
-            if not isinstance(request.prompt, str):
-                raise TypeError(f"prompt must be a string, got {type(request.prompt).__name__}")
-            return [] if not request.prompt else self.tokenizer(request.prompt)["input_ids"]
-        return self.tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        return tokenize(request, self.tokenizer, self.spec.vocab_size, self.model_path)
 
     def _make_pools(self) -> tuple[PagePool, PagePool]:
         """One pool for KV and adapters; two (KV, adapters) in the no-unified ablation."""

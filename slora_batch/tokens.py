@@ -38,3 +38,31 @@ class Detokenizer:
         text = self.text(ids)
         cuts = [i for i in (text.find(stop) for stop in stops) if i >= 0]
         return text[: min(cuts)] if cuts else text
+
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
+def tokenize(request, tokenizer, vocab_size: int, model: object = "the model") -> list[int]:
+    """A request's prompt ids: its token ids as given, its text with the tokenizer's BOS rule,
+    or its chat messages through the model's chat template. Raises ValueError / TypeError."""
+    given = [name for name in PROMPT_FIELDS if getattr(request, name) is not None]
+    if len(given) != 1:
+        raise ValueError(
+            f"exactly one of prompt, messages, prompt_token_ids is needed, got {given or 'none'}"
+        )
+    if request.prompt_token_ids is not None:
+        ids = [int(t) for t in request.prompt_token_ids]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:3]} outside the vocabulary of {vocab_size}")
+        return ids
+    if tokenizer is None:
+        raise ValueError(f"model {model} has no tokenizer: pass prompt_token_ids")
+    if request.prompt is not None:
+        if not isinstance(request.prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(request.prompt).__name__}")
+        return tokenizer(request.prompt)["input_ids"] if request.prompt else []
+    return tokenizer.apply_chat_template(
+        request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )

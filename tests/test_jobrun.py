@@ -20,7 +20,8 @@ from factory import ALL, make_adapter
 
 from slora_batch import Engine, Request
 from slora_batch.job import load_jobs
-from slora_batch.jobrun import JobError, check_job, preview, run_job, validate_job
+from slora_batch.jobrun import JobError, check_job, preview, run_job
+from slora_batch.validate import validate_job
 from slora_batch.writer import LOCK_FILE, OutputLock, read_success
 
 CONTEXT = 256  # the tiny model's max_position_embeddings
