@@ -1,7 +1,8 @@
 """Micro-benchmark of the Triton kernels on a CUDA device, next to their bandwidth/compute floors.
 
-    .venv/bin/python benchmarks/kernels.py            # Llama-2-7B (MHA) and Llama-3-8B (GQA) shapes
-    .venv/bin/python benchmarks/kernels.py --quick    # fewer points
+    python3 -m benchmarks.kernels            # Llama-2-7B (MHA) and Llama-3-8B (GQA) shapes (run from the repo root:
+                                             # "python benchmarks/kernels.py" would import this file as "kernels")
+    python3 -m benchmarks.kernels --quick    # fewer points
 
 Prints one Markdown table: kernel, case, microseconds, achieved GB/s or TFLOP/s, and the fraction
 of the card's measured copy bandwidth (for memory-bound kernels) or bf16 matmul rate.
