@@ -23,12 +23,14 @@ def kv_write(
     """Store the step's keys and values in their pages.
 
     Semantics: pool_layer[out_pages[t, 0], :kv_dim] = k[t]; pool_layer[out_pages[t, 1], :kv_dim] = v[t]
+      for every t whose page is not -1 (the sentinel writes nothing).
     Shape: pool_layer [P, page_size]; k, v [T, kv_dim]; out_pages [T, 2] int32 (K page, V page).
     """
     kv_dim = k.shape[1]
     pages = out_pages.long()
-    pool_layer[pages[:, 0], :kv_dim] = k.to(pool_layer.dtype)
-    pool_layer[pages[:, 1], :kv_dim] = v.to(pool_layer.dtype)
+    for which, rows in enumerate((k, v)):
+        keep = pages[:, which] >= 0
+        pool_layer[pages[keep, which], :kv_dim] = rows[keep].to(pool_layer.dtype)
 
 
 def gather_kv(

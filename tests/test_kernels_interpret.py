@@ -421,6 +421,9 @@ class TestInterpreted:
         unwritten = torch.ones(40, dtype=torch.bool)
         unwritten[pages[pages >= 0].long()] = False
         assert torch.equal(mine[unwritten], before[unwritten])
+        twin = before.clone()
+        ref.kv_write(twin, k * 2, v * 2, pages)  # the twin honours the sentinel the same way
+        assert torch.equal(twin, mine)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
     @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
