@@ -45,6 +45,7 @@ class LoraMeta:
     slot_offsets [N, num_targets, 2] int32: start in slot_pages of (A, B^T) per target; -1 when
       the adapter does not target it.
     max_rank: the largest rank among this step's slots (0 when no token uses an adapter).
+    targets: the target indices some slot of the step has (host tuple).
     """
 
     b_slot: torch.Tensor
@@ -56,6 +57,9 @@ class LoraMeta:
     slot_pages: torch.Tensor
     slot_offsets: torch.Tensor
     max_rank: int
+    # Targets (indices into TARGETS) that some adapter of the step has; the model launches no
+    # LoRA kernels for the others. Host-side; every target by default.
+    targets: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
 
     def segments(self) -> Iterator[tuple[int, int, int]]:
         """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""

@@ -110,6 +110,7 @@ def lora_meta(
     seg_slot: torch.Tensor,
     residency: AdapterResidency,
     max_rank: int,
+    targets: tuple[int, ...],
 ) -> LoraMeta:
     return LoraMeta(
         b_slot=b_slot,
@@ -121,6 +122,7 @@ def lora_meta(
         slot_pages=residency.dev_pages,
         slot_offsets=residency.dev_offsets,
         max_rank=max_rank,
+        targets=targets,
     )
 
 
@@ -142,6 +144,9 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
             dev(seg_slot, torch.int32),
             residency,
             int(residency.slot_rank[seg_slot].max()),
+            tuple(
+                np.flatnonzero((residency.slot_offsets[seg_slot, :, 0] >= 0).any(axis=0)).tolist()
+            ),
         )
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),

@@ -161,5 +161,7 @@ class LlamaModel:
             return
         for target, (lo, hi) in cols.items():
             index = TARGET_INDEX[target]
+            if index not in meta.targets:
+                continue  # no adapter of the step has this target: no launch
             ops.lora_shrink(x, pool_layer, meta, index, buf)
             ops.lora_expand(buf, pool_layer, meta, index, out[:, lo:hi])

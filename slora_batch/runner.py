@@ -20,6 +20,7 @@ from slora_batch.batch import HostStep, lora_meta, lora_segments, upload
 from slora_batch.model import LlamaModel, StepInput
 from slora_batch.pool import PagePool
 from slora_batch.residency import AdapterResidency
+from slora_batch.spec import TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,11 @@ class ModelRunner:
         self.graph_steps = 0
         if use_graphs and device.type == "cuda":
             self.scratch = pool.alloc(2, "CUDA-graph padding rows")  # K and V of padding rows
-            self.max_rank = int(
-                max((residency.store.info(n).rank for n in residency.store.names), default=0)
+            infos = [residency.store.info(n) for n in residency.store.names]
+            self.max_rank = max((info.rank for info in infos), default=0)
+            # Graphs launch LoRA kernels for every target some adapter of the store has.
+            self.targets = tuple(
+                i for i, t in enumerate(TARGETS) if any(t in info.targets for info in infos)
             )
             self._capture(graph_buckets(max_batch))
 
@@ -89,6 +93,7 @@ class ModelRunner:
                 zeros(bucket),
                 self.residency,
                 self.max_rank,
+                self.targets,
             )
         return StepInput(
             input_ids=zeros(bucket, dtype=torch.int64),
