@@ -142,6 +142,11 @@ class EngineConfig:
             self.max_model_len is None or self.max_model_len >= 2,
             f"max_model_len must be >= 2, got {self.max_model_len}",
         )
+        check(
+            self.max_adapters_per_batch <= self.max_resident_adapters,
+            f"max_adapters_per_batch ({self.max_adapters_per_batch}) must not exceed "
+            f"max_resident_adapters ({self.max_resident_adapters}): running adapters stay resident",
+        )
 
 
 def check(condition: bool, message: str) -> None:
