@@ -42,6 +42,8 @@ class HostStep:
 
 
 def plan_step(step: ScheduledStep) -> HostStep:
+    if max(step.num_new) == 1:
+        return _plan_decode(step)
     ids, positions, slots, out_pages = [], [], [], []
     b1_start, seq_lens, logit_rows, logits_index = [0], [], [], []
     for seq, n in zip(step.seqs, step.num_new, strict=True):
@@ -73,6 +75,34 @@ def plan_step(step: ScheduledStep) -> HostStep:
         logits_index=np.asarray(logits_index, dtype=np.int64),
         logit_rows=logit_rows,
         max_new=max(step.num_new),
+    )
+
+
+def _plan_decode(step: ScheduledStep) -> HostStep:
+    """``plan_step`` when every sequence brings one token: one array op per field, no chunks."""
+    seqs = step.seqs
+    batch = len(seqs)
+    positions = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=batch)
+    seq_lens = positions + 1
+    # A one-token chunk draws a token unless it is a prefill cut short by the token budget.
+    ends = np.fromiter((s.num_computed + 1 == s.num_tokens for s in seqs), dtype=bool, count=batch)
+    drawn = np.flatnonzero(ends).astype(np.int64)
+    rows = np.full(batch, -1, dtype=np.int64)
+    rows[drawn] = np.arange(drawn.size)
+    table = np.full((batch, int(seq_lens.max()), 2), -1, dtype=np.int32)
+    for b, seq in enumerate(seqs):
+        table[b, : seq_lens[b]] = seq.page_buf[: seq_lens[b]]
+    return HostStep(
+        input_ids=np.fromiter((s.token(s.num_computed) for s in seqs), dtype=np.int64, count=batch),
+        positions=positions,
+        out_pages=table[np.arange(batch), positions],
+        b1_start=np.arange(batch + 1, dtype=np.int32),
+        b_seq_len=seq_lens.astype(np.int32),
+        page_table=table,
+        b_slot=np.fromiter((s.slot for s in seqs), dtype=np.int64, count=batch),
+        logits_index=drawn,
+        logit_rows=rows.tolist(),
+        max_new=1,
     )
 
 

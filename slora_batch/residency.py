@@ -77,6 +77,8 @@ class AdapterResidency:
 
     def make_room(self, need: int) -> bool:
         """Evict idle adapters, least recently used first, until ``need`` pages are free."""
+        if self.pool.num_free >= need:  # the common case, once per running sequence and step
+            return True
         for name in [n for n, r in self._resident.items() if r.refcount == 0]:
             if self.pool.num_free >= need:
                 break

@@ -42,3 +42,21 @@ def test_segments_sort_stably_with_base_last_and_pad():
     order, starts, slots = lora_segments(np.array([3, -1, 1, 3, -1, 1, 1]), pad_to=4)
     assert order.tolist() == [2, 5, 6, 0, 3, 1, 4]
     assert starts.tolist() == [0, 3, 5, 5, 5] and slots.tolist() == [1, 3, -1, -1]
+
+
+def test_decode_step_with_a_one_token_prefill_chunk():
+    """With a budget of 2 tokens, a decode and a 1-token prefill chunk share a step: only the
+    decode draws a token."""
+    sched, _, residency = make(1000, max_num_batched_tokens=2)
+    decode, prefill = seq(1, max_new=5), seq(3)
+    sched.add(decode)
+    sched.schedule()
+    decode.num_computed = 1
+    decode.output_ids.append(9)
+    sched.add(prefill)
+    step = sched.schedule()
+    assert step.num_new == [1, 1]
+    host = plan_step(step)
+    assert host.decode_only and host.logit_rows == [0, -1] and host.logits_index.tolist() == [0]
+    assert host.input_ids.tolist() == [9, 1] and host.positions.tolist() == [1, 0]
+    assert host.out_pages.tolist() == [decode.pages[1].tolist(), prefill.pages[0].tolist()]
