@@ -84,7 +84,8 @@ class EngineConfig:
     memory_fraction: float = 0.9  # of free device memory after weights (cuda) for the pool
     cpu_pool_bytes: int = 1 << 30  # pool size on cpu when num_pages is None
     max_num_seqs: int = 256  # running requests at once
-    max_num_batched_tokens: int = 2048  # tokens per step (decode + prefill chunks)
+    max_num_batched_tokens: int = 8192  # tokens per step (decode + prefill chunks): large, so
+    # the fixed cost of a step (launches, LoRA metadata) is spread over many prefill tokens
     max_adapters_per_batch: int = 256  # adapter clustering cap: distinct adapters running
     max_resident_adapters: int = 1024  # adapter slots on the device
     max_model_len: int | None = None  # context cap; None takes the model's
