@@ -23,6 +23,18 @@ ADAPTERS = [
 KINDS = ("mha", "gqa", "qwen2", "mistral")
 
 
+def tiny_spec(**overrides):
+    """A ModelSpec for tests that need no weights (2 layers, hidden 64, GQA 4/2, head_dim 16)."""
+    from slora_batch.spec import ModelSpec
+
+    fields = dict(path="tiny", architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64,
+                  intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                  max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False,
+                  o_bias=False, sliding_window=None, eos_token_ids=(2,), bos_token_id=1)  # fmt: skip
+    return ModelSpec(**{**fields, **overrides})
+
+
 def model_config(kind: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 

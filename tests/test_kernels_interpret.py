@@ -462,30 +462,11 @@ class TestInterpreted:
 
 def tiny_model():
     """A 2-layer Llama (GQA 4/2, head_dim 16, q/k/v bias) with random weights, on the CPU."""
-    from slora_batch.model import LayerWeights, LlamaModel
-    from slora_batch.spec import ModelSpec
+    from factory import tiny_spec
 
-    spec = ModelSpec(
-        path="tiny",
-        architecture="LlamaForCausalLM",
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attention_bias=True,
-        o_bias=False,
-        sliding_window=None,
-        eos_token_ids=(2,),
-        bos_token_id=1,
-    )
+    from slora_batch.model import LayerWeights, LlamaModel
+
+    spec = tiny_spec(attention_bias=True)
     gen = torch.Generator().manual_seed(0)
 
     def w(*shape: int) -> torch.Tensor:

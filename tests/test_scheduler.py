@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from factory import tiny_spec
 
 from slora_batch.adapters import AdapterInfo, AdapterWeights, to_pages
 from slora_batch.config import EngineConfig
@@ -16,27 +17,9 @@ from slora_batch.scheduler import Scheduler
 from slora_batch.sequence import Sequence
 from slora_batch.spec import ModelSpec
 
-SPEC = ModelSpec(
-    path="fake",
-    architecture="LlamaForCausalLM",
-    vocab_size=10,
-    hidden_size=8,
-    intermediate_size=8,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=4,
-    rms_norm_eps=1e-6,
-    rope_theta=1e4,
-    rope_scaling=None,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    attention_bias=False,
-    o_bias=False,
-    sliding_window=None,
-    eos_token_ids=(),
-    bos_token_id=None,
-)
+SPEC = tiny_spec(path="fake", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1,
+                 num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=512,
+                 tie_word_embeddings=True, eos_token_ids=(), bos_token_id=None)  # fmt: skip
 # page_size = kv_dim = 4; a q-only adapter of rank r takes r * (8/4 + 8/4) = 4r pages.
 
 
