@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.meta import LoraMeta
+from kernels.ref import lora_group
 
 
 def _padded_weights(
@@ -41,28 +42,56 @@ def _padded_tokens(meta: LoraMeta) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lora_shrink(
-    x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
 ) -> None:
-    """Semantics of ``kernels.ref.lora_shrink``, by padded bmm."""
+    """Semantics of ``kernels.ref.lora_shrink``, by padded bmm (one per target of the group)."""
     if meta.seg_slot.numel() == 0:
         return
-    weights = _padded_weights(pool_layer, meta, target, 0, x.shape[1])  # [S, R, d_in]
+    targets = lora_group(target)
+    width = out.shape[1] // len(targets)
+    rank = min(meta.max_rank, width)
     tokens, valid = _padded_tokens(meta)  # [S, Lmax]
-    xs = x[tokens].to(weights.dtype) * valid[:, :, None].to(weights.dtype)
-    y = torch.bmm(xs, weights.transpose(1, 2)).float()  # [S, Lmax, R]
-    out[tokens[valid], : meta.max_rank] = y[valid].to(out.dtype)
+    for j, t in enumerate(targets):
+        weights = _padded_weights(pool_layer, meta, t, 0, x.shape[1])[:, :rank]  # [S, R, d_in]
+        xs = x[tokens].to(weights.dtype) * valid[:, :, None].to(weights.dtype)
+        y = torch.bmm(xs, weights.transpose(1, 2)).float()  # [S, Lmax, R]
+        keep = valid & _has(meta, t, 0)[:, None]
+        out[tokens[keep], j * width : j * width + rank] = y[keep].to(out.dtype)
 
 
 def lora_expand(
-    v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+    v: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
+    cols: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
-    """Semantics of ``kernels.ref.lora_expand``, by padded bmm."""
+    """Semantics of ``kernels.ref.lora_expand``, by padded bmm (one per target of the group)."""
     if meta.seg_slot.numel() == 0:
         return
-    weights = _padded_weights(pool_layer, meta, target, 1, out.shape[1])  # [S, R, d_out]
+    targets = lora_group(target)
+    cols = cols if cols is not None else ((0, out.shape[1]),)
+    width = v.shape[1] // len(targets)
+    rank = min(meta.max_rank, width)
     tokens, valid = _padded_tokens(meta)
-    vs = v[tokens, : meta.max_rank].to(weights.dtype) * valid[:, :, None].to(weights.dtype)
     scale = meta.slot_scale[meta.seg_slot.long().clamp(min=0)].float()
-    delta = torch.bmm(vs, weights).float() * scale[:, None, None]  # [S, Lmax, d_out]
-    rows = tokens[valid]
-    out[rows] = (out[rows].float() + delta[valid]).to(out.dtype)
+    for j, t in enumerate(targets):
+        c0, c1 = cols[j]
+        weights = _padded_weights(pool_layer, meta, t, 1, c1 - c0)[:, :rank]  # [S, R, d_out]
+        vs = v[tokens, j * width : j * width + rank].to(weights.dtype)
+        vs = vs * valid[:, :, None].to(weights.dtype)
+        delta = torch.bmm(vs, weights).float() * scale[:, None, None]  # [S, Lmax, d_out]
+        keep = valid & _has(meta, t, 1)[:, None]
+        rows = tokens[keep]
+        out[rows, c0:c1] = (out[rows, c0:c1].float() + delta[keep]).to(out.dtype)
+
+
+def _has(meta: LoraMeta, target: int, which: int) -> torch.Tensor:
+    """[S] bool: the segment's adapter has the target (rows of the others stay untouched)."""
+    slots = meta.seg_slot.long().clamp(min=0)
+    return (meta.seg_slot >= 0) & (meta.slot_offsets[slots, target, which] >= 0)

@@ -69,15 +69,18 @@ def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which,
     return start, rank, pages_ptr + slot.to(tl.int64) * pages_stride + start
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target", "out_stride", "rank_cap"])
+@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
+                               "out_stride", "rank_cap"])  # fmt: skip
 def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
                    num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride, offsets_ptr,
-                   target, out_ptr, out_stride, rank_cap, d_in, k_per_split, PAGE: tl.constexpr,
-                   NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
+                   target0, target1, target2, rank_blocks, out_ptr, out_stride, rank_cap, d_in,
+                   k_per_split, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
-    r0 = tl.program_id(1) * BLOCK_R
+    j = tl.program_id(1) // rank_blocks  # the group's j-th target; its rows at columns j * rank_cap
+    r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(d_in, k_lo + k_per_split)
     seg = _first_segment(seg1_start_ptr, num_segs, b0)
@@ -88,10 +91,10 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
     rows = r0 + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     if not PARTIAL:
-        dst = out_ptr + tok[:, None] * out_stride + rows[None, :]
+        dst = out_ptr + tok[:, None] * out_stride + j * rank_cap + rows[None, :]
     else:  # partial sums [splits, T, out_stride], added up by _shrink_reduce_kernel
         part = tl.program_id(2) * num_tokens + tok
-        dst = out_ptr + part[:, None] * out_stride + rows[None, :]
+        dst = out_ptr + part[:, None] * out_stride + j * rank_cap + rows[None, :]
     lo = tl.load(seg1_start_ptr + seg)
     hi = tl.load(seg1_start_ptr + seg + 1)
     while (lo < b0 + BLOCK_T) & (lo < hi):
@@ -118,12 +121,15 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "target", "part_stride", "rank_cap"])
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "target0", "target1", "target2",
+                               "part_stride", "rank_cap"])  # fmt: skip
 def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_ptr, rank_ptr,
-                          offsets_ptr, target, out_ptr, out_stride, rank_cap,
+                          offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_SPLIT: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
+    j = tl.program_id(1)
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     slot = tl.load(b_slot_ptr + t)
     if slot < 0:
         return
@@ -133,26 +139,36 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
         return
     rows = tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_SPLIT)
-    part_ptrs = part_ptr + (splits[:, None] * num_tokens + t).to(tl.int64) * part_stride + rows
+    part_ptrs = (part_ptr + (splits[:, None] * num_tokens + t).to(tl.int64) * part_stride
+                 + j * rank_cap + rows)  # fmt: skip
     live = (splits < num_splits)[:, None] & (rows < rank)[None, :]
     total = tl.sum(tl.load(part_ptrs, mask=live, other=0.0), 0)
-    tl.store(out_ptr + t.to(tl.int64) * out_stride + rows, total, mask=rows < rank)
+    tl.store(out_ptr + t.to(tl.int64) * out_stride + j * rank_cap + rows, total, mask=rows < rank)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target", "v_stride", "rank_cap"])
+@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
+                               "v_stride", "rank_cap"])  # fmt: skip
 def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
                    num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride, offsets_ptr,
-                   target, out_ptr, out_stride, rank_cap, d_out, PAGE: tl.constexpr,
+                   target0, target1, target2, col0, col1, col2, width0, width1, width2, blocks1,
+                   blocks2, out_ptr, out_stride, rank_cap, PAGE: tl.constexpr,
                    NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
     seg = _first_segment(seg1_start_ptr, num_segs, b0)
     if seg >= num_segs:
         return
+    # Column blocks of the group's targets one after another: target j owns blocks
+    # [blocks_j, blocks_j+1) (blocks_0 = 0) and writes columns col_j .. col_j + width_j of out.
+    nb = tl.program_id(1)
+    j = (nb >= blocks1).to(tl.int32) + (nb >= blocks2).to(tl.int32)
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
+    col = tl.where(j == 0, col0, tl.where(j == 1, col1, col2))
+    d_out = tl.where(j == 0, width0, tl.where(j == 1, width1, width2))
+    n0 = (nb - tl.where(j == 0, 0, tl.where(j == 1, blocks1, blocks2))) * BLOCK_N
     ii = b0 + tl.arange(0, BLOCK_T)
     tok = tl.load(token_order_ptr + ii, mask=ii < num_tokens, other=0).to(tl.int64)
     rows = tl.arange(0, BLOCK_R)
-    n0 = tl.program_id(1) * BLOCK_N
     cols = tl.arange(0, BLOCK_N)
     col_live = n0 + cols < d_out
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -167,7 +183,7 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         if (slot >= 0) & (start >= 0):
             in_seg = (ii >= lo) & (ii < hi)
             row_live = rows < rank
-            v_ptrs = v_ptr + tok[:, None] * v_stride + rows[None, :]
+            v_ptrs = v_ptr + tok[:, None] * v_stride + j * rank_cap + rows[None, :]
             vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
             page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
             page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
@@ -179,7 +195,7 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         seg += 1
         lo = hi
         hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
-    o_ptrs = out_ptr + tok[:, None] * out_stride + n0 + cols[None, :]
+    o_ptrs = out_ptr + tok[:, None] * out_stride + col + n0 + cols[None, :]
     live = touched[:, None] & col_live[None, :]
     tl.store(o_ptrs, tl.load(o_ptrs, mask=live).to(tl.float32) + acc, mask=live)
 
@@ -209,80 +225,124 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def shrink_splits(device: torch.device, num_tokens: int, max_rank: int, d_in: int) -> int:
+def _group(target: int | tuple[int, ...]) -> tuple[int, int, int]:
+    """A target or a group of up to 3 sharing one input, padded to 3 for the kernels' scalars."""
+    targets = (target,) if isinstance(target, int) else tuple(target)
+    assert 1 <= len(targets) <= 3, f"1 to 3 targets per launch, got {targets}"
+    return targets + (targets[-1],) * (3 - len(targets))
+
+
+def shrink_splits(device: torch.device, num_tokens: int, max_rank: int, d_in: int,
+                  num_targets: int = 1) -> int:  # fmt: skip
     """Splits of the reduction, from host ints only: enough programs for ~4 waves of the SMs,
     each split at least BLOCKS["split_min_k"] elements long."""
     block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
-    programs = triton.cdiv(num_tokens, block_tokens(num_tokens)) * triton.cdiv(max_rank, block_r)
+    programs = (triton.cdiv(num_tokens, block_tokens(num_tokens))
+                * triton.cdiv(max_rank, block_r) * num_targets)  # fmt: skip
     want = triton.cdiv(4 * sm_count(device), programs)
     return max(1, min(want, d_in // BLOCKS["split_min_k"], 64))
 
 
 def lora_shrink(
-    x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
 ) -> None:
     """First LoRA factor, gathered from pool pages, a different rank per adapter.
 
-    Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t, :rank[s]] = x[t] @ A_s^T   (A_s: rank[s] rows of d_in, read from pages)
-    Rows without adapter (slot -1) or whose adapter lacks the target are left untouched.
-    Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, max_rank] (fp32 or x's dtype).
-    Grid (ceil(T / BLOCK_T), ceil(max_rank / 32), splits): tl.dot tiles [BLOCK_T, 64] x [64, 32]
-    on 8 warps; with splits > 1 a second kernel, grid (T,), adds the fp32 partial sums into out.
+    Semantics: ``target`` is one target index or a group of up to 3 that share the input x (q, k,
+    v or gate, up); target j of the group writes columns j * R .. j * R + rank of out, with
+    R = out.shape[1] // len(group). For each token t with slot s = b_slot[t] >= 0 and target
+    present in s:  out[t, j*R : j*R + rank[s]] = x[t] @ A_s^T  (A_s: rank[s] rows of d_in, read
+    from pages). Rows without adapter (slot -1) or whose adapter lacks the target are untouched.
+    Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, G * R] (fp32 or x's dtype).
+    Grid (ceil(T / BLOCK_T), G * ceil(max_rank / 32), splits): one launch for the whole group;
+    tl.dot tiles [BLOCK_T, BLOCK_K] x [BLOCK_K, 32] on 8 warps; with splits > 1 a second
+    kernel, grid (T, G), adds the fp32 partial sums into out.
     """
     _check(x, pool_layer, meta, out)
     assert x.dtype == pool_layer.dtype, "x and the pool must share a dtype for tl.dot"
+    targets = _group(target)
+    group = 1 if isinstance(target, int) else len(target)
     num_tokens, d_in = x.shape
-    max_rank, num_segs = min(meta.max_rank, out.shape[1]), meta.seg_slot.shape[0]
+    rank_cap = out.shape[1] // group
+    max_rank, num_segs = min(meta.max_rank, rank_cap), meta.seg_slot.shape[0]
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
     block_t, block_k = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["k"])
     block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
-    splits = shrink_splits(x.device, num_tokens, max_rank, d_in)
+    rank_blocks = triton.cdiv(max_rank, block_r)
+    splits = shrink_splits(x.device, num_tokens, max_rank, d_in, group)
     k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
     splits = triton.cdiv(d_in, k_per_split)  # every split has work
     partial = splits > 1
     dst = out.new_empty(splits, num_tokens, out.shape[1], dtype=torch.float32) if partial else out
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(max_rank, block_r), splits)
+    grid = (triton.cdiv(num_tokens, block_t), group * rank_blocks, splits)
     _shrink_kernel[grid](
         x, x.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot, num_tokens,
         num_segs, meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
-        meta.slot_offsets, target, dst, dst.stride(-2), out.shape[1], d_in, k_per_split,
-        PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t, BLOCK_R=block_r,
-        BLOCK_K=block_k, PARTIAL=partial, PRECISION=_precision(x.dtype), num_warps=8)  # fmt: skip
+        meta.slot_offsets, *targets, rank_blocks, dst, dst.stride(-2), rank_cap, d_in,
+        k_per_split, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
+        BLOCK_R=block_r, BLOCK_K=block_k, PARTIAL=partial, PRECISION=_precision(x.dtype),
+        num_warps=8)  # fmt: skip
     if partial:
-        _shrink_reduce_kernel[(num_tokens,)](
+        _shrink_reduce_kernel[(num_tokens, group)](
             dst, dst.stride(1), splits, num_tokens, meta.b_slot, meta.slot_rank, meta.slot_offsets,
-            target, out, out.stride(0), out.shape[1], NUM_TARGETS=meta.slot_offsets.shape[1],
-            BLOCK_R=triton.next_power_of_2(out.shape[1]),
+            *targets, out, out.stride(0), rank_cap, NUM_TARGETS=meta.slot_offsets.shape[1],
+            BLOCK_R=triton.next_power_of_2(rank_cap),
             BLOCK_SPLIT=triton.next_power_of_2(splits), num_warps=4)  # fmt: skip
 
 
 def lora_expand(
-    v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+    v: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
+    cols: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
     """Second LoRA factor, added in place into the base projection's output.
 
-    Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t] += (v[t, :rank[s]] @ B_s^T) * scale[s]   (B_s^T: rank[s] rows of d_out, from pages)
-    Shape: v [T, max_rank]; pool_layer [P, page_size]; out [T, d_out] (may be a column slice).
-    Grid (ceil(T / BLOCK_T), ceil(d_out / 32)): tl.dot tiles [BLOCK_T, R] x [R, 32] with the
-    whole rank R = next_pow2(max_rank) (at least 16) in one step, on 8 warps. v is fp32: the dot
-    runs in tf32 (ieee for fp32 pools).
+    Semantics: ``target`` is one target index or a group of up to 3 (as in ``lora_shrink``, whose
+    out is v); target j adds into columns cols[j] = (lo, hi) of out (default: all of out, for
+    one target). For each token t with slot s = b_slot[t] >= 0 and target present in s:
+      out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T) * scale[s]
+    (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group)).
+    Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
+    Grid (ceil(T / BLOCK_T), column blocks of all G targets): tl.dot tiles [BLOCK_T, R'] x
+    [R', BLOCK_N] with the whole rank R' = next_pow2(max_rank) (at least 16) in one step, on 8
+    warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
     """
     _check(v, pool_layer, meta, out)
-    num_tokens, d_out = out.shape
-    max_rank, num_segs = min(meta.max_rank, v.shape[1]), meta.seg_slot.shape[0]
+    group = 1 if isinstance(target, int) else len(target)
+    targets = _group(target)
+    cols = cols if cols is not None else ((0, out.shape[1]),)
+    assert len(cols) == group, f"{group} targets, {len(cols)} column ranges"
+    num_tokens = out.shape[0]
+    rank_cap = v.shape[1] // group
+    max_rank, num_segs = min(meta.max_rank, rank_cap), meta.seg_slot.shape[0]
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
     block_t, block_n = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["n"])
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(d_out, block_n))
+    widths = [hi - lo for lo, hi in cols]
+    blocks = [triton.cdiv(w, block_n) for w in widths]
+    starts = [lo for lo, _ in cols]
+    widths += [widths[-1]] * (3 - group)
+    starts += [starts[-1]] * (3 - group)
+    blocks1 = blocks[0]
+    blocks2 = blocks1 + (blocks[1] if group > 1 else 0)
+    total_blocks = sum(blocks)
+    blocks2 = blocks2 if group > 2 else total_blocks  # no third target: no block reaches it
+    blocks1 = blocks1 if group > 1 else total_blocks
+    grid = (triton.cdiv(num_tokens, block_t), total_blocks)
     _expand_kernel[grid](
         v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot, num_tokens,
         num_segs, meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
-        meta.slot_offsets, target, out, out.stride(0), v.shape[1], d_out, PAGE=page,
-        NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
+        meta.slot_offsets, *targets, *starts, *widths, blocks1, blocks2, out, out.stride(0),
+        rank_cap, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
         PRECISION=_precision(pool_layer.dtype), num_warps=8)  # fmt: skip

@@ -117,41 +117,73 @@ def gather_lora_rows(
     return pool_layer[pages].reshape(rank, per_row * page_size)[:, :width]
 
 
+def lora_group(target: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The targets of one LoRA launch: a target index, or a group of up to 3 sharing an input."""
+    targets = (target,) if isinstance(target, int) else tuple(target)
+    assert 1 <= len(targets) <= 3, f"1 to 3 targets per launch, got {targets}"
+    return targets
+
+
 def lora_shrink(
-    x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
 ) -> None:
     """First LoRA factor, gathered from pool pages, a different rank per adapter.
 
-    Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t, :rank[s]] = x[t] @ A_s^T   (A_s: rank[s] rows of d_in, read from pages)
-    Rows without adapter (slot -1) or whose adapter lacks the target are left untouched.
-    Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, max_rank] (fp32 or x's dtype).
+    Semantics: ``target`` is one target index or a group of up to 3 that share the input x (q, k,
+    v or gate, up); target j of the group writes columns j * R .. j * R + rank of out, with
+    R = out.shape[1] // len(group). For each token t with slot s = b_slot[t] >= 0 and target
+    present in s:  out[t, j*R : j*R + rank[s]] = x[t] @ A_s^T  (A_s: rank[s] rows of d_in, read
+    from pages). Rows without adapter (slot -1) or whose adapter lacks the target are untouched.
+    Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, G * R] (fp32 or x's dtype).
     """
+    targets = lora_group(target)
+    width = out.shape[1] // len(targets)
     for s, lo, hi in meta.segments():
-        if int(meta.slot_offsets[s, target, 0]) < 0:
-            continue
         idx = meta.token_order[lo:hi].long()
-        a = gather_lora_rows(pool_layer, meta, s, target, 0, x.shape[1])
-        out[idx, : a.shape[0]] = (x[idx].float() @ a.float().T).to(out.dtype)
+        for j, t in enumerate(targets):
+            if int(meta.slot_offsets[s, t, 0]) < 0:
+                continue
+            a = gather_lora_rows(pool_layer, meta, s, t, 0, x.shape[1])[:width]
+            out[idx, j * width : j * width + a.shape[0]] = (x[idx].float() @ a.float().T).to(
+                out.dtype
+            )
 
 
 def lora_expand(
-    v: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, target: int, out: torch.Tensor
+    v: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
+    cols: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
     """Second LoRA factor, added in place into the base projection's output.
 
-    Semantics: for each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t] += (v[t, :rank[s]] @ B_s^T) * scale[s]   (B_s^T: rank[s] rows of d_out, from pages)
-    Shape: v [T, max_rank]; pool_layer [P, page_size]; out [T, d_out] (may be a column slice).
+    Semantics: ``target`` is one target index or a group of up to 3 (as in ``lora_shrink``, whose
+    out is v); target j adds into columns cols[j] = (lo, hi) of out (default: all of out, for
+    one target). For each token t with slot s = b_slot[t] >= 0 and target present in s:
+      out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T) * scale[s]
+    (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group)).
+    Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
     """
-    d_out = out.shape[1]
+    targets = lora_group(target)
+    cols = cols if cols is not None else ((0, out.shape[1]),)
+    assert len(cols) == len(targets), f"{len(targets)} targets, {len(cols)} column ranges"
+    width = v.shape[1] // len(targets)
     for s, lo, hi in meta.segments():
-        if int(meta.slot_offsets[s, target, 1]) < 0:
-            continue
         idx = meta.token_order[lo:hi].long()
-        b = gather_lora_rows(pool_layer, meta, s, target, 1, d_out)
-        delta = (v[idx, : b.shape[0]].float() @ b.float()) * float(meta.slot_scale[s])
-        out[idx] = (out[idx].float() + delta).to(out.dtype)
+        for j, t in enumerate(targets):
+            if int(meta.slot_offsets[s, t, 1]) < 0:
+                continue
+            c0, c1 = cols[j]
+            b = gather_lora_rows(pool_layer, meta, s, t, 1, c1 - c0)[:width]
+            vs = v[idx, j * width : j * width + b.shape[0]].float()
+            delta = (vs @ b.float()) * float(meta.slot_scale[s])
+            out[idx, c0:c1] = (out[idx, c0:c1].float() + delta).to(out.dtype)
 
 
 def rms_norm(

@@ -113,8 +113,8 @@ class LlamaModel:
         attend = ops.attention_decode if step.decode_only else ops.attention
         lora_buf = None
         if step.lora is not None and step.lora.max_rank > 0:
-            lora_buf = torch.zeros(
-                x.shape[0], step.lora.max_rank, dtype=torch.float32, device=x.device
+            lora_buf = torch.zeros(  # fp32 [T, 3 * max_rank]: a group of up to 3 targets
+                x.shape[0], 3 * step.lora.max_rank, dtype=torch.float32, device=x.device
             )
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
@@ -156,12 +156,16 @@ class LlamaModel:
         buf: torch.Tensor | None,
         ops: ModuleType,
     ) -> None:
-        """Adds each target's LoRA delta into its column range of the fused output, in place."""
+        """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
+        column ranges of the fused output, in place: one shrink and one expand launch for the
+        targets of the group that some adapter of the step has."""
         if buf is None:
             return
-        for target, (lo, hi) in cols.items():
-            index = TARGET_INDEX[target]
-            if index not in meta.targets:
-                continue  # no adapter of the step has this target: no launch
-            ops.lora_shrink(x, pool_layer, meta, index, buf)
-            ops.lora_expand(buf, pool_layer, meta, index, out[:, lo:hi])
+        group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
+        group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
+        if not group:
+            return  # no adapter of the step has a target of this group: no launch
+        targets = tuple(index for index, _ in group)
+        v = buf[:, : len(group) * meta.max_rank]
+        ops.lora_shrink(x, pool_layer, meta, targets, v)
+        ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))

@@ -13,7 +13,13 @@ import os
 
 import pytest
 import torch
-from test_kernels_interpret import assert_close, attn_case, lora_case, pad_segments
+from test_kernels_interpret import (
+    assert_close,
+    attn_case,
+    check_lora_groups,
+    lora_case,
+    pad_segments,
+)
 
 from kernels import ref
 
@@ -73,6 +79,8 @@ def _check_lora(shrink, expand, pool, meta, dims, dtype, targets=None) -> None:
         expand(buf, pool, meta, index, mine[:, 32 : 32 + d_out])
         ref.lora_expand(buf, pool, meta, index, theirs[:, 32 : 32 + d_out])
         assert_close(mine, theirs, dtype)
+    if targets is None:
+        check_lora_groups(shrink, expand, pool, meta, dims, dtype, torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

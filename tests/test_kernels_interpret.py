@@ -254,6 +254,38 @@ def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
         expand(buf, pool, meta, index, mine[:, 8 : 8 + d_out])  # out: a column slice
         ref.lora_expand(buf, pool, meta, index, theirs[:, 8 : 8 + d_out])
         assert_close(mine, theirs, dtype)
+    check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, gen)
+
+
+GROUPS = [(0, 1, 2), (3,), (4, 5), (6,), (0, 2), (1, 2)]  # q k v; o; gate up; down; partial groups
+
+
+def check_lora_groups(shrink, expand, pool, meta, dims, dtype, gen) -> None:
+    """One launch for a group of targets sharing an input equals one ref call per target: the
+    group's rank columns of the buffer side by side, each target into its own output columns."""
+    device = pool.device
+    widths = list(dims.values())
+    for group in GROUPS:
+        d_in = widths[group[0]][0]
+        rank = meta.max_rank
+        x = torch.randn(meta.b_slot.shape[0], d_in, generator=gen).to(device, dtype)
+        buf = torch.randn(x.shape[0], len(group) * rank + 5, generator=gen).to(device)
+        mine, theirs = buf.clone(), buf.clone()
+        shrink(x, pool, meta, group, mine[:, : len(group) * rank])
+        for j, t in enumerate(group):
+            ref.lora_shrink(x, pool, meta, t, theirs[:, j * rank : (j + 1) * rank])
+        assert_close(mine, theirs, dtype)
+        cols, lo = [], 3
+        for t in group:
+            cols.append((lo, lo + widths[t][1]))
+            lo += widths[t][1] + 2
+        wide = torch.randn(x.shape[0], lo + 4, generator=gen).to(device, dtype)
+        mine, theirs = wide.clone(), wide.clone()
+        v = buf[:, : len(group) * rank]
+        expand(v, pool, meta, group, mine, tuple(cols))
+        for j, (t, (c0, c1)) in enumerate(zip(group, cols, strict=True)):
+            ref.lora_expand(buf[:, j * rank : (j + 1) * rank], pool, meta, t, theirs[:, c0:c1])
+        assert_close(mine, theirs, dtype)
 
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1)}
