@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call of the device machine.
-#   bash benchmarks/device_run.sh check   # gpu-marked tests + a short bench on every system
+#   bash benchmarks/device_run.sh check   # gpu-marked tests, LoRA kernel timings, engine profile
+#   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
 set -uo pipefail
@@ -15,7 +16,16 @@ export SLORA_BATCH_COMMIT=${SLORA_BATCH_COMMIT:-$(cat benchmarks/.commit 2>/dev/
 } 2>&1 | tee "$out/env.log"
 
 if [ "$mode" = check ]; then
-  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -x --durations=10 tests/test_kernels_gpu.py tests/test_engine_gpu.py 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  # gpu-marked tests, LoRA kernel timings (eager and graph-replayed), a profile of the engine
+  timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/test_kernels_gpu.py \
+    tests/test_engine_gpu.py > "$out/gpu-tests.log" 2>&1
+  tail -15 "$out/gpu-tests.log"
+  timeout 110 python3 -m benchmarks.kernels --quick --lora-only > "$out/kernels-bench.md" 2>&1
+  cat "$out/kernels-bench.md"
+  timeout 150 python3 -m benchmarks.profile_engine --adapters 0,1000 --requests 800 --out "$out" \
+    > "$out/profile.log" 2>&1
+  grep -E "^adapters|profiled" "$out/profile.log"
+elif [ "$mode" = smoke ]; then
   mkdir -p "$out/smoke"
   timeout 200 python3 -m slora_batch.bench_cli --systems base,slora,peft,bmm,no-unified --adapters 10 \
     --peft-adapters 2 --requests 300 --max-input 256 --max-output 64 --max-seconds 4 --warmup-requests 8 \

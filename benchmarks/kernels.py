@@ -77,10 +77,30 @@ def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]
 
 
 def lora_step(x, pool, meta, buf, out, dims, fns) -> None:
-    """Shrink and expand of q, k, v, o, as the model runs them."""
+    """Shrink and expand of q, k, v, o one target at a time (the launches before grouping)."""
+    rank = meta.max_rank
     for target in range(len(dims)):
-        fns[0](x, pool, meta, target, buf)
-        fns[1](buf, pool, meta, target, out[:, : dims[target][1]])
+        fns[0](x, pool, meta, target, buf[:, :rank])
+        fns[1](buf[:, :rank], pool, meta, target, out[:, : dims[target][1]])
+
+
+def lora_grouped(x, pool, meta, buf, out, dims, fns) -> None:
+    """As the model runs them: q, k, v in one shrink and one expand launch, then o."""
+    rank, q, kv = meta.max_rank, dims[0][1], dims[1][1]
+    fns[0](x, pool, meta, (0, 1, 2), buf[:, : 3 * rank])
+    fns[1](buf[:, : 3 * rank], pool, meta, (0, 1, 2), out, ((0, q), (q, q + kv), (q + kv, q + 2 * kv)))
+    fns[0](x, pool, meta, 3, buf[:, :rank])
+    fns[1](buf[:, :rank], pool, meta, 3, out[:, : dims[3][1]])
+
+
+def _graph_us(fn) -> float:
+    """GPU time of fn replayed from a CUDA graph: no Python launch cost."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50) * 1e3
 
 
 def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> list[tuple]:
@@ -106,23 +126,49 @@ def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> lis
 
 
 def lora_rows(kind: str, bw: float) -> list[tuple]:
+    """q, k, v, o LoRA of one layer: per-target launches against grouped ones, eager (Python
+    launch cost included) and replayed from a CUDA graph (GPU time alone), next to the base
+    model's own q/k/v projection at the same token count; then block-size variants."""
     heads, kv_heads, hidden, _ = SHAPES[kind]
     kv_dim, rows = kv_heads * 128, []
     dims = [(hidden, heads * 128), (hidden, kv_dim), (hidden, kv_dim), (heads * 128, hidden)]
-    for label, tokens, adapters in [("decode", 256, 256), ("decode", 256, 8), ("prefill", 4096, 8)]:
+    cases = [("decode", 128, 128), ("decode", 256, 256), ("decode", 256, 8), ("prefill", 4096, 8)]
+    for label, tokens, adapters in cases:
         b_slot = torch.randint(0, adapters, (tokens,))
         ranks = [(8, 16, 32, 64)[s % 4] for s in range(adapters)]
         pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
         x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
-        buf = torch.zeros(tokens, meta.max_rank, device="cuda")
-        out = torch.zeros(tokens, heads * 128, dtype=DTYPE, device="cuda")
+        buf = torch.zeros(tokens, 3 * meta.max_rank, device="cuda")
+        out = torch.zeros(tokens, heads * 128 + 2 * kv_dim, dtype=DTYPE, device="cuda")
+        w = torch.randn(heads * 128 + 2 * kv_dim, hidden, dtype=DTYPE, device="cuda")
+        case = f"{kind} {label} T={tokens} {adapters} adapters"
+        base = _graph_us(lambda: torch.nn.functional.linear(x, w))  # noqa: B023
+        rows.append(("base qkv projection (graph)", case, base, "", ""))
         args = (x, pool, meta, buf, out, dims)
-        us = _us(partial(lora_step, *args, (triton_ops.lora_shrink, triton_ops.lora_expand)))
-        splits = lora.shrink_splits(x.device, tokens, meta.max_rank, hidden)
-        case, gbs = f"{kind} {label} T={tokens} {adapters} adapters", nbytes / us / 1e3
-        rows.append((f"lora q,k,v,o (shrink splits {splits})", case, us, f"{gbs:.0f} GB/s",
-                     f"{gbs / bw:.2f}"))  # fmt: skip
-        if adapters == 8:
+        triton_fns = (triton_ops.lora_shrink, triton_ops.lora_expand)
+        variants = [("per target", lora_step, {}), ("grouped", lora_grouped, {}),
+                    ("grouped k128", lora_grouped, {"k": 128}),
+                    ("grouped no split", lora_grouped, {"split_min_k": 1 << 30}),
+                    ("grouped k128 no split", lora_grouped, {"k": 128, "split_min_k": 1 << 30}),
+                    ("grouped n64", lora_grouped, {"n": 64})]  # fmt: skip
+        saved = dict(lora.BLOCKS)
+        for name, step, blocks in variants:
+            lora.BLOCKS.update(blocks)
+            try:
+                splits = lora.shrink_splits(x.device, tokens, meta.max_rank, hidden, 3)
+                fn = partial(step, *args, triton_fns)
+                eager, graph = _us(fn), _graph_us(fn)
+            except Exception as exc:  # a variant that fails to build must not stop the table
+                rows.append((f"lora q,k,v,o {name}", case, float("nan"), type(exc).__name__, ""))
+                continue
+            finally:
+                lora.BLOCKS.clear()
+                lora.BLOCKS.update(saved)
+            gbs = nbytes / graph / 1e3
+            rows.append((f"lora q,k,v,o {name} (eager)", case, eager, "", ""))
+            rows.append((f"lora q,k,v,o {name} (graph, splits {splits})", case, graph,
+                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; {graph / base:.2f}x base qkv"))  # fmt: skip
+        if adapters == 8 and label == "decode":
             us = _us(partial(lora_step, *args, (ref.lora_shrink, ref.lora_expand)))
             rows.append(("lora (torch ref)", case, us, "", ""))
     return rows
@@ -131,13 +177,16 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lora-only", action="store_true")
     args = parser.parse_args()
     bw, rate = copy_gbps(), matmul_tflops()
     rows = [("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"),
             ("matmul", "8192^3 bf16", 0.0, f"{rate:.0f} TFLOP/s", "1.00")]  # fmt: skip
     batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]
     for kind in SHAPES:
-        rows += attention_rows(kind, batches, bw, rate) + lora_rows(kind, bw)
+        if not args.lora_only:
+            rows += attention_rows(kind, batches, bw, rate)
+        rows += lora_rows(kind, bw)
     for tokens in [256, 4096]:
         x = torch.randn(tokens, 4096, dtype=DTYPE, device="cuda")
         w = torch.ones(4096, dtype=DTYPE, device="cuda")

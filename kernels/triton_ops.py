@@ -1,7 +1,7 @@
 """The Triton backend: every function of ``kernels.ref`` under the same name and signature.
 
 The engine picks it with ``backend="triton"`` (``from kernels import triton_ops``). The host
-helpers ``gather_kv`` and ``gather_lora_rows`` are no per-step kernels and come from ``ref``.
+helpers ``gather_kv``, ``gather_lora_rows`` and ``lora_group`` are no per-step kernels and come from ``ref``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from kernels.attention import attention, attention_decode
 from kernels.fused import rms_norm, rope, silu_mul
 from kernels.kv import kv_write
 from kernels.lora import lora_expand, lora_shrink
-from kernels.ref import gather_kv, gather_lora_rows
+from kernels.ref import gather_kv, gather_lora_rows, lora_group
 
 __all__ = [
     "attention",
@@ -19,6 +19,7 @@ __all__ = [
     "gather_lora_rows",
     "kv_write",
     "lora_expand",
+    "lora_group",
     "lora_shrink",
     "rms_norm",
     "rope",

@@ -86,6 +86,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 8192  # tokens per step (decode + prefill chunks): large, so
     # the fixed cost of a step (launches, LoRA metadata) is spread over many prefill tokens
+    admit_batch: int | None = None  # new requests join a running batch only when this many
+    # seats are free (or every waiting one fits), so most steps stay pure decode steps that
+    # replay CUDA graphs; None: max_num_seqs // 16 (at least 1); 1 admits on every step
     max_adapters_per_batch: int = 256  # adapter clustering cap: distinct adapters running
     max_resident_adapters: int = 1024  # adapter slots on the device
     max_model_len: int | None = None  # context cap; None takes the model's
@@ -140,6 +143,11 @@ class EngineConfig:
                 f"{name} must be an integer >= 1, got {value!r}",
             )
         check(
+            self.admit_batch is None
+            or isinstance(self.admit_batch, int) and 1 <= self.admit_batch <= self.max_num_seqs,
+            f"admit_batch must be an integer in [1, max_num_seqs], got {self.admit_batch!r}",
+        )
+        check(
             self.max_model_len is None or self.max_model_len >= 2,
             f"max_model_len must be >= 2, got {self.max_model_len}",
         )
@@ -148,6 +156,12 @@ class EngineConfig:
             f"max_adapters_per_batch ({self.max_adapters_per_batch}) must not exceed "
             f"max_resident_adapters ({self.max_resident_adapters}): running adapters stay resident",
         )
+
+
+    @property
+    def admit_seats(self) -> int:
+        """Free seats that let new requests join a running batch (``admit_batch`` resolved)."""
+        return self.admit_batch or max(1, self.max_num_seqs // 16)
 
 
 def check(condition: bool, message: str) -> None:

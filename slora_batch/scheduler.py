@@ -2,9 +2,10 @@
 
 Every step: running sequences first (decodes take one token, unfinished prefills a chunk), each
 getting pages for its new tokens -- evicting idle adapters, then preempting the latest arrivals
-(recompute later) when the pool runs dry. Then waiting sequences join while the token budget,
-the sequence cap, the adapter cap and the free pages (counting the pages of an adapter not yet
-resident) allow, preferring adapters already running, then adapters already resident.
+(recompute later) when the pool runs dry. Then, once enough seats are free (``admit_batch``),
+waiting sequences join while the token budget, the sequence cap, the adapter cap and the free
+pages (counting the pages of an adapter not yet resident) allow, preferring adapters already
+running, then adapters already resident.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Scheduler:
             step.num_new.append(n)
             budget -= n
             i += 1
+        if not self._admitting():
+            return step
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._pick()
             if seq is None:
@@ -80,6 +83,15 @@ class Scheduler:
             step.num_new.append(n)
             budget -= n
         return step
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join this step. A running batch takes newcomers only once
+        ``admit_seats`` seats are free (or all waiting ones fit): one prefill step for many new
+        requests instead of one mixed, graph-less step per finished request."""
+        if not self.running or not self.waiting:
+            return True
+        free = self.config.max_num_seqs - len(self.running)
+        return free >= min(self.config.admit_seats, len(self.waiting))
 
     def finish(self, seq: Sequence) -> None:
         """A sequence is done: its pages go back and its adapter is unpinned."""

@@ -175,3 +175,30 @@ def test_residency_writes_rows_into_pages_and_evicts_lru():
     pool.alloc(pool.num_free)  # KV takes every free page; a is pinned, nothing is idle
     with pytest.raises(PoolExhausted, match="need 12 pages, 0 free of 40"):
         residency.acquire("b")
+
+
+def test_newcomers_wait_for_admit_batch_seats():
+    """A full running batch takes newcomers only once admit_batch seats are free: the steps in
+    between are pure decode steps (CUDA-graph replays on the GPU)."""
+    sched, _, _ = make(10_000, max_num_seqs=4, admit_batch=2)
+    rows = [seq(3, max_new=n) for n in (2, 3, 9, 9)] + [seq(3, max_new=5) for _ in range(3)]
+    for row in rows:
+        sched.add(row)
+    assert advance(sched).seqs == rows[:4]  # an empty batch admits at once
+    advance(sched)  # rows[0] finishes: one seat free, two wanted
+    step = advance(sched)
+    assert step.seqs == rows[1:4] and rows[1] not in sched.running  # decode only; rows[1] done
+    step = advance(sched)
+    assert step.seqs == rows[2:6] and step.num_new == [1, 1, 3, 3]  # two join together
+    while len(sched.running) > 2:
+        advance(sched)
+    step = advance(sched)
+    assert rows[6] in step.seqs  # the last waiting one joins alone: every waiting one fits
+
+
+def test_admit_batch_default_and_range():
+    assert EngineConfig(max_num_seqs=256).admit_seats == 16
+    assert EngineConfig(max_num_seqs=8).admit_seats == 1
+    assert EngineConfig(max_num_seqs=8, admit_batch=3).admit_seats == 3
+    with pytest.raises(ValueError, match="admit_batch"):
+        EngineConfig(max_num_seqs=8, admit_batch=9)

@@ -1,0 +1,130 @@
+"""Where the engine's step time goes on the card: the bench's Llama-2-7B-shaped model and
+workload, a window of steady-state steps timed by step type, then a shorter one under
+torch.profiler (kernels by total device time).
+
+    python3 -m benchmarks.profile_engine --adapters 0,100,1000 --out $OUT/profile
+
+Prints, per adapter count: steps by type (decode replayed from a CUDA graph, other decode,
+mixed/prefill), mean wall ms of each, the host share, and the top kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from slora_batch.bench import BenchConfig
+from slora_batch.bench_workload import Workload, adapter_sources, build_model
+from slora_batch.config import EngineConfig, SamplingConfig
+from slora_batch.engine import Engine
+
+log = logging.getLogger("profile_engine")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def snapshot(engine: Engine) -> dict:
+    c = engine.counters
+    return dict(steps=c.steps, decode=c.decode_steps, graph=c.graph_steps, step_s=c.step_s,
+                decode_s=c.decode_step_s, host_s=c.host_s, decode_tokens=c.decode_tokens,
+                prefill_tokens=c.prefill_tokens)  # fmt: skip
+
+
+def describe(before: dict, after: dict) -> str:
+    d = {k: after[k] - before[k] for k in before}
+    mixed = d["steps"] - d["decode"]
+    mixed_s = d["step_s"] - d["decode_s"]
+    return (
+        f"{d['steps']} steps: {d['graph']} graph decode, {d['decode'] - d['graph']} eager decode, "
+        f"{mixed} mixed/prefill; decode step {1e3 * d['decode_s'] / max(d['decode'], 1):.2f} ms, "
+        f"mixed step {1e3 * mixed_s / max(mixed, 1):.2f} ms; host share "
+        f"{d['host_s'] / max(d['step_s'], 1e-9):.1%}; tokens: {d['decode_tokens']} decode, "
+        f"{d['prefill_tokens']} prefill; {d['decode_tokens'] / max(d['steps'], 1):.0f} decode "
+        f"rows a step; {d['step_s']:.2f} s"
+    )
+
+
+def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
+    engine = Engine(
+        model.model_dir,
+        adapters=adapter_sources(n, rank_dirs) if n else {},
+        config=EngineConfig(device=str(model.device), dtype=str(model.dtype)[6:]),
+        sampling=SamplingConfig(ignore_eos=True),
+        weights=model.weights,
+    )
+    requests = workload.requests(n)
+    results = engine.generate(iter(requests))
+    done = 0
+    for _ in results:  # steady state: the first requests are done, the batch is full
+        done += 1
+        if done >= args.skip_results:
+            break
+    sync(model.device)
+    before, start = snapshot(engine), time.perf_counter()
+    for _ in results:
+        if engine.counters.steps - before["steps"] >= args.window_steps:
+            break
+    sync(model.device)
+    line = f"adapters {n}: {describe(before, snapshot(engine))}; wall {time.perf_counter() - start:.2f} s"
+    print(line, flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    before = snapshot(engine)
+    activities = [ProfilerActivity.CPU]
+    if model.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in results:
+            if engine.counters.steps - before["steps"] >= args.profile_steps:
+                break
+        sync(model.device)
+    print(f"  profiled: {describe(before, snapshot(engine))}", flush=True)
+    averages = prof.key_averages()
+    try:
+        key = "self_device_time_total" if model.device.type == "cuda" else "self_cpu_time_total"
+        table = averages.table(sort_by=key, row_limit=args.rows)
+    except Exception:  # older torch
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=args.rows)
+    (out / f"profile-{n}.txt").write_text(line + "\n" + table)
+    print(table, flush=True)
+    results.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--adapters", default="0,100,1000")
+    parser.add_argument("--requests", type=int, default=1200)
+    parser.add_argument("--skip-results", type=int, default=150)
+    parser.add_argument("--window-steps", type=int, default=150)
+    parser.add_argument("--profile-steps", type=int, default=12)
+    parser.add_argument("--rows", type=int, default=22)
+    parser.add_argument("--out", default="out/profile")
+    parser.add_argument("--preset", default="llama2-7b", help="tiny: a CPU check of the script")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = BenchConfig(requests=args.requests)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with tempfile.TemporaryDirectory(prefix="slora-profile-") as tmp:
+        model = build_model(args.preset, device, dtype, Path(tmp), 0)
+        rank_dirs = model.write_adapters(Path(tmp) / "adapters", 0)
+        workload = Workload.generate(config, model.spec.vocab_size)
+        for n in [int(x) for x in args.adapters.split(",")]:
+            run(n, model, rank_dirs, workload, args, out)
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
