@@ -17,7 +17,7 @@ import torch
 import triton.testing
 
 from kernels import attention, lora, ref, triton_ops
-from kernels.meta import AttnMeta, LoraMeta
+from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 
 DTYPE = torch.bfloat16
 SHAPES = {"mha": (32, 32, 4096, 11008), "gqa": (32, 8, 4096, 14336)}  # heads, kv heads, H, I
@@ -76,19 +76,13 @@ def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]
     return pool, meta, sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist()) * 2
 
 
-def lora_step(x, pool, meta, buf, out, dims, fns) -> None:
-    """Shrink and expand of q, k, v, o one target at a time (the launches before grouping)."""
-    rank = meta.max_rank
-    for target in range(len(dims)):
-        fns[0](x, pool, meta, target, buf[:, :rank])
-        fns[1](buf[:, :rank], pool, meta, target, out[:, : dims[target][1]])
-
-
 def lora_grouped(x, pool, meta, buf, out, dims, fns) -> None:
     """As the model runs them: q, k, v in one shrink and one expand launch, then o."""
     rank, q, kv = meta.max_rank, dims[0][1], dims[1][1]
     fns[0](x, pool, meta, (0, 1, 2), buf[:, : 3 * rank])
-    fns[1](buf[:, : 3 * rank], pool, meta, (0, 1, 2), out, ((0, q), (q, q + kv), (q + kv, q + 2 * kv)))
+    fns[1](
+        buf[:, : 3 * rank], pool, meta, (0, 1, 2), out, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))
+    )
     fns[0](x, pool, meta, 3, buf[:, :rank])
     fns[1](buf[:, :rank], pool, meta, 3, out[:, : dims[3][1]])
 
@@ -125,6 +119,51 @@ def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> lis
     return rows
 
 
+DECODE_VARIANTS = [  # attention.DECODE overrides swept by --decode-sweep
+    {},
+    {"stages": 3},
+    {"stages": 4},
+    {"warps": 8},
+    {"mha_block_n": 64},
+    {"mha_block_n": 16},
+    {"mha_block_n": 64, "stages": 3},
+    {"mha_block_n": 64, "warps": 8, "stages": 3},
+    {"gqa_block_n": 128},
+    {"gqa_block_n": 32, "stages": 3},
+    {"gqa_block_n": 64, "stages": 3},
+]
+
+
+def decode_sweep_rows(kind: str, bw: float) -> list[tuple]:
+    """Decode attention at B=256, contexts 256-1024 (the acceptance workload's), for each
+    DECODE variant: graph-replayed time, bandwidth, and the largest difference to the default."""
+    heads, kv_heads, _, _ = SHAPES[kind]
+    kv_dim, rows = kv_heads * 128, []
+    gen = torch.Generator().manual_seed(0)
+    contexts = torch.randint(256, 1025, (256,), generator=gen).tolist()
+    pool, meta = attn_meta(contexts, [1] * len(contexts), kv_dim)
+    q = torch.randn(len(contexts), heads, 128, dtype=DTYPE, device="cuda")
+    nbytes = sum(contexts) * 2 * kv_dim * 2
+    default = triton_ops.attention_decode(q, pool, meta, kv_heads, 0.088)
+    saved = dict(attention.DECODE)
+    for variant in DECODE_VARIANTS:
+        attention.DECODE.update(variant)
+        try:
+            fn = partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088)
+            diff = float((fn().float() - default.float()).abs().max())
+            us = _graph_us(fn)
+            gbs = nbytes / us / 1e3
+            rows.append(("attention_decode sweep", f"{kind} B=256 ctx 256-1024 {variant or 'default'}",
+                         us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; max diff {diff:.1e}"))  # fmt: skip
+        except Exception as exc:
+            rows.append(("attention_decode sweep", f"{kind} {variant}", float("nan"),
+                         type(exc).__name__, ""))  # fmt: skip
+        finally:
+            attention.DECODE.clear()
+            attention.DECODE.update(saved)
+    return rows
+
+
 def lora_rows(kind: str, bw: float) -> list[tuple]:
     """q, k, v, o LoRA of one layer: per-target launches against grouped ones, eager (Python
     launch cost included) and replayed from a CUDA graph (GPU time alone), next to the base
@@ -146,15 +185,32 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
         rows.append(("base qkv projection (graph)", case, base, "", ""))
         args = (x, pool, meta, buf, out, dims)
         triton_fns = (triton_ops.lora_shrink, triton_ops.lora_expand)
-        variants = [("per target", lora_step, {}), ("grouped", lora_grouped, {}),
-                    ("grouped k128", lora_grouped, {"k": 128}),
-                    ("grouped no split", lora_grouped, {"split_min_k": 1 << 30}),
-                    ("grouped k128 no split", lora_grouped, {"k": 128, "split_min_k": 1 << 30}),
-                    ("grouped n64", lora_grouped, {"n": 64})]  # fmt: skip
+        tiled, vector = 0, VECTOR_ALL
+        variants = [
+            ("grouped tiled", lora_grouped, {}, tiled),
+            ("grouped tiled n64", lora_grouped, {"n": 64}, tiled),
+            ("grouped tiled n64 k128", lora_grouped, {"n": 64, "k": 128}, tiled),
+        ]
+        if label == "decode":
+            variants += [
+                ("grouped vector", lora_grouped, {}, vector),
+                ("grouped vector vk256 vn256", lora_grouped, {"vk": 256, "vn": 256}, vector),
+                ("grouped vector vk64 vn64", lora_grouped, {"vk": 64, "vn": 64}, vector),
+                ("grouped vector no split", lora_grouped, {"split_min_k": 1 << 30}, vector),
+            ]
+        else:
+            variants += [("grouped tiled+vector (8)", lora_grouped, {}, 8)]  # fmt: skip
         saved = dict(lora.BLOCKS)
-        for name, step, blocks in variants:
+        reference = None
+        for name, step, blocks, vector_max in variants:
             lora.BLOCKS.update(blocks)
+            meta.vector_max = vector_max
             try:
+                out.zero_()
+                step(*args, triton_fns)
+                if reference is None:
+                    reference = out.clone()
+                diff = float((out.float() - reference.float()).abs().max())
                 splits = lora.shrink_splits(x.device, tokens, meta.max_rank, hidden, 3)
                 fn = partial(step, *args, triton_fns)
                 eager, graph = _us(fn), _graph_us(fn)
@@ -167,9 +223,11 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
             gbs = nbytes / graph / 1e3
             rows.append((f"lora q,k,v,o {name} (eager)", case, eager, "", ""))
             rows.append((f"lora q,k,v,o {name} (graph, splits {splits})", case, graph,
-                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; {graph / base:.2f}x base qkv"))  # fmt: skip
+                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; {graph / base:.2f}x base qkv; "
+                         f"max diff {diff:.1e}"))  # fmt: skip
+        meta.vector_max = 8
         if adapters == 8 and label == "decode":
-            us = _us(partial(lora_step, *args, (ref.lora_shrink, ref.lora_expand)))
+            us = _us(partial(lora_grouped, *args, (ref.lora_shrink, ref.lora_expand)))
             rows.append(("lora (torch ref)", case, us, "", ""))
     return rows
 
@@ -178,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--lora-only", action="store_true")
+    parser.add_argument("--decode-sweep", action="store_true")
     args = parser.parse_args()
     bw, rate = copy_gbps(), matmul_tflops()
     rows = [("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"),
@@ -186,6 +245,8 @@ def main() -> None:
     for kind in SHAPES:
         if not args.lora_only:
             rows += attention_rows(kind, batches, bw, rate)
+        if args.decode_sweep:
+            rows += decode_sweep_rows(kind, bw)
         rows += lora_rows(kind, bw)
     for tokens in [256, 4096]:
         x = torch.randn(tokens, 4096, dtype=DTYPE, device="cuda")

@@ -62,9 +62,7 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
     )
     requests = workload.requests(n)
     results = engine.generate(iter(requests))
-    done = 0
-    for _ in results:  # steady state: the first requests are done, the batch is full
-        done += 1
+    for done, _ in enumerate(results, 1):  # steady state: the first requests are done
         if done >= args.skip_results:
             break
     sync(model.device)

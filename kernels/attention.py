@@ -23,6 +23,9 @@ from kernels.meta import AttnMeta
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # a split reads at least this many keys
 MAX_SPLITS = 64
+# Decode tiles: keys per loop step (MHA: CUDA-core dot products; GQA: tensor-core tiles), warps
+# and software-pipeline stages; benchmarks/kernels.py sweeps them on the card.
+DECODE = {"mha_block_n": 32, "gqa_block_n": 64, "warps": 4, "stages": 2}
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
@@ -263,7 +266,7 @@ def decode_splits(
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of two"
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if group > 1 else 32  # keeps sm_90 builds near 100 registers, spill-free
+    block_n = DECODE["gqa_block_n"] if group > 1 else DECODE["mha_block_n"]
     part_o = part_lse = out  # unused with one split
     if num_splits > 1:
         part_o = q.new_empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32)
@@ -274,7 +277,8 @@ def decode_splits(
         meta.page_table.stride(0), scale * LOG2E, part_o, part_lse, out, NUM_HEADS=num_heads,
         PAGE=pool_layer.shape[1], GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
         BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=group > 1,
-        PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)  # fmt: skip
+        PRECISION=_precision(q.dtype), num_warps=DECODE["warps"],
+        num_stages=DECODE["stages"])  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, meta.b_seq_len, out, out.stride(0), out.stride(1),

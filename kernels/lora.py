@@ -38,6 +38,9 @@ BLOCKS = {
     "k": 64,  # shrink: row elements per loop step
     "n": 32,  # expand: columns per program
     "split_min_k": 256,  # shrink: the fewest row elements a split reduces
+    "vk": 128,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
+    # the [rank, vk] tile at 8K elements)
+    "vn": 128,  # vector expand: columns per program (likewise)
 }
 
 
@@ -70,11 +73,11 @@ def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which,
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
-                               "out_stride", "rank_cap"])  # fmt: skip
+                               "out_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
                    num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride, offsets_ptr,
                    target0, target1, target2, rank_blocks, out_ptr, out_stride, rank_cap, d_in,
-                   k_per_split, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
+                   k_per_split, vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PARTIAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
@@ -102,7 +105,7 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         start, rank, slot_pages = _factor(
             slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 0, rank_cap, NUM_TARGETS
         )
-        if (slot >= 0) & (start >= 0) & (r0 < rank):
+        if (slot >= 0) & (start >= 0) & (r0 < rank) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
             row_live = rows < rank
             row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)  # element k: row_pages[k // PAGE]
@@ -121,22 +124,31 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "target0", "target1", "target2",
-                               "part_stride", "rank_cap"])  # fmt: skip
-def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_ptr, rank_ptr,
-                          offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "num_segs", "target0", "target1",
+                               "target2", "part_stride", "rank_cap", "vector_max"])  # fmt: skip
+def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, token_order_ptr,
+                          seg1_start_ptr, seg_slot_ptr, num_segs, rank_ptr, offsets_ptr, target0,
+                          target1, target2, out_ptr, out_stride, rank_cap, vector_max,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_SPLIT: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)
+                          BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr):  # fmt: skip
+    """Adds the fp32 partial sums of the tokens one path (VECTOR: short segments) computed."""
+    i = tl.program_id(0)  # sorted position
     j = tl.program_id(1)
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
-    slot = tl.load(b_slot_ptr + t)
+    seg = _first_segment(seg1_start_ptr, num_segs, i)
+    if seg >= num_segs:
+        return
+    length = tl.load(seg1_start_ptr + seg + 1) - tl.load(seg1_start_ptr + seg)
+    if (length <= vector_max) != VECTOR:
+        return
+    slot = tl.load(seg_slot_ptr + seg)
     if slot < 0:
         return
     start = tl.load(offsets_ptr + (slot * NUM_TARGETS + target) * 2)
     rank = tl.minimum(tl.load(rank_ptr + slot), rank_cap)
     if start < 0:
         return
+    t = tl.load(token_order_ptr + i)
     rows = tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_SPLIT)
     part_ptrs = (part_ptr + (splits[:, None] * num_tokens + t).to(tl.int64) * part_stride
@@ -146,12 +158,103 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
     tl.store(out_ptr + t.to(tl.int64) * out_stride + j * rank_cap + rows, total, mask=rows < rank)
 
 
+@triton.jit
+def _vector_token(token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, vector_max, i):
+    """(token, slot) of sorted position i when the vector path owns it, else (0, -1): its
+    segment has at most vector_max tokens and an adapter."""
+    seg = _first_segment(seg1_start_ptr, num_segs, i)
+    safe = tl.minimum(seg, num_segs - 1)
+    length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
+    slot = tl.load(seg_slot_ptr + safe)
+    mine = (seg < num_segs) & (length <= vector_max)
+    return tl.load(token_order_ptr + i).to(tl.int64), tl.where(mine, slot, -1)
+
+
+@triton.jit(do_not_specialize=["num_segs", "num_tokens", "target0", "target1", "target2",
+                               "out_stride", "rank_cap", "vector_max"])  # fmt: skip
+def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr,
+                          seg_slot_ptr, num_tokens, num_segs, rank_ptr, pages_ptr, pages_stride,
+                          offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
+                          d_in, k_per_split, vector_max, PAGE: tl.constexpr,
+                          NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PARTIAL: tl.constexpr):  # fmt: skip
+    """One token (sorted position program_id(0)) of a short segment, one target of the group
+    (program_id(1)), one split of d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]."""
+    tok, slot = _vector_token(token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
+                              vector_max, tl.program_id(0))  # fmt: skip
+    if slot < 0:
+        return
+    j = tl.program_id(1)
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
+    start, rank, slot_pages = _factor(
+        slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 0, rank_cap, NUM_TARGETS
+    )
+    if start < 0:
+        return
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(d_in, k_lo + k_per_split)
+    rows = tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_K)
+    row_live = rows < rank
+    row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        col_live = k0 + cols < k_hi
+        xv = tl.load(x_ptr + tok * x_stride + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
+        page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
+        a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
+        a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * xv[None, :], 1)
+    row = tok
+    if PARTIAL:  # partial sums [splits, T, out_stride], added up by _shrink_reduce_kernel
+        row = tl.program_id(2) * num_tokens + tok
+    tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
+
+
+@triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
+                               "rank_cap", "vector_max"])  # fmt: skip
+def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr,
+                          seg_slot_ptr, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride,
+                          offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
+                          width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
+                          vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """One token of a short segment, one block of BLOCK_N output columns of one target:
+    out[n] += scale * sum_r v[r] B^T[r, n]."""
+    tok, slot = _vector_token(token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
+                              vector_max, tl.program_id(0))  # fmt: skip
+    if slot < 0:
+        return
+    nb = tl.program_id(1)
+    j = (nb >= blocks1).to(tl.int32) + (nb >= blocks2).to(tl.int32)
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
+    start, rank, slot_pages = _factor(
+        slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 1, rank_cap, NUM_TARGETS
+    )
+    if start < 0:
+        return
+    col = tl.where(j == 0, col0, tl.where(j == 1, col1, col2))
+    d_out = tl.where(j == 0, width0, tl.where(j == 1, width1, width2))
+    n0 = (nb - tl.where(j == 0, 0, tl.where(j == 1, blocks1, blocks2))) * BLOCK_N
+    rows = tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    row_live = rows < rank
+    col_live = n0 + cols < d_out
+    vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
+    page = tl.load(slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE, mask=row_live, other=0)
+    b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + (n0 % PAGE) + cols[None, :]
+    b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+    delta = tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0) * tl.load(scale_ptr + slot)
+    o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
+    tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
-                               "v_stride", "rank_cap"])  # fmt: skip
+                               "v_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
                    num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride, offsets_ptr,
                    target0, target1, target2, col0, col1, col2, width0, width1, width2, blocks1,
-                   blocks2, out_ptr, out_stride, rank_cap, PAGE: tl.constexpr,
+                   blocks2, out_ptr, out_stride, rank_cap, vector_max, PAGE: tl.constexpr,
                    NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
@@ -180,7 +283,7 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         start, rank, slot_pages = _factor(
             slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 1, rank_cap, NUM_TARGETS
         )
-        if (slot >= 0) & (start >= 0):
+        if (slot >= 0) & (start >= 0) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
             row_live = rows < rank
             v_ptrs = v_ptr + tok[:, None] * v_stride + j * rank_cap + rows[None, :]
@@ -272,28 +375,59 @@ def lora_shrink(
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
-    block_t, block_k = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["k"])
-    block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
-    rank_blocks = triton.cdiv(max_rank, block_r)
-    splits = shrink_splits(x.device, num_tokens, max_rank, d_in, group)
-    k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
-    splits = triton.cdiv(d_in, k_per_split)  # every split has work
-    partial = splits > 1
-    dst = out.new_empty(splits, num_tokens, out.shape[1], dtype=torch.float32) if partial else out
-    grid = (triton.cdiv(num_tokens, block_t), group * rank_blocks, splits)
-    _shrink_kernel[grid](
-        x, x.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot, num_tokens,
-        num_segs, meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
-        meta.slot_offsets, *targets, rank_blocks, dst, dst.stride(-2), rank_cap, d_in,
-        k_per_split, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
-        BLOCK_R=block_r, BLOCK_K=block_k, PARTIAL=partial, PRECISION=_precision(x.dtype),
-        num_warps=8)  # fmt: skip
-    if partial:
-        _shrink_reduce_kernel[(num_tokens, group)](
-            dst, dst.stride(1), splits, num_tokens, meta.b_slot, meta.slot_rank, meta.slot_offsets,
-            *targets, out, out.stride(0), rank_cap, NUM_TARGETS=meta.slot_offsets.shape[1],
-            BLOCK_R=triton.next_power_of_2(rank_cap),
-            BLOCK_SPLIT=triton.next_power_of_2(splits), num_warps=4)  # fmt: skip
+    common = (meta.token_order, meta.seg1_start, meta.seg_slot, num_tokens, num_segs)
+    if meta.longest > meta.vector_max:  # tiled: segments longer than vector_max
+        block_t, block_k = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["k"])
+        block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
+        rank_blocks = triton.cdiv(max_rank, block_r)
+        splits = shrink_splits(x.device, num_tokens, max_rank, d_in, group)
+        k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
+        splits = triton.cdiv(d_in, k_per_split)  # every split has work
+        dst = _partials(out, splits)
+        grid = (triton.cdiv(num_tokens, block_t), group * rank_blocks, splits)
+        _shrink_kernel[grid](
+            x, x.stride(0), pool_layer, *common, meta.slot_rank, meta.slot_scale,
+            meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
+            dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t, BLOCK_R=block_r,
+            BLOCK_K=block_k, PARTIAL=splits > 1, PRECISION=_precision(x.dtype),
+            num_warps=8)  # fmt: skip
+        _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=False)
+    if meta.shortest <= meta.vector_max:  # vector: one token per program
+        block_r = max(16, triton.next_power_of_2(max_rank))
+        block_k = _pow2_divisor(page, max(16, BLOCKS["vk"] * 64 // block_r))
+        programs = num_tokens * group
+        want = triton.cdiv(4 * sm_count(x.device), programs)
+        splits = max(1, min(want, d_in // BLOCKS["split_min_k"], 16))
+        k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
+        splits = triton.cdiv(d_in, k_per_split)
+        dst = _partials(out, splits)
+        _shrink_vector_kernel[(num_tokens, group, splits)](
+            x, x.stride(0), pool_layer, *common, meta.slot_rank, meta.slot_pages,
+            meta.slot_pages.stride(0), meta.slot_offsets, *targets, dst, dst.stride(-2), rank_cap,
+            d_in, k_per_split, meta.vector_max, PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
+            PARTIAL=splits > 1, num_warps=4)  # fmt: skip
+        _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
+
+
+def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where a shrink writes: out itself, or fp32 partial sums [splits, T, width] to reduce."""
+    if splits == 1:
+        return out
+    return out.new_empty(splits, out.shape[0], out.shape[1], dtype=torch.float32)
+
+
+def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> None:
+    if splits == 1:
+        return
+    num_tokens = out.shape[0]
+    _shrink_reduce_kernel[(num_tokens, group)](
+        dst, dst.stride(1), splits, num_tokens, meta.token_order, meta.seg1_start, meta.seg_slot,
+        meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets, *targets, out, out.stride(0),
+        rank_cap, meta.vector_max, NUM_TARGETS=meta.slot_offsets.shape[1],
+        BLOCK_R=triton.next_power_of_2(rank_cap), BLOCK_SPLIT=triton.next_power_of_2(splits),
+        VECTOR=vector, num_warps=4)  # fmt: skip
 
 
 def lora_expand(
@@ -338,11 +472,24 @@ def lora_expand(
     total_blocks = sum(blocks)
     blocks2 = blocks2 if group > 2 else total_blocks  # no third target: no block reaches it
     blocks1 = blocks1 if group > 1 else total_blocks
-    grid = (triton.cdiv(num_tokens, block_t), total_blocks)
-    _expand_kernel[grid](
-        v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot, num_tokens,
-        num_segs, meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
-        meta.slot_offsets, *targets, *starts, *widths, blocks1, blocks2, out, out.stride(0),
-        rank_cap, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
-        PRECISION=_precision(pool_layer.dtype), num_warps=8)  # fmt: skip
+    common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
+              meta.slot_offsets, *targets, *starts, *widths)  # fmt: skip
+    if meta.longest > meta.vector_max:
+        grid = (triton.cdiv(num_tokens, block_t), total_blocks)
+        _expand_kernel[grid](
+            v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
+            num_tokens, num_segs, *common, blocks1, blocks2, out, out.stride(0), rank_cap,
+            meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1],
+            BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
+            PRECISION=_precision(pool_layer.dtype), num_warps=8)  # fmt: skip
+    if meta.shortest <= meta.vector_max:
+        block_r = max(16, triton.next_power_of_2(max_rank))
+        block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))
+        blocks = [triton.cdiv(w, block_n) for w in widths[:group]]
+        vb1 = blocks[0] if group > 1 else sum(blocks)
+        vb2 = blocks[0] + blocks[1] if group > 2 else sum(blocks)
+        _expand_vector_kernel[(num_tokens, sum(blocks))](
+            v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
+            num_segs, *common, vb1, vb2, out, out.stride(0), rank_cap, meta.vector_max,
+            PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
+            num_warps=4)  # fmt: skip

@@ -29,6 +29,9 @@ class AttnMeta:
     max_new: int
 
 
+VECTOR_ALL = 1 << 30  # LoraMeta.vector_max that sends every segment to the vector kernels
+
+
 @dataclass
 class LoraMeta:
     """Which adapter each token uses and where each adapter's rows are in the pool.
@@ -60,6 +63,15 @@ class LoraMeta:
     # Targets (indices into TARGETS) that some adapter of the step has; the model launches no
     # LoRA kernels for the others. Host-side; every target by default.
     targets: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
+    # Which Triton kernels run (results are the same either way; kernels.ref ignores these):
+    # segments of at most vector_max tokens go token by token through the vector kernels
+    # (S-LoRA's MBGMV), longer ones through the tiled matrix kernels (MBGMM). longest and
+    # shortest are host hints of the step's segment lengths that let a launcher skip a kernel
+    # with no work; the defaults (unknown) launch both. CUDA-graph decode steps use
+    # vector_max = VECTOR_ALL: every token on the vector kernels.
+    vector_max: int = 8
+    longest: int = 1 << 30
+    shortest: int = 1
 
     def segments(self) -> Iterator[tuple[int, int, int]]:
         """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""

@@ -178,6 +178,8 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
                 np.flatnonzero((residency.slot_offsets[seg_slot, :, 0] >= 0).any(axis=0)).tolist()
             ),
         )
+        lengths = np.diff(seg1_start)
+        lora.longest, lora.shortest = int(lengths.max()), int(lengths.min())
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),
         b_seq_len=dev(host.b_seq_len, torch.int32),

@@ -144,7 +144,8 @@ class EngineConfig:
             )
         check(
             self.admit_batch is None
-            or isinstance(self.admit_batch, int) and 1 <= self.admit_batch <= self.max_num_seqs,
+            or isinstance(self.admit_batch, int)
+            and 1 <= self.admit_batch <= self.max_num_seqs,
             f"admit_batch must be an integer in [1, max_num_seqs], got {self.admit_batch!r}",
         )
         check(
@@ -156,7 +157,6 @@ class EngineConfig:
             f"max_adapters_per_batch ({self.max_adapters_per_batch}) must not exceed "
             f"max_resident_adapters ({self.max_resident_adapters}): running adapters stay resident",
         )
-
 
     @property
     def admit_seats(self) -> int:

@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kernels.meta import AttnMeta
+from kernels.meta import VECTOR_ALL, AttnMeta
 from slora_batch.batch import HostStep, lora_meta, lora_segments, upload
 from slora_batch.model import LlamaModel, StepInput
 from slora_batch.pool import PagePool
@@ -95,6 +95,7 @@ class ModelRunner:
                 self.max_rank,
                 self.targets,
             )
+            lora.vector_max = VECTOR_ALL  # decode: every token through the vector kernels
         return StepInput(
             input_ids=zeros(bucket, dtype=torch.int64),
             positions=zeros(bucket, dtype=torch.int64),

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kernels import ref
-from kernels.meta import AttnMeta, LoraMeta
+from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
@@ -213,11 +213,23 @@ def attn_case(
 # ------------------------------------------------------------------------------------- tests
 
 
-SMALL_LORA_BLOCKS = {"rank": 16, "k": 16, "n": 16, "split_min_k": 16}  # splits; blocks in pages
+SMALL_LORA_BLOCKS = {
+    "rank": 16,
+    "k": 16,
+    "n": 16,
+    "split_min_k": 16,
+    "vk": 16,
+    "vn": 16,
+}  # splits; blocks in pages
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
     "skewed": ("skewed", 0.1, 40, torch.float16, 32),
     "one": ("one", 0.3, 70, torch.float32, 64),
+}
+VECTOR_PATHS = {  # LoraMeta.vector_max: which kernels take which segments
+    "tiled": 0,  # every segment on the tiled (matrix) kernels
+    "both": 2,  # segments of 1-2 tokens token by token, longer ones tiled
+    "vector": VECTOR_ALL,  # every token on the vector kernels (CUDA-graph decode steps)
 }
 LORA_RUNS = [  # (case, blocks, tokens per block; None: the launcher's choice)
     *[(case, "default", None) for case in LORA_CASES],
@@ -254,22 +266,23 @@ def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
         expand(buf, pool, meta, index, mine[:, 8 : 8 + d_out])  # out: a column slice
         ref.lora_expand(buf, pool, meta, index, theirs[:, 8 : 8 + d_out])
         assert_close(mine, theirs, dtype)
-    check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, gen)
+    check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
 
 
 GROUPS = [(0, 1, 2), (3,), (4, 5), (6,), (0, 2), (1, 2)]  # q k v; o; gate up; down; partial groups
 
 
-def check_lora_groups(shrink, expand, pool, meta, dims, dtype, gen) -> None:
+def check_lora_groups(shrink, expand, pool, meta, dims, dtype, seed) -> None:
     """One launch for a group of targets sharing an input equals one ref call per target: the
     group's rank columns of the buffer side by side, each target into its own output columns."""
     device = pool.device
+    gen = torch.Generator(device).manual_seed(seed)
     widths = list(dims.values())
     for group in GROUPS:
         d_in = widths[group[0]][0]
         rank = meta.max_rank
-        x = torch.randn(meta.b_slot.shape[0], d_in, generator=gen).to(device, dtype)
-        buf = torch.randn(x.shape[0], len(group) * rank + 5, generator=gen).to(device)
+        x = torch.randn(meta.b_slot.shape[0], d_in, generator=gen, device=device).to(dtype)
+        buf = torch.randn(x.shape[0], len(group) * rank + 5, generator=gen, device=device)
         mine, theirs = buf.clone(), buf.clone()
         shrink(x, pool, meta, group, mine[:, : len(group) * rank])
         for j, t in enumerate(group):
@@ -279,7 +292,7 @@ def check_lora_groups(shrink, expand, pool, meta, dims, dtype, gen) -> None:
         for t in group:
             cols.append((lo, lo + widths[t][1]))
             lo += widths[t][1] + 2
-        wide = torch.randn(x.shape[0], lo + 4, generator=gen).to(device, dtype)
+        wide = torch.randn(x.shape[0], lo + 4, generator=gen, device=device).to(dtype)
         mine, theirs = wide.clone(), wide.clone()
         v = buf[:, : len(group) * rank]
         expand(v, pool, meta, group, mine, tuple(cols))
@@ -333,8 +346,9 @@ class TestInterpreted:
                 (p.name, p.kind, p.default) for p in theirs.parameters.values()
             ], name
 
+    @pytest.mark.parametrize("path", list(VECTOR_PATHS))
     @pytest.mark.parametrize("run", LORA_RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
-    def test_lora_shrink_expand(self, tk, monkeypatch, run):
+    def test_lora_shrink_expand(self, tk, monkeypatch, run, path):
         case, blocks, block_t = run
         popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
         if blocks == "small":
@@ -354,6 +368,7 @@ class TestInterpreted:
             device="cpu",
             seed=num_tokens,
         )
+        meta.vector_max = VECTOR_PATHS[path]
         check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta, dtype)
 
     @pytest.mark.parametrize("blocks", ["default", "small"])
@@ -373,8 +388,10 @@ class TestInterpreted:
             device="cpu",
             seed=5,
         )
-        check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand,
-                   pool, pad_segments(meta, 20, 32), torch.float32)  # fmt: skip
+        for vector_max in VECTOR_PATHS.values():
+            padded = dataclasses.replace(pad_segments(meta, 20, 32), vector_max=vector_max)
+            check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand,
+                       pool, padded, torch.float32)  # fmt: skip
 
     def test_lora_all_base_tokens_write_nothing(self, tk):
         pool, meta = lora_case(
