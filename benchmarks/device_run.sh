@@ -2,6 +2,7 @@
 # Everything the GPU must check and time, in one call of the device machine.
 #   bash benchmarks/device_run.sh check   # gpu-marked tests, LoRA kernel timings, engine profile
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
+#   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
 set -uo pipefail
@@ -32,6 +33,18 @@ elif [ "$mode" = smoke ]; then
     --peft-requests 8 --peft-batch 8 --peft-max-seconds 10 --total-seconds 150 --out "$out/smoke" \
     > "$out/smoke/bench.log" 2>&1
   tail -25 "$out/smoke/bench.log"; cat "$out/smoke/results.md" 2>/dev/null
+elif [ "$mode" = final ]; then
+  # the engine against transformers + PEFT and the kernel paths it uses, then the acceptance run
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
+    tests/test_kernels_gpu.py -k "engine or paths or cuda_graph or attention_prefill" \
+    > "$out/gpu-tests.log" 2>&1
+  tail -15 "$out/gpu-tests.log"
+  mkdir -p "$out/h200"
+  timeout 420 python3 -m slora_batch.bench_cli --systems base,slora,peft,bmm,no-unified \
+    --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --requests 2000 \
+    --max-seconds 18 --peft-requests 64 --peft-batch 64 --peft-max-seconds 90 --total-seconds 400 \
+    --out "$out/h200" > "$out/h200/bench.log" 2>&1
+  tail -12 "$out/h200/bench.log"; cat "$out/h200/results.md" 2>/dev/null
 elif [ "$mode" = bench ]; then
   mkdir -p "$out/h200"
   timeout 570 python3 -m slora_batch.bench_cli --systems base,slora,peft,bmm,no-unified \

@@ -23,9 +23,13 @@ from kernels.meta import AttnMeta
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # a split reads at least this many keys
 MAX_SPLITS = 64
+# Prefill: queries per tile and warps. (128, 8) for long prompts gave first-step logits 2-4x
+# further from fp32 than transformers' bf16 on a Llama-2-7B-shaped model on the H200
+# (tests/test_engine_gpu.py); (64, 4) stayed within 1.5x.
+PREFILL_TILE = (64, 4)
 # Decode tiles: keys per loop step (MHA: CUDA-core dot products; GQA: tensor-core tiles), warps
 # and software-pipeline stages; benchmarks/kernels.py sweeps them on the card.
-DECODE = {"mha_block_n": 32, "gqa_block_n": 64, "warps": 4, "stages": 2}
+DECODE = {"mha_block_n": 32, "gqa_block_n": 64, "warps": 4, "stages": 3}
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
@@ -195,14 +199,14 @@ def attention(
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
     Grid (ceil(max_new / BLOCK_M), B, num_heads): BLOCK_M queries x 64 keys per tile, one query
-    head; BLOCK_M 128 on 8 warps when a sequence brings 128 new tokens or more, else 64 on 4.
+    head; BLOCK_M and warps from PREFILL_TILE.
     """
     _check(q, pool_layer, meta, num_kv_heads)
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
     if q.shape[0] == 0 or num_seqs == 0:
         return out
-    block_m, warps = (128, 8) if meta.max_new >= 128 else (64, 4)
+    block_m, warps = PREFILL_TILE
     block_n = 64
     grid = (triton.cdiv(meta.max_new, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](q, q.stride(0), q.stride(1), out, pool_layer, meta.b1_start,

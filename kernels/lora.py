@@ -36,11 +36,11 @@ from kernels.meta import LoraMeta
 BLOCKS = {
     "rank": 32,  # shrink: rank columns per program
     "k": 64,  # shrink: row elements per loop step
-    "n": 32,  # expand: columns per program
+    "n": 64,  # expand: columns per program
     "split_min_k": 256,  # shrink: the fewest row elements a split reduces
-    "vk": 128,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
-    # the [rank, vk] tile at 8K elements)
-    "vn": 128,  # vector expand: columns per program (likewise)
+    "vk": 256,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
+    # the [rank, vk] tile at 16K elements)
+    "vn": 256,  # vector expand: columns per program (likewise)
 }
 
 
