@@ -1,9 +1,11 @@
 """Which part of the engine's bf16 path drifts from fp32 on long prompts (Llama-2-7B shape, H200).
 
-    python3 -m benchmarks.diagnose_bf16
+    python3 -m benchmarks.diagnose_bf16               # transformers' RoPE buffers kept fp32
+    python3 -m benchmarks.diagnose_bf16 --bf16-rope   # as model.to(torch.bfloat16) leaves them
 
-tests/test_engine_gpu.py finds the first-step logits of long prompts with an adapter 2-4x
-further from fp32 than transformers' bf16 is. This prints the same error for a base row and an
+tests/test_engine_gpu.py once found the first-step logits of long prompts 2-4x further from
+fp32 than transformers' bf16 is. The cause: ``model.to(torch.bfloat16)`` had rounded
+transformers' rotary inv_freq buffers, so its own RoPE angles (in bf16 and fp32) were off. This prints the same error for a base row and an
 adapter row at several prompt lengths, for the Triton backend, the torch backend (kernels/ref.py
 on the GPU) and chunked prefill, so the cause can be told apart: base or LoRA path, kernels or
 model code, one step or chunks.
@@ -11,12 +13,16 @@ model code, one step or chunks.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from slora_batch import Engine, EngineConfig, Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_engine_gpu import restore_rope, rope_buffers  # noqa: E402
 
 SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
@@ -33,7 +39,12 @@ def main() -> None:
     config = LlamaConfig(**SHAPE)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config)
+    exact_rope = "--bf16-rope" not in sys.argv
+    rope = rope_buffers(model)
+    model.to(torch.bfloat16)
+    if exact_rope:  # .to(bfloat16) rounds transformers' inv_freq buffers too: undo that
+        restore_rope(model, rope)
     config.save_pretrained(root / "model")
     weights = dict(model.state_dict())
     peft_model = get_peft_model(model, LoraConfig(r=64, lora_alpha=128, target_modules=TARGETS,
@@ -68,6 +79,8 @@ def main() -> None:
     peft_model.float()
     exact = [hf(a, ids) for a, ids in rows]
     peft_model.to(torch.bfloat16)
+    if exact_rope:
+        restore_rope(peft_model, rope)
     variants = {
         "triton": {},
         "torch backend": {"backend": "torch"},
