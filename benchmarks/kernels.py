@@ -121,16 +121,14 @@ def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> lis
 
 DECODE_VARIANTS = [  # attention.DECODE overrides swept by --decode-sweep
     {},
-    {"stages": 3},
+    {"mha_dot": False},
+    {"mha_dot": False, "stages": 2},
+    {"stages": 2},
     {"stages": 4},
     {"warps": 8},
-    {"mha_block_n": 64},
-    {"mha_block_n": 16},
-    {"mha_block_n": 64, "stages": 3},
-    {"mha_block_n": 64, "warps": 8, "stages": 3},
+    {"gqa_block_n": 32},
     {"gqa_block_n": 128},
-    {"gqa_block_n": 32, "stages": 3},
-    {"gqa_block_n": 64, "stages": 3},
+    {"gqa_block_n": 128, "warps": 8},
 ]
 
 

@@ -28,7 +28,10 @@ MAX_SPLITS = 64
 PREFILL_TILE = (64, 4)
 # Decode tiles: keys per loop step (MHA: CUDA-core dot products; GQA: tensor-core tiles), warps
 # and software-pipeline stages; benchmarks/kernels.py sweeps them on the card.
-DECODE = {"mha_block_n": 32, "gqa_block_n": 64, "warps": 4, "stages": 3}
+# mha_dot: MHA on tensor cores too, the one query row padded to a 16-row tile (as GQA groups
+# under 16 are); False: CUDA-core dot products (H200, B=256, contexts 256-1024: 0.54 of the copy
+# bandwidth for every tile tried, where GQA's tensor-core path reached 0.83).
+DECODE = {"mha_block_n": 32, "gqa_block_n": 64, "warps": 4, "stages": 3, "mha_dot": True}
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
@@ -252,8 +255,9 @@ def decode_splits(
     num_splits: int | None,
 ) -> torch.Tensor:
     """Decode attention in two stages. Stage 1, grid (B, num_kv_heads, num_splits): the query
-    heads of one KV head over one split of the keys: under GQA 64 keys per step, ``tl.dot`` on a
-    tile of max(16, group) query rows; under MHA 32 keys per step, ``tl.sum`` dot products. It
+    heads of one KV head over one split of the keys, 64 keys per step, ``tl.dot`` on a tile of
+    max(16, group) query rows (under MHA one live row; with DECODE["mha_dot"] False, MHA takes
+    32 keys per step and ``tl.sum`` dot products instead). It
     writes the normalized partial output and its log2-sum-exp. Stage 2, grid (B, num_heads): the
     merge. With one split, stage 1 writes the output and stage 2 is skipped. num_splits None:
     ``num_splits_for``.
@@ -269,17 +273,18 @@ def decode_splits(
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of two"
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = DECODE["gqa_block_n"] if group > 1 else DECODE["mha_block_n"]
+    use_dot = group > 1 or DECODE["mha_dot"]
+    block_n = DECODE["gqa_block_n"] if use_dot else DECODE["mha_block_n"]
     part_o = part_lse = out  # unused with one split
     if num_splits > 1:
         part_o = q.new_empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32)
         part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
-    block_g = max(16, triton.next_power_of_2(group)) if group > 1 else 1
+    block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, q.stride(0), q.stride(1), pool_layer, meta.b_seq_len, meta.page_table,
         meta.page_table.stride(0), scale * LOG2E, part_o, part_lse, out, NUM_HEADS=num_heads,
         PAGE=pool_layer.shape[1], GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
-        BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=group > 1,
+        BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot,
         PRECISION=_precision(q.dtype), num_warps=DECODE["warps"],
         num_stages=DECODE["stages"])  # fmt: skip
     if num_splits > 1:

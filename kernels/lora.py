@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import sm_count
-from kernels.meta import LoraMeta
+from kernels.meta import VECTOR_ALL, LoraMeta
 
 # Block sizes; the tests shrink them to reach every branch on tiny shapes. Blocks along a row are
 # also capped by the largest power of two dividing page_size; tl.dot blocks stay >= 16. The
@@ -126,29 +126,31 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
 
 @triton.jit(do_not_specialize=["num_splits", "num_tokens", "num_segs", "target0", "target1",
                                "target2", "part_stride", "rank_cap", "vector_max"])  # fmt: skip
-def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, token_order_ptr,
-                          seg1_start_ptr, seg_slot_ptr, num_segs, rank_ptr, offsets_ptr, target0,
-                          target1, target2, out_ptr, out_stride, rank_cap, vector_max,
-                          NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr):  # fmt: skip
+def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_ptr,
+                          token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, rank_ptr,
+                          offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
+                          vector_max, NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr,
+                          ALL: tl.constexpr):  # fmt: skip
     """Adds the fp32 partial sums of the tokens one path (VECTOR: short segments) computed."""
-    i = tl.program_id(0)  # sorted position
+    i = tl.program_id(0)  # sorted position (token with ALL)
     j = tl.program_id(1)
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
-    seg = _first_segment(seg1_start_ptr, num_segs, i)
-    if seg >= num_segs:
-        return
-    length = tl.load(seg1_start_ptr + seg + 1) - tl.load(seg1_start_ptr + seg)
-    if (length <= vector_max) != VECTOR:
-        return
-    slot = tl.load(seg_slot_ptr + seg)
+    if VECTOR:
+        t, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
+                                num_segs, vector_max, i, ALL)  # fmt: skip
+    else:
+        seg = _first_segment(seg1_start_ptr, num_segs, i)
+        safe = tl.minimum(seg, num_segs - 1)
+        length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
+        t = tl.load(token_order_ptr + i).to(tl.int64)
+        slot = tl.where((seg < num_segs) & (length > vector_max), tl.load(seg_slot_ptr + safe), -1)
     if slot < 0:
         return
     start = tl.load(offsets_ptr + (slot * NUM_TARGETS + target) * 2)
     rank = tl.minimum(tl.load(rank_ptr + slot), rank_cap)
     if start < 0:
         return
-    t = tl.load(token_order_ptr + i)
     rows = tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_SPLIT)
     part_ptrs = (part_ptr + (splits[:, None] * num_tokens + t).to(tl.int64) * part_stride
@@ -159,29 +161,37 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, token_o
 
 
 @triton.jit
-def _vector_token(token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, vector_max, i):
-    """(token, slot) of sorted position i when the vector path owns it, else (0, -1): its
-    segment has at most vector_max tokens and an adapter."""
-    seg = _first_segment(seg1_start_ptr, num_segs, i)
-    safe = tl.minimum(seg, num_segs - 1)
-    length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
-    slot = tl.load(seg_slot_ptr + safe)
-    mine = (seg < num_segs) & (length <= vector_max)
-    return tl.load(token_order_ptr + i).to(tl.int64), tl.where(mine, slot, -1)
+def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, vector_max,
+                  i, ALL: tl.constexpr):  # fmt: skip
+    """(token, slot) of program i when the vector path owns that token, else (_, -1). ALL: every
+    adapter token is on the vector path (CUDA-graph decode steps) and program i is token i, its
+    slot one load away. Else i is a sorted position, owned when its segment has at most
+    vector_max tokens and an adapter (a binary search over the segments)."""
+    if ALL:
+        tok = i.to(tl.int64)
+        slot = tl.load(b_slot_ptr + i)
+    else:
+        seg = _first_segment(seg1_start_ptr, num_segs, i)
+        safe = tl.minimum(seg, num_segs - 1)
+        length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
+        mine = (seg < num_segs) & (length <= vector_max)
+        tok = tl.load(token_order_ptr + i).to(tl.int64)
+        slot = tl.where(mine, tl.load(seg_slot_ptr + safe), -1)
+    return tok, slot
 
 
 @triton.jit(do_not_specialize=["num_segs", "num_tokens", "target0", "target1", "target2",
                                "out_stride", "rank_cap", "vector_max"])  # fmt: skip
-def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr,
+def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
                           seg_slot_ptr, num_tokens, num_segs, rank_ptr, pages_ptr, pages_stride,
                           offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
                           d_in, k_per_split, vector_max, PAGE: tl.constexpr,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PARTIAL: tl.constexpr):  # fmt: skip
-    """One token (sorted position program_id(0)) of a short segment, one target of the group
+                          PARTIAL: tl.constexpr, ALL: tl.constexpr):  # fmt: skip
+    """One token (program_id(0), see _vector_token) of a short segment, one target of the group
     (program_id(1)), one split of d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]."""
-    tok, slot = _vector_token(token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
-                              vector_max, tl.program_id(0))  # fmt: skip
+    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
+                              vector_max, tl.program_id(0), ALL)  # fmt: skip
     if slot < 0:
         return
     j = tl.program_id(1)
@@ -213,16 +223,17 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start
 
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
                                "rank_cap", "vector_max"])  # fmt: skip
-def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr,
+def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
                           seg_slot_ptr, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride,
                           offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
                           width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
                           vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                          ALL: tl.constexpr):  # fmt: skip
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
-    tok, slot = _vector_token(token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
-                              vector_max, tl.program_id(0))  # fmt: skip
+    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
+                              vector_max, tl.program_id(0), ALL)  # fmt: skip
     if slot < 0:
         return
     nb = tl.program_id(1)
@@ -403,11 +414,11 @@ def lora_shrink(
         splits = triton.cdiv(d_in, k_per_split)
         dst = _partials(out, splits)
         _shrink_vector_kernel[(num_tokens, group, splits)](
-            x, x.stride(0), pool_layer, *common, meta.slot_rank, meta.slot_pages,
+            x, x.stride(0), pool_layer, meta.b_slot, *common, meta.slot_rank, meta.slot_pages,
             meta.slot_pages.stride(0), meta.slot_offsets, *targets, dst, dst.stride(-2), rank_cap,
             d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
-            PARTIAL=splits > 1, num_warps=4)  # fmt: skip
+            PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL, num_warps=4)  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
 
 
@@ -423,11 +434,11 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
         return
     num_tokens = out.shape[0]
     _shrink_reduce_kernel[(num_tokens, group)](
-        dst, dst.stride(1), splits, num_tokens, meta.token_order, meta.seg1_start, meta.seg_slot,
+        dst, dst.stride(1), splits, num_tokens, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
         meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets, *targets, out, out.stride(0),
         rank_cap, meta.vector_max, NUM_TARGETS=meta.slot_offsets.shape[1],
         BLOCK_R=triton.next_power_of_2(rank_cap), BLOCK_SPLIT=triton.next_power_of_2(splits),
-        VECTOR=vector, num_warps=4)  # fmt: skip
+        VECTOR=vector, ALL=vector and meta.vector_max >= VECTOR_ALL, num_warps=4)  # fmt: skip
 
 
 def lora_expand(
@@ -489,7 +500,7 @@ def lora_expand(
         vb1 = blocks[0] if group > 1 else sum(blocks)
         vb2 = blocks[0] + blocks[1] if group > 2 else sum(blocks)
         _expand_vector_kernel[(num_tokens, sum(blocks))](
-            v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
+            v, v.stride(0), pool_layer, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
             num_segs, *common, vb1, vb2, out, out.stride(0), rank_cap, meta.vector_max,
             PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
-            num_warps=4)  # fmt: skip
+            ALL=meta.vector_max >= VECTOR_ALL, num_warps=4)  # fmt: skip

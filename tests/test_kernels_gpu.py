@@ -141,6 +141,13 @@ def test_attention_decode(ops, dtype, kind, splits):
     assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_decode_mha_cuda_cores(ops, monkeypatch, dtype):
+    """MHA decode with DECODE["mha_dot"] False: dot products on CUDA cores, 32 keys a step."""
+    monkeypatch.setitem(ops.attention.DECODE, "mha_dot", False)
+    test_attention_decode(ops, dtype, "mha", None)
+
+
 def _shift_pages(table: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.where(table >= 0, table + offset, table)
 
