@@ -21,7 +21,7 @@ if [ "$mode" = check ]; then
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/test_kernels_gpu.py \
     tests/test_engine_gpu.py > "$out/gpu-tests.log" 2>&1
   tail -15 "$out/gpu-tests.log"
-  timeout 140 python3 -m benchmarks.kernels --quick --lora-only --decode-sweep > "$out/kernels-bench.md" 2>&1
+  timeout 170 python3 -m benchmarks.kernels --quick --lora-only --decode-sweep > "$out/kernels-bench.md" 2>&1
   cat "$out/kernels-bench.md"
   timeout 150 python3 -m benchmarks.profile_engine --adapters 0,1000 --requests 800 --out "$out" \
     > "$out/profile.log" 2>&1

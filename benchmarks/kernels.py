@@ -193,11 +193,21 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
             variants += [
                 ("grouped vector", lora_grouped, {}, vector),
                 ("grouped vector vk256 vn256", lora_grouped, {"vk": 256, "vn": 256}, vector),
-                ("grouped vector vk64 vn64", lora_grouped, {"vk": 64, "vn": 64}, vector),
                 ("grouped vector no split", lora_grouped, {"split_min_k": 1 << 30}, vector),
+                ("grouped vector 8 warps", lora_grouped, {"vwarps": 8}, vector),
+                ("grouped vector 16 waves", lora_grouped, {"vwaves": 16}, vector),
+                (
+                    "grouped vector vk512 vn512 8 warps",
+                    lora_grouped,
+                    {"vk": 512, "vn": 512, "vwarps": 8},
+                    vector,
+                ),
             ]
         else:
-            variants += [("grouped tiled+vector (8)", lora_grouped, {}, 8)]  # fmt: skip
+            variants += [("grouped tiled+vector (8)", lora_grouped, {}, 8),
+                         ("grouped tiled et64", lora_grouped, {"et": 64}, tiled),
+                         ("grouped tiled et64 n128", lora_grouped, {"et": 64, "n": 128}, tiled),
+                         ("grouped tiled et128", lora_grouped, {"et": 128}, tiled)]  # fmt: skip
         saved = dict(lora.BLOCKS)
         reference = None
         for name, step, blocks, vector_max in variants:

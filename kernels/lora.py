@@ -41,6 +41,9 @@ BLOCKS = {
     "vk": 256,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
     # the [rank, vk] tile at 16K elements)
     "vn": 256,  # vector expand: columns per program (likewise)
+    "vwarps": 4,  # vector kernels: warps per program
+    "vwaves": 4,  # vector shrink: split d_in until the grid holds this many programs per SM
+    "et": 32,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
 }
 
 
@@ -408,7 +411,7 @@ def lora_shrink(
         block_r = max(16, triton.next_power_of_2(max_rank))
         block_k = _pow2_divisor(page, max(16, BLOCKS["vk"] * 64 // block_r))
         programs = num_tokens * group
-        want = triton.cdiv(4 * sm_count(x.device), programs)
+        want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), programs)
         splits = max(1, min(want, d_in // BLOCKS["split_min_k"], 16))
         k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
         splits = triton.cdiv(d_in, k_per_split)
@@ -418,7 +421,8 @@ def lora_shrink(
             meta.slot_pages.stride(0), meta.slot_offsets, *targets, dst, dst.stride(-2), rank_cap,
             d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
-            PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL, num_warps=4)  # fmt: skip
+            PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL,
+            num_warps=BLOCKS["vwarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
 
 
@@ -473,6 +477,8 @@ def lora_expand(
         return
     page = pool_layer.shape[1]
     block_t, block_n = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["n"])
+    if block_t > 16:  # prefill-sized
+        block_t = BLOCKS["et"]
     widths = [hi - lo for lo, hi in cols]
     blocks = [triton.cdiv(w, block_n) for w in widths]
     starts = [lo for lo, _ in cols]
@@ -503,4 +509,4 @@ def lora_expand(
             v, v.stride(0), pool_layer, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
             num_segs, *common, vb1, vb2, out, out.stride(0), rank_cap, meta.vector_max,
             PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
-            ALL=meta.vector_max >= VECTOR_ALL, num_warps=4)  # fmt: skip
+            ALL=meta.vector_max >= VECTOR_ALL, num_warps=BLOCKS["vwarps"])  # fmt: skip

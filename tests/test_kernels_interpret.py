@@ -220,6 +220,9 @@ SMALL_LORA_BLOCKS = {
     "split_min_k": 16,
     "vk": 16,
     "vn": 16,
+    "vwarps": 4,
+    "vwaves": 4,
+    "et": 32,
 }  # splits; blocks in pages
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
