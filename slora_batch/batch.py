@@ -35,6 +35,9 @@ class HostStep:
     logits_index: np.ndarray  # [S] int64
     logit_rows: list[int]  # per sequence: its row in the logits, -1 when no token is drawn
     max_new: int
+    # Mixed steps: how many leading sequences bring one token. Their attention runs on the
+    # decode kernel and the rest on the prefill kernel (0: all on the prefill kernel).
+    decode_rows: int = 0
 
     @property
     def decode_only(self) -> bool:
@@ -75,7 +78,15 @@ def plan_step(step: ScheduledStep) -> HostStep:
         logits_index=np.asarray(logits_index, dtype=np.int64),
         logit_rows=logit_rows,
         max_new=max(step.num_new),
+        decode_rows=_leading_ones(step.num_new),
     )
+
+
+def _leading_ones(num_new: list[int]) -> int:
+    count = 0
+    while count < len(num_new) and num_new[count] == 1:
+        count += 1
+    return count
 
 
 def _plan_decode(step: ScheduledStep) -> HostStep:
@@ -186,6 +197,19 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         page_table=dev(host.page_table, torch.int32),
         max_new=host.max_new,
     )
+    split = None
+    d = host.decode_rows
+    if not host.decode_only and 0 < d < len(host.b_seq_len):  # leading decodes, then prefills
+        split = (
+            d,
+            AttnMeta(attn.b1_start[: d + 1], attn.b_seq_len[:d], attn.page_table[:d], 1),
+            AttnMeta(
+                dev(host.b1_start[d:] - d, torch.int32),
+                attn.b_seq_len[d:],
+                attn.page_table[d:],
+                host.max_new,
+            ),
+        )
     return StepInput(
         input_ids=dev(host.input_ids),
         positions=dev(host.positions),
@@ -194,4 +218,5 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         lora=lora,
         logits_index=dev(host.logits_index),
         decode_only=host.decode_only,
+        attn_split=split,
     )

@@ -44,6 +44,9 @@ class StepInput:
     lora: LoraMeta | None  # None when no token of the step uses an adapter
     logits_index: torch.Tensor  # [S] int64: tokens whose next-token logits are needed
     decode_only: bool  # every sequence has exactly one new token
+    # Mixed steps whose first d sequences bring one token each: (d, their AttnMeta, the rest's),
+    # so decode rows take the decode kernel; None: the whole step on the prefill kernel.
+    attn_split: tuple[int, AttnMeta, AttnMeta] | None = None
 
 
 def rope_cos_sin(spec: ModelSpec, max_pos: int, device: torch.device) -> torch.Tensor:
@@ -110,7 +113,6 @@ class LlamaModel:
         spec = self.spec
         x = F.embedding(step.input_ids, self.embed)  # [T, H]
         residual = None
-        attend = ops.attention_decode if step.decode_only else ops.attention
         lora_buf = None
         if step.lora is not None and step.lora.max_rank > 0:
             lora_buf = torch.zeros(  # fp32 [T, 3 * max_rank]: a group of up to 3 targets
@@ -127,9 +129,7 @@ class LlamaModel:
             q, k = q.contiguous(), k.contiguous()
             ops.rope(q, k, step.positions, self.cos_sin)
             ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
-            attn = attend(q, pool_layer, step.attn, spec.num_kv_heads, self.scale).view(
-                -1, spec.q_dim
-            )
+            attn = self._attend(q, pool_layer, step, ops).view(-1, spec.q_dim)
             o = F.linear(attn, layer.o, layer.o_bias)
             self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
             h, residual = ops.rms_norm(o, layer.post_norm, spec.rms_norm_eps, residual)
@@ -145,6 +145,21 @@ class LlamaModel:
             x[step.logits_index], self.final_norm, spec.rms_norm_eps, residual[step.logits_index]
         )
         return F.linear(h, self.lm_head).float()
+
+    def _attend(
+        self, q: torch.Tensor, pool_layer: torch.Tensor, step: StepInput, ops: ModuleType
+    ) -> torch.Tensor:
+        """Attention of the step's queries: decode kernel, prefill kernel, or both on a split."""
+        kv_heads = self.spec.num_kv_heads
+        if step.decode_only:
+            return ops.attention_decode(q, pool_layer, step.attn, kv_heads, self.scale)
+        if step.attn_split is None:
+            return ops.attention(q, pool_layer, step.attn, kv_heads, self.scale)
+        d, decode, prefill = step.attn_split
+        out = torch.empty_like(q)
+        out[:d] = ops.attention_decode(q[:d], pool_layer, decode, kv_heads, self.scale)
+        out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, self.scale)
+        return out
 
     @staticmethod
     def _lora(

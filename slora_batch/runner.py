@@ -33,6 +33,14 @@ log = logging.getLogger(__name__)
 TILED_TOKENS_PER_ADAPTER = 4
 
 
+def tiled_decode(b_slot: np.ndarray) -> bool:
+    """Whether a decode step's LoRA suits the tiled kernels: at least TILED_TOKENS_PER_ADAPTER
+    adapter tokens per distinct adapter (example: 256 tokens on 8 adapters), else the vector ones
+    (256 tokens on 200 adapters)."""
+    used = b_slot[b_slot >= 0]
+    return used.size > 0 and used.size >= TILED_TOKENS_PER_ADAPTER * len(np.unique(used))
+
+
 def graph_buckets(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
     sizes += list(range(16, max_batch, 16))
@@ -84,13 +92,7 @@ class ModelRunner:
         return self.model.forward(step, self.pool, self.ops, self.lora_pool)
 
     def _tiled(self, b_slot: np.ndarray) -> bool:
-        """Whether a decode step's LoRA runs on the tiled kernels: few adapters, many tokens each."""
-        if self.max_rank == 0:
-            return False
-        used = b_slot[b_slot >= 0]
-        if used.size == 0:
-            return False
-        return used.size >= TILED_TOKENS_PER_ADAPTER * len(np.unique(used))
+        return self.max_rank > 0 and tiled_decode(b_slot)
 
     def _static_input(self, bucket: int, tiled: bool) -> StepInput:
         dev = self.device

@@ -29,6 +29,12 @@ def test_plan_and_upload_a_mixed_step():
     meta = step_input.lora
     assert meta.max_rank == 2 and meta.targets == (0,)  # the fake adapters target q only
     assert meta.seg_slot.tolist() == [slot] and meta.seg1_start.tolist() == [0, 1]
+    # the leading decode row takes the decode kernel, the prefill row the prefill kernel
+    assert host.decode_rows == 1
+    d, decode_meta, prefill_meta = step_input.attn_split
+    assert d == 1 and decode_meta.b_seq_len.tolist() == [4] and decode_meta.max_new == 1
+    assert prefill_meta.b1_start.tolist() == [0, 6] and prefill_meta.b_seq_len.tolist() == [6]
+    assert torch.equal(prefill_meta.page_table, step_input.attn.page_table[1:])
 
 
 def test_base_only_step_has_no_lora_meta():
@@ -60,3 +66,15 @@ def test_decode_step_with_a_one_token_prefill_chunk():
     assert host.decode_only and host.logit_rows == [0, -1] and host.logits_index.tolist() == [0]
     assert host.input_ids.tolist() == [9, 1] and host.positions.tolist() == [1, 0]
     assert host.out_pages.tolist() == [decode.pages[1].tolist(), prefill.pages[0].tolist()]
+
+
+def test_decode_graph_kernel_choice():
+    """Decode steps replay the tiled-LoRA graph when adapters have several tokens each."""
+    from slora_batch.runner import TILED_TOKENS_PER_ADAPTER, tiled_decode
+
+    few = np.repeat(np.arange(8), 32)  # 256 tokens on 8 adapters
+    many = np.arange(256) % 200  # 256 tokens on 200 adapters
+    assert tiled_decode(few) and not tiled_decode(many)
+    assert not tiled_decode(np.full(16, -1))  # base rows only: no LoRA at all
+    edge = np.concatenate([np.repeat([3, 5], TILED_TOKENS_PER_ADAPTER), np.full(40, -1)])
+    assert tiled_decode(edge) and not tiled_decode(edge[1:])

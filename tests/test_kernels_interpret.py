@@ -583,12 +583,25 @@ def model_step(seqs: list[tuple[int, int, int]], seed: int):
         logits_index=(attn.b1_start[1:] - 1).long(),
         decode_only=attn.max_new == 1,
     )
+    d = next((b for b, (n, _, _) in enumerate(seqs) if n > 1), len(seqs))
+    if 0 < d < len(seqs):  # leading decodes, as batch.upload splits them
+        step.attn_split = (
+            d,
+            AttnMeta(attn.b1_start[: d + 1], attn.b_seq_len[:d], attn.page_table[:d], 1),
+            AttnMeta(
+                (attn.b1_start[d:] - d).contiguous(),
+                attn.b_seq_len[d:],
+                attn.page_table[d:],
+                attn.max_new,
+            ),  # fmt: skip
+        )
     return step, pool, SimpleNamespace(layer=lambda index: lora_layer)
 
 
 MODEL_STEPS = {  # (new tokens, context, slot): prefill, chunked prefill with context, decode
     "mixed": [(5, 5, 0), (3, 20, -1), (1, 9, 3), (1, 30, 0), (4, 12, 4)],
     "decode": [(1, 9, 0), (1, 30, -1), (1, 4, 3), (1, 17, 0), (1, 70, 4), (1, 2, 1)],
+    "split": [(1, 9, 0), (1, 30, -1), (1, 17, 3), (5, 5, 0), (3, 20, 4)],  # decodes lead
 }
 
 
@@ -601,7 +614,8 @@ class TestModelInterpreted:
         step, pool, lora_pool = model_step(MODEL_STEPS[kind], seed=len(kind))
         ref_pool = copy.deepcopy(pool)
         logits = model.forward(step, pool, tk.triton_ops, lora_pool)
-        expected = model.forward(step, ref_pool, ref, lora_pool)
+        whole = dataclasses.replace(step, attn_split=None)  # every row on the prefill kernel
+        expected = model.forward(whole, ref_pool, ref, lora_pool)
         assert_close(logits, expected, torch.float32)
         assert_close(pool.data, ref_pool.data, torch.float32)
 
