@@ -195,6 +195,9 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
                 ("grouped vector vk256 vn256", lora_grouped, {"vk": 256, "vn": 256}, vector),
                 ("grouped vector no split", lora_grouped, {"split_min_k": 1 << 30}, vector),
                 ("grouped vector 8 warps", lora_grouped, {"vwarps": 8}, vector),
+                ("grouped vector vr16", lora_grouped, {"vr": 16}, vector),
+                ("grouped vector vr16 8 warps", lora_grouped, {"vr": 16, "vwarps": 8}, vector),
+                ("grouped vector vr32", lora_grouped, {"vr": 32}, vector),
                 ("grouped vector 16 waves", lora_grouped, {"vwaves": 16}, vector),
                 (
                     "grouped vector vk512 vn512 8 warps",

@@ -44,6 +44,7 @@ BLOCKS = {
     "vwarps": 4,  # vector kernels: warps per program
     "vwaves": 4,  # vector shrink: split d_in until the grid holds this many programs per SM
     "et": 32,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
+    "vr": 0,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
 }
 
 
@@ -206,22 +207,24 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
         return
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(d_in, k_lo + k_per_split)
-    rows = tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
-    row_live = rows < rank
-    row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        col_live = k0 + cols < k_hi
-        xv = tl.load(x_ptr + tok * x_stride + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
-        page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
-        a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
-        a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32) * xv[None, :], 1)
     row = tok
     if PARTIAL:  # partial sums [splits, T, out_stride], added up by _shrink_reduce_kernel
         row = tl.program_id(2) * num_tokens + tok
-    tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
+    for r0 in range(0, rank, BLOCK_R):  # the adapter's own rank, BLOCK_R rows at a time
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_live = rows < rank
+        row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            col_live = k0 + cols < k_hi
+            x_ptrs = x_ptr + tok * x_stride + k0 + cols
+            xv = tl.load(x_ptrs, mask=col_live, other=0.0).to(tl.float32)
+            page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
+            a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
+            a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32) * xv[None, :], 1)
+        tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
 
 
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
@@ -250,15 +253,19 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
     col = tl.where(j == 0, col0, tl.where(j == 1, col1, col2))
     d_out = tl.where(j == 0, width0, tl.where(j == 1, width1, width2))
     n0 = (nb - tl.where(j == 0, 0, tl.where(j == 1, blocks1, blocks2))) * BLOCK_N
-    rows = tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
-    row_live = rows < rank
     col_live = n0 + cols < d_out
-    vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
-    page = tl.load(slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE, mask=row_live, other=0)
-    b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + (n0 % PAGE) + cols[None, :]
-    b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-    delta = tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0) * tl.load(scale_ptr + slot)
+    delta = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):  # the adapter's own rank, BLOCK_R rows at a time
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_live = rows < rank
+        vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
+        page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+        page = tl.load(page_ptrs, mask=row_live, other=0)
+        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + (n0 % PAGE) + cols[None, :]
+        b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+        delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
+    delta = delta * tl.load(scale_ptr + slot)
     o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
     tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
 
@@ -408,7 +415,7 @@ def lora_shrink(
             num_warps=8)  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=False)
     if meta.shortest <= meta.vector_max:  # vector: one token per program
-        block_r = max(16, triton.next_power_of_2(max_rank))
+        block_r = _vector_rows(max_rank)
         block_k = _pow2_divisor(page, max(16, BLOCKS["vk"] * 64 // block_r))
         programs = num_tokens * group
         want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), programs)
@@ -424,6 +431,13 @@ def lora_shrink(
             PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL,
             num_warps=BLOCKS["vwarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
+
+
+def _vector_rows(max_rank: int) -> int:
+    """Rank rows per step of the vector kernels: the whole largest rank at once, or with
+    BLOCKS["vr"] > 0 that many at a time, so an adapter's loop runs to its own rank only."""
+    whole = max(16, triton.next_power_of_2(max_rank))
+    return min(whole, BLOCKS["vr"]) if BLOCKS["vr"] else whole
 
 
 def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
@@ -500,7 +514,7 @@ def lora_expand(
             BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
             PRECISION=_precision(pool_layer.dtype), num_warps=8)  # fmt: skip
     if meta.shortest <= meta.vector_max:
-        block_r = max(16, triton.next_power_of_2(max_rank))
+        block_r = _vector_rows(max_rank)
         block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))
         blocks = [triton.cdiv(w, block_n) for w in widths[:group]]
         vb1 = blocks[0] if group > 1 else sum(blocks)

@@ -223,6 +223,7 @@ SMALL_LORA_BLOCKS = {
     "vwarps": 4,
     "vwaves": 4,
     "et": 32,
+    "vr": 16,
 }  # splits; blocks in pages
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
