@@ -243,6 +243,24 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
     return rows
 
 
+class Table(list):
+    """Rows printed as they come (a run cut at its time limit keeps what it measured)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        print("| kernel | case | us | achieved | fraction |\n|---|---|---:|---:|---:|", flush=True)
+
+    def append(self, row: tuple) -> None:
+        super().append(row)
+        name, case, us, achieved, fraction = row
+        print(f"| {name} | {case} | {us:.1f} | {achieved} | {fraction} |", flush=True)
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -250,14 +268,15 @@ def main() -> None:
     parser.add_argument("--decode-sweep", action="store_true")
     args = parser.parse_args()
     bw, rate = copy_gbps(), matmul_tflops()
-    rows = [("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"),
-            ("matmul", "8192^3 bf16", 0.0, f"{rate:.0f} TFLOP/s", "1.00")]  # fmt: skip
+    rows = Table()
+    rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
+    rows.append(("matmul", "8192^3 bf16", 0.0, f"{rate:.0f} TFLOP/s", "1.00"))
     batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]
     for kind in SHAPES:
-        if not args.lora_only:
-            rows += attention_rows(kind, batches, bw, rate)
         if args.decode_sweep:
             rows += decode_sweep_rows(kind, bw)
+        if not args.lora_only:
+            rows += attention_rows(kind, batches, bw, rate)
         rows += lora_rows(kind, bw)
     for tokens in [256, 4096]:
         x = torch.randn(tokens, 4096, dtype=DTYPE, device="cuda")
@@ -266,9 +285,6 @@ def main() -> None:
         gbs = tokens * 4096 * 2 * 4 / us / 1e3  # x, residual in; y, r out
         rows.append(("rms_norm+residual", f"T={tokens} H=4096", us, f"{gbs:.0f} GB/s",
                      f"{gbs / bw:.2f}"))  # fmt: skip
-    print("| kernel | case | us | achieved | fraction |\n|---|---|---:|---:|---:|")
-    for name, case, us, achieved, fraction in rows:
-        print(f"| {name} | {case} | {us:.1f} | {achieved} | {fraction} |")
 
 
 if __name__ == "__main__":
