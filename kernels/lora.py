@@ -8,8 +8,10 @@ page c = k // page_size. Running example: page_size 4096, gate (d_in 4096, d_out
 is 1 page, a B^T row 3 pages (the third holds 2816 elements, then zeros). Blocks along a row
 (BLOCK_K, BLOCK_N) divide page_size, so a block of a row lies in one page: one page index per row.
 
-Tiling: the step's tokens, in ``token_order`` (sorted by slot, base tokens last), are cut into
-blocks of BLOCK_T. A program takes one block and walks the segments it overlaps, one ``tl.dot``
+Two kernel families, split by segment length (``LoraMeta.vector_max``, 8 tokens by default):
+
+Tiled (MBGMM), for segments longer than vector_max: the step's tokens, in ``token_order``
+(sorted by slot, base tokens last), are cut into blocks of BLOCK_T. A program takes one block and walks the segments it overlaps, one ``tl.dot``
 per segment on the rows of that segment (the others masked, so never loaded). Example, BLOCK_T 16,
 segments of 20 (slot 3), 1 (slot 7) and 1 (slot 0) tokens: block 0 = 16 tokens of slot 3, block 1
 = 4 tokens of slot 3, then slot 7, then slot 0. A popular adapter's rows are read once per 16-32 of
@@ -17,8 +19,14 @@ its tokens; a decode token alone on its adapter costs its own rows. Blocks past 
 return at once. The grid depends on T, max_rank and the widths only, never on the segment count,
 so a captured decode step (segments padded with empty slot -1 ones) replays for any mix.
 
-Shrink splits the long reduction (d_in) over programs when the token blocks alone would leave the
-GPU idle (decode), writing fp32 partial sums that a second kernel adds into ``out``.
+Vector (MBGMV), for segments of at most vector_max tokens: one program per token (and target,
+and split of d_in, or block of output columns), reading its own adapter's rows, stepping through
+its own rank. A step of 256 tokens on 200 adapters needs no segment walk; in CUDA-graph decode
+steps (vector_max = VECTOR_ALL) program t is token t and reads its slot from b_slot.
+
+Either shrink splits the long reduction (d_in) over programs when the grid alone would leave the
+GPU idle, writing fp32 partial sums that a second kernel adds into ``out``. A group of up to three
+targets sharing one input (q, k, v; gate, up) is one launch of each kernel.
 """
 
 from __future__ import annotations
@@ -382,7 +390,8 @@ def lora_shrink(
     present in s:  out[t, j*R : j*R + rank[s]] = x[t] @ A_s^T  (A_s: rank[s] rows of d_in, read
     from pages). Rows without adapter (slot -1) or whose adapter lacks the target are untouched.
     Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, G * R] (fp32 or x's dtype).
-    Grid (ceil(T / BLOCK_T), G * ceil(max_rank / 32), splits): one launch for the whole group;
+    Tiled grid (ceil(T / BLOCK_T), G * ceil(max_rank / 32), splits); vector grid (T, G, splits):
+    one launch of each for the whole group;
     tl.dot tiles [BLOCK_T, BLOCK_K] x [BLOCK_K, 32] on 8 warps; with splits > 1 a second
     kernel, grid (T, G), adds the fp32 partial sums into out.
     """
@@ -475,7 +484,8 @@ def lora_expand(
       out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T) * scale[s]
     (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group)).
     Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
-    Grid (ceil(T / BLOCK_T), column blocks of all G targets): tl.dot tiles [BLOCK_T, R'] x
+    Vector grid (T, column blocks of all G targets), one token each. Tiled grid
+    (ceil(T / BLOCK_T), column blocks of all G targets): tl.dot tiles [BLOCK_T, R'] x
     [R', BLOCK_N] with the whole rank R' = next_pow2(max_rank) (at least 16) in one step, on 8
     warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
     """
