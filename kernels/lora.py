@@ -37,6 +37,7 @@ import triton.language as tl
 
 from kernels.attention import sm_count
 from kernels.meta import VECTOR_ALL, LoraMeta
+from kernels.ref import lora_group
 
 # Block sizes; the tests shrink them to reach every branch on tiny shapes. Blocks along a row are
 # also capped by the largest power of two dividing page_size; tl.dot blocks stay >= 16. The
@@ -357,11 +358,20 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _group(target: int | tuple[int, ...]) -> tuple[int, int, int]:
-    """A target or a group of up to 3 sharing one input, padded to 3 for the kernels' scalars."""
-    targets = (target,) if isinstance(target, int) else tuple(target)
-    assert 1 <= len(targets) <= 3, f"1 to 3 targets per launch, got {targets}"
+def _padded(targets: tuple[int, ...]) -> tuple[int, int, int]:
+    """A group of targets padded to 3 for the kernels' scalar arguments."""
     return targets + (targets[-1],) * (3 - len(targets))
+
+
+def _column_blocks(widths: list[int], block_n: int) -> tuple[int, int, int]:
+    """(first block of target 1, first block of target 2, all blocks) when the group's targets'
+    columns are cut into blocks of block_n one target after another; a target the group lacks
+    starts at the end, so no block reaches it."""
+    blocks = [triton.cdiv(w, block_n) for w in widths]
+    total = sum(blocks)
+    first1 = blocks[0] if len(blocks) > 1 else total
+    first2 = blocks[0] + blocks[1] if len(blocks) > 2 else total
+    return first1, first2, total
 
 
 def shrink_splits(device: torch.device, num_tokens: int, max_rank: int, d_in: int,
@@ -397,8 +407,8 @@ def lora_shrink(
     """
     _check(x, pool_layer, meta, out)
     assert x.dtype == pool_layer.dtype, "x and the pool must share a dtype for tl.dot"
-    targets = _group(target)
-    group = 1 if isinstance(target, int) else len(target)
+    targets = lora_group(target)
+    group, targets = len(targets), _padded(targets)
     num_tokens, d_in = x.shape
     rank_cap = out.shape[1] // group
     max_rank, num_segs = min(meta.max_rank, rank_cap), meta.seg_slot.shape[0]
@@ -490,8 +500,8 @@ def lora_expand(
     warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
     """
     _check(v, pool_layer, meta, out)
-    group = 1 if isinstance(target, int) else len(target)
-    targets = _group(target)
+    targets = lora_group(target)
+    group, targets = len(targets), _padded(targets)
     cols = cols if cols is not None else ((0, out.shape[1]),)
     assert len(cols) == group, f"{group} targets, {len(cols)} column ranges"
     num_tokens = out.shape[0]
@@ -504,33 +514,25 @@ def lora_expand(
     if block_t > 16:  # prefill-sized
         block_t = BLOCKS["et"]
     widths = [hi - lo for lo, hi in cols]
-    blocks = [triton.cdiv(w, block_n) for w in widths]
     starts = [lo for lo, _ in cols]
-    widths += [widths[-1]] * (3 - group)
-    starts += [starts[-1]] * (3 - group)
-    blocks1 = blocks[0]
-    blocks2 = blocks1 + (blocks[1] if group > 1 else 0)
-    total_blocks = sum(blocks)
-    blocks2 = blocks2 if group > 2 else total_blocks  # no third target: no block reaches it
-    blocks1 = blocks1 if group > 1 else total_blocks
     common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
-              meta.slot_offsets, *targets, *starts, *widths)  # fmt: skip
+              meta.slot_offsets, *targets, *_padded(tuple(starts)),
+              *_padded(tuple(widths)))  # fmt: skip
     if meta.longest > meta.vector_max:
-        grid = (triton.cdiv(num_tokens, block_t), total_blocks)
+        first1, first2, total = _column_blocks(widths, block_n)
+        grid = (triton.cdiv(num_tokens, block_t), total)
         _expand_kernel[grid](
             v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
-            num_tokens, num_segs, *common, blocks1, blocks2, out, out.stride(0), rank_cap,
+            num_tokens, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
             meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1],
             BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
             PRECISION=_precision(pool_layer.dtype), num_warps=8)  # fmt: skip
     if meta.shortest <= meta.vector_max:
         block_r = _vector_rows(max_rank)
         block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))
-        blocks = [triton.cdiv(w, block_n) for w in widths[:group]]
-        vb1 = blocks[0] if group > 1 else sum(blocks)
-        vb2 = blocks[0] + blocks[1] if group > 2 else sum(blocks)
-        _expand_vector_kernel[(num_tokens, sum(blocks))](
+        first1, first2, total = _column_blocks(widths, block_n)
+        _expand_vector_kernel[(num_tokens, total)](
             v, v.stride(0), pool_layer, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
-            num_segs, *common, vb1, vb2, out, out.stride(0), rank_cap, meta.vector_max,
+            num_segs, *common, first1, first2, out, out.stride(0), rank_cap, meta.vector_max,
             PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
             ALL=meta.vector_max >= VECTOR_ALL, num_warps=BLOCKS["vwarps"])  # fmt: skip
