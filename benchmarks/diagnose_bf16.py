@@ -22,7 +22,12 @@ import torch
 from slora_batch import Engine, EngineConfig, Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_engine_gpu import restore_rope, rope_buffers  # noqa: E402
+from test_engine_gpu import (  # noqa: E402
+    last_logits,
+    randomize_lora,
+    restore_rope,
+    rope_buffers,
+)
 
 SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
@@ -49,15 +54,7 @@ def main() -> None:
     weights = dict(model.state_dict())
     peft_model = get_peft_model(model, LoraConfig(r=64, lora_alpha=128, target_modules=TARGETS,
                                                   lora_dropout=0.0), adapter_name="r64")  # fmt: skip
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_A" in name:
-                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                p.normal_(0, 0.02)
-            if "lora_" in name:  # the pool holds adapters in bf16: give PEFT the same values
-                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    randomize_lora(peft_model)
     peft_model.save_pretrained(root / "adapters")
     peft_model.eval()
     gen = torch.Generator().manual_seed(3)
@@ -66,18 +63,9 @@ def main() -> None:
         ids = torch.randint(3, 32000, (n,), generator=gen).tolist()
         rows += [(None, ids), ("r64", ids)]
 
-    def hf(adapter, ids):
-        x = torch.tensor([ids], device="cuda")
-        with torch.no_grad():
-            if adapter:
-                peft_model.set_adapter(adapter)
-                return peft_model(input_ids=x).logits[0, -1].float()
-            with peft_model.disable_adapter():
-                return peft_model(input_ids=x).logits[0, -1].float()
-
-    bf16 = [hf(a, ids) for a, ids in rows]
+    bf16 = [last_logits(peft_model, a, ids) for a, ids in rows]
     peft_model.float()
-    exact = [hf(a, ids) for a, ids in rows]
+    exact = [last_logits(peft_model, a, ids) for a, ids in rows]
     peft_model.to(torch.bfloat16)
     if exact_rope:
         restore_rope(peft_model, rope)

@@ -81,20 +81,36 @@ def gpu_case(request, tmp_path_factory):
             peft_model = get_peft_model(model, cfg, adapter_name=name)
         else:
             peft_model.add_adapter(name, cfg)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for pname, p in peft_model.named_parameters():
-            if "lora_A" in pname:
-                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
-            elif "lora_B" in pname:
-                p.normal_(0, 0.02)
-            if "lora_" in pname:  # the pool holds adapters in bf16: give PEFT the same values
-                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    randomize_lora(peft_model)
     peft_model.save_pretrained(root / "adapters")
     adapters = {name: root / "adapters" / name for name in ADAPTERS}
     peft_model.eval()
     peft_model.rope = rope  # for fp32_first_logits
     return root / "model", weights, adapters, peft_model
+
+
+def randomize_lora(peft_model, seed: int = 1) -> None:
+    """Non-zero LoRA factors (PEFT's B starts at zero), rounded to bf16 as the pool holds them."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.normal_(0, 0.02)
+            if "lora_" in name:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+def last_logits(peft_model, adapter: str | None, prompt: list[int]) -> torch.Tensor:
+    """Next-token logits after the prompt, fp32, with the adapter (or none) in the model's dtype."""
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        if adapter:
+            peft_model.set_adapter(adapter)
+            return peft_model(input_ids=ids).logits[0, -1].float()
+        with peft_model.disable_adapter():
+            return peft_model(input_ids=ids).logits[0, -1].float()
 
 
 def rope_buffers(model) -> dict[int, torch.Tensor]:
@@ -156,16 +172,8 @@ def reference(peft_model, row):
 def fp32_first_logits(peft_model, cases) -> dict:
     """The reference's first-step logits in fp32 (bf16 weights upcast: the yardstick for both)."""
     peft_model.float()
-    out = {}
-    with torch.no_grad():
-        for row in cases:
-            ids = torch.tensor([row["prompt_token_ids"]], device="cuda")
-            if row["adapter"]:
-                peft_model.set_adapter(row["adapter"])
-                out[row["id"]] = peft_model(input_ids=ids).logits[0, -1].float()
-            else:
-                with peft_model.disable_adapter():
-                    out[row["id"]] = peft_model(input_ids=ids).logits[0, -1].float()
+    out = {row["id"]: last_logits(peft_model, row["adapter"], row["prompt_token_ids"])
+           for row in cases}  # fmt: skip
     peft_model.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact
     restore_rope(peft_model, peft_model.rope)
     return out
