@@ -243,6 +243,112 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
     return rows
 
 
+SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
+    {},
+    {"vk": 64},
+    {"vk": 128},
+    {"vwaves": 16},
+    {"vwaves": 64},
+    {"vstages": 2},
+    {"vstages": 3},
+    {"vwarps": 2},
+    {"vwarps": 8},
+    {"vgrid": 1},
+    {"vgrid": 1, "vwaves": 16},
+    {"vgrid": 1, "vk": 128, "vwaves": 16},
+    {"vgrid": 1, "vk": 64, "vwaves": 16},
+    {"vgrid": 1, "vstages": 2, "vwaves": 16},
+    {"vgrid": 1, "vwarps": 2, "vwaves": 16},
+    {"vgrid": 1, "vwaves": 64},
+    {"vgrid": 1, "vwaves": 64, "vk": 64},
+    {"vgrid": 1, "vwaves": 64, "vstages": 2},
+    {"vgrid": 1, "vr": 8},
+    {"vgrid": 1, "vr": 32},
+]
+EXPAND_VARIANTS = [  # likewise, timed on the expands alone
+    {},
+    {"vn": 64},
+    {"vn": 128},
+    {"vn": 512},
+    {"vnwarps": 2},
+    {"vnwarps": 8},
+    {"vn": 128, "vnwarps": 2},
+    {"vn": 64, "vnwarps": 2},
+    {"vr": 8},
+    {"vr": 32},
+]
+
+
+VECTOR_CASES = [(256, 1000), (128, 1000), (256, 64)]  # (decode tokens, adapters drawn from)
+
+
+def vector_sweep_rows(bw: float) -> list[tuple]:
+    """The vector (decode) LoRA kernels on Llama-2-7B shapes, q/k/v as one group then o: shrinks
+    and expands timed apart, replayed from CUDA graphs, for each BLOCKS variant; the fraction is
+    of the copy bandwidth for the distinct adapter rows the step reads, with the largest
+    difference to the default relative to the default's largest value."""
+    rows = []
+    for tokens, adapters in VECTOR_CASES:
+        rows += _vector_case(tokens, adapters, bw)
+    return rows
+
+
+def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
+    heads, kv_heads, hidden, _ = SHAPES["mha"]
+    kv_dim, rows = kv_heads * 128, []
+    dims = [(hidden, heads * 128), (hidden, kv_dim), (hidden, kv_dim), (heads * 128, hidden)]
+    q, kv = dims[0][1], dims[1][1]
+    gen = torch.Generator().manual_seed(tokens + adapters)
+    b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
+    ranks = [(8, 16, 32, 64)[s % 4] for s in range(adapters)]
+    pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
+    meta.vector_max = VECTOR_ALL
+    rank = meta.max_rank
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+    buf = torch.zeros(tokens, 3 * rank, device="cuda")
+    out = torch.zeros(tokens, q + 2 * kv, dtype=DTYPE, device="cuda")
+    v_in = torch.randn_like(buf)  # the expands' input, the same for every variant
+    a_bytes = sum(ranks[s] * sum(i for i, _ in dims) for s in meta.seg_slot.tolist()) * 2
+
+    def shrinks():
+        triton_ops.lora_shrink(x, pool, meta, (0, 1, 2), buf[:, : 3 * rank])
+        triton_ops.lora_shrink(x, pool, meta, 3, buf[:, :rank])
+
+    def expands():
+        cols = ((0, q), (q, q + kv), (q + kv, q + 2 * kv))
+        triton_ops.lora_expand(buf[:, : 3 * rank], pool, meta, (0, 1, 2), out, cols)
+        triton_ops.lora_expand(buf[:, :rank], pool, meta, 3, out[:, : dims[3][1]])
+
+    case = f"mha decode T={tokens} {adapters} adapters"
+    for kind, fn, variants, dst, moved in [
+        ("shrink", shrinks, SHRINK_VARIANTS, buf, a_bytes),
+        ("expand", expands, EXPAND_VARIANTS, out, nbytes - a_bytes),
+    ]:
+        reference = None
+        for variant in variants:
+            saved = dict(lora.BLOCKS)
+            lora.BLOCKS.update(variant)
+            try:
+                if kind == "expand":
+                    buf.copy_(v_in)
+                dst.zero_()
+                fn()
+                if reference is None:
+                    reference = dst.float().clone()
+                diff = float((dst.float() - reference).abs().max() / reference.abs().max())
+                us = _graph_us(fn)
+                gbs = moved / us / 1e3
+                rows.append((f"lora vector {kind} sweep", f"{case} {variant or 'default'}", us,
+                             f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; rel diff {diff:.1e}"))  # fmt: skip
+            except Exception as exc:  # a variant that fails to build must not stop the table
+                rows.append((f"lora vector {kind} sweep", f"{case} {variant}", float("nan"),
+                             f"{type(exc).__name__}: {str(exc)[:80]}", ""))  # fmt: skip
+            finally:
+                lora.BLOCKS.clear()
+                lora.BLOCKS.update(saved)
+    return rows
+
+
 class Table(list):
     """Rows printed as they come (a run cut at its time limit keeps what it measured)."""
 
@@ -266,11 +372,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--lora-only", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
+    parser.add_argument("--vector-sweep", action="store_true", help="only the vector LoRA sweep")
     args = parser.parse_args()
     bw, rate = copy_gbps(), matmul_tflops()
     rows = Table()
     rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
     rows.append(("matmul", "8192^3 bf16", 0.0, f"{rate:.0f} TFLOP/s", "1.00"))
+    if args.vector_sweep:  # case by case, so a run cut at its time limit keeps what it measured
+        for tokens, adapters in VECTOR_CASES:
+            rows += _vector_case(tokens, adapters, bw)
+        return
     batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]
     for kind in SHAPES:
         if args.decode_sweep:

@@ -31,7 +31,7 @@ PREFILL_TILE = (64, 4)
 # mha_dot: MHA on tensor cores too, the one query row padded to a 16-row tile (as GQA groups
 # under 16 are); False: CUDA-core dot products (H200, B=256, contexts 256-1024: 0.54 of the copy
 # bandwidth for every tile tried, where GQA's tensor-core path reached 0.83).
-DECODE = {"mha_block_n": 32, "gqa_block_n": 64, "warps": 4, "stages": 3, "mha_dot": True}
+DECODE = {"mha_block_n": 32, "gqa_block_n": 128, "warps": 4, "stages": 3, "mha_dot": True}
 
 
 @triton.jit(do_not_specialize=["pt_stride"])

@@ -50,10 +50,13 @@ BLOCKS = {
     "vk": 256,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
     # the [rank, vk] tile at 16K elements)
     "vn": 256,  # vector expand: columns per program (likewise)
-    "vwarps": 4,  # vector kernels: warps per program
+    "vwarps": 4,  # vector shrink: warps per program
+    "vnwarps": 4,  # vector expand: warps per program
     "vwaves": 4,  # vector shrink: split d_in until the grid holds this many programs per SM
-    "et": 32,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
-    "vr": 0,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
+    "et": 64,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
+    "vr": 16,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
+    "vgrid": 0,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
+    "vstages": 0,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
 }
 
 
@@ -197,17 +200,21 @@ def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num
                                "out_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
                           seg_slot_ptr, num_tokens, num_segs, rank_ptr, pages_ptr, pages_stride,
-                          offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
-                          d_in, k_per_split, vector_max, PAGE: tl.constexpr,
+                          offsets_ptr, target0, target1, target2, rank_blocks, r_span, out_ptr,
+                          out_stride, rank_cap, d_in, k_per_split, vector_max, PAGE: tl.constexpr,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PARTIAL: tl.constexpr, ALL: tl.constexpr):  # fmt: skip
+                          PARTIAL: tl.constexpr, ALL: tl.constexpr,
+                          STAGES: tl.constexpr):  # fmt: skip
     """One token (program_id(0), see _vector_token) of a short segment, one target of the group
-    (program_id(1)), one split of d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]."""
+    and one span of r_span rank rows (program_id(1) = target * rank_blocks + span), one split of
+    d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]. With rank_blocks 1 the span is the whole
+    rank, walked BLOCK_R rows at a time."""
     tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
                               vector_max, tl.program_id(0), ALL)  # fmt: skip
     if slot < 0:
         return
-    j = tl.program_id(1)
+    j = tl.program_id(1) // rank_blocks
+    r_first = (tl.program_id(1) % rank_blocks) * r_span
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     start, rank, slot_pages = _factor(
         slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 0, rank_cap, NUM_TARGETS
@@ -220,20 +227,31 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
     row = tok
     if PARTIAL:  # partial sums [splits, T, out_stride], added up by _shrink_reduce_kernel
         row = tl.program_id(2) * num_tokens + tok
-    for r0 in range(0, rank, BLOCK_R):  # the adapter's own rank, BLOCK_R rows at a time
+    r_stop = tl.minimum(rank, r_first + r_span)
+    for r0 in range(r_first, r_stop, BLOCK_R):  # the adapter's own rank, BLOCK_R rows at a time
         rows = r0 + tl.arange(0, BLOCK_R)
         row_live = rows < rank
         row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)
+        x_row = x_ptr + tok * x_stride
         acc = tl.zeros([BLOCK_R], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            col_live = k0 + cols < k_hi
-            x_ptrs = x_ptr + tok * x_stride + k0 + cols
-            xv = tl.load(x_ptrs, mask=col_live, other=0.0).to(tl.float32)
-            page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
-            a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
-            a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-            acc += tl.sum(a.to(tl.float32) * xv[None, :], 1)
+        if STAGES > 0:
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                acc += _row_dots(x_row, pool_ptr, row_pages, row_live, k0, k_hi, cols, PAGE)
+        else:
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                acc += _row_dots(x_row, pool_ptr, row_pages, row_live, k0, k_hi, cols, PAGE)
         tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
+
+
+@triton.jit
+def _row_dots(x_row, pool_ptr, row_pages, row_live, k0, k_hi, cols, PAGE: tl.constexpr):
+    """sum_k x[k0 + k] A[r, k0 + k] over one chunk of columns, for each row r of a block."""
+    col_live = k0 + cols < k_hi
+    xv = tl.load(x_row + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
+    page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
+    a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
+    a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+    return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
 
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
@@ -436,18 +454,21 @@ def lora_shrink(
     if meta.shortest <= meta.vector_max:  # vector: one token per program
         block_r = _vector_rows(max_rank)
         block_k = _pow2_divisor(page, max(16, BLOCKS["vk"] * 64 // block_r))
-        programs = num_tokens * group
+        # the rank as one span walked block by block, or each block its own program
+        rank_blocks = triton.cdiv(max_rank, block_r) if BLOCKS["vgrid"] else 1
+        r_span = block_r if BLOCKS["vgrid"] else rank_cap
+        programs = num_tokens * group * rank_blocks
         want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), programs)
         splits = max(1, min(want, d_in // BLOCKS["split_min_k"], 16))
         k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
         splits = triton.cdiv(d_in, k_per_split)
         dst = _partials(out, splits)
-        _shrink_vector_kernel[(num_tokens, group, splits)](
+        _shrink_vector_kernel[(num_tokens, group * rank_blocks, splits)](
             x, x.stride(0), pool_layer, meta.b_slot, *common, meta.slot_rank, meta.slot_pages,
-            meta.slot_pages.stride(0), meta.slot_offsets, *targets, dst, dst.stride(-2), rank_cap,
-            d_in, k_per_split, meta.vector_max, PAGE=page,
+            meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks, r_span, dst,
+            dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
-            PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL,
+            PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL, STAGES=BLOCKS["vstages"],
             num_warps=BLOCKS["vwarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
 
@@ -535,4 +556,4 @@ def lora_expand(
             v, v.stride(0), pool_layer, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
             num_segs, *common, first1, first2, out, out.stride(0), rank_cap, meta.vector_max,
             PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
-            ALL=meta.vector_max >= VECTOR_ALL, num_warps=BLOCKS["vwarps"])  # fmt: skip
+            ALL=meta.vector_max >= VECTOR_ALL, num_warps=BLOCKS["vnwarps"])  # fmt: skip

@@ -221,10 +221,15 @@ SMALL_LORA_BLOCKS = {
     "vk": 16,
     "vn": 16,
     "vwarps": 4,
+    "vnwarps": 4,
     "vwaves": 4,
     "et": 32,
     "vr": 16,
+    "vgrid": 0,
+    "vstages": 0,
 }  # splits; blocks in pages
+# the vector shrink with rank-row blocks of 8 in the grid, its d_in loop pipelined
+GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2}
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
     "skewed": ("skewed", 0.1, 40, torch.float16, 32),
@@ -240,6 +245,7 @@ LORA_RUNS = [  # (case, blocks, tokens per block; None: the launcher's choice)
     ("uniform", "small", None),
     ("skewed", "small", 32),
     ("one", "small", 64),
+    ("skewed", "grid", None),
 ]
 
 
@@ -355,6 +361,8 @@ class TestInterpreted:
     def test_lora_shrink_expand(self, tk, monkeypatch, run, path):
         case, blocks, block_t = run
         popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
+        if blocks == "grid":
+            monkeypatch.setattr(tk.lora, "BLOCKS", GRID_LORA_BLOCKS)
         if blocks == "small":
             monkeypatch.setattr(tk.lora, "BLOCKS", SMALL_LORA_BLOCKS)
             splits = tk.lora.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
