@@ -49,13 +49,13 @@ BLOCKS = {
     "split_min_k": 256,  # shrink: the fewest row elements a split reduces
     "vk": 256,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
     # the [rank, vk] tile at 16K elements)
-    "vn": 256,  # vector expand: columns per program (likewise)
+    "vn": 128,  # vector expand: columns per program (likewise)
     "vwarps": 4,  # vector shrink: warps per program
     "vnwarps": 4,  # vector expand: warps per program
     "vwaves": 4,  # vector shrink: split d_in until the grid holds this many programs per SM
     "et": 64,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
     "vr": 16,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
-    "vgrid": 0,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
+    "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
     "vstages": 0,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
 }
 

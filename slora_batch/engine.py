@@ -193,8 +193,11 @@ class Engine:
         self.scheduler.finish(seq)
         return logits[0].float()
 
-    def _prefetch(self, lookahead: int = 8) -> None:
-        """Copies the adapters of the next waiting requests into free pages on the side stream."""
+    def _prefetch(self) -> None:
+        """Copies the adapters of the next waiting requests into free pages on the side stream:
+        the distinct adapters of two admission groups (at least 8), so a group that joins the
+        batch finds its adapters resident."""
+        lookahead = max(8, 2 * self.config.admit_seats)
         loaded = False
         seen: set[str] = set()
         for seq in self.scheduler.waiting:
