@@ -146,12 +146,14 @@ class Engine:
             logits = self.runner.forward(host)
             drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
             tokens: list[int] = []
-            if drawn:
+            if drawn and any(s.temperature > 0 for s in drawn):
                 params = SamplingBatch.build(
                     [(s.temperature, s.top_k, s.top_p, s.key, len(s.output_ids)) for s in drawn],
                     logits.device,
                 )
                 next_tokens = sample(logits, params)
+            elif drawn:  # all greedy: sample()'s argmax, without building its parameters
+                next_tokens = logits.argmax(dim=-1)
             if self.prefetch_stream is not None:
                 self._prefetch()  # overlaps the step running on the GPU
             if drawn:

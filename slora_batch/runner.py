@@ -149,13 +149,16 @@ class ModelRunner:
                 torch.from_numpy(np.tile(scratch, (pad, 1))), non_blocking=True
             )
         put(static.attn.b_seq_len, host.b_seq_len, 1)
+        # The batch's rows; a padding row has length 1, so only its first entry is ever read
+        # (entries past a row's length are stale from earlier steps and never read either).
         ctx = host.page_table.shape[1]
-        table = host.page_table
+        static.attn.page_table[:batch, :ctx].copy_(
+            torch.from_numpy(host.page_table), non_blocking=True
+        )
         if pad:
-            padding = np.full((pad, ctx, 2), -1, dtype=np.int32)
-            padding[:, 0] = scratch
-            table = np.concatenate([table, padding])
-        static.attn.page_table[:, :ctx].copy_(torch.from_numpy(table), non_blocking=True)
+            static.attn.page_table[batch:, 0].copy_(
+                torch.from_numpy(np.tile(scratch, (pad, 1))), non_blocking=True
+            )
         if static.lora is not None:
             b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
             order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)

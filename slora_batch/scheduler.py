@@ -60,7 +60,8 @@ class Scheduler:
         self.steps += 1
         step = ScheduledStep([], [])
         budget = self.config.max_num_batched_tokens
-        i = 0
+        i = self._grow_decodes(step, budget)
+        budget -= i
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.remaining, budget)
@@ -174,6 +175,30 @@ class Scheduler:
             or adapter in running_adapters
             or len(running_adapters) < self.config.max_adapters_per_batch
         )
+
+    def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
+        """The common decode step in one allocation: the leading running sequences that bring one
+        token each get their page pairs from one ``alloc``, when the pool has room for all of
+        them. The same steps, page counts and evictions as growing them one by one (which
+        ``schedule`` falls back to when room runs out, to preempt); only which free pages go to
+        whom may differ after an eviction. Returns how many it scheduled."""
+        count = 0
+        limit = min(len(self.running), budget)
+        while count < limit and self.running[count].remaining == 1:
+            count += 1
+        if count == 0:
+            return 0
+        seqs = self.running[:count]
+        short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
+        if not self._kv_room(PAGES_PER_TOKEN * len(short)):
+            return 0
+        if short:
+            pages = self.pool.alloc(PAGES_PER_TOKEN * len(short)).reshape(-1, PAGES_PER_TOKEN)
+            for seq, pair in zip(short, pages, strict=True):
+                seq.add_page(pair)
+        step.seqs.extend(seqs)
+        step.num_new.extend([1] * count)
+        return count
 
     def _take_pages(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed

@@ -54,6 +54,14 @@ class Sequence:
         self.page_buf[self.num_paged : end] = new
         self.num_paged = end
 
+    def add_page(self, pair: np.ndarray) -> None:
+        """One token's (K page, V page): ``add_pages`` for the decode path."""
+        if self.num_paged == self.page_buf.shape[0]:
+            self.add_pages(pair[None])
+            return
+        self.page_buf[self.num_paged] = pair
+        self.num_paged += 1
+
     def drop_pages(self) -> np.ndarray:
         """Forgets every page and returns them (flat) for the pool."""
         pages = self.pages.reshape(-1).copy()

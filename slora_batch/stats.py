@@ -43,11 +43,9 @@ class EngineCounters:
             self.decode_steps += 1
             self.decode_host_s += host_s
             self.decode_step_s += step_s
-        for n in step.num_new:
-            if n == 1:
-                self.decode_tokens += 1
-            else:
-                self.prefill_tokens += n
+        ones = step.num_new.count(1)
+        self.decode_tokens += ones
+        self.prefill_tokens += sum(step.num_new) - ones
         self.preemptions = scheduler.preemptions
         self.adapter_loads = residency.loads
         self.adapter_evictions = residency.evictions

@@ -202,3 +202,31 @@ def test_admit_batch_default_and_range():
     assert EngineConfig(max_num_seqs=8, admit_batch=3).admit_seats == 3
     with pytest.raises(ValueError, match="admit_batch"):
         EngineConfig(max_num_seqs=8, admit_batch=9)
+
+
+@pytest.mark.parametrize("num_pages", [400, 90, 70])
+def test_decode_fast_path_matches_growing_one_by_one(num_pages, monkeypatch):
+    """The one-allocation decode path schedules the same steps, with as many pages per sequence,
+    the same evictions and the same preemptions, as growing each sequence alone: with room to spare (400 pages), with preemptions and an idle adapter
+    evicted (90), with preemptions (70)."""
+
+    def run(fast: bool):
+        sched, pool, residency = make(num_pages, {"x": 2, "y": 3}, admit_batch=2)
+        if not fast:
+            monkeypatch.setattr(sched, "_grow_decodes", lambda step, budget: 0)
+        seqs = [seq(3 + i % 4, ("x", "y", None)[i % 3], max_new=3 + i % 5) for i in range(9)]
+        for s in seqs:
+            sched.add(s)
+        trace = []
+        while sched.has_work():
+            step = advance(sched)
+            trace.append(([seqs.index(s) for s in step.seqs], step.num_new,
+                          [s.num_paged for s in seqs], pool.num_free))  # fmt: skip
+        return trace, sched.preemptions, residency.evictions
+
+    fast, slow = run(True), run(False)
+    assert fast == slow
+    if num_pages == 70:
+        assert fast[1] > 0  # the fallback (preemption) was exercised
+    if num_pages == 90:
+        assert fast[1] > 0 and fast[2] > 0
