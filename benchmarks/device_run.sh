@@ -5,6 +5,7 @@
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
 #   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@10/1000/2000 and peft
+#   bash benchmarks/device_run.sh quick   # engine gpu tests, then base and slora@1000 (~4 minutes)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
 set -uo pipefail
@@ -65,6 +66,15 @@ elif [ "$mode" = verify ]; then
     --peft-adapters 1 --requests 2000 --max-seconds 18 --peft-requests 64 --peft-batch 64 \
     --peft-max-seconds 90 --total-seconds 290 --out "$out/h200" > "$out/h200/bench.log" 2>&1
   tail -12 "$out/h200/bench.log"; cat "$out/h200/results.md" 2>/dev/null
+elif [ "$mode" = quick ]; then
+  timeout 140 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
+    > "$out/gpu-tests.log" 2>&1
+  tail -4 "$out/gpu-tests.log"
+  mkdir -p "$out/h200"
+  timeout 110 python3 -m slora_batch.bench_cli --systems base,slora --adapters 1000 \
+    --requests 2000 --max-seconds 18 --total-seconds 100 --out "$out/h200" \
+    > "$out/h200/bench.log" 2>&1
+  tail -6 "$out/h200/bench.log"; cat "$out/h200/results.md" 2>/dev/null
 elif [ "$mode" = bench ]; then
   mkdir -p "$out/h200"
   timeout 570 python3 -m slora_batch.bench_cli --systems base,slora,peft,bmm,no-unified \

@@ -38,6 +38,9 @@ class HostStep:
     # Mixed steps: how many leading sequences bring one token. Their attention runs on the
     # decode kernel and the rest on the prefill kernel (0: all on the prefill kernel).
     decode_rows: int = 0
+    # Overlapped steps: per token, the row of the previous step's drawn tokens (still on the
+    # device) that is its input id, -1 where input_ids holds it; None when no token needs one.
+    prev_rows: np.ndarray | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -47,14 +50,22 @@ class HostStep:
 def plan_step(step: ScheduledStep) -> HostStep:
     if max(step.num_new) == 1:
         return _plan_decode(step)
-    ids, positions, slots, out_pages = [], [], [], []
+    ids, positions, slots, out_pages, prev = [], [], [], [], []
     b1_start, seq_lens, logit_rows, logits_index = [0], [], [], []
     for seq, n in zip(step.seqs, step.num_new, strict=True):
         start = seq.num_computed
         positions.append(np.arange(start, start + n))
-        ids.append(
-            [seq.token(start)] if n == 1 else (seq.prompt_ids + seq.output_ids)[start : start + n]
-        )
+        if seq.pending:  # its one new token is the previous step's draw, still on the device
+            assert n == 1 and seq.pending == 1, (n, seq.pending)
+            ids.append([0])
+            prev.append(seq.last_row)
+        else:
+            ids.append(
+                [seq.token(start)]
+                if n == 1
+                else (seq.prompt_ids + seq.output_ids)[start : start + n]
+            )
+            prev.extend([-1] * n)
         out_pages.append(seq.pages[start : start + n])
         slots.append(np.full(n, seq.slot, dtype=np.int64))
         b1_start.append(b1_start[-1] + n)
@@ -79,7 +90,12 @@ def plan_step(step: ScheduledStep) -> HostStep:
         logit_rows=logit_rows,
         max_new=max(step.num_new),
         decode_rows=_leading_ones(step.num_new),
+        prev_rows=_prev_rows(np.asarray(prev, dtype=np.int64)),
     )
+
+
+def _prev_rows(rows: np.ndarray) -> np.ndarray | None:
+    return rows if (rows >= 0).any() else None
 
 
 def _leading_ones(num_new: list[int]) -> int:
@@ -103,8 +119,11 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
     table = np.full((batch, int(seq_lens.max()), 2), -1, dtype=np.int32)
     for b, seq in enumerate(seqs):
         table[b, : seq_lens[b]] = seq.page_buf[: seq_lens[b]]
+    # A sequence with a pending token brings that token, still on the device (overlapped steps).
+    prev = np.fromiter((s.last_row if s.pending else -1 for s in seqs), dtype=np.int64, count=batch)
+    ids = (0 if s.pending else s.token(s.num_computed) for s in seqs)
     return HostStep(
-        input_ids=np.fromiter((s.token(s.num_computed) for s in seqs), dtype=np.int64, count=batch),
+        input_ids=np.fromiter(ids, dtype=np.int64, count=batch),
         positions=positions,
         out_pages=table[np.arange(batch), positions],
         b1_start=np.arange(batch + 1, dtype=np.int32),
@@ -114,6 +133,7 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
         logits_index=drawn,
         logit_rows=rows.tolist(),
         max_new=1,
+        prev_rows=_prev_rows(prev),
     )
 
 

@@ -95,6 +95,8 @@ class EngineConfig:
     lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
     cuda_graphs: bool = True  # capture decode steps on cuda
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
+    overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
+    # N+1 takes step N's sampled tokens on the device (False: one step at a time)
     lora_layout: str = "paged"  # "paged": kernels gather rows from pool pages; "bmm": ablation,
     # each step copies its adapters contiguous, padded to the largest rank, for a batched matmul
     unified_pool: bool = True  # False (ablation): adapters get a separate pool of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -28,6 +28,31 @@ from slora_batch.stats import EngineCounters
 from slora_batch.tokens import Detokenizer, load_tokenizer, tokenize
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose drawn tokens have not been read back."""
+
+    number: int
+    step: ScheduledStep
+    drawn: list[Sequence]  # the sequences that draw a token, in the order of ``tokens``
+    tokens: torch.Tensor | None  # [len(drawn)] int64 on the device
+    started: float
+    host_s: float
+    # On cuda: the tokens copied to pinned host memory, and the event after that copy. Reading
+    # them waits for this step alone, not for the step queued after it.
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def read(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host_tokens.tolist()
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -90,6 +115,8 @@ class Engine:
             else None
         )
         self._prefetched = None  # event the next step waits on after a prefetch
+        self._steps = 0  # steps launched
+        self._held: list[Sequence] = []  # finished rows whose pages a step in flight still uses
         self.counters = EngineCounters()
         self._arrivals = 0
         log.info(
@@ -111,6 +138,7 @@ class Engine:
         source = iter(requests)
         exhausted = False
         sched = self.scheduler
+        inflight: _Inflight | None = None
         while True:
             while not exhausted and len(sched.waiting) + len(sched.running) < self.config.lookahead:
                 request = next(source, None)
@@ -123,60 +151,97 @@ class Engine:
                     yield prepared
                 else:
                     sched.add(prepared)
-            if not sched.has_work():
+            if not sched.has_work() and inflight is None:
                 if exhausted:
                     return
                 continue
+            # Step N+1 is scheduled, prepared and launched while step N (in flight) runs; then
+            # step N's tokens are read back. Without overlap each step completes at once.
             started = time.perf_counter()
-            step = sched.schedule()
-            if not step:
+            step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
+            launched = self._launch(step, started, inflight) if step else None
+            if inflight is not None:
+                yield from self._complete(inflight, started)
+            elif launched is None:
                 raise RuntimeError(
                     f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
                     f"{self.pool.num_free} of {self.pool.num_pages} pages free"
                 )
-            yield from self._run(step, started)
+            inflight = launched
+            if inflight is not None and not self.config.overlap:
+                yield from self._complete(inflight, None)
+                inflight = None
 
-    def _run(self, step: ScheduledStep, started: float) -> Iterator[Result]:
+    def _launch(self, step: ScheduledStep, started: float, prev: _Inflight | None) -> _Inflight:
+        """Plans a step and queues its forward and sampling on the device; returns at once."""
         host = plan_step(step)
         if self._prefetched is not None:  # adapters copied on the side stream must have landed
             torch.cuda.current_stream(self.device).wait_event(self._prefetched)
             self._prefetched = None
+        self._steps += 1
         with torch.inference_mode():
             prepared = time.perf_counter()
-            logits = self.runner.forward(host)
+            logits = self.runner.forward(host, prev.tokens if prev is not None else None)
             drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
-            tokens: list[int] = []
+            tokens = None
             if drawn and any(s.temperature > 0 for s in drawn):
                 params = SamplingBatch.build(
-                    [(s.temperature, s.top_k, s.top_p, s.key, len(s.output_ids)) for s in drawn],
+                    [(s.temperature, s.top_k, s.top_p, s.key, s.num_drawn) for s in drawn],
                     logits.device,
                 )
-                next_tokens = sample(logits, params)
+                tokens = sample(logits, params)
             elif drawn:  # all greedy: sample()'s argmax, without building its parameters
-                next_tokens = logits.argmax(dim=-1)
-            if self.prefetch_stream is not None:
+                tokens = logits.argmax(dim=-1)
+            if self.prefetch_stream is not None and not self.config.overlap:
                 self._prefetch()  # overlaps the step running on the GPU
-            if drawn:
-                tokens = next_tokens.tolist()
+        for seq, n in zip(step.seqs, step.num_new, strict=True):
+            seq.num_computed += n
+        for row, seq in enumerate(drawn):
+            seq.pending += 1
+            seq.last_row, seq.last_step = row, self._steps
+            if seq.num_drawn >= seq.max_new_tokens:  # its last token: no further steps
+                self.scheduler.retire(seq)
+        launched = _Inflight(self._steps, step, drawn, tokens, started, prepared - started)
+        if tokens is not None and tokens.device.type == "cuda":
+            launched.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            launched.host_tokens.copy_(tokens, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def _complete(self, done: _Inflight, next_started: float | None) -> Iterator[Result]:
+        """Reads a step's tokens back (waiting for the device) and yields the rows it finished."""
+        tokens = done.read()
+        now = time.perf_counter()
         self.counters.count_step(
-            step,
+            done.step,
             self.pool,
             self.scheduler,
             self.residency,
-            host_s=prepared - started,
-            step_s=time.perf_counter() - started,
+            host_s=done.host_s,
+            step_s=(next_started or now) - done.started,
             graph=self.runner.graph_steps,
         )
-        token_of = dict(zip(map(id, drawn), tokens, strict=True))
-        for seq, n in zip(step.seqs, step.num_new, strict=True):
-            seq.num_computed += n
-            if id(seq) in token_of:
-                seq.output_ids.append(token_of[id(seq)])
-                if self._finished(seq):
-                    self.scheduler.finish(seq)
-                    result = self._result(seq)
-                    self.counters.count_result(result)
-                    yield result
+        for seq in self._held:  # finished during the step just read: it no longer runs
+            self.scheduler.release(seq)
+        self._held = []
+        for seq, token in zip(done.drawn, tokens, strict=True):
+            seq.pending -= 1
+            if seq.finish_reason is not None:  # finished a step earlier: a wasted row
+                continue
+            seq.output_ids.append(token)
+            if self._finished(seq):
+                self.scheduler.retire(seq)
+                if seq.last_step > done.number:  # also in the step now in flight
+                    self._held.append(seq)
+                else:
+                    self.scheduler.release(seq)
+                result = self._result(seq)
+                self.counters.count_result(result)
+                yield result
+        if self.prefetch_stream is not None and self.config.overlap:
+            # Pages free now are used by no step in flight (held ones are not free yet).
+            self._prefetch()
 
     def prompt_logits(self, request: Request) -> torch.Tensor:
         """Next-token logits after the request's prompt, fp32 [vocab]: for checking the engine

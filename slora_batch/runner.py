@@ -78,18 +78,30 @@ class ModelRunner:
             )
             self._capture(graph_buckets(max_batch))
 
-    def forward(self, host: HostStep) -> torch.Tensor:
-        """Logits [S, vocab] fp32 of the rows in ``host.logits_index``."""
+    def forward(self, host: HostStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
+        previous step's drawn tokens on the device, read where ``host.prev_rows`` points."""
         batch = len(host.b_seq_len)
         if host.decode_only and self.buckets and batch <= self.buckets[-1]:
             bucket = min(b for b in self.buckets if b >= batch)
             graph, static, logits = self.graphs[bucket, self._tiled(host.b_slot)]
             self._fill(static, host, bucket)
+            self._previous(static.input_ids[:batch], host, prev_tokens)
             graph.replay()
             self.graph_steps += 1
             return logits[:batch]
         step = upload(host, self.residency, self.device)
+        self._previous(step.input_ids, host, prev_tokens)
         return self.model.forward(step, self.pool, self.ops, self.lora_pool)
+
+    def _previous(self, input_ids: torch.Tensor, host: HostStep, prev_tokens) -> None:
+        """Input ids drawn by the previous step, gathered on the device (no wait for it)."""
+        if host.prev_rows is None:
+            return
+        assert prev_tokens is not None, "a step needs the previous step's tokens"
+        rows = torch.from_numpy(host.prev_rows).to(self.device, non_blocking=True)
+        taken = prev_tokens[rows.clamp(min=0)].to(input_ids.dtype)
+        input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
 
     def _tiled(self, b_slot: np.ndarray) -> bool:
         return self.max_rank > 0 and tiled_decode(b_slot)

@@ -96,7 +96,18 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """A sequence is done: its pages go back and its adapter is unpinned."""
-        self.running.remove(seq)
+        self.retire(seq)
+        self._release(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        """A sequence leaves the running set (or the queue, if preempted) but keeps its pages
+        and adapter until ``release``: a step still on the device may be using them."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def release(self, seq: Sequence) -> None:
         self._release(seq)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
@@ -154,8 +165,8 @@ class Scheduler:
         if not self.waiting:
             return None
         head = self.waiting[0]
-        if head.preemptions:
-            return head if self._adapter_allowed(head.adapter) else None
+        if head.preemptions:  # a token still on the device: recompute once it is read back
+            return head if not head.pending and self._adapter_allowed(head.adapter) else None
         running_adapters = {s.adapter for s in self.running if s.adapter}
         full = len(running_adapters) >= self.config.max_adapters_per_batch
         resident = None

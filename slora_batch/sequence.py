@@ -39,6 +39,11 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     detok: Detokenizer | None = None
+    # Overlapped steps: tokens drawn on the device and not read back yet (counted in
+    # num_tokens), the row of the latest one among its step's drawn rows, and that step's number.
+    pending: int = 0
+    last_row: int = -1
+    last_step: int = -1
 
     @property
     def pages(self) -> np.ndarray:
@@ -70,7 +75,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_drawn(self) -> int:
+        """Tokens drawn so far, read back or not: the index of the next one."""
+        return len(self.output_ids) + self.pending
 
     @property
     def remaining(self) -> int:
