@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call of the device machine.
 #   bash benchmarks/device_run.sh check   # gpu-marked tests, LoRA kernel timings, engine profile
-#   bash benchmarks/device_run.sh sweep   # vector LoRA kernel variants, their GPU tests, a profile
+#   bash benchmarks/device_run.sh sweep   # LoRA kernel variants (decode and mixed steps), GPU tests, profiles
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
 #   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@10/1000/2000 and peft
@@ -30,7 +30,7 @@ if [ "$mode" = check ]; then
     > "$out/profile.log" 2>&1
   grep -E "^adapters|profiled" "$out/profile.log"
 elif [ "$mode" = sweep ]; then
-  timeout 200 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
+  timeout 260 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
   cat "$out/vector-sweep.md"
   timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
     -k "lora_paths or cuda_graph" > "$out/gpu-tests.log" 2>&1

@@ -245,41 +245,36 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
 
 SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
     {},
-    {"vk": 64},
+    {"vgrid": 0},
     {"vk": 128},
-    {"vwaves": 16},
-    {"vwaves": 64},
-    {"vstages": 2},
-    {"vstages": 3},
-    {"vwarps": 2},
     {"vwarps": 8},
-    {"vgrid": 1},
-    {"vgrid": 1, "vwaves": 16},
-    {"vgrid": 1, "vk": 128, "vwaves": 16},
-    {"vgrid": 1, "vk": 64, "vwaves": 16},
-    {"vgrid": 1, "vstages": 2, "vwaves": 16},
-    {"vgrid": 1, "vwarps": 2, "vwaves": 16},
-    {"vgrid": 1, "vwaves": 64},
-    {"vgrid": 1, "vwaves": 64, "vk": 64},
-    {"vgrid": 1, "vwaves": 64, "vstages": 2},
-    {"vgrid": 1, "vr": 8},
-    {"vgrid": 1, "vr": 32},
-]
-EXPAND_VARIANTS = [  # likewise, timed on the expands alone
-    {},
-    {"vn": 64},
-    {"vn": 128},
-    {"vn": 512},
-    {"vnwarps": 2},
-    {"vnwarps": 8},
-    {"vn": 128, "vnwarps": 2},
-    {"vn": 64, "vnwarps": 2},
+    {"vk": 512, "vwarps": 8},
+    {"vwarps": 2},
+    {"vstages": 2},
+    {"vwaves": 64},
     {"vr": 8},
     {"vr": 32},
 ]
-
-
+EXPAND_VARIANTS = [  # likewise, timed on the expands alone
+    {},
+    {"vn": 256},
+    {"vn": 64},
+    {"vnwarps": 8},
+    {"vn": 256, "vnwarps": 8},
+    {"vnwarps": 2},
+    {"vr": 8},
+    {"vr": 32},
+]
 VECTOR_CASES = [(256, 1000), (128, 1000), (256, 64)]  # (decode tokens, adapters drawn from)
+TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
+    {},
+    {"rank": 64},
+    {"k": 128},
+    {"twarps": 4},
+    {"rank": 64, "twarps": 4},
+    {"split_min_k": 1 << 30},
+]
+TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"et": 128}, {"n": 128}, {"twarps": 4}, {"n": 32}]
 
 
 def vector_sweep_rows(bw: float) -> list[tuple]:
@@ -294,15 +289,33 @@ def vector_sweep_rows(bw: float) -> list[tuple]:
 
 
 def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
+    gen = torch.Generator().manual_seed(tokens + adapters)
+    b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
+    label = f"mha decode T={tokens} {adapters} adapters"
+    return _lora_case(b_slot, adapters, VECTOR_ALL, label, SHRINK_VARIANTS, EXPAND_VARIANTS, bw)
+
+
+def _mixed_case(bw: float, decode: int = 248, chunks: int = 16, chunk: int = 280) -> list[tuple]:
+    """A step with prefill as the acceptance workload makes them at 1000 adapters: 248 decode
+    rows, then 16 prompt chunks of 280 tokens, every row on its own adapter."""
+    gen = torch.Generator().manual_seed(7)
+    slots = torch.randperm(1000, generator=gen)[: decode + chunks]
+    b_slot = torch.cat([slots[:decode], slots[decode:].repeat_interleave(chunk)])
+    label = f"mha mixed T={b_slot.numel()} ({decode} decode + {chunks} x {chunk})"
+    return _lora_case(b_slot, 1000, 8, label, TILED_SHRINK_VARIANTS, TILED_EXPAND_VARIANTS, bw)
+
+
+def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw):
+    """q/k/v then o LoRA of one Llama-2-7B layer on the step's tokens ``b_slot``, shrinks and
+    expands timed apart for each BLOCKS variant."""
     heads, kv_heads, hidden, _ = SHAPES["mha"]
     kv_dim, rows = kv_heads * 128, []
     dims = [(hidden, heads * 128), (hidden, kv_dim), (hidden, kv_dim), (heads * 128, hidden)]
     q, kv = dims[0][1], dims[1][1]
-    gen = torch.Generator().manual_seed(tokens + adapters)
-    b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
+    tokens = b_slot.numel()
     ranks = [(8, 16, 32, 64)[s % 4] for s in range(adapters)]
     pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
-    meta.vector_max = VECTOR_ALL
+    meta.vector_max = vector_max
     rank = meta.max_rank
     x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
     buf = torch.zeros(tokens, 3 * rank, device="cuda")
@@ -319,10 +332,9 @@ def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
         triton_ops.lora_expand(buf[:, : 3 * rank], pool, meta, (0, 1, 2), out, cols)
         triton_ops.lora_expand(buf[:, :rank], pool, meta, 3, out[:, : dims[3][1]])
 
-    case = f"mha decode T={tokens} {adapters} adapters"
     for kind, fn, variants, dst, moved in [
-        ("shrink", shrinks, SHRINK_VARIANTS, buf, a_bytes),
-        ("expand", expands, EXPAND_VARIANTS, out, nbytes - a_bytes),
+        ("shrink", shrinks, shrink_variants, buf, a_bytes),
+        ("expand", expands, expand_variants, out, nbytes - a_bytes),
     ]:
         reference = None
         for variant in variants:
@@ -338,10 +350,10 @@ def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
                 diff = float((dst.float() - reference).abs().max() / reference.abs().max())
                 us = _graph_us(fn)
                 gbs = moved / us / 1e3
-                rows.append((f"lora vector {kind} sweep", f"{case} {variant or 'default'}", us,
+                rows.append((f"lora {kind} sweep", f"{case} {variant or 'default'}", us,
                              f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; rel diff {diff:.1e}"))  # fmt: skip
             except Exception as exc:  # a variant that fails to build must not stop the table
-                rows.append((f"lora vector {kind} sweep", f"{case} {variant}", float("nan"),
+                rows.append((f"lora {kind} sweep", f"{case} {variant}", float("nan"),
                              f"{type(exc).__name__}: {str(exc)[:80]}", ""))  # fmt: skip
             finally:
                 lora.BLOCKS.clear()
@@ -381,6 +393,7 @@ def main() -> None:
     if args.vector_sweep:  # case by case, so a run cut at its time limit keeps what it measured
         for tokens, adapters in VECTOR_CASES:
             rows += _vector_case(tokens, adapters, bw)
+        rows += _mixed_case(bw)
         return
     batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]
     for kind in SHAPES:

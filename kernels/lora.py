@@ -57,6 +57,7 @@ BLOCKS = {
     "vr": 16,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
     "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
     "vstages": 0,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
+    "twarps": 8,  # tiled kernels: warps per program
 }
 
 
@@ -449,7 +450,7 @@ def lora_shrink(
             dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t, BLOCK_R=block_r,
             BLOCK_K=block_k, PARTIAL=splits > 1, PRECISION=_precision(x.dtype),
-            num_warps=8)  # fmt: skip
+            num_warps=BLOCKS["twarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=False)
     if meta.shortest <= meta.vector_max:  # vector: one token per program
         block_r = _vector_rows(max_rank)
@@ -547,7 +548,8 @@ def lora_expand(
             num_tokens, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
             meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1],
             BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
-            PRECISION=_precision(pool_layer.dtype), num_warps=8)  # fmt: skip
+            PRECISION=_precision(pool_layer.dtype),
+            num_warps=BLOCKS["twarps"])  # fmt: skip
     if meta.shortest <= meta.vector_max:
         block_r = _vector_rows(max_rank)
         block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))

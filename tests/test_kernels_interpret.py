@@ -227,6 +227,7 @@ SMALL_LORA_BLOCKS = {
     "vr": 16,
     "vgrid": 0,
     "vstages": 0,
+    "twarps": 8,
 }  # splits; blocks in pages
 # the vector shrink with rank-row blocks of 8 in the grid, its d_in loop pipelined
 GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2}
