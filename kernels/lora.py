@@ -147,15 +147,15 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
                           token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, rank_ptr,
                           offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
                           vector_max, NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr,
-                          ALL: tl.constexpr):  # fmt: skip
+                          BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr, ALL: tl.constexpr,
+                          INDEXED: tl.constexpr):  # fmt: skip
     """Adds the fp32 partial sums of the tokens one path (VECTOR: short segments) computed."""
     i = tl.program_id(0)  # sorted position (token with ALL)
     j = tl.program_id(1)
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     if VECTOR:
         t, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                                num_segs, vector_max, i, ALL)  # fmt: skip
+                                num_segs, vector_max, i, ALL, INDEXED)  # fmt: skip
     else:
         seg = _first_segment(seg1_start_ptr, num_segs, i)
         safe = tl.minimum(seg, num_segs - 1)
@@ -179,14 +179,18 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
 
 @triton.jit
 def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, vector_max,
-                  i, ALL: tl.constexpr):  # fmt: skip
+                  i, ALL: tl.constexpr, INDEXED: tl.constexpr):  # fmt: skip
     """(token, slot) of program i when the vector path owns that token, else (_, -1). ALL: every
     adapter token is on the vector path (CUDA-graph decode steps) and program i is token i, its
-    slot one load away. Else i is a sorted position, owned when its segment has at most
-    vector_max tokens and an adapter (a binary search over the segments)."""
+    slot one load away. INDEXED: token_order_ptr holds the vector path's tokens
+    (``LoraMeta.vector_tokens``) and program i takes the i-th. Else i is a sorted position, owned
+    when its segment has at most vector_max tokens and an adapter (a binary search)."""
     if ALL:
         tok = i.to(tl.int64)
         slot = tl.load(b_slot_ptr + i)
+    elif INDEXED:
+        tok = tl.load(token_order_ptr + i).to(tl.int64)
+        slot = tl.load(b_slot_ptr + tok)
     else:
         seg = _first_segment(seg1_start_ptr, num_segs, i)
         safe = tl.minimum(seg, num_segs - 1)
@@ -204,14 +208,14 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
                           offsets_ptr, target0, target1, target2, rank_blocks, r_span, out_ptr,
                           out_stride, rank_cap, d_in, k_per_split, vector_max, PAGE: tl.constexpr,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PARTIAL: tl.constexpr, ALL: tl.constexpr,
+                          PARTIAL: tl.constexpr, ALL: tl.constexpr, INDEXED: tl.constexpr,
                           STAGES: tl.constexpr):  # fmt: skip
     """One token (program_id(0), see _vector_token) of a short segment, one target of the group
     and one span of r_span rank rows (program_id(1) = target * rank_blocks + span), one split of
     d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]. With rank_blocks 1 the span is the whole
     rank, walked BLOCK_R rows at a time."""
     tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
-                              vector_max, tl.program_id(0), ALL)  # fmt: skip
+                              vector_max, tl.program_id(0), ALL, INDEXED)  # fmt: skip
     if slot < 0:
         return
     j = tl.program_id(1) // rank_blocks
@@ -262,12 +266,12 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
                           offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
                           width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
                           vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                          ALL: tl.constexpr):  # fmt: skip
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALL: tl.constexpr,
+                          INDEXED: tl.constexpr):  # fmt: skip
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
     tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
-                              vector_max, tl.program_id(0), ALL)  # fmt: skip
+                              vector_max, tl.program_id(0), ALL, INDEXED)  # fmt: skip
     if slot < 0:
         return
     nb = tl.program_id(1)
@@ -370,6 +374,8 @@ def _check(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, out: torch
         assert tensor.dtype == torch.int32 and tensor.is_contiguous(), f"{name}: contiguous int32"
     assert meta.slot_offsets.dtype == torch.int32 and meta.slot_offsets.is_contiguous()
     assert meta.slot_scale.dtype == torch.float32
+    if meta.vector_tokens is not None:
+        assert meta.vector_tokens.dtype == torch.int32 and meta.vector_tokens.is_contiguous()
     assert meta.b_slot.shape[0] == x.shape[0] == meta.token_order.shape[0]
 
 
@@ -458,20 +464,35 @@ def lora_shrink(
         # the rank as one span walked block by block, or each block its own program
         rank_blocks = triton.cdiv(max_rank, block_r) if BLOCKS["vgrid"] else 1
         r_span = block_r if BLOCKS["vgrid"] else rank_cap
-        programs = num_tokens * group * rank_blocks
-        want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), programs)
+        rows, picked, pick = _vector_pick(meta, num_tokens)
+        programs = rows * group * rank_blocks
+        want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), max(programs, 1))
         splits = max(1, min(want, d_in // BLOCKS["split_min_k"], 16))
         k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
         splits = triton.cdiv(d_in, k_per_split)
         dst = _partials(out, splits)
-        _shrink_vector_kernel[(num_tokens, group * rank_blocks, splits)](
-            x, x.stride(0), pool_layer, meta.b_slot, *common, meta.slot_rank, meta.slot_pages,
-            meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks, r_span, dst,
-            dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
+        if rows == 0:
+            return
+        _shrink_vector_kernel[(rows, group * rank_blocks, splits)](
+            x, x.stride(0), pool_layer, meta.b_slot, picked, *common[1:], meta.slot_rank,
+            meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
+            r_span, dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
-            PARTIAL=splits > 1, ALL=meta.vector_max >= VECTOR_ALL, STAGES=BLOCKS["vstages"],
+            PARTIAL=splits > 1, **pick, STAGES=BLOCKS["vstages"],
             num_warps=BLOCKS["vwarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
+
+
+def _vector_pick(meta: LoraMeta, num_tokens: int) -> tuple[int, torch.Tensor, dict]:
+    """How the vector kernels find their tokens: (programs, the array passed as token_order,
+    the ALL/INDEXED flags). Graph decode steps: every token, its slot from b_slot. Steps with
+    ``vector_tokens``: just those tokens. Else every sorted position, searching its segment."""
+    if meta.vector_max >= VECTOR_ALL:
+        return num_tokens, meta.token_order, {"ALL": True, "INDEXED": False}
+    if meta.vector_tokens is not None:
+        picked = meta.vector_tokens
+        return picked.shape[0], picked, {"ALL": False, "INDEXED": True}
+    return num_tokens, meta.token_order, {"ALL": False, "INDEXED": False}
 
 
 def _vector_rows(max_rank: int) -> int:
@@ -492,12 +513,15 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
     if splits == 1:
         return
     num_tokens = out.shape[0]
-    _shrink_reduce_kernel[(num_tokens, group)](
-        dst, dst.stride(1), splits, num_tokens, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
-        meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets, *targets, out, out.stride(0),
-        rank_cap, meta.vector_max, NUM_TARGETS=meta.slot_offsets.shape[1],
+    rows, picked, pick = num_tokens, meta.token_order, {"ALL": False, "INDEXED": False}
+    if vector:
+        rows, picked, pick = _vector_pick(meta, num_tokens)
+    _shrink_reduce_kernel[(rows, group)](
+        dst, dst.stride(1), splits, num_tokens, meta.b_slot, picked, meta.seg1_start,
+        meta.seg_slot, meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets, *targets, out,
+        out.stride(0), rank_cap, meta.vector_max, NUM_TARGETS=meta.slot_offsets.shape[1],
         BLOCK_R=triton.next_power_of_2(rank_cap), BLOCK_SPLIT=triton.next_power_of_2(splits),
-        VECTOR=vector, ALL=vector and meta.vector_max >= VECTOR_ALL, num_warps=4)  # fmt: skip
+        VECTOR=vector, **pick, num_warps=4)  # fmt: skip
 
 
 def lora_expand(
@@ -554,8 +578,11 @@ def lora_expand(
         block_r = _vector_rows(max_rank)
         block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))
         first1, first2, total = _column_blocks(widths, block_n)
-        _expand_vector_kernel[(num_tokens, total)](
-            v, v.stride(0), pool_layer, meta.b_slot, meta.token_order, meta.seg1_start, meta.seg_slot,
+        rows, picked, pick = _vector_pick(meta, num_tokens)
+        if rows == 0:
+            return
+        _expand_vector_kernel[(rows, total)](
+            v, v.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
             num_segs, *common, first1, first2, out, out.stride(0), rank_cap, meta.vector_max,
             PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
-            ALL=meta.vector_max >= VECTOR_ALL, num_warps=BLOCKS["vnwarps"])  # fmt: skip
+            **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip

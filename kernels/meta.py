@@ -72,6 +72,11 @@ class LoraMeta:
     vector_max: int = 8
     longest: int = 1 << 30
     shortest: int = 1
+    # vector_tokens [V] int32 (optional): the tokens of the segments of at most vector_max
+    # tokens, in token_order. The vector kernels then run V programs, one per such token, instead
+    # of one per token of the step searching its segment (a step mixing decodes with prefill
+    # chunks: 248 programs, not 4700). ``slora_batch.batch.vector_tokens`` builds it.
+    vector_tokens: torch.Tensor | None = None
 
     def segments(self) -> Iterator[tuple[int, int, int]]:
         """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""

@@ -164,6 +164,15 @@ def lora_segments(
     return order.astype(np.int32), seg1_start, seg_slot.astype(np.int32)
 
 
+def vector_tokens(order: np.ndarray, seg1_start: np.ndarray, vector_max: int) -> np.ndarray:
+    """The tokens of the segments of at most ``vector_max`` tokens, in ``order`` (the vector
+    kernels' tokens: ``LoraMeta.vector_tokens``). Example: order [4, 0, 2, 1, 3], segments of 1,
+    3 and 1 tokens, vector_max 2 -> [4, 3]."""
+    lengths = np.diff(seg1_start)
+    short = np.repeat(lengths <= vector_max, lengths)
+    return order[: seg1_start[-1]][short].astype(np.int32)
+
+
 def lora_meta(
     b_slot: torch.Tensor,
     token_order: torch.Tensor,
@@ -211,6 +220,8 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         )
         lengths = np.diff(seg1_start)
         lora.longest, lora.shortest = int(lengths.max()), int(lengths.min())
+        if lora.shortest <= lora.vector_max:
+            lora.vector_tokens = dev(vector_tokens(order, seg1_start, lora.vector_max), torch.int32)
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),
         b_seq_len=dev(host.b_seq_len, torch.int32),

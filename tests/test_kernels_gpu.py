@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 from test_kernels_interpret import (
-    VECTOR_PATHS,
     assert_close,
     attn_case,
     check_lora_groups,
     lora_case,
     pad_segments,
+    set_path,
 )
 
 from kernels import ref
@@ -99,13 +99,14 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
-@pytest.mark.parametrize("path", ["tiled", "vector"])
+@pytest.mark.parametrize("path", ["tiled", "indexed", "vector"])
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("num_tokens,popularity", [(256, "uniform"), (1024, "skewed")])
 def test_lora_paths(ops, model, num_tokens, popularity, path):
-    """Every segment on one kernel family: the tiled (matrix) or the vector (per-token) one."""
+    """Every segment on one kernel family, the tiled (matrix) or the vector (per-token) one, or
+    both, the vector kernels given their tokens ("indexed")."""
     pool, meta = _lora(model, num_tokens, popularity, torch.bfloat16, seed=num_tokens + 1)
-    meta.vector_max = VECTOR_PATHS[path]
+    set_path(meta, path)
     shrink, expand = ops.triton_ops.lora_shrink, ops.triton_ops.lora_expand
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], torch.bfloat16)
 

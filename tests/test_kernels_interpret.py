@@ -23,6 +23,7 @@ import torch
 
 from kernels import ref
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_batch.batch import vector_tokens
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
@@ -239,8 +240,22 @@ LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page si
 VECTOR_PATHS = {  # LoraMeta.vector_max: which kernels take which segments
     "tiled": 0,  # every segment on the tiled (matrix) kernels
     "both": 2,  # segments of 1-2 tokens token by token, longer ones tiled
+    "indexed": 2,  # the same, the vector kernels given their tokens (LoraMeta.vector_tokens)
     "vector": VECTOR_ALL,  # every token on the vector kernels (CUDA-graph decode steps)
 }
+
+
+def set_path(meta: LoraMeta, path: str) -> None:
+    """Routes the step's segments as VECTOR_PATHS[path] says (upload's vector_tokens for
+    "indexed")."""
+    meta.vector_max = VECTOR_PATHS[path]
+    if path == "indexed":
+        tokens = vector_tokens(
+            meta.token_order.cpu().numpy(), meta.seg1_start.cpu().numpy(), meta.vector_max
+        )
+        meta.vector_tokens = torch.from_numpy(tokens).to(meta.b_slot.device)
+
+
 LORA_RUNS = [  # (case, blocks, tokens per block; None: the launcher's choice)
     *[(case, "default", None) for case in LORA_CASES],
     ("uniform", "small", None),
@@ -381,7 +396,7 @@ class TestInterpreted:
             device="cpu",
             seed=num_tokens,
         )
-        meta.vector_max = VECTOR_PATHS[path]
+        set_path(meta, path)
         check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta, dtype)
 
     @pytest.mark.parametrize("blocks", ["default", "small"])
