@@ -249,6 +249,7 @@ SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on t
     {"vk": 128},
     {"vwarps": 8},
     {"vk": 512, "vwarps": 8},
+    {"vk": 512},
     {"vwarps": 2},
     {"vstages": 2},
     {"vwaves": 64},

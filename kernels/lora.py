@@ -209,7 +209,7 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
                           out_stride, rank_cap, d_in, k_per_split, vector_max, PAGE: tl.constexpr,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                           PARTIAL: tl.constexpr, ALL: tl.constexpr, INDEXED: tl.constexpr,
-                          STAGES: tl.constexpr):  # fmt: skip
+                          STAGES: tl.constexpr, ONE_PAGE: tl.constexpr):  # fmt: skip
     """One token (program_id(0), see _vector_token) of a short segment, one target of the group
     and one span of r_span rank rows (program_id(1) = target * rank_blocks + span), one split of
     d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]. With rank_blocks 1 the span is the whole
@@ -237,23 +237,34 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
         rows = r0 + tl.arange(0, BLOCK_R)
         row_live = rows < rank
         row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)
+        # ONE_PAGE (d_in <= PAGE): a row is one page, looked up once instead of per chunk
+        if ONE_PAGE:
+            first = tl.load(row_pages, mask=row_live, other=0).to(tl.int64)
+        else:
+            first = rows.to(tl.int64) * 0  # unused
         x_row = x_ptr + tok * x_stride
         acc = tl.zeros([BLOCK_R], tl.float32)
         if STAGES > 0:
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                acc += _row_dots(x_row, pool_ptr, row_pages, row_live, k0, k_hi, cols, PAGE)
+                acc += _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols,
+                                 PAGE, ONE_PAGE)  # fmt: skip
         else:
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                acc += _row_dots(x_row, pool_ptr, row_pages, row_live, k0, k_hi, cols, PAGE)
+                acc += _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols,
+                                 PAGE, ONE_PAGE)  # fmt: skip
         tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
 
 
 @triton.jit
-def _row_dots(x_row, pool_ptr, row_pages, row_live, k0, k_hi, cols, PAGE: tl.constexpr):
+def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE: tl.constexpr,
+              ONE_PAGE: tl.constexpr):  # fmt: skip
     """sum_k x[k0 + k] A[r, k0 + k] over one chunk of columns, for each row r of a block."""
     col_live = k0 + cols < k_hi
     xv = tl.load(x_row + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
-    page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
+    if ONE_PAGE:
+        page = first
+    else:
+        page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
     a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
     a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
@@ -478,7 +489,7 @@ def lora_shrink(
             meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
             r_span, dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
-            PARTIAL=splits > 1, **pick, STAGES=BLOCKS["vstages"],
+            PARTIAL=splits > 1, **pick, STAGES=BLOCKS["vstages"], ONE_PAGE=d_in <= page,
             num_warps=BLOCKS["vwarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
 

@@ -1,0 +1,39 @@
+"""Registers, spills and occupancy of the vector LoRA kernels on sm_90, with no GPU: Triton compiles
+them for the target, and the cuobjdump that ships with Triton reads the cubin's resource usage.
+
+    python -m benchmarks.registers          # Llama-2-7B shapes (page 4096), 16 rank rows
+
+Prints one Markdown row per (kernel, block, warps): registers per thread, spilled bytes (local and stack),
+and how many programs fit on an SM by registers (65536 per SM). Use it to screen tile sizes
+before spending device time on them; it says nothing about speed.
+"""
+
+from __future__ import annotations
+
+from kernels import lora
+from kernels.build_check import REGISTERS_PER_SM, resource_usage
+
+
+def main() -> None:
+    common = dict(PAGE=4096, NUM_TARGETS=7, BLOCK_R=16, ALL=True, INDEXED=False)
+    rows = []
+    for block_k in (512, 1024, 2048):
+        for warps in (4, 8):
+            consts = dict(common, BLOCK_K=block_k, PARTIAL=False, STAGES=0, ONE_PAGE=True)
+            rows.append(("shrink", f"16 x {block_k}", warps,
+                         resource_usage(lora._shrink_vector_kernel, consts, warps)))  # fmt: skip
+    for block_n in (256, 512, 1024):
+        for warps in (4, 8):
+            consts = dict(common, BLOCK_N=block_n)
+            usage = resource_usage(lora._expand_vector_kernel, consts, warps, {"out_ptr": "*bf16"})
+            rows.append(("expand", f"16 x {block_n}", warps, usage))
+    print("| kernel | tile | warps | registers | spill bytes | programs per SM |")
+    print("|---|---|---:|---:|---:|---:|")
+    for kernel, tile, warps, usage in rows:
+        fit = REGISTERS_PER_SM // (usage["REG"] * 32 * warps)
+        spilled = usage.get("LOCAL", 0) + usage.get("STACK", 0)
+        print(f"| {kernel} | {tile} | {warps} | {usage['REG']} | {spilled} | {fit} |")
+
+
+if __name__ == "__main__":
+    main()
