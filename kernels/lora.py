@@ -22,7 +22,9 @@ so a captured decode step (segments padded with empty slot -1 ones) replays for 
 Vector (MBGMV), for segments of at most vector_max tokens: one program per token (and target,
 and split of d_in, or block of output columns), reading its own adapter's rows, stepping through
 its own rank. A step of 256 tokens on 200 adapters needs no segment walk; in CUDA-graph decode
-steps (vector_max = VECTOR_ALL) program t is token t and reads its slot from b_slot.
+steps (vector_max = VECTOR_ALL) program t is token t and reads its slot from b_slot. Eager steps
+that list their vector tokens (``LoraMeta.vector_tokens``: a step's 248 decode rows next to its
+prefill chunks) run one program per listed token.
 
 Either shrink splits the long reduction (d_in) over programs when the grid alone would leave the
 GPU idle, writing fp32 partial sums that a second kernel adds into ``out``. A group of up to three
