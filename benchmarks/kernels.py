@@ -278,17 +278,6 @@ TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled k
 TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"et": 128}, {"n": 128}, {"twarps": 4}, {"n": 32}]
 
 
-def vector_sweep_rows(bw: float) -> list[tuple]:
-    """The vector (decode) LoRA kernels on Llama-2-7B shapes, q/k/v as one group then o: shrinks
-    and expands timed apart, replayed from CUDA graphs, for each BLOCKS variant; the fraction is
-    of the copy bandwidth for the distinct adapter rows the step reads, with the largest
-    difference to the default relative to the default's largest value."""
-    rows = []
-    for tokens, adapters in VECTOR_CASES:
-        rows += _vector_case(tokens, adapters, bw)
-    return rows
-
-
 def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
@@ -308,7 +297,9 @@ def _mixed_case(bw: float, decode: int = 248, chunks: int = 16, chunk: int = 280
 
 def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw):
     """q/k/v then o LoRA of one Llama-2-7B layer on the step's tokens ``b_slot``, shrinks and
-    expands timed apart for each BLOCKS variant."""
+    expands timed apart (replayed from CUDA graphs) for each BLOCKS variant. The fraction is of
+    the copy bandwidth for the distinct adapter rows the step reads; the difference to the
+    default is relative to the default's largest value."""
     heads, kv_heads, hidden, _ = SHAPES["mha"]
     kv_dim, rows = kv_heads * 128, []
     dims = [(hidden, heads * 128), (hidden, kv_dim), (hidden, kv_dim), (heads * 128, hidden)]

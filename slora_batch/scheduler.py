@@ -97,7 +97,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """A sequence is done: its pages go back and its adapter is unpinned."""
         self.retire(seq)
-        self._release(seq)
+        self.release(seq)
 
     def retire(self, seq: Sequence) -> None:
         """A sequence leaves the running set (or the queue, if preempted) but keeps its pages
@@ -106,9 +106,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def release(self, seq: Sequence) -> None:
-        self._release(seq)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
@@ -221,7 +218,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
         self.running.remove(seq)
-        self._release(seq)
+        self.release(seq)
         seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions += 1
@@ -233,7 +230,8 @@ class Scheduler:
             self.pool.num_free,
         )
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """A sequence's pages go back to the pool and its adapter is unpinned."""
         self.pool.free(seq.drop_pages())
         if seq.adapter and seq.slot >= 0:
             self.residency.release(seq.adapter)
