@@ -430,18 +430,13 @@ def lora_shrink(
     target: int | tuple[int, ...],
     out: torch.Tensor,
 ) -> None:
-    """First LoRA factor, gathered from pool pages, a different rank per adapter.
+    """First LoRA factor, gathered from pool pages, a different rank per adapter: the semantics
+    of ``kernels.ref.lora_shrink``, in one launch of each kernel family for the whole group.
 
-    Semantics: ``target`` is one target index or a group of up to 3 that share the input x (q, k,
-    v or gate, up); target j of the group writes columns j * R .. j * R + rank of out, with
-    R = out.shape[1] // len(group). For each token t with slot s = b_slot[t] >= 0 and target
-    present in s:  out[t, j*R : j*R + rank[s]] = x[t] @ A_s^T  (A_s: rank[s] rows of d_in, read
-    from pages). Rows without adapter (slot -1) or whose adapter lacks the target are untouched.
-    Shape: x [T, d_in]; pool_layer [P, page_size]; out [T, G * R] (fp32 or x's dtype).
-    Tiled grid (ceil(T / BLOCK_T), G * ceil(max_rank / 32), splits); vector grid (T, G, splits):
-    one launch of each for the whole group;
-    tl.dot tiles [BLOCK_T, BLOCK_K] x [BLOCK_K, 32] on 8 warps; with splits > 1 a second
-    kernel, grid (T, G), adds the fp32 partial sums into out.
+    Tiled grid (ceil(T / BLOCK_T), G * ceil(max_rank / BLOCK_R), splits): tl.dot tiles
+    [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_R] on BLOCKS["twarps"] warps. Vector grid (tokens, see
+    ``_vector_pick``; G * rank blocks, or G with ``vgrid`` 0; splits). With splits > 1 a second
+    kernel, grid (tokens, G), adds the fp32 partial sums into out.
     """
     _check(x, pool_layer, meta, out)
     assert x.dtype == pool_layer.dtype, "x and the pool must share a dtype for tl.dot"
@@ -545,18 +540,14 @@ def lora_expand(
     out: torch.Tensor,
     cols: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
-    """Second LoRA factor, added in place into the base projection's output.
+    """Second LoRA factor, added in place into the base projection's output: the semantics of
+    ``kernels.ref.lora_expand``, in one launch of each kernel family for the whole group.
 
-    Semantics: ``target`` is one target index or a group of up to 3 (as in ``lora_shrink``, whose
-    out is v); target j adds into columns cols[j] = (lo, hi) of out (default: all of out, for
-    one target). For each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T) * scale[s]
-    (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group)).
-    Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
-    Vector grid (T, column blocks of all G targets), one token each. Tiled grid
-    (ceil(T / BLOCK_T), column blocks of all G targets): tl.dot tiles [BLOCK_T, R'] x
-    [R', BLOCK_N] with the whole rank R' = next_pow2(max_rank) (at least 16) in one step, on 8
-    warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
+    Vector grid (tokens, see ``_vector_pick``; column blocks of all G targets), one token each,
+    stepping through its adapter's rank. Tiled grid (ceil(T / BLOCK_T), column blocks of all G
+    targets): tl.dot tiles [BLOCK_T, R'] x [R', BLOCK_N] with the whole rank R' =
+    next_pow2(max_rank) (at least 16) in one step, on BLOCKS["twarps"] warps. v is fp32: the dot
+    runs in tf32 (ieee for fp32 pools).
     """
     _check(v, pool_layer, meta, out)
     targets = lora_group(target)
