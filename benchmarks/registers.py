@@ -4,35 +4,42 @@ them for the target, and the cuobjdump that ships with Triton reads the cubin's 
     python -m benchmarks.registers          # Llama-2-7B shapes (page 4096), 16 rank rows
 
 Prints one Markdown row per (kernel, block, warps): registers per thread, spilled bytes (local and stack),
-and how many programs fit on an SM by registers (65536 per SM). Use it to screen tile sizes
+how many programs fit on an SM by registers (65536 per SM), and the global loads by width. Use it to screen tile sizes
 before spending device time on them; it says nothing about speed.
 """
 
 from __future__ import annotations
 
 from kernels import lora
-from kernels.build_check import REGISTERS_PER_SM, resource_usage
+from kernels.build_check import REGISTERS_PER_SM, build, global_loads, resource_usage
+
+# integer arguments that are multiples of 16 at these shapes (see tests/test_kernels_build.py)
+SHRINK_ALIGNED = ("x_stride", "d_in", "k_per_split", "r_span")
+EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_stride")
 
 
 def main() -> None:
     common = dict(PAGE=4096, NUM_TARGETS=7, BLOCK_R=16, ALL=True, INDEXED=False)
     rows = []
-    for block_k in (512, 1024, 2048):
+    for block_k in (256, 512, 1024, 2048):
         for warps in (4, 8):
             consts = dict(common, BLOCK_K=block_k, PARTIAL=False, STAGES=0, ONE_PAGE=True)
-            rows.append(("shrink", f"16 x {block_k}", warps,
-                         resource_usage(lora._shrink_vector_kernel, consts, warps)))  # fmt: skip
-    for block_n in (256, 512, 1024):
+            cubin = build(lora._shrink_vector_kernel, consts, warps, aligned=SHRINK_ALIGNED)
+            rows.append(("shrink", f"16 x {block_k}", warps, cubin))
+    for block_n in (128, 256, 512, 1024):
         for warps in (4, 8):
             consts = dict(common, BLOCK_N=block_n)
-            usage = resource_usage(lora._expand_vector_kernel, consts, warps, {"out_ptr": "*bf16"})
-            rows.append(("expand", f"16 x {block_n}", warps, usage))
-    print("| kernel | tile | warps | registers | spill bytes | programs per SM |")
-    print("|---|---|---:|---:|---:|---:|")
-    for kernel, tile, warps, usage in rows:
+            cubin = build(lora._expand_vector_kernel, consts, warps, {"out_ptr": "*bf16"},
+                          EXPAND_ALIGNED)  # fmt: skip
+            rows.append(("expand", f"16 x {block_n}", warps, cubin))
+    print("| kernel | tile | warps | registers | spill bytes | programs per SM | global loads |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for kernel, tile, warps, cubin in rows:
+        usage, loads = resource_usage(cubin), global_loads(cubin)
         fit = REGISTERS_PER_SM // (usage["REG"] * 32 * warps)
         spilled = usage.get("LOCAL", 0) + usage.get("STACK", 0)
-        print(f"| {kernel} | {tile} | {warps} | {usage['REG']} | {spilled} | {fit} |")
+        widths = ", ".join(f"{n} {op}" for op, n in sorted(loads.items()))
+        print(f"| {kernel} | {tile} | {warps} | {usage['REG']} | {spilled} | {fit} | {widths} |")
 
 
 if __name__ == "__main__":

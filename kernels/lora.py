@@ -134,7 +134,7 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
                 x_ptrs = x_ptr + tok[:, None] * x_stride + k0 + cols[None, :]
                 xt = tl.load(x_ptrs, mask=in_seg[:, None] & col_live[None, :], other=0.0)
                 page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
-                a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
+                a_ptrs = pool_ptr + page[:, None] * PAGE + tl.multiple_of(k0 % PAGE, BLOCK_K) + cols[None, :]
                 a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
                 acc = tl.dot(xt, tl.trans(a), acc, input_precision=PRECISION)
             tl.store(dst, acc, mask=in_seg[:, None] & row_live[None, :])
@@ -249,17 +249,17 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
         if STAGES > 0:
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
                 acc += _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols,
-                                 PAGE, ONE_PAGE)  # fmt: skip
+                                 PAGE, BLOCK_K, ONE_PAGE)  # fmt: skip
         else:
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 acc += _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols,
-                                 PAGE, ONE_PAGE)  # fmt: skip
+                                 PAGE, BLOCK_K, ONE_PAGE)  # fmt: skip
         tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
 
 
 @triton.jit
 def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE: tl.constexpr,
-              ONE_PAGE: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, ONE_PAGE: tl.constexpr):  # fmt: skip
     """sum_k x[k0 + k] A[r, k0 + k] over one chunk of columns, for each row r of a block."""
     col_live = k0 + cols < k_hi
     xv = tl.load(x_row + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
@@ -267,7 +267,7 @@ def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE:
         page = first
     else:
         page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
-    a_ptrs = pool_ptr + page[:, None] * PAGE + (k0 % PAGE) + cols[None, :]
+    a_ptrs = pool_ptr + page[:, None] * PAGE + tl.multiple_of(k0 % PAGE, BLOCK_K) + cols[None, :]
     a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
@@ -307,7 +307,7 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
         vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
         page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
         page = tl.load(page_ptrs, mask=row_live, other=0)
-        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + (n0 % PAGE) + cols[None, :]
+        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + tl.multiple_of(n0 % PAGE, BLOCK_N) + cols[None, :]
         b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
     delta = delta * tl.load(scale_ptr + slot)
@@ -356,7 +356,7 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
             vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
             page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
             page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
-            b_ptrs = pool_ptr + page[:, None] * PAGE + (n0 % PAGE) + cols[None, :]
+            b_ptrs = pool_ptr + page[:, None] * PAGE + tl.multiple_of(n0 % PAGE, BLOCK_N) + cols[None, :]
             b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
             delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
             acc += delta * tl.load(scale_ptr + slot)
