@@ -79,4 +79,6 @@ def resource_usage(cubin: bytes) -> dict:
 def global_loads(cubin: bytes) -> collections.Counter:
     """Global-memory load instructions of a cubin by width, e.g. {"LDG.E.128": 16,
     "LDG.E.U16": 2}: a bf16 tile read with LDG.E.U16 moves 2 bytes a thread an instruction."""
-    return collections.Counter(re.findall(r"\bLDG(?:\.[A-Z0-9_]+)*", _dump(cubin, "--dump-sass")))
+    return collections.Counter(
+        re.findall(r"\bLDG[A-Z]*(?:\.[A-Z0-9_]+)*", _dump(cubin, "--dump-sass"))
+    )

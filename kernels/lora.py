@@ -134,7 +134,8 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
                 x_ptrs = x_ptr + tok[:, None] * x_stride + k0 + cols[None, :]
                 xt = tl.load(x_ptrs, mask=in_seg[:, None] & col_live[None, :], other=0.0)
                 page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
-                a_ptrs = pool_ptr + page[:, None] * PAGE + tl.multiple_of(k0 % PAGE, BLOCK_K) + cols[None, :]
+                k_in_page = tl.multiple_of(k0 % PAGE, BLOCK_K)  # keeps 16-byte loads
+                a_ptrs = pool_ptr + page[:, None] * PAGE + k_in_page + cols[None, :]
                 a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
                 acc = tl.dot(xt, tl.trans(a), acc, input_precision=PRECISION)
             tl.store(dst, acc, mask=in_seg[:, None] & row_live[None, :])
@@ -267,7 +268,8 @@ def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE:
         page = first
     else:
         page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
-    a_ptrs = pool_ptr + page[:, None] * PAGE + tl.multiple_of(k0 % PAGE, BLOCK_K) + cols[None, :]
+    k_in_page = tl.multiple_of(k0 % PAGE, BLOCK_K)  # a block start: keeps 16-byte loads
+    a_ptrs = pool_ptr + page[:, None] * PAGE + k_in_page + cols[None, :]
     a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
@@ -307,7 +309,8 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
         vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
         page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
         page = tl.load(page_ptrs, mask=row_live, other=0)
-        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + tl.multiple_of(n0 % PAGE, BLOCK_N) + cols[None, :]
+        n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
+        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
         b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
     delta = delta * tl.load(scale_ptr + slot)
@@ -356,7 +359,8 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
             vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
             page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
             page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
-            b_ptrs = pool_ptr + page[:, None] * PAGE + tl.multiple_of(n0 % PAGE, BLOCK_N) + cols[None, :]
+            n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
+            b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
             b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
             delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
             acc += delta * tl.load(scale_ptr + slot)
