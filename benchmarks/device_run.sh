@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call of the device machine.
 #   bash benchmarks/device_run.sh check   # gpu-marked tests, LoRA kernel timings, engine profile
-#   bash benchmarks/device_run.sh sweep   # LoRA kernel variants, LoRA GPU tests, base and slora@1000, a profile
+#   bash benchmarks/device_run.sh sweep   # LoRA kernel variants, every GPU test, base and slora@1000, profiles
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
 #   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@10/1000/2000 and peft
@@ -47,13 +47,13 @@ if [ "$mode" = check ]; then
   cat "$out/kernels-bench.md"
   profile 110 1000
 elif [ "$mode" = sweep ]; then
-  # LoRA kernel variants, the LoRA kernels against their twins, base and slora@1000, a profile
-  timeout 200 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
+  # LoRA kernel variants, every gpu test, base and slora@1000, profiles of both
+  timeout 170 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
   cat "$out/vector-sweep.md"
-  gpu_tests 100 5 tests/test_kernels_gpu.py -k "lora_paths or cuda_graph"
+  gpu_tests 240 8 --durations=5 tests/test_kernels_gpu.py tests/test_engine_gpu.py
   bench h200 110 6 --requests 2000 --systems base,slora --adapters 1000 --max-seconds 18 \
     --total-seconds 100
-  profile 70 1000
+  profile 100 1000,0
 elif [ "$mode" = smoke ]; then
   bench smoke 200 25 --systems base,slora,peft,bmm,no-unified --adapters 10 --peft-adapters 2 \
     --requests 300 --max-input 256 --max-output 64 --max-seconds 4 --warmup-requests 8 \

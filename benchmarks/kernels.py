@@ -247,43 +247,31 @@ SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on t
     {},
     {"vk": 128},
     {"vk": 512},
-    {"vwarps": 8},
-    {"vk": 512, "vwarps": 8},
-    {"vstages": 2},
     {"vstages": 3},
-    {"vgrid": 0},
-    {"vr": 32},
-    {"vwaves": 16},
+    {"vk": 128, "vstages": 3},
+    {"vstages": 0},
+    {"vwarps": 8},
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},
-    {"vn": 32},
-    {"vn": 64},
-    {"vn": 256},
-    {"vnwarps": 8},
-    {"vn": 256, "vnwarps": 8},
+    {"vn": 128},
+    {"vn": 512},
     {"vnwarps": 2},
-    {"vr": 32},
+    {"vnwarps": 8},
+    {"vn": 512, "vnwarps": 8},
+    {"vn": 128, "vnwarps": 2},
 ]
 VECTOR_CASES = [(256, 1000), (128, 1000)]  # (decode tokens, adapters drawn from)
 TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
     {},
+    {"k": 64},
+    {"k": 256},
     {"rank": 64},
-    {"k": 128},
-    {"twarps": 4},
-    {"rank": 64, "twarps": 4},
-    {"k": 128, "twarps": 4},
+    {"twarps": 8},
     {"split_min_k": 1 << 30},
+    {"split_min_k": 1024},
 ]
-TILED_EXPAND_VARIANTS = [
-    {},
-    {"et": 32},
-    {"et": 128},
-    {"n": 128},
-    {"n": 32},
-    {"twarps": 4},
-    {"n": 128, "twarps": 4},
-]
+TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"et": 128}, {"n": 128}, {"n": 32}, {"twarps": 8}]
 
 
 def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:

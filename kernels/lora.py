@@ -11,8 +11,9 @@ is 1 page, a B^T row 3 pages (the third holds 2816 elements, then zeros). Blocks
 Two kernel families, split by segment length (``LoraMeta.vector_max``, 8 tokens by default):
 
 Tiled (MBGMM), for segments longer than vector_max: the step's tokens, in ``token_order``
-(sorted by slot, base tokens last), are cut into blocks of BLOCK_T. A program takes one block and walks the segments it overlaps, one ``tl.dot``
-per segment on the rows of that segment (the others masked, so never loaded). Example, BLOCK_T 16,
+(sorted by slot, base tokens last), are cut into blocks of BLOCK_T. A program takes one block,
+finds its first segment in ``pos_seg`` and walks the segments it overlaps, one ``tl.dot`` per
+segment on the rows of that segment (the others masked, so never loaded). Example, BLOCK_T 16,
 segments of 20 (slot 3), 1 (slot 7) and 1 (slot 0) tokens: block 0 = 16 tokens of slot 3, block 1
 = 4 tokens of slot 3, then slot 7, then slot 0. A popular adapter's rows are read once per 16-32 of
 its tokens; a decode token alone on its adapter costs its own rows. Blocks past the adapter tokens
@@ -43,43 +44,31 @@ from kernels.ref import lora_group
 
 # Block sizes; the tests shrink them to reach every branch on tiny shapes. Blocks along a row are
 # also capped by the largest power of two dividing page_size; tl.dot blocks stay >= 16. The
-# sizes keep sm_90 builds spill-free, at most 128 registers a thread.
+# sizes keep sm_90 builds spill-free, at most 128 registers a thread. Picked from sweeps on the
+# H200 (benchmarks/h200-tuning/): decode steps of 256 and 128 tokens on 1000 adapters, and a
+# step of 248 decode rows with 16 prompt chunks of 280 tokens.
 BLOCKS = {
     "rank": 32,  # shrink: rank columns per program
-    "k": 64,  # shrink: row elements per loop step
+    "k": 128,  # shrink: row elements per loop step
     "n": 64,  # expand: columns per program
     "split_min_k": 256,  # shrink: the fewest row elements a split reduces
     "vk": 256,  # vector shrink: row elements per loop step (at 64 rank rows; scaled to keep
     # the [rank, vk] tile at 16K elements)
-    "vn": 128,  # vector expand: columns per program (likewise)
+    "vn": 256,  # vector expand: columns per program (likewise)
     "vwarps": 4,  # vector shrink: warps per program
     "vnwarps": 4,  # vector expand: warps per program
     "vwaves": 4,  # vector shrink: split d_in until the grid holds this many programs per SM
     "et": 64,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
     "vr": 16,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
     "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
-    "vstages": 0,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
-    "twarps": 8,  # tiled kernels: warps per program
+    "vstages": 2,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
+    "twarps": 4,  # tiled kernels: warps per program
 }
 
 
 def block_tokens(num_tokens: int) -> int:
     """Tokens per block: 16 for decode-sized steps, 32 for prefills (64 spilled on sm_90)."""
     return 16 if num_tokens <= 256 else 32
-
-
-@triton.jit
-def _first_segment(seg1_start_ptr, num_segs, b0):
-    """The first segment ending after sorted position b0 (num_segs when none): binary search."""
-    lo = 0
-    hi = num_segs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(seg1_start_ptr + mid + 1) <= b0:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @triton.jit
@@ -94,18 +83,19 @@ def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which,
 @triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
                                "out_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                   num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride, offsets_ptr,
-                   target0, target1, target2, rank_blocks, out_ptr, out_stride, rank_cap, d_in,
-                   k_per_split, vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PARTIAL: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                   pos_seg_ptr, num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr,
+                   pages_stride, offsets_ptr, target0, target1, target2, rank_blocks, out_ptr,
+                   out_stride, rank_cap, d_in, k_per_split, vector_max, PAGE: tl.constexpr,
+                   NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
     j = tl.program_id(1) // rank_blocks  # the group's j-th target; its rows at columns j * rank_cap
     r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(d_in, k_lo + k_per_split)
-    seg = _first_segment(seg1_start_ptr, num_segs, b0)
+    seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
     if seg >= num_segs:
         return
     ii = b0 + tl.arange(0, BLOCK_T)
@@ -147,9 +137,9 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
 @triton.jit(do_not_specialize=["num_splits", "num_tokens", "num_segs", "target0", "target1",
                                "target2", "part_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_ptr,
-                          token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, rank_ptr,
-                          offsets_ptr, target0, target1, target2, out_ptr, out_stride, rank_cap,
-                          vector_max, NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
+                          token_order_ptr, seg1_start_ptr, seg_slot_ptr, pos_seg_ptr, num_segs,
+                          rank_ptr, offsets_ptr, target0, target1, target2, out_ptr, out_stride,
+                          rank_cap, vector_max, NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr, ALL: tl.constexpr,
                           INDEXED: tl.constexpr):  # fmt: skip
     """Adds the fp32 partial sums of the tokens one path (VECTOR: short segments) computed."""
@@ -158,9 +148,9 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     if VECTOR:
         t, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                                num_segs, vector_max, i, ALL, INDEXED)  # fmt: skip
+                                pos_seg_ptr, num_segs, vector_max, i, ALL, INDEXED)  # fmt: skip
     else:
-        seg = _first_segment(seg1_start_ptr, num_segs, i)
+        seg = tl.load(pos_seg_ptr + i)
         safe = tl.minimum(seg, num_segs - 1)
         length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
         t = tl.load(token_order_ptr + i).to(tl.int64)
@@ -181,13 +171,13 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
 
 
 @triton.jit
-def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs, vector_max,
-                  i, ALL: tl.constexpr, INDEXED: tl.constexpr):  # fmt: skip
+def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, pos_seg_ptr, num_segs,
+                  vector_max, i, ALL: tl.constexpr, INDEXED: tl.constexpr):  # fmt: skip
     """(token, slot) of program i when the vector path owns that token, else (_, -1). ALL: every
     adapter token is on the vector path (CUDA-graph decode steps) and program i is token i, its
     slot one load away. INDEXED: token_order_ptr holds the vector path's tokens
     (``LoraMeta.vector_tokens``) and program i takes the i-th. Else i is a sorted position, owned
-    when its segment has at most vector_max tokens and an adapter (a binary search)."""
+    when its segment (one load from pos_seg) has at most vector_max tokens and an adapter."""
     if ALL:
         tok = i.to(tl.int64)
         slot = tl.load(b_slot_ptr + i)
@@ -195,7 +185,7 @@ def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num
         tok = tl.load(token_order_ptr + i).to(tl.int64)
         slot = tl.load(b_slot_ptr + tok)
     else:
-        seg = _first_segment(seg1_start_ptr, num_segs, i)
+        seg = tl.load(pos_seg_ptr + i)
         safe = tl.minimum(seg, num_segs - 1)
         length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
         mine = (seg < num_segs) & (length <= vector_max)
@@ -207,9 +197,10 @@ def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num
 @triton.jit(do_not_specialize=["num_segs", "num_tokens", "target0", "target1", "target2",
                                "out_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
-                          seg_slot_ptr, num_tokens, num_segs, rank_ptr, pages_ptr, pages_stride,
-                          offsets_ptr, target0, target1, target2, rank_blocks, r_span, out_ptr,
-                          out_stride, rank_cap, d_in, k_per_split, vector_max, PAGE: tl.constexpr,
+                          seg_slot_ptr, pos_seg_ptr, num_tokens, num_segs, rank_ptr, pages_ptr,
+                          pages_stride, offsets_ptr, target0, target1, target2, rank_blocks, r_span,
+                          out_ptr, out_stride, rank_cap, d_in, k_per_split, vector_max,
+                          PAGE: tl.constexpr,
                           NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                           PARTIAL: tl.constexpr, ALL: tl.constexpr, INDEXED: tl.constexpr,
                           STAGES: tl.constexpr, ONE_PAGE: tl.constexpr):  # fmt: skip
@@ -217,8 +208,9 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
     and one span of r_span rank rows (program_id(1) = target * rank_blocks + span), one split of
     d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]. With rank_blocks 1 the span is the whole
     rank, walked BLOCK_R rows at a time."""
-    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
-                              vector_max, tl.program_id(0), ALL, INDEXED)  # fmt: skip
+    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
+                              pos_seg_ptr, num_segs, vector_max, tl.program_id(0), ALL,
+                              INDEXED)  # fmt: skip
     if slot < 0:
         return
     j = tl.program_id(1) // rank_blocks
@@ -277,16 +269,17 @@ def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE:
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
                                "rank_cap", "vector_max"])  # fmt: skip
 def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
-                          seg_slot_ptr, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride,
-                          offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
-                          width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
+                          seg_slot_ptr, pos_seg_ptr, num_segs, rank_ptr, scale_ptr, pages_ptr,
+                          pages_stride, offsets_ptr, target0, target1, target2, col0, col1, col2,
+                          width0, width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
                           vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALL: tl.constexpr,
                           INDEXED: tl.constexpr):  # fmt: skip
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
-    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, num_segs,
-                              vector_max, tl.program_id(0), ALL, INDEXED)  # fmt: skip
+    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
+                              pos_seg_ptr, num_segs, vector_max, tl.program_id(0), ALL,
+                              INDEXED)  # fmt: skip
     if slot < 0:
         return
     nb = tl.program_id(1)
@@ -321,13 +314,14 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
 @triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
                                "v_stride", "rank_cap", "vector_max"])  # fmt: skip
 def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                   num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr, pages_stride, offsets_ptr,
-                   target0, target1, target2, col0, col1, col2, width0, width1, width2, blocks1,
-                   blocks2, out_ptr, out_stride, rank_cap, vector_max, PAGE: tl.constexpr,
+                   pos_seg_ptr, num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr,
+                   pages_stride, offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
+                   width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap, vector_max,
+                   PAGE: tl.constexpr,
                    NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
-    seg = _first_segment(seg1_start_ptr, num_segs, b0)
+    seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
     if seg >= num_segs:
         return
     # Column blocks of the group's targets one after another: target j owns blocks
@@ -452,8 +446,9 @@ def lora_shrink(
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
-    common = (meta.token_order, meta.seg1_start, meta.seg_slot, num_tokens, num_segs)
     if meta.longest > meta.vector_max:  # tiled: segments longer than vector_max
+        common = (meta.token_order, meta.seg1_start, meta.seg_slot,
+                  position_segments(meta, num_tokens), num_tokens, num_segs)  # fmt: skip
         block_t, block_k = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["k"])
         block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
         rank_blocks = triton.cdiv(max_rank, block_r)
@@ -476,7 +471,7 @@ def lora_shrink(
         # the rank as one span walked block by block, or each block its own program
         rank_blocks = triton.cdiv(max_rank, block_r) if BLOCKS["vgrid"] else 1
         r_span = block_r if BLOCKS["vgrid"] else rank_cap
-        rows, picked, pick = _vector_pick(meta, num_tokens)
+        rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
         programs = rows * group * rank_blocks
         want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), max(programs, 1))
         splits = max(1, min(want, d_in // BLOCKS["split_min_k"], 16))
@@ -486,7 +481,8 @@ def lora_shrink(
         if rows == 0:
             return
         _shrink_vector_kernel[(rows, group * rank_blocks, splits)](
-            x, x.stride(0), pool_layer, meta.b_slot, picked, *common[1:], meta.slot_rank,
+            x, x.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
+            pos_seg, num_tokens, num_segs, meta.slot_rank,
             meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
             r_span, dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
@@ -495,16 +491,29 @@ def lora_shrink(
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
 
 
-def _vector_pick(meta: LoraMeta, num_tokens: int) -> tuple[int, torch.Tensor, dict]:
+def _vector_pick(meta: LoraMeta, num_tokens: int) -> tuple[int, torch.Tensor, dict, torch.Tensor]:
     """How the vector kernels find their tokens: (programs, the array passed as token_order,
-    the ALL/INDEXED flags). Graph decode steps: every token, its slot from b_slot. Steps with
-    ``vector_tokens``: just those tokens. Else every sorted position, searching its segment."""
+    the ALL/INDEXED flags, the array passed as pos_seg). Graph decode steps: every token, its
+    slot from b_slot. Steps with ``vector_tokens``: just those tokens. Else every sorted
+    position, its segment from ``position_segments``. pos_seg is read only in the last case."""
     if meta.vector_max >= VECTOR_ALL:
-        return num_tokens, meta.token_order, {"ALL": True, "INDEXED": False}
+        return num_tokens, meta.token_order, {"ALL": True, "INDEXED": False}, meta.seg1_start
     if meta.vector_tokens is not None:
         picked = meta.vector_tokens
-        return picked.shape[0], picked, {"ALL": False, "INDEXED": True}
-    return num_tokens, meta.token_order, {"ALL": False, "INDEXED": False}
+        return picked.shape[0], picked, {"ALL": False, "INDEXED": True}, meta.seg1_start
+    pick = {"ALL": False, "INDEXED": False}
+    return num_tokens, meta.token_order, pick, position_segments(meta, num_tokens)
+
+
+def position_segments(meta: LoraMeta, num_tokens: int) -> torch.Tensor:
+    """``meta.pos_seg``, built on the device (and kept in meta) when the step did not bring it:
+    the first segment ending after each sorted position, so a program finds its segment with
+    one load instead of a binary search of seg1_start (9 dependent loads at 264 segments)."""
+    if meta.pos_seg is None:
+        positions = torch.arange(num_tokens, dtype=torch.int32, device=meta.seg1_start.device)
+        ends = meta.seg1_start[1:]
+        meta.pos_seg = torch.searchsorted(ends, positions, right=True).to(torch.int32)
+    return meta.pos_seg
 
 
 def _vector_rows(max_rank: int) -> int:
@@ -525,15 +534,18 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
     if splits == 1:
         return
     num_tokens = out.shape[0]
-    rows, picked, pick = num_tokens, meta.token_order, {"ALL": False, "INDEXED": False}
     if vector:
-        rows, picked, pick = _vector_pick(meta, num_tokens)
+        rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
+    else:
+        rows, picked, pick = num_tokens, meta.token_order, {"ALL": False, "INDEXED": False}
+        pos_seg = position_segments(meta, num_tokens)
     _shrink_reduce_kernel[(rows, group)](
         dst, dst.stride(1), splits, num_tokens, meta.b_slot, picked, meta.seg1_start,
-        meta.seg_slot, meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets, *targets, out,
-        out.stride(0), rank_cap, meta.vector_max, NUM_TARGETS=meta.slot_offsets.shape[1],
-        BLOCK_R=triton.next_power_of_2(rank_cap), BLOCK_SPLIT=triton.next_power_of_2(splits),
-        VECTOR=vector, **pick, num_warps=4)  # fmt: skip
+        meta.seg_slot, pos_seg, meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets,
+        *targets, out, out.stride(0), rank_cap, meta.vector_max,
+        NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=triton.next_power_of_2(rank_cap),
+        BLOCK_SPLIT=triton.next_power_of_2(splits), VECTOR=vector, **pick,
+        num_warps=4)  # fmt: skip
 
 
 def lora_expand(
@@ -577,20 +589,20 @@ def lora_expand(
         grid = (triton.cdiv(num_tokens, block_t), total)
         _expand_kernel[grid](
             v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
-            num_tokens, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
-            meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1],
-            BLOCK_T=block_t, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
-            PRECISION=_precision(pool_layer.dtype),
-            num_warps=BLOCKS["twarps"])  # fmt: skip
+            position_segments(meta, num_tokens), num_tokens, num_segs, *common, first1, first2,
+            out, out.stride(0), rank_cap, meta.vector_max, PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
+            BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
+            PRECISION=_precision(pool_layer.dtype), num_warps=BLOCKS["twarps"])  # fmt: skip
     if meta.shortest <= meta.vector_max:
         block_r = _vector_rows(max_rank)
         block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))
         first1, first2, total = _column_blocks(widths, block_n)
-        rows, picked, pick = _vector_pick(meta, num_tokens)
+        rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
         if rows == 0:
             return
         _expand_vector_kernel[(rows, total)](
             v, v.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
-            num_segs, *common, first1, first2, out, out.stride(0), rank_cap, meta.vector_max,
-            PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_N=block_n,
-            **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip
+            pos_seg, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
+            meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r,
+            BLOCK_N=block_n, **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip

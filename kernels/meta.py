@@ -77,6 +77,11 @@ class LoraMeta:
     # of one per token of the step searching its segment (a step mixing decodes with prefill
     # chunks: 248 programs, not 4700). ``slora_batch.batch.vector_tokens`` builds it.
     vector_tokens: torch.Tensor | None = None
+    # pos_seg [T] int32 (optional): the first segment ending after each sorted position (S past
+    # the adapter tokens), where the tiled kernels' blocks start their walk. example: [0, 0, 1,
+    # 1, 1]. ``slora_batch.batch.position_segments`` builds it; without it the Triton launchers
+    # build it on the device (``kernels.lora.position_segments``).
+    pos_seg: torch.Tensor | None = None
 
     def segments(self) -> Iterator[tuple[int, int, int]]:
         """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""

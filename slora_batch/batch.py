@@ -173,6 +173,12 @@ def vector_tokens(order: np.ndarray, seg1_start: np.ndarray, vector_max: int) ->
     return order[: seg1_start[-1]][short].astype(np.int32)
 
 
+def position_segments(seg1_start: np.ndarray, num_tokens: int) -> np.ndarray:
+    """The first segment ending after each sorted position (``LoraMeta.pos_seg``), S past the
+    adapter tokens. Example: segments [0, 2) and [2, 3), 5 tokens -> [0, 0, 1, 2, 2]."""
+    return np.searchsorted(seg1_start[1:], np.arange(num_tokens), side="right").astype(np.int32)
+
+
 def lora_meta(
     b_slot: torch.Tensor,
     token_order: torch.Tensor,
@@ -222,6 +228,8 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         lora.longest, lora.shortest = int(lengths.max()), int(lengths.min())
         if lora.shortest <= lora.vector_max:
             lora.vector_tokens = dev(vector_tokens(order, seg1_start, lora.vector_max), torch.int32)
+        if lora.longest > lora.vector_max:  # the tiled kernels run: where each block starts
+            lora.pos_seg = dev(position_segments(seg1_start, len(host.b_slot)), torch.int32)
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),
         b_seq_len=dev(host.b_seq_len, torch.int32),

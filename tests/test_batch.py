@@ -4,7 +4,9 @@ import numpy as np
 import torch
 from test_scheduler import make, seq
 
-from slora_batch.batch import lora_segments, plan_step, upload
+from kernels.lora import position_segments as device_position_segments
+from kernels.meta import LoraMeta
+from slora_batch.batch import lora_segments, plan_step, position_segments, upload
 
 
 def test_plan_and_upload_a_mixed_step():
@@ -48,6 +50,24 @@ def test_segments_sort_stably_with_base_last_and_pad():
     order, starts, slots = lora_segments(np.array([3, -1, 1, 3, -1, 1, 1]), pad_to=4)
     assert order.tolist() == [2, 5, 6, 0, 3, 1, 4]
     assert starts.tolist() == [0, 3, 5, 5, 5] and slots.tolist() == [1, 3, -1, -1]
+
+
+def test_position_segments_find_each_blocks_first_segment():
+    """pos_seg[i] is the first segment ending after sorted position i (S past the adapter
+    tokens, padding segments included): what the tiled kernels' blocks read instead of searching,
+    built on the host for eager steps and on the device by the launcher otherwise."""
+    assert position_segments(np.array([0, 2, 3]), 5).tolist() == [0, 0, 1, 2, 2]
+    gen = np.random.default_rng(0)
+    for _ in range(20):
+        b_slot = gen.integers(-1, 6, size=int(gen.integers(1, 40)))
+        _, starts, slots = lora_segments(b_slot, pad_to=8)
+        host = position_segments(starts, b_slot.size)
+        search = [next((s for s in range(len(slots)) if starts[s + 1] > i), len(slots))
+                  for i in range(b_slot.size)]  # fmt: skip
+        assert host.tolist() == search
+        meta = LoraMeta(*(torch.from_numpy(a.astype(np.int32)) for a in (b_slot, b_slot, starts,
+                        slots)), *(torch.zeros(1),) * 4, max_rank=1)  # fmt: skip
+        assert device_position_segments(meta, b_slot.size).tolist() == search
 
 
 def test_decode_step_with_a_one_token_prefill_chunk():

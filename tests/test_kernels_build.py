@@ -24,7 +24,7 @@ EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_str
 BUILDS = {
     "shrink vector, graph": (
         lora._shrink_vector_kernel,
-        dict(VECTOR, BLOCK_K=1024, PARTIAL=False, ALL=True, INDEXED=False, STAGES=0, ONE_PAGE=True),
+        dict(VECTOR, BLOCK_K=1024, PARTIAL=False, ALL=True, INDEXED=False, STAGES=2, ONE_PAGE=True),
         4,
         (*SHRINK_ALIGNED, "r_span"),
     ),
@@ -44,7 +44,7 @@ BUILDS = {
     ),
     "expand vector, indexed": (
         lora._expand_vector_kernel,
-        dict(VECTOR, BLOCK_N=512, ALL=False, INDEXED=True),
+        dict(VECTOR, BLOCK_N=1024, ALL=False, INDEXED=True),
         4,
         EXPAND_ALIGNED,
     ),
@@ -61,17 +61,17 @@ BUILDS = {
             NUM_TARGETS=7,
             BLOCK_T=32,
             BLOCK_R=32,
-            BLOCK_K=64,
+            BLOCK_K=128,
             PARTIAL=True,
             PRECISION="tf32",
         ),  # fmt: skip
-        8,
+        4,
         SHRINK_ALIGNED,
     ),
     "expand tiled, prefill": (
         lora._expand_kernel,
         dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_T=64, BLOCK_R=64, BLOCK_N=64, PRECISION="tf32"),
-        8,
+        4,
         EXPAND_ALIGNED,
     ),
 }
