@@ -7,6 +7,7 @@
 #   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@10/1000/2000 and peft
 #   bash benchmarks/device_run.sh quick   # engine gpu tests, then base and slora@1000 (~4 minutes)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
+#   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
 set -uo pipefail
 mode=${1:-check}
@@ -73,6 +74,12 @@ elif [ "$mode" = quick ]; then
   gpu_tests 140 4 tests/test_engine_gpu.py
   bench h200 110 6 --requests 2000 --systems base,slora --adapters 1000 --max-seconds 18 \
     --total-seconds 100
+elif [ "$mode" = confirm ]; then
+  # a second acceptance run of the ratios (base, slora@10/1000/2000, peft), then profiles of
+  # base and slora@2000 (per-step times and top kernels)
+  bench h200-confirm 340 12 "${ACCEPTANCE[@]}" --systems base,slora,peft --adapters 10,1000,2000 \
+    --peft-adapters 1 --max-seconds 25 --peft-max-seconds 150 --total-seconds 330
+  profile 90 2000,0
 elif [ "$mode" = bench ]; then
   bench h200 570 15 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified \
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 25 \
