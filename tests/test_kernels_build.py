@@ -14,64 +14,90 @@ from kernels.build_check import build, cuobjdump, global_loads, resource_usage
 
 pytestmark = pytest.mark.skipif(not os.path.exists(cuobjdump()), reason="Triton ships no cuobjdump")
 
-PAGE = 4096  # Llama-2-7B: kv_dim
-VECTOR = dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_R=16)
+PAGE = 4096  # Llama-2-7B: kv_dim, and d_in and d_out of q, k, v and o
+RANK = 64  # the largest rank of the acceptance workload
+B = lora.BLOCKS  # the launchers' blocks, derived below as the launchers derive them
+VR = lora._vector_rows(RANK)
+VECTOR = dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_R=VR)
+VK = lora._pow2_divisor(PAGE, max(16, B["vk"] * 64 // VR))
+VN = lora._pow2_divisor(PAGE, max(16, B["vn"] * 64 // VR))
+TILED = dict(PAGE=PAGE, NUM_TARGETS=7, PRECISION="tf32")
 # integer arguments that are multiples of 16 at these shapes, so hinted at launch: row strides
 # and d_in 4096; k_per_split a multiple of BLOCK_K; r_span 16 rank rows; the q/k/v column starts
 # (0, 4096, 8192) and widths (4096)
 SHRINK_ALIGNED = ("x_stride", "d_in", "k_per_split")
 EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_stride")
-BUILDS = {
+BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     "shrink vector, graph": (
         lora._shrink_vector_kernel,
-        dict(VECTOR, BLOCK_K=1024, PARTIAL=False, ALL=True, INDEXED=False, STAGES=2, ONE_PAGE=True),
-        4,
+        dict(
+            VECTOR,
+            BLOCK_K=VK,
+            PARTIAL=False,
+            ALL=True,
+            INDEXED=False,
+            STAGES=B["vstages"],
+            ONE_PAGE=True,
+        ),
+        B["vwarps"],
         (*SHRINK_ALIGNED, "r_span"),
     ),
     "shrink vector, indexed, split": (
         lora._shrink_vector_kernel,
-        dict(VECTOR, BLOCK_K=1024, PARTIAL=True, ALL=False, INDEXED=True, STAGES=0, ONE_PAGE=True),
-        4,
+        dict(
+            VECTOR,
+            BLOCK_K=VK,
+            PARTIAL=True,
+            ALL=False,
+            INDEXED=True,
+            STAGES=B["vstages"],
+            ONE_PAGE=True,
+        ),
+        B["vwarps"],
         (*SHRINK_ALIGNED, "r_span"),
     ),
-    "shrink vector, searched, pipelined, pages per chunk": (
+    "shrink vector, searched, a row over several pages (down)": (
         lora._shrink_vector_kernel,
         dict(
-            VECTOR, BLOCK_K=1024, PARTIAL=False, ALL=False, INDEXED=False, STAGES=2, ONE_PAGE=False
-        ),  # fmt: skip
-        4,
+            VECTOR,
+            BLOCK_K=VK,
+            PARTIAL=False,
+            ALL=False,
+            INDEXED=False,
+            STAGES=B["vstages"],
+            ONE_PAGE=False,
+        ),
+        B["vwarps"],
         (*SHRINK_ALIGNED, "r_span"),
     ),
     "expand vector, indexed": (
         lora._expand_vector_kernel,
-        dict(VECTOR, BLOCK_N=1024, ALL=False, INDEXED=True),
-        4,
+        dict(VECTOR, BLOCK_N=VN, ALL=False, INDEXED=True),
+        B["vnwarps"],
         EXPAND_ALIGNED,
     ),
     "split reduction, indexed": (
         lora._shrink_reduce_kernel,
-        dict(NUM_TARGETS=7, BLOCK_R=64, BLOCK_SPLIT=4, VECTOR=True, ALL=False, INDEXED=True),
+        dict(NUM_TARGETS=7, BLOCK_R=RANK, BLOCK_SPLIT=4, VECTOR=True, ALL=False, INDEXED=True),
         4,
         ("out_stride",),
     ),
-    "shrink tiled": (
+    "shrink tiled, prefill": (
         lora._shrink_kernel,
         dict(
-            PAGE=PAGE,
-            NUM_TARGETS=7,
-            BLOCK_T=32,
-            BLOCK_R=32,
-            BLOCK_K=128,
+            TILED,
+            BLOCK_T=lora.block_tokens(4096),
+            BLOCK_R=min(B["rank"], RANK),
+            BLOCK_K=lora._pow2_divisor(PAGE, B["k"]),
             PARTIAL=True,
-            PRECISION="tf32",
-        ),  # fmt: skip
-        4,
+        ),
+        B["twarps"],
         SHRINK_ALIGNED,
     ),
     "expand tiled, prefill": (
         lora._expand_kernel,
-        dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_T=64, BLOCK_R=64, BLOCK_N=64, PRECISION="tf32"),
-        4,
+        dict(TILED, BLOCK_T=B["et"], BLOCK_R=RANK, BLOCK_N=lora._pow2_divisor(PAGE, B["n"])),
+        B["twarps"],
         EXPAND_ALIGNED,
     ),
 }
