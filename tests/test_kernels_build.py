@@ -27,48 +27,24 @@ TILED = dict(PAGE=PAGE, NUM_TARGETS=7, PRECISION="tf32")
 # (0, 4096, 8192) and widths (4096)
 SHRINK_ALIGNED = ("x_stride", "d_in", "k_per_split")
 EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_stride")
+
+
+def vector_shrink(*, partial: bool, all_tokens: bool, indexed: bool, one_page: bool) -> tuple:
+    """The vector shrink at the launchers' blocks, in one of its modes."""
+    constexprs = dict(VECTOR, BLOCK_K=VK, STAGES=B["vstages"], PARTIAL=partial, ALL=all_tokens,
+                      INDEXED=indexed, ONE_PAGE=one_page)  # fmt: skip
+    return lora._shrink_vector_kernel, constexprs, B["vwarps"], (*SHRINK_ALIGNED, "r_span")
+
+
 BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
-    "shrink vector, graph": (
-        lora._shrink_vector_kernel,
-        dict(
-            VECTOR,
-            BLOCK_K=VK,
-            PARTIAL=False,
-            ALL=True,
-            INDEXED=False,
-            STAGES=B["vstages"],
-            ONE_PAGE=True,
-        ),
-        B["vwarps"],
-        (*SHRINK_ALIGNED, "r_span"),
+    "shrink vector, graph": vector_shrink(
+        partial=False, all_tokens=True, indexed=False, one_page=True
     ),
-    "shrink vector, indexed, split": (
-        lora._shrink_vector_kernel,
-        dict(
-            VECTOR,
-            BLOCK_K=VK,
-            PARTIAL=True,
-            ALL=False,
-            INDEXED=True,
-            STAGES=B["vstages"],
-            ONE_PAGE=True,
-        ),
-        B["vwarps"],
-        (*SHRINK_ALIGNED, "r_span"),
+    "shrink vector, indexed, split": vector_shrink(
+        partial=True, all_tokens=False, indexed=True, one_page=True
     ),
-    "shrink vector, searched, a row over several pages (down)": (
-        lora._shrink_vector_kernel,
-        dict(
-            VECTOR,
-            BLOCK_K=VK,
-            PARTIAL=False,
-            ALL=False,
-            INDEXED=False,
-            STAGES=B["vstages"],
-            ONE_PAGE=False,
-        ),
-        B["vwarps"],
-        (*SHRINK_ALIGNED, "r_span"),
+    "shrink vector, searched, a row over several pages (down)": vector_shrink(
+        partial=False, all_tokens=False, indexed=False, one_page=False
     ),
     "expand vector, indexed": (
         lora._expand_vector_kernel,
