@@ -72,6 +72,7 @@ def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]
     meta = LoraMeta(b_slot.int().cuda(), order.int().cuda(), seg1.int().cuda(),
                     seg_slot.int().cuda(), rank.cuda(), torch.ones(len(ranks), device="cuda"),
                     slot_pages, offsets.cuda(), int(rank[seg_slot].max()))  # fmt: skip
+    meta.pos_seg = lora.position_segments(meta, b_slot.numel())  # as eager steps bring it
     pool = torch.randn(sum(per), page, dtype=DTYPE, device="cuda")
     return pool, meta, sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist()) * 2
 

@@ -506,14 +506,15 @@ def _vector_pick(meta: LoraMeta, num_tokens: int) -> tuple[int, torch.Tensor, di
 
 
 def position_segments(meta: LoraMeta, num_tokens: int) -> torch.Tensor:
-    """``meta.pos_seg``, built on the device (and kept in meta) when the step did not bring it:
-    the first segment ending after each sorted position, so a program finds its segment with
-    one load instead of a binary search of seg1_start (9 dependent loads at 264 segments)."""
-    if meta.pos_seg is None:
-        positions = torch.arange(num_tokens, dtype=torch.int32, device=meta.seg1_start.device)
-        ends = meta.seg1_start[1:]
-        meta.pos_seg = torch.searchsorted(ends, positions, right=True).to(torch.int32)
-    return meta.pos_seg
+    """``meta.pos_seg``: the first segment ending after each sorted position, so a program finds
+    its segment with one load instead of a binary search of seg1_start (9 dependent loads at 264
+    segments). When the step did not bring it, a fresh one is built from seg1_start on the device
+    at each call and never kept in meta: a CUDA graph captured from such a meta rebuilds it at
+    every replay instead of replaying one built from the warm-up's segments."""
+    if meta.pos_seg is not None:
+        return meta.pos_seg
+    positions = torch.arange(num_tokens, dtype=torch.int32, device=meta.seg1_start.device)
+    return torch.searchsorted(meta.seg1_start[1:], positions, right=True).to(torch.int32)
 
 
 def _vector_rows(max_rank: int) -> int:

@@ -79,8 +79,9 @@ class LoraMeta:
     vector_tokens: torch.Tensor | None = None
     # pos_seg [T] int32 (optional): the first segment ending after each sorted position (S past
     # the adapter tokens), where the tiled kernels' blocks start their walk. example: [0, 0, 1,
-    # 1, 1]. ``slora_batch.batch.position_segments`` builds it; without it the Triton launchers
-    # build it on the device (``kernels.lora.position_segments``).
+    # 1, 1]. ``slora_batch.batch.position_segments`` builds it (eager steps) and the runner
+    # refills it (tiled CUDA-graph steps); without it each Triton launch builds it on the device
+    # (``kernels.lora.position_segments``).
     pos_seg: torch.Tensor | None = None
 
     def segments(self) -> Iterator[tuple[int, int, int]]:

@@ -17,8 +17,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kernels.meta import VECTOR_ALL, AttnMeta
-from slora_batch.batch import HostStep, lora_meta, lora_segments, upload
+from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_batch.batch import HostStep, lora_meta, lora_segments, position_segments, upload
 from slora_batch.model import LlamaModel, StepInput
 from slora_batch.pool import PagePool
 from slora_batch.residency import AdapterResidency
@@ -39,6 +39,20 @@ def tiled_decode(b_slot: np.ndarray) -> bool:
     (256 tokens on 200 adapters)."""
     used = b_slot[b_slot >= 0]
     return used.size > 0 and used.size >= TILED_TOKENS_PER_ADAPTER * len(np.unique(used))
+
+
+def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
+    """Copies a step's LoRA segments into a graph's static buffers, padded to the bucket
+    (b_slot.size) with empty segments of slot -1, and pos_seg where the graph has one."""
+    bucket = b_slot.size
+    order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)
+    static.b_slot.copy_(torch.from_numpy(b_slot.astype(np.int32)), non_blocking=True)
+    static.token_order.copy_(torch.from_numpy(order), non_blocking=True)
+    static.seg1_start.copy_(torch.from_numpy(seg1_start), non_blocking=True)
+    static.seg_slot.copy_(torch.from_numpy(seg_slot), non_blocking=True)
+    if static.pos_seg is not None:
+        segments = position_segments(seg1_start, bucket)
+        static.pos_seg.copy_(torch.from_numpy(segments), non_blocking=True)
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -130,6 +144,8 @@ class ModelRunner:
                 self.targets,
             )
             lora.vector_max = 0 if tiled else VECTOR_ALL  # which LoRA kernels the graph holds
+            if tiled:  # where each tiled block starts its segment walk, refilled every step
+                lora.pos_seg = zeros(bucket)
         return StepInput(
             input_ids=zeros(bucket, dtype=torch.int64),
             positions=zeros(bucket, dtype=torch.int64),
@@ -173,11 +189,7 @@ class ModelRunner:
             )
         if static.lora is not None:
             b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
-            order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)
-            static.lora.b_slot.copy_(torch.from_numpy(b_slot.astype(np.int32)), non_blocking=True)
-            static.lora.token_order.copy_(torch.from_numpy(order), non_blocking=True)
-            static.lora.seg1_start.copy_(torch.from_numpy(seg1_start), non_blocking=True)
-            static.lora.seg_slot.copy_(torch.from_numpy(seg_slot), non_blocking=True)
+            fill_lora(static.lora, b_slot)
 
     def _capture(self, buckets: list[int]) -> None:
         mempool = torch.cuda.graph_pool_handle()

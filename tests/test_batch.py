@@ -7,6 +7,7 @@ from test_scheduler import make, seq
 from kernels.lora import position_segments as device_position_segments
 from kernels.meta import LoraMeta
 from slora_batch.batch import lora_segments, plan_step, position_segments, upload
+from slora_batch.runner import fill_lora
 
 
 def test_plan_and_upload_a_mixed_step():
@@ -68,6 +69,7 @@ def test_position_segments_find_each_blocks_first_segment():
         meta = LoraMeta(*(torch.from_numpy(a.astype(np.int32)) for a in (b_slot, b_slot, starts,
                         slots)), *(torch.zeros(1),) * 4, max_rank=1)  # fmt: skip
         assert device_position_segments(meta, b_slot.size).tolist() == search
+        assert meta.pos_seg is None  # built for the call, never kept in meta
 
 
 def test_decode_step_with_a_one_token_prefill_chunk():
@@ -98,3 +100,28 @@ def test_decode_graph_kernel_choice():
     assert not tiled_decode(np.full(16, -1))  # base rows only: no LoRA at all
     edge = np.concatenate([np.repeat([3, 5], TILED_TOKENS_PER_ADAPTER), np.full(40, -1)])
     assert tiled_decode(edge) and not tiled_decode(edge[1:])
+
+
+def test_graph_buffers_get_each_steps_position_segments():
+    """A tiled decode graph reads pos_seg from a static buffer that every step refills; a meta
+    without one never keeps what a launch built (a warm-up before capture would otherwise fix
+    the warm-up's segments into the graph, and every replay would skip its adapters)."""
+    bucket = 8
+
+    def static_meta(with_pos_seg: bool) -> LoraMeta:
+        tensors = [torch.zeros(n, dtype=torch.int32) for n in (bucket, bucket, bucket + 1, bucket)]
+        meta = LoraMeta(*tensors, *(torch.zeros(1),) * 4, max_rank=1)
+        meta.pos_seg = torch.zeros(bucket, dtype=torch.int32) if with_pos_seg else None
+        return meta
+
+    tiled, vector = static_meta(True), static_meta(False)
+    for b_slot in ([3, 3, 3, 3, -1, -1, -1, -1], [1, 2, 1, 2, 1, 2, 1, -1]):
+        b_slot = np.array(b_slot)
+        _, starts, _ = lora_segments(b_slot, pad_to=bucket)
+        fill_lora(tiled, b_slot)
+        fill_lora(vector, b_slot)
+        assert tiled.seg1_start.tolist() == starts.tolist()
+        assert tiled.pos_seg.tolist() == position_segments(starts, bucket).tolist()
+        assert vector.pos_seg is None
+        built = device_position_segments(vector, bucket)
+        assert built.tolist() == tiled.pos_seg.tolist() and vector.pos_seg is None

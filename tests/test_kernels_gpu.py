@@ -188,10 +188,14 @@ def test_pool_past_2_31_elements(ops):
     assert_close(mine_out, theirs_out, dtype)
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["vector", "tiled"])
 @pytest.mark.parametrize("kind", list(HEADS))
-def test_cuda_graph_decode_step(ops, kind):
+def test_cuda_graph_decode_step(ops, kind, tiled):
     """Capture attention_decode + shrink/expand of q once; replay on two other steps' metadata
-    copied into the same buffers: equal to eager runs on those steps."""
+    copied into the same buffers: equal to eager runs on those steps. Vector: every token on the
+    vector kernels (VECTOR_ALL). Tiled: every segment on the tiled kernels, with no pos_seg in
+    the metadata, so each launch builds it (a warm-up that kept it would fix step 0's segments
+    into the graph)."""
     dtype, batch, max_ctx, num_pages = torch.bfloat16, 24, 2048, 2 * 24 * 2048 + 8
     dims, _ = MODELS["llama2-7b" if kind == "mha" else "llama3-8b"]
     scale, num_kv_heads = 128**-0.5, HEADS[kind][1]
@@ -205,7 +209,8 @@ def test_cuda_graph_decode_step(ops, kind):
         lora_pool, lora = _lora(kind == "mha" and "llama2-7b" or "llama3-8b", batch, "uniform",
                                 dtype, seed=7, b_slot=b_slot)  # fmt: skip
         x = torch.randn(batch, 4096, device="cuda").to(dtype)
-        padded = dataclasses.replace(pad_segments(lora, batch, max(RANKS)), vector_max=VECTOR_ALL)
+        vector_max = 0 if tiled else VECTOR_ALL
+        padded = dataclasses.replace(pad_segments(lora, batch, max(RANKS)), vector_max=vector_max)
         steps.append((q, kv_pool, attn, lora_pool, padded, x))
 
     def step(q, kv_pool, attn, lora_pool, lora, x, buf, out):
