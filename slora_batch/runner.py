@@ -82,6 +82,7 @@ class ModelRunner:
         self.graphs = {}
         self.buckets: list[int] = []
         self.graph_steps = 0
+        self.tiled_graph_steps = 0  # of those, replays of a tiled-LoRA graph
         if use_graphs and device.type == "cuda":
             self.scratch = pool.alloc(2, "CUDA-graph padding rows")  # K and V of padding rows
             infos = [residency.store.info(n) for n in residency.store.names]
@@ -98,11 +99,13 @@ class ModelRunner:
         batch = len(host.b_seq_len)
         if host.decode_only and self.buckets and batch <= self.buckets[-1]:
             bucket = min(b for b in self.buckets if b >= batch)
-            graph, static, logits = self.graphs[bucket, self._tiled(host.b_slot)]
+            tiled = self._tiled(host.b_slot)
+            graph, static, logits = self.graphs[bucket, tiled]
             self._fill(static, host, bucket)
             self._previous(static.input_ids[:batch], host, prev_tokens)
             graph.replay()
             self.graph_steps += 1
+            self.tiled_graph_steps += tiled
             return logits[:batch]
         step = upload(host, self.residency, self.device)
         self._previous(step.input_ids, host, prev_tokens)

@@ -198,14 +198,11 @@ def assert_tokens_match(
         assert a == b, (row["id"], row["adapter"], step, margin, got, want)
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_bf16_engine_matches_peft(gpu_case, graphs):
-    model_dir, weights, adapters, peft_model = gpu_case
-    engine = make_engine(model_dir, weights, adapters, cuda_graphs=graphs)
-    cases = rows(engine.spec.vocab_size)
-    expected = {row["id"]: reference(peft_model, row) for row in cases}
+def first_step_errors(engine, peft_model, cases, expected) -> tuple[list, dict]:
+    """(id, adapter, prompt length, our error, transformers' bf16 error) per row, first-step
+    logits against fp32, and each row's near-tie margin from transformers' own bf16 noise."""
     exact = fp32_first_logits(peft_model, cases)
-    errors, margins = [], {}  # first-step logits: as close to fp32 as transformers' bf16 is
+    errors, margins = [], {}
     for row in cases:
         ours = engine.prompt_logits(Request(**row))
         hf_bf16 = expected[row["id"]][1][0]
@@ -215,6 +212,16 @@ def test_bf16_engine_matches_peft(gpu_case, graphs):
         errors.append((row["id"], row["adapter"], len(row["prompt_token_ids"]), ours_err, hf_err))
         noise = float((hf_bf16 - ref).pow(2).mean().sqrt())  # per logit, transformers' bf16
         margins[row["id"]] = max(MARGIN, NOISE_MARGINS * noise)
+    return errors, margins
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_bf16_engine_matches_peft(gpu_case, graphs):
+    model_dir, weights, adapters, peft_model = gpu_case
+    engine = make_engine(model_dir, weights, adapters, cuda_graphs=graphs)
+    cases = rows(engine.spec.vocab_size)
+    expected = {row["id"]: reference(peft_model, row) for row in cases}
+    errors, margins = first_step_errors(engine, peft_model, cases, expected)
     table = "\n".join(f"row {i} adapter {a} prompt {n}: ours {o:.4f} transformers {h:.4f}, "
                       f"near-tie margin {margins[i]:.3f}" for i, a, n, o, h in errors)  # fmt: skip
     print(table)
@@ -225,5 +232,36 @@ def test_bf16_engine_matches_peft(gpu_case, graphs):
         want, logits = expected[row["id"]]
         assert_tokens_match(results[row["id"]].token_ids, want, logits, row, margins[row["id"]])
     assert (engine.counters.graph_steps > 0) == graphs
+    del engine
+    torch.cuda.empty_cache()
+
+
+def test_bf16_tiled_decode_graphs_match_peft(gpu_case):
+    """Decode steps with many tokens on few adapters (8 rows on r64, 4 on r16: at least 4 tokens
+    per adapter) replay the tiled-LoRA CUDA graph; tokens equal transformers + PEFT's up to a
+    near tie, as in the test above."""
+    model_dir, weights, adapters, peft_model = gpu_case
+    engine = make_engine(model_dir, weights, adapters, cuda_graphs=True)
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(4, 120, (12,), generator=gen).tolist()
+    cases = [
+        {
+            "id": i,
+            "adapter": "r64" if i < 8 else "r16",
+            "max_new_tokens": 16,
+            "ignore_eos": True,
+            "prompt_token_ids": torch.randint(
+                3, engine.spec.vocab_size, (n,), generator=gen
+            ).tolist(),
+        }
+        for i, n in enumerate(lengths)
+    ]
+    expected = {row["id"]: reference(peft_model, row) for row in cases}
+    _, margins = first_step_errors(engine, peft_model, cases, expected)
+    results = {r.id: r for r in engine.generate(Request(**row) for row in cases)}
+    for row in cases:
+        want, logits = expected[row["id"]]
+        assert_tokens_match(results[row["id"]].token_ids, want, logits, row, margins[row["id"]])
+    assert engine.runner.tiled_graph_steps > 0
     del engine
     torch.cuda.empty_cache()
