@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh sweep   # LoRA kernel variants, every GPU test, base and slora@1000, profiles
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
-#   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@10/1000/2000 and peft
+#   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@1/10/1000/2000 and peft
 #   bash benchmarks/device_run.sh quick   # engine gpu tests, then base and slora@1000 (~4 minutes)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -67,9 +67,9 @@ elif [ "$mode" = final ]; then
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 18 \
     --peft-max-seconds 90 --total-seconds 400
 elif [ "$mode" = verify ]; then
-  gpu_tests 250 14 --durations=8 tests/test_engine_gpu.py tests/test_kernels_gpu.py
-  bench h200 300 12 "${ACCEPTANCE[@]}" --systems base,slora,peft --adapters 10,1000,2000 \
-    --peft-adapters 1 --max-seconds 18 --peft-max-seconds 90 --total-seconds 290
+  gpu_tests 300 14 --durations=8 tests/test_engine_gpu.py tests/test_kernels_gpu.py
+  bench h200 260 12 "${ACCEPTANCE[@]}" --systems base,slora,peft --adapters 1,10,1000,2000 \
+    --peft-adapters 1 --max-seconds 18 --peft-max-seconds 90 --total-seconds 250
 elif [ "$mode" = quick ]; then
   gpu_tests 140 4 tests/test_engine_gpu.py
   bench h200 110 6 --requests 2000 --systems base,slora --adapters 1000 --max-seconds 18 \

@@ -282,6 +282,18 @@ def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
     return _lora_case(b_slot, adapters, VECTOR_ALL, label, SHRINK_VARIANTS, EXPAND_VARIANTS, bw)
 
 
+def _few_adapters_case(bw: float, tokens: int = 256, adapters: int = 10) -> list[tuple]:
+    """A decode step on few adapters (the runner's tiled-graph case, runner.tiled_decode): the
+    tiled kernels over the tiled knobs, then the vector kernels' defaults on the same tokens,
+    which tell whether runner.TILED_TOKENS_PER_ADAPTER still picks the faster family."""
+    gen = torch.Generator().manual_seed(tokens + adapters)
+    b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
+    label = f"mha decode T={tokens} {adapters} adapters"
+    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS,
+                      TILED_EXPAND_VARIANTS, bw)  # fmt: skip
+    return rows + _lora_case(b_slot, adapters, VECTOR_ALL, f"{label} vector", [{}], [{}], bw)
+
+
 def _mixed_case(bw: float, decode: int = 248, chunks: int = 16, chunk: int = 280) -> list[tuple]:
     """A step with prefill as the acceptance workload makes them at 1000 adapters: 248 decode
     rows, then 16 prompt chunks of 280 tokens, every row on its own adapter."""
@@ -383,6 +395,7 @@ def main() -> None:
         rows += _mixed_case(bw)
         for tokens, adapters in VECTOR_CASES:
             rows += _vector_case(tokens, adapters, bw)
+        rows += _few_adapters_case(bw)
         return
     batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]
     for kind in SHAPES:
