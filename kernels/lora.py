@@ -44,7 +44,7 @@ from kernels.ref import lora_group
 
 # Block sizes; the tests shrink them to reach every branch on tiny shapes. Blocks along a row are
 # also capped by the largest power of two dividing page_size; tl.dot blocks stay >= 16. The
-# sizes keep sm_90 builds spill-free, at most 128 registers a thread. Picked from sweeps on the
+# sizes keep sm_90 builds spill-free (tests/test_kernels_build.py). Picked from sweeps on the
 # H200 (benchmarks/h200-tuning/): decode steps of 256 and 128 tokens on 1000 adapters, and a
 # step of 248 decode rows with 16 prompt chunks of 280 tokens.
 BLOCKS = {
