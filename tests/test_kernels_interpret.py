@@ -276,8 +276,28 @@ def pad_segments(meta: LoraMeta, num_segs: int, max_rank: int) -> LoraMeta:
     )
 
 
+def meta_fields(meta) -> dict:
+    """Each field of a metadata object: (the object it holds, a copy of its value)."""
+    fields = {}
+    for f in dataclasses.fields(meta):
+        value = getattr(meta, f.name)
+        fields[f.name] = (value, value.clone() if isinstance(value, torch.Tensor) else value)
+    return fields
+
+
+def assert_meta_unchanged(meta, before: dict) -> None:
+    """Launches read the step's metadata and keep nothing in it: a CUDA graph captured after a
+    warm-up launch would replay whatever a launch had stored there."""
+    for name, (held, value) in meta_fields(meta).items():
+        assert held is before[name][0], f"{name} was replaced"
+        same = torch.equal if isinstance(value, torch.Tensor) else (lambda a, b: a == b)
+        assert same(value, before[name][1]), f"{name} was changed"
+
+
 def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
-    """Every target through shrink and expand against ref, on stale buffers and a column slice."""
+    """Every target through shrink and expand against ref, on stale buffers and a column slice;
+    the metadata comes out as it went in."""
+    before = meta_fields(meta)
     gen = torch.Generator().manual_seed(seed)
     num_tokens = meta.b_slot.shape[0]
     for index, (d_in, d_out) in enumerate(TARGET_DIMS.values()):
@@ -293,6 +313,7 @@ def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
         ref.lora_expand(buf, pool, meta, index, theirs[:, 8 : 8 + d_out])
         assert_close(mine, theirs, dtype)
     check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
+    assert_meta_unchanged(meta, before)
 
 
 GROUPS = [(0, 1, 2), (3,), (4, 5), (6,), (0, 2), (1, 2)]  # q k v; o; gate up; down; partial groups
