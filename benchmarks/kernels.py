@@ -252,6 +252,8 @@ SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on t
     {"vk": 128, "vstages": 3},
     {"vstages": 0},
     {"vwarps": 8},
+    {"vr": 8},  # 8 rank rows x 2048: fewer rows (pages) per tile, longer runs in each
+    {"vr": 8, "vk": 128},
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},
@@ -261,6 +263,8 @@ EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {"vnwarps": 8},
     {"vn": 512, "vnwarps": 8},
     {"vn": 128, "vnwarps": 2},
+    {"vr": 8},
+    {"vr": 8, "vn": 128},
 ]
 VECTOR_CASES = [(256, 1000), (128, 1000)]  # (decode tokens, adapters drawn from)
 TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
