@@ -11,11 +11,14 @@ before spending device time on them; it says nothing about speed.
 from __future__ import annotations
 
 from kernels import lora
-from kernels.build_check import REGISTERS_PER_SM, build, global_loads, resource_usage
-
-# integer arguments that are multiples of 16 at these shapes (see tests/test_kernels_build.py)
-SHRINK_ALIGNED = ("x_stride", "d_in", "k_per_split", "r_span")
-EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_stride")
+from kernels.build_check import (
+    EXPAND_ALIGNED,
+    REGISTERS_PER_SM,
+    VECTOR_SHRINK_ALIGNED,
+    build,
+    global_loads,
+    resource_usage,
+)
 
 
 def main() -> None:
@@ -24,7 +27,7 @@ def main() -> None:
     for block_k in (256, 512, 1024, 2048):
         for warps in (4, 8):
             consts = dict(common, BLOCK_K=block_k, PARTIAL=False, STAGES=0, ONE_PAGE=True)
-            cubin = build(lora._shrink_vector_kernel, consts, warps, aligned=SHRINK_ALIGNED)
+            cubin = build(lora._shrink_vector_kernel, consts, warps, aligned=VECTOR_SHRINK_ALIGNED)
             rows.append(("shrink", f"16 x {block_k}", warps, cubin))
     for block_n in (128, 256, 512, 1024):
         for warps in (4, 8):

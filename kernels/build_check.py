@@ -34,6 +34,14 @@ POINTERS = {  # pointer arguments that are not int32 tables
 }
 
 
+# Integer arguments of the LoRA kernels that are multiples of 16 at Llama-2-7B shapes, so
+# hinted at launch: row strides and d_in 4096, k_per_split a multiple of the block, r_span 16
+# rank rows; the q/k/v column starts (0, 4096, 8192), widths (4096) and the output row stride.
+SHRINK_ALIGNED = ("x_stride", "d_in", "k_per_split")
+VECTOR_SHRINK_ALIGNED = (*SHRINK_ALIGNED, "r_span")
+EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_stride")
+
+
 def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 

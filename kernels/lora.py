@@ -414,7 +414,7 @@ def shrink_splits(device: torch.device, num_tokens: int, max_rank: int, d_in: in
                   num_targets: int = 1) -> int:  # fmt: skip
     """Splits of the reduction, from host ints only: enough programs for ~4 waves of the SMs,
     each split at least BLOCKS["split_min_k"] elements long."""
-    block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
+    block_r = tiled_rank_block(max_rank)
     programs = (triton.cdiv(num_tokens, block_tokens(num_tokens))
                 * triton.cdiv(max_rank, block_r) * num_targets)  # fmt: skip
     want = triton.cdiv(4 * sm_count(device), programs)
@@ -450,7 +450,7 @@ def lora_shrink(
         common = (meta.token_order, meta.seg1_start, meta.seg_slot,
                   position_segments(meta, num_tokens), num_tokens, num_segs)  # fmt: skip
         block_t, block_k = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["k"])
-        block_r = min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
+        block_r = tiled_rank_block(max_rank)
         rank_blocks = triton.cdiv(max_rank, block_r)
         splits = shrink_splits(x.device, num_tokens, max_rank, d_in, group)
         k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
@@ -466,8 +466,7 @@ def lora_shrink(
             num_warps=BLOCKS["twarps"])  # fmt: skip
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=False)
     if meta.shortest <= meta.vector_max:  # vector: one token per program
-        block_r = _vector_rows(max_rank)
-        block_k = _pow2_divisor(page, max(16, BLOCKS["vk"] * 64 // block_r))
+        block_r, block_k = vector_block(page, max_rank, "vk")
         # the rank as one span walked block by block, or each block its own program
         rank_blocks = triton.cdiv(max_rank, block_r) if BLOCKS["vgrid"] else 1
         r_span = block_r if BLOCKS["vgrid"] else rank_cap
@@ -517,11 +516,19 @@ def position_segments(meta: LoraMeta, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(meta.seg1_start[1:], positions, right=True).to(torch.int32)
 
 
-def _vector_rows(max_rank: int) -> int:
-    """Rank rows per step of the vector kernels: the whole largest rank at once, or with
-    BLOCKS["vr"] > 0 that many at a time, so an adapter's loop runs to its own rank only."""
+def vector_block(page: int, max_rank: int, knob: str) -> tuple[int, int]:
+    """The vector kernels' tile (rank rows, row elements): the whole largest rank at once, or
+    with BLOCKS["vr"] > 0 that many rows at a time, so an adapter's loop runs to its own rank
+    only; and BLOCKS[knob] ("vk": shrink, "vn": expand) row elements at 64 rows, scaled to keep
+    the tile's size, capped by what divides page."""
     whole = max(16, triton.next_power_of_2(max_rank))
-    return min(whole, BLOCKS["vr"]) if BLOCKS["vr"] else whole
+    block_r = min(whole, BLOCKS["vr"]) if BLOCKS["vr"] else whole
+    return block_r, _pow2_divisor(page, max(16, BLOCKS[knob] * 64 // block_r))
+
+
+def tiled_rank_block(max_rank: int) -> int:
+    """Rank columns per program of the tiled shrink."""
+    return min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
 
 
 def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
@@ -596,8 +603,7 @@ def lora_expand(
             BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
             PRECISION=_precision(pool_layer.dtype), num_warps=BLOCKS["twarps"])  # fmt: skip
     if meta.shortest <= meta.vector_max:
-        block_r = _vector_rows(max_rank)
-        block_n = _pow2_divisor(page, max(16, BLOCKS["vn"] * 64 // block_r))
+        block_r, block_n = vector_block(page, max_rank, "vn")
         first1, first2, total = _column_blocks(widths, block_n)
         rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
         if rows == 0:

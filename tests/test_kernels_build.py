@@ -10,30 +10,32 @@ import os
 import pytest
 
 from kernels import lora
-from kernels.build_check import build, cuobjdump, global_loads, resource_usage
+from kernels.build_check import (
+    EXPAND_ALIGNED,
+    SHRINK_ALIGNED,
+    VECTOR_SHRINK_ALIGNED,
+    build,
+    cuobjdump,
+    global_loads,
+    resource_usage,
+)
 
 pytestmark = pytest.mark.skipif(not os.path.exists(cuobjdump()), reason="Triton ships no cuobjdump")
 
 PAGE = 4096  # Llama-2-7B: kv_dim, and d_in and d_out of q, k, v and o
 RANK = 64  # the largest rank of the acceptance workload
-B = lora.BLOCKS  # the launchers' blocks, derived below as the launchers derive them
-VR = lora._vector_rows(RANK)
+B = lora.BLOCKS  # the launchers' knobs; their tiles come from the launchers' own helpers
+VR, VK = lora.vector_block(PAGE, RANK, "vk")
+_, VN = lora.vector_block(PAGE, RANK, "vn")
 VECTOR = dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_R=VR)
-VK = lora._pow2_divisor(PAGE, max(16, B["vk"] * 64 // VR))
-VN = lora._pow2_divisor(PAGE, max(16, B["vn"] * 64 // VR))
 TILED = dict(PAGE=PAGE, NUM_TARGETS=7, PRECISION="tf32")
-# integer arguments that are multiples of 16 at these shapes, so hinted at launch: row strides
-# and d_in 4096; k_per_split a multiple of BLOCK_K; r_span 16 rank rows; the q/k/v column starts
-# (0, 4096, 8192) and widths (4096)
-SHRINK_ALIGNED = ("x_stride", "d_in", "k_per_split")
-EXPAND_ALIGNED = ("col0", "col1", "col2", "width0", "width1", "width2", "out_stride")
 
 
 def vector_shrink(*, partial: bool, all_tokens: bool, indexed: bool, one_page: bool) -> tuple:
     """The vector shrink at the launchers' blocks, in one of its modes."""
     constexprs = dict(VECTOR, BLOCK_K=VK, STAGES=B["vstages"], PARTIAL=partial, ALL=all_tokens,
                       INDEXED=indexed, ONE_PAGE=one_page)  # fmt: skip
-    return lora._shrink_vector_kernel, constexprs, B["vwarps"], (*SHRINK_ALIGNED, "r_span")
+    return lora._shrink_vector_kernel, constexprs, B["vwarps"], VECTOR_SHRINK_ALIGNED
 
 
 BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
@@ -63,7 +65,7 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
         dict(
             TILED,
             BLOCK_T=lora.block_tokens(4096),
-            BLOCK_R=min(B["rank"], RANK),
+            BLOCK_R=lora.tiled_rank_block(RANK),
             BLOCK_K=lora._pow2_divisor(PAGE, B["k"]),
             PARTIAL=True,
         ),
