@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call of the device machine.
 #   bash benchmarks/device_run.sh check   # gpu-marked tests, LoRA kernel timings, engine profile
+#   bash benchmarks/device_run.sh streams # every gpu test, engine steps with and without the LoRA stream, LoRA variants
 #   bash benchmarks/device_run.sh sweep   # LoRA kernel variants, every GPU test, base and slora@1000, profiles
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
@@ -33,9 +34,11 @@ bench() {  # bench DIR SECONDS LINES BENCH_ARGS...: slora-batch bench into $out/
   timeout "$limit" python3 -m slora_batch.bench_cli "$@" --out "$dir" > "$dir/bench.log" 2>&1
   tail -"$lines" "$dir/bench.log"; cat "$dir/results.md" 2>/dev/null
 }
-profile() {  # profile SECONDS ADAPTER_COUNTS: per-step times and top kernels of the engine
-  timeout "$1" python3 -m benchmarks.profile_engine --adapters "$2" --requests 800 --out "$out" \
-    > "$out/profile.log" 2>&1
+profile() {  # profile SECONDS ADAPTER_COUNTS [ARGS...]: per-step times and top kernels
+  local limit=$1 counts=$2
+  shift 2
+  timeout "$limit" python3 -m benchmarks.profile_engine --adapters "$counts" --requests 800 \
+    --out "$out" "$@" >> "$out/profile.log" 2>&1
   grep -E "^adapters|profiled" "$out/profile.log"
 }
 # the acceptance workload (DESIGN section 5) with PEFT's one static batch of 64 rows
@@ -47,6 +50,14 @@ if [ "$mode" = check ]; then
   timeout 200 python3 -m benchmarks.kernels --quick --lora-only --decode-sweep > "$out/kernels-bench.md" 2>&1
   cat "$out/kernels-bench.md"
   profile 110 1000
+elif [ "$mode" = streams ]; then
+  # every gpu test, then the engine's step times with the LoRA shrinks on a second stream (the
+  # default) and on one, at 1000 and 10 adapters, then the LoRA kernel variants
+  gpu_tests 300 8 --durations=5 tests/test_kernels_gpu.py tests/test_engine_gpu.py
+  profile 100 1000,10 --window-steps 250 --profile-steps 6
+  profile 100 1000,10 --window-steps 250 --profile-steps 6 --set lora_stream=false
+  timeout 120 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
+  cat "$out/vector-sweep.md"
 elif [ "$mode" = sweep ]; then
   # LoRA kernel variants, every gpu test, base and slora@1000, profiles of both
   timeout 170 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1

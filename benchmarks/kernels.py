@@ -18,6 +18,7 @@ import triton.testing
 
 from kernels import attention, lora, ref, triton_ops
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_batch import batch as step_batch
 
 DTYPE = torch.bfloat16
 SHAPES = {"mha": (32, 32, 4096, 11008), "gqa": (32, 8, 4096, 14336)}  # heads, kv heads, H, I
@@ -246,37 +247,25 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
 
 SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
     {},
-    {"vk": 128},
     {"vk": 512},
-    {"vstages": 3},
-    {"vk": 128, "vstages": 3},
-    {"vstages": 0},
-    {"vwarps": 8},
     {"vr": 8},  # 8 rank rows x 2048: fewer rows (pages) per tile, longer runs in each
-    {"vr": 8, "vk": 128},
+    {"vr": 32},  # 32 rank rows x 512: fewer rank-block programs past an adapter's rank
+    {"vr": 32, "vk": 512},
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},
-    {"vn": 128},
-    {"vn": 512},
-    {"vnwarps": 2},
-    {"vnwarps": 8},
-    {"vn": 512, "vnwarps": 8},
-    {"vn": 128, "vnwarps": 2},
     {"vr": 8},
-    {"vr": 8, "vn": 128},
+    {"vr": 32},
+    {"vr": 32, "vn": 512},
 ]
-VECTOR_CASES = [(256, 1000), (128, 1000)]  # (decode tokens, adapters drawn from)
+VECTOR_CASES = [(256, 1000)]  # (decode tokens, adapters drawn from)
 TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
     {},
-    {"k": 64},
     {"k": 256},
     {"rank": 64},
-    {"twarps": 8},
     {"split_min_k": 1 << 30},
-    {"split_min_k": 1024},
 ]
-TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"et": 128}, {"n": 128}, {"n": 32}, {"twarps": 8}]
+TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"n": 128}]
 
 
 def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
@@ -288,27 +277,47 @@ def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
 
 def _few_adapters_case(bw: float, tokens: int = 256, adapters: int = 10) -> list[tuple]:
     """A decode step on few adapters (the runner's tiled-graph case, runner.tiled_decode): the
-    tiled kernels over the tiled knobs, then the vector kernels' defaults on the same tokens,
+    tiled kernels, then the vector kernels on the same tokens (defaults both),
     which tell whether runner.TILED_TOKENS_PER_ADAPTER still picks the faster family."""
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
     label = f"mha decode T={tokens} {adapters} adapters"
-    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS,
-                      TILED_EXPAND_VARIANTS, bw)  # fmt: skip
+    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", [{}], [{}], bw)
     return rows + _lora_case(b_slot, adapters, VECTOR_ALL, f"{label} vector", [{}], [{}], bw)
 
 
 def _mixed_case(bw: float, decode: int = 248, chunks: int = 16, chunk: int = 280) -> list[tuple]:
     """A step with prefill as the acceptance workload makes them at 1000 adapters: 248 decode
-    rows, then 16 prompt chunks of 280 tokens, every row on its own adapter."""
+    rows, then 16 prompt chunks of 280 tokens, every row on its own adapter. Metadata as
+    ``batch.upload`` builds it: first with the segments in slot order (as before
+    this change), then long segments first with the tiled grid cut to them (``tiled_tokens``)."""
     gen = torch.Generator().manual_seed(7)
     slots = torch.randperm(1000, generator=gen)[: decode + chunks]
     b_slot = torch.cat([slots[:decode], slots[decode:].repeat_interleave(chunk)])
     label = f"mha mixed T={b_slot.numel()} ({decode} decode + {chunks} x {chunk})"
-    return _lora_case(b_slot, 1000, 8, label, TILED_SHRINK_VARIANTS, TILED_EXPAND_VARIANTS, bw)
+    rows = _lora_case(b_slot, 1000, 8, f"{label} slot order", TILED_SHRINK_VARIANTS[:1],
+                      TILED_EXPAND_VARIANTS[:1], bw, upload=False)  # fmt: skip
+    return rows + _lora_case(b_slot, 1000, 8, f"{label} long first", TILED_SHRINK_VARIANTS,
+                             TILED_EXPAND_VARIANTS, bw, upload=True)  # fmt: skip
 
 
-def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw):
+def _as_uploaded(meta: LoraMeta, long_first: bool) -> None:
+    """The step's segments, vector tokens and pos_seg as ``batch.upload`` builds them for
+    vector_max 8; long_first: its current layout, with tiled_tokens."""
+    b_slot = meta.b_slot.cpu().numpy().astype("int64")
+    order, seg1, seg_slot = step_batch.lora_segments(b_slot, vector_max=8 if long_first else None)
+    meta.token_order, meta.seg1_start, meta.seg_slot = (
+        torch.from_numpy(a).cuda() for a in (order, seg1, seg_slot)
+    )
+    lengths = seg1[1:] - seg1[:-1]
+    meta.longest, meta.shortest = int(lengths.max()), int(lengths.min())
+    meta.vector_tokens = torch.from_numpy(step_batch.vector_tokens(order, seg1, 8)).cuda()
+    meta.pos_seg = torch.from_numpy(step_batch.position_segments(seg1, b_slot.size)).cuda()
+    meta.tiled_tokens = step_batch.tiled_tokens(seg1, 8) if long_first else None
+
+
+def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw,
+               upload=None):  # fmt: skip
     """q/k/v then o LoRA of one Llama-2-7B layer on the step's tokens ``b_slot``, shrinks and
     expands timed apart (replayed from CUDA graphs) for each BLOCKS variant. The fraction is of
     the copy bandwidth for the distinct adapter rows the step reads; the difference to the
@@ -321,6 +330,8 @@ def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_varia
     ranks = [(8, 16, 32, 64)[s % 4] for s in range(adapters)]
     pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
     meta.vector_max = vector_max
+    if upload is not None:
+        _as_uploaded(meta, upload)
     rank = meta.max_rank
     x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
     buf = torch.zeros(tokens, 3 * rank, device="cuda")

@@ -56,7 +56,7 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
     engine = Engine(
         model.model_dir,
         adapters=adapter_sources(n, rank_dirs) if n else {},
-        config=EngineConfig(device=str(model.device), dtype=str(model.dtype)[6:]),
+        config=EngineConfig(device=str(model.device), dtype=str(model.dtype)[6:], **args.set),
         sampling=SamplingConfig(ignore_eos=True),
         weights=model.weights,
     )
@@ -71,7 +71,7 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
         if engine.counters.steps - before["steps"] >= args.window_steps:
             break
     sync(model.device)
-    line = f"adapters {n}: {describe(before, snapshot(engine))}; wall {time.perf_counter() - start:.2f} s"
+    line = f"adapters {n}{args.set or ''}: {describe(before, snapshot(engine))}; wall {time.perf_counter() - start:.2f} s"
     print(line, flush=True)
     from torch.profiler import ProfilerActivity, profile
 
@@ -91,9 +91,19 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
         table = averages.table(sort_by=key, row_limit=args.rows)
     except Exception:  # older torch
         table = averages.table(sort_by="self_cuda_time_total", row_limit=args.rows)
-    (out / f"profile-{n}.txt").write_text(line + "\n" + table)
+    tag = "".join(f"-{k}={v}" for k, v in args.set.items())
+    (out / f"profile-{n}{tag}.txt").write_text(line + "\n" + table)
     print(table, flush=True)
     results.close()
+
+
+def _field(item: str) -> tuple[str, object]:
+    """ "lora_stream=false" -> ("lora_stream", False): the field's type from its default."""
+    name, _, text = item.partition("=")
+    default = getattr(EngineConfig(), name)
+    if isinstance(default, bool):
+        return name, text.lower() in ("1", "true", "yes")
+    return name, type(default)(text) if default is not None else int(text)
 
 
 def main() -> None:
@@ -106,7 +116,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--out", default="out/profile")
     parser.add_argument("--preset", default="llama2-7b", help="tiny: a CPU check of the script")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="an EngineConfig field for every run, e.g. lora_stream=false")  # fmt: skip
     args = parser.parse_args()
+    args.set = dict(_field(item) for item in args.set)
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,10 @@ segments of 20 (slot 3), 1 (slot 7) and 1 (slot 0) tokens: block 0 = 16 tokens o
 = 4 tokens of slot 3, then slot 7, then slot 0. A popular adapter's rows are read once per 16-32 of
 its tokens; a decode token alone on its adapter costs its own rows. Blocks past the adapter tokens
 return at once. The grid depends on T, max_rank and the widths only, never on the segment count,
-so a captured decode step (segments padded with empty slot -1 ones) replays for any mix.
+so a captured decode step (segments padded with empty slot -1 ones) replays for any mix. Eager
+steps put their long segments first and pass ``LoraMeta.tiled_tokens``: the grid then covers only
+those tokens, and no block walks the short segments the vector kernels own (in a step of 16
+prompt chunks and 248 decode rows on their own adapters, about 15 of them between two chunks).
 
 Vector (MBGMV), for segments of at most vector_max tokens: one program per token (and target,
 and split of d_in, or block of output columns), reading its own adapter's rows, stepping through
@@ -387,6 +390,8 @@ def _check(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, out: torch
     assert meta.slot_scale.dtype == torch.float32
     if meta.vector_tokens is not None:
         assert meta.vector_tokens.dtype == torch.int32 and meta.vector_tokens.is_contiguous()
+    if meta.tiled_tokens is not None:
+        assert 0 <= meta.tiled_tokens <= x.shape[0], (meta.tiled_tokens, x.shape[0])
     assert meta.b_slot.shape[0] == x.shape[0] == meta.token_order.shape[0]
 
 
@@ -446,17 +451,18 @@ def lora_shrink(
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
-    if meta.longest > meta.vector_max:  # tiled: segments longer than vector_max
+    span = _tiled_span(meta, num_tokens)
+    if meta.longest > meta.vector_max and span > 0:  # tiled: segments longer than vector_max
         common = (meta.token_order, meta.seg1_start, meta.seg_slot,
                   position_segments(meta, num_tokens), num_tokens, num_segs)  # fmt: skip
-        block_t, block_k = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["k"])
+        block_t, block_k = block_tokens(span), _pow2_divisor(page, BLOCKS["k"])
         block_r = tiled_rank_block(max_rank)
         rank_blocks = triton.cdiv(max_rank, block_r)
-        splits = shrink_splits(x.device, num_tokens, max_rank, d_in, group)
+        splits = shrink_splits(x.device, span, max_rank, d_in, group)
         k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
         splits = triton.cdiv(d_in, k_per_split)  # every split has work
         dst = _partials(out, splits)
-        grid = (triton.cdiv(num_tokens, block_t), group * rank_blocks, splits)
+        grid = (triton.cdiv(span, block_t), group * rank_blocks, splits)
         _shrink_kernel[grid](
             x, x.stride(0), pool_layer, *common, meta.slot_rank, meta.slot_scale,
             meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
@@ -516,6 +522,12 @@ def position_segments(meta: LoraMeta, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(meta.seg1_start[1:], positions, right=True).to(torch.int32)
 
 
+def _tiled_span(meta: LoraMeta, num_tokens: int) -> int:
+    """The sorted positions the tiled kernels cover: ``meta.tiled_tokens`` when the step brings
+    it (its long segments first), else all of them."""
+    return num_tokens if meta.tiled_tokens is None else meta.tiled_tokens
+
+
 def vector_block(page: int, max_rank: int, knob: str) -> tuple[int, int]:
     """The vector kernels' tile (rank rows, row elements): the whole largest rank at once, or
     with BLOCKS["vr"] > 0 that many rows at a time, so an adapter's loop runs to its own rank
@@ -545,8 +557,8 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
     if vector:
         rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
     else:
-        rows, picked, pick = num_tokens, meta.token_order, {"ALL": False, "INDEXED": False}
-        pos_seg = position_segments(meta, num_tokens)
+        rows, picked = _tiled_span(meta, num_tokens), meta.token_order
+        pick, pos_seg = {"ALL": False, "INDEXED": False}, position_segments(meta, num_tokens)
     _shrink_reduce_kernel[(rows, group)](
         dst, dst.stride(1), splits, num_tokens, meta.b_slot, picked, meta.seg1_start,
         meta.seg_slot, pos_seg, meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets,
@@ -584,7 +596,8 @@ def lora_expand(
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
-    block_t, block_n = block_tokens(num_tokens), _pow2_divisor(page, BLOCKS["n"])
+    span = _tiled_span(meta, num_tokens)
+    block_t, block_n = block_tokens(span), _pow2_divisor(page, BLOCKS["n"])
     if block_t > 16:  # prefill-sized
         block_t = BLOCKS["et"]
     widths = [hi - lo for lo, hi in cols]
@@ -592,9 +605,9 @@ def lora_expand(
     common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
               meta.slot_offsets, *targets, *_padded(tuple(starts)),
               *_padded(tuple(widths)))  # fmt: skip
-    if meta.longest > meta.vector_max:
+    if meta.longest > meta.vector_max and span > 0:
         first1, first2, total = _column_blocks(widths, block_n)
-        grid = (triton.cdiv(num_tokens, block_t), total)
+        grid = (triton.cdiv(span, block_t), total)
         _expand_kernel[grid](
             v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
             position_segments(meta, num_tokens), num_tokens, num_segs, *common, first1, first2,

@@ -38,6 +38,7 @@ class LoraMeta:
 
     b_slot [T]: adapter slot per token, -1 for the base model.        example: [2, -1, -1, -1, 2]
     token_order [T]: token indices stably sorted by slot, base tokens last. example: [0, 4, 1, 2, 3]
+      (``slora_batch.batch.lora_segments`` may put the segments longer than vector_max first.)
     seg1_start [S+1]: segments of token_order sharing one slot (adapter tokens only). ex.: [0, 2]
     seg_slot [S]: the slot of each segment.                            example: [2]
     slot_rank [N]: rank per slot (0 for an empty slot).
@@ -83,6 +84,10 @@ class LoraMeta:
     # refills it (tiled CUDA-graph steps); without it each Triton launch builds it on the device
     # (``kernels.lora.position_segments``).
     pos_seg: torch.Tensor | None = None
+    # tiled_tokens (optional, host int): every segment longer than vector_max lies in the first
+    # tiled_tokens sorted positions (``slora_batch.batch.lora_segments`` puts them first), so the
+    # tiled kernels' grid covers only those. None: the whole step. example: 2 with vector_max 1.
+    tiled_tokens: int | None = None
 
     def segments(self) -> Iterator[tuple[int, int, int]]:
         """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""

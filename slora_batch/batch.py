@@ -138,13 +138,17 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
 
 
 def lora_segments(
-    b_slot: np.ndarray, pad_to: int | None = None
+    b_slot: np.ndarray, pad_to: int | None = None, vector_max: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(token_order, seg1_start, seg_slot) of the step's adapter tokens.
 
     Tokens are stably sorted by slot with base tokens (-1) last, so each adapter's tokens form one
-    contiguous segment. ``pad_to`` pads the segment arrays to a fixed length (CUDA graphs) with
-    empty segments of slot -1, which kernels skip.
+    contiguous segment. With ``vector_max``, the segments longer than that come first, then the
+    others, each part by slot: the tiled kernels' tokens are then a prefix of token_order
+    (``LoraMeta.tiled_tokens``) and their blocks never walk the vector kernels' short segments.
+    Example: b_slot [5, 2, 2, 2, -1, 1], vector_max 2 -> order [1, 2, 3, 5, 0, 4], seg1_start
+    [0, 3, 4, 5], seg_slot [2, 1, 5]. ``pad_to`` pads the segment arrays to a fixed length (CUDA
+    graphs) with empty segments of slot -1, which kernels skip.
     """
     key = np.where(b_slot < 0, np.iinfo(np.int64).max, b_slot)
     order = np.argsort(key, kind="stable")
@@ -157,11 +161,27 @@ def lora_segments(
         else np.zeros(1, np.int32)
     )
     seg_slot = used[seg1_start[:-1]]
+    if vector_max is not None and used.size:
+        lengths = np.diff(seg1_start)
+        short = lengths <= vector_max
+        if short.any() and not short.all():  # long segments first; a stable sort keeps slots
+            seg_order = np.argsort(short, kind="stable")
+            positions = np.argsort(np.repeat(short, lengths), kind="stable")
+            order[: used.size] = order[: used.size][positions]
+            seg_slot = seg_slot[seg_order]
+            seg1_start = np.concatenate([[0], np.cumsum(lengths[seg_order])]).astype(np.int32)
     if pad_to is not None:
         extra = pad_to - seg_slot.size
         seg_slot = np.concatenate([seg_slot, np.full(extra, -1)])
         seg1_start = np.concatenate([seg1_start, np.full(extra, seg1_start[-1], dtype=np.int32)])
     return order.astype(np.int32), seg1_start, seg_slot.astype(np.int32)
+
+
+def tiled_tokens(seg1_start: np.ndarray, vector_max: int) -> int:
+    """The adapter tokens in segments longer than ``vector_max``: with ``lora_segments``'s
+    long-first order, the length of the token_order prefix the tiled kernels cover."""
+    lengths = np.diff(seg1_start)
+    return int(lengths[lengths > vector_max].sum())
 
 
 def vector_tokens(order: np.ndarray, seg1_start: np.ndarray, vector_max: int) -> np.ndarray:
@@ -212,7 +232,7 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
 
     lora = None
     if (host.b_slot >= 0).any():
-        order, seg1_start, seg_slot = lora_segments(host.b_slot)
+        order, seg1_start, seg_slot = lora_segments(host.b_slot, vector_max=LoraMeta.vector_max)
         lora = lora_meta(
             dev(host.b_slot, torch.int32),
             dev(order, torch.int32),
@@ -229,6 +249,7 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         if lora.shortest <= lora.vector_max:
             lora.vector_tokens = dev(vector_tokens(order, seg1_start, lora.vector_max), torch.int32)
         if lora.longest > lora.vector_max:  # the tiled kernels run: where each block starts
+            lora.tiled_tokens = tiled_tokens(seg1_start, lora.vector_max)
             lora.pos_seg = dev(position_segments(seg1_start, len(host.b_slot)), torch.int32)
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),

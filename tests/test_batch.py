@@ -6,7 +6,7 @@ from test_scheduler import make, seq
 
 from kernels.lora import position_segments as device_position_segments
 from kernels.meta import LoraMeta
-from slora_batch.batch import lora_segments, plan_step, position_segments, upload
+from slora_batch.batch import lora_segments, plan_step, position_segments, tiled_tokens, upload
 from slora_batch.runner import fill_lora
 
 
@@ -51,6 +51,32 @@ def test_segments_sort_stably_with_base_last_and_pad():
     order, starts, slots = lora_segments(np.array([3, -1, 1, 3, -1, 1, 1]), pad_to=4)
     assert order.tolist() == [2, 5, 6, 0, 3, 1, 4]
     assert starts.tolist() == [0, 3, 5, 5, 5] and slots.tolist() == [1, 3, -1, -1]
+
+
+def test_long_segments_first_for_the_tiled_kernels():
+    """With vector_max, segments longer than it lead token_order (each part by slot), so the
+    tiled kernels' tokens are a prefix of tiled_tokens positions; the segments stay the same."""
+    order, starts, slots = lora_segments(np.array([5, 2, 2, 2, -1, 1]), vector_max=2)
+    assert order.tolist() == [1, 2, 3, 5, 0, 4]
+    assert starts.tolist() == [0, 3, 4, 5] and slots.tolist() == [2, 1, 5]
+    assert tiled_tokens(starts, 2) == 3
+    gen = np.random.default_rng(1)
+    for _ in range(30):
+        b_slot = gen.integers(-1, 5, size=int(gen.integers(1, 60)))
+        b_slot[gen.random(b_slot.size) < 0.3] = int(gen.integers(5, 9))  # one long segment
+        order, starts, slots = lora_segments(b_slot, vector_max=3)
+        plain_order, plain_starts, plain_slots = lora_segments(b_slot)
+        lengths = np.diff(starts)
+        long = lengths > 3
+        assert not (long[1:] & ~long[:-1]).any()  # long segments, then short ones
+        assert sorted(slots.tolist()) == sorted(plain_slots.tolist())
+        assert sorted(order.tolist()) == list(range(b_slot.size))
+        for seg, slot in enumerate(slots.tolist()):  # each segment holds exactly its slot's tokens
+            tokens = order[starts[seg] : starts[seg + 1]]
+            assert (b_slot[tokens] == slot).all() and tokens.size == (b_slot == slot).sum()
+            assert (np.diff(tokens) > 0).all()  # stable
+        assert (b_slot[order[starts[-1] :]] == -1).all()
+        assert tiled_tokens(starts, 3) == int(lengths[long].sum())
 
 
 def test_position_segments_find_each_blocks_first_segment():

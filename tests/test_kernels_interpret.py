@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from kernels import ref
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
-from slora_batch.batch import vector_tokens
+from slora_batch.batch import lora_segments, position_segments, tiled_tokens, vector_tokens
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
@@ -242,14 +243,24 @@ VECTOR_PATHS = {  # LoraMeta.vector_max: which kernels take which segments
     "both": 2,  # segments of 1-2 tokens token by token, longer ones tiled
     "indexed": 2,  # the same, the vector kernels given their tokens (LoraMeta.vector_tokens)
     "vector": VECTOR_ALL,  # every token on the vector kernels (CUDA-graph decode steps)
+    "upload": 2,  # "indexed" in upload's layout: long segments first, the tiled grid cut to them
 }
 
 
 def set_path(meta: LoraMeta, path: str) -> None:
     """Routes the step's segments as VECTOR_PATHS[path] says (upload's vector_tokens for
-    "indexed")."""
+    "indexed"; for "upload" also its segment order, tiled_tokens and pos_seg)."""
     meta.vector_max = VECTOR_PATHS[path]
-    if path == "indexed":
+    if path == "upload":
+        b_slot = meta.b_slot.cpu().numpy().astype(np.int64)
+        arrays = lora_segments(b_slot, vector_max=meta.vector_max)
+        device = meta.b_slot.device
+        meta.token_order, meta.seg1_start, meta.seg_slot = (
+            torch.from_numpy(a).to(device) for a in arrays
+        )
+        meta.tiled_tokens = tiled_tokens(arrays[1], meta.vector_max)
+        meta.pos_seg = torch.from_numpy(position_segments(arrays[1], b_slot.size)).to(device)
+    if path in ("indexed", "upload"):
         tokens = vector_tokens(
             meta.token_order.cpu().numpy(), meta.seg1_start.cpu().numpy(), meta.vector_max
         )
