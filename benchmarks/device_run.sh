@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU must check and time, in one call of the device machine.
 #   bash benchmarks/device_run.sh check   # gpu-marked tests, LoRA kernel timings, engine profile
-#   bash benchmarks/device_run.sh streams # every gpu test, engine steps with and without the LoRA stream, LoRA variants
 #   bash benchmarks/device_run.sh sweep   # LoRA kernel variants, every GPU test, base and slora@1000, profiles
 #   bash benchmarks/device_run.sh smoke   # a short bench on every system
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
@@ -50,14 +49,6 @@ if [ "$mode" = check ]; then
   timeout 200 python3 -m benchmarks.kernels --quick --lora-only --decode-sweep > "$out/kernels-bench.md" 2>&1
   cat "$out/kernels-bench.md"
   profile 110 1000
-elif [ "$mode" = streams ]; then
-  # every gpu test, then the engine's step times with the LoRA shrinks on a second stream (the
-  # default) and on one, at 1000 and 10 adapters, then the LoRA kernel variants
-  gpu_tests 300 8 --durations=5 tests/test_kernels_gpu.py tests/test_engine_gpu.py
-  profile 100 1000,10 --window-steps 250 --profile-steps 6
-  profile 100 1000,10 --window-steps 250 --profile-steps 6 --set lora_stream=false
-  timeout 120 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
-  cat "$out/vector-sweep.md"
 elif [ "$mode" = sweep ]; then
   # LoRA kernel variants, every gpu test, base and slora@1000, profiles of both
   timeout 170 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
@@ -92,7 +83,7 @@ elif [ "$mode" = confirm ]; then
     --peft-adapters 1 --max-seconds 25 --peft-max-seconds 150 --total-seconds 330
   profile 90 2000,0
 elif [ "$mode" = bench ]; then
-  bench h200 570 15 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified \
+  bench h200 580 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 25 \
-    --peft-max-seconds 150 --total-seconds 520
+    --peft-max-seconds 150 --total-seconds 545
 fi

@@ -91,14 +91,14 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
         table = averages.table(sort_by=key, row_limit=args.rows)
     except Exception:  # older torch
         table = averages.table(sort_by="self_cuda_time_total", row_limit=args.rows)
-    tag = "".join(f"-{k}={v}" for k, v in args.set.items())
+    tag = "".join(f"-{k}-{v}" for k, v in args.set.items())  # no "=": the device tool drops it
     (out / f"profile-{n}{tag}.txt").write_text(line + "\n" + table)
     print(table, flush=True)
     results.close()
 
 
 def _field(item: str) -> tuple[str, object]:
-    """ "lora_stream=false" -> ("lora_stream", False): the field's type from its default."""
+    """From "cuda_graphs=false" to ("cuda_graphs", False): the type is the default's."""
     name, _, text = item.partition("=")
     default = getattr(EngineConfig(), name)
     if isinstance(default, bool):
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--out", default="out/profile")
     parser.add_argument("--preset", default="llama2-7b", help="tiny: a CPU check of the script")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="an EngineConfig field for every run, e.g. lora_stream=false")  # fmt: skip
+                        help="an EngineConfig field for every run, e.g. cuda_graphs=false")  # fmt: skip
     args = parser.parse_args()
     args.set = dict(_field(item) for item in args.set)
     logging.basicConfig(level=logging.WARNING)

@@ -1,4 +1,5 @@
-"""One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``, ``no-unified``."""
+"""One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``,
+``no-unified`` and ``arrival``."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ ENGINE_SYSTEMS: dict[str, dict] = {
     "base": {},
     "bmm": {"lora_layout": "bmm"},
     "no-unified": {"unified_pool": False},
+    "arrival": {},
 }
+# Systems fed the workload in its generated order. The others get it grouped by adapter, the
+# clustering that `slora-batch run` gives its rows by sorting them (ordering.sort_key: adapter,
+# then prompt length) before they reach the engine; see group_by_adapter.
+ARRIVAL_ORDER = ("arrival",)
 WARMUP_PROMPT = 64  # warm-up requests: prompts cut to this, a few new tokens each
 WARMUP_NEW_TOKENS = 8
 COUNTERS = (
@@ -69,6 +75,8 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
         weights=model.weights,
     )
     requests = ctx.workload.requests(0 if system == "base" else n)
+    if system not in ARRIVAL_ORDER:
+        requests = group_by_adapter(requests)
     for _ in engine.generate(_warmup(requests[: cfg.warmup_requests])):
         pass
     _sync(model.device)
@@ -136,6 +144,14 @@ def figures(ctx, work: Work, finished: int, wall_s: float) -> dict:
         floor_s=floor_s,
         roofline_fraction=floor_s / wall_s,
     )
+
+
+def group_by_adapter(requests: list[Request]) -> list[Request]:
+    """The requests stably sorted by adapter (base-model rows first), arrival order within an
+    adapter: the job's sort without its second key, prompt length, so that a run cut at its time
+    limit still sees the workload's mix of lengths. Example: adapters [b, a, None, b] -> [None, a,
+    b, b], the two b rows in their order."""
+    return sorted(requests, key=lambda r: (r.adapter is not None, r.adapter or ""))
 
 
 def _warmup(requests: list[Request]) -> list[Request]:

@@ -97,8 +97,6 @@ class EngineConfig:
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
     overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
     # N+1 takes step N's sampled tokens on the device (False: one step at a time)
-    lora_stream: bool = True  # run each LoRA shrink on a second CUDA stream beside its base
-    # projection (they share the input); the expand joins them (cuda, paged layout)
     lora_layout: str = "paged"  # "paged": kernels gather rows from pool pages; "bmm": ablation,
     # each step copies its adapters contiguous, padded to the largest rank, for a batched matmul
     unified_pool: bool = True  # False (ablation): adapters get a separate pool of

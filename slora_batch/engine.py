@@ -87,12 +87,6 @@ class Engine:
         limit = self.config.max_model_len or self.spec.max_context
         self.max_model_len = min(limit, self.spec.max_context)
         self.model = load_model(self.spec, self.dtype, self.device, self.max_model_len, weights)
-        if (
-            self.config.lora_stream
-            and self.device.type == "cuda"
-            and self.config.lora_layout == "paged"
-        ):
-            self.model.lora_stream = torch.cuda.Stream(self.device)
         self.tokenizer = load_tokenizer(self.model_path)
         self.pool, self.lora_pool = self._make_pools()
         self.residency = AdapterResidency(

@@ -97,17 +97,11 @@ class LlamaModel:
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.cos_sin = rope_cos_sin(spec, max_pos, embed.device)
         self.scale = spec.head_dim**-0.5
-        # A CUDA stream for the LoRA shrinks: each runs next to its group's base projection
-        # (both read the same input), and the expand, which adds into that projection's output,
-        # waits for both. None: one stream. Set by the engine (EngineConfig.lora_stream).
-        self.lora_stream: torch.cuda.Stream | None = None
         q, kv = spec.q_dim, spec.kv_dim
         # Column ranges of q, k, v inside the fused qkv output.
         self.qkv_cols = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         inter = spec.intermediate_size
         self.gate_up_cols = {"gate": (0, inter), "up": (inter, 2 * inter)}
-        self.o_cols = {"o": (0, spec.hidden_size)}
-        self.down_cols = {"down": (0, spec.hidden_size)}
 
     def forward(
         self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
@@ -127,9 +121,8 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             h, residual = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps, residual)
-            shrunk = self._shrink(h, self.qkv_cols, lora_layer, step.lora, lora_buf, ops)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            self._expand(shrunk, qkv, lora_layer, step.lora, ops)
+            self._lora(h, qkv, self.qkv_cols, lora_layer, step.lora, lora_buf, ops)
             q, k, v = (qkv[:, lo:hi] for lo, hi in self.qkv_cols.values())
             q = q.reshape(-1, spec.num_heads, spec.head_dim)
             k = k.reshape(-1, spec.num_kv_heads, spec.head_dim)
@@ -137,17 +130,16 @@ class LlamaModel:
             ops.rope(q, k, step.positions, self.cos_sin)
             ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
             attn = self._attend(q, pool_layer, step, ops).view(-1, spec.q_dim)
-            shrunk = self._shrink(attn, self.o_cols, lora_layer, step.lora, lora_buf, ops)
             o = F.linear(attn, layer.o, layer.o_bias)
-            self._expand(shrunk, o, lora_layer, step.lora, ops)
+            self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
             h, residual = ops.rms_norm(o, layer.post_norm, spec.rms_norm_eps, residual)
-            shrunk = self._shrink(h, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops)
             gate_up = F.linear(h, layer.gate_up)
-            self._expand(shrunk, gate_up, lora_layer, step.lora, ops)
+            self._lora(h, gate_up, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops)
             act = ops.silu_mul(gate_up)
-            shrunk = self._shrink(act, self.down_cols, lora_layer, step.lora, lora_buf, ops)
             down = F.linear(act, layer.down)
-            self._expand(shrunk, down, lora_layer, step.lora, ops)
+            self._lora(
+                act, down, {"down": (0, down.shape[1])}, lora_layer, step.lora, lora_buf, ops
+            )
             x = down
         h, _ = ops.rms_norm(
             x[step.logits_index], self.final_norm, spec.rms_norm_eps, residual[step.logits_index]
@@ -169,48 +161,26 @@ class LlamaModel:
         out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, self.scale)
         return out
 
-    def _shrink(
-        self,
+    @staticmethod
+    def _lora(
         x: torch.Tensor,
+        out: torch.Tensor,
         cols: dict[str, tuple[int, int]],
         pool_layer: torch.Tensor,
         meta: LoraMeta | None,
         buf: torch.Tensor | None,
         ops: ModuleType,
-    ) -> tuple | None:
-        """First half of a projection group's LoRA (q, k, v; o; gate, up; down): one shrink
-        launch for the targets of the group that some adapter of the step has, into ``buf``; on
-        ``lora_stream`` when set, so it runs while the base projection does. Returns what
-        ``_expand`` needs, or None when the group has nothing to add (no launch)."""
+    ) -> None:
+        """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
+        column ranges of the fused output, in place: one shrink and one expand launch for the
+        targets of the group that some adapter of the step has."""
         if buf is None:
-            return None
+            return
         group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
         group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
         if not group:
-            return None  # no adapter of the step has a target of this group: no launch
+            return  # no adapter of the step has a target of this group: no launch
         targets = tuple(index for index, _ in group)
         v = buf[:, : len(group) * meta.max_rank]
-        if self.lora_stream is None:
-            ops.lora_shrink(x, pool_layer, meta, targets, v)
-        else:  # after everything before it (buf's last reader included), beside the projection
-            self.lora_stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(self.lora_stream):
-                ops.lora_shrink(x, pool_layer, meta, targets, v)
-        return targets, v, tuple(lo_hi for _, lo_hi in group)
-
-    def _expand(
-        self,
-        shrunk: tuple | None,
-        out: torch.Tensor,
-        pool_layer: torch.Tensor,
-        meta: LoraMeta | None,
-        ops: ModuleType,
-    ) -> None:
-        """Second half: adds the group's LoRA deltas into their column ranges of the fused
-        projection output ``out``, in place, once the shrink is done."""
-        if shrunk is None:
-            return
-        targets, v, cols = shrunk
-        if self.lora_stream is not None:
-            torch.cuda.current_stream(out.device).wait_stream(self.lora_stream)
-        ops.lora_expand(v, pool_layer, meta, targets, out, cols)
+        ops.lora_shrink(x, pool_layer, meta, targets, v)
+        ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))

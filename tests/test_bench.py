@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 from slora_batch import bench as bench_module
 from slora_batch.bench import BenchConfig, run_bench
 from slora_batch.bench_cli import bench
+from slora_batch.bench_engine import ARRIVAL_ORDER, group_by_adapter
 from slora_batch.bench_workload import RANKS, Workload, adapter_sources
 from slora_batch.config import ConfigError
 from slora_batch.roofline import Work, kv_tokens_read
@@ -86,6 +88,23 @@ def test_kv_tokens_read_sums_the_context_of_every_decode_step():
     assert work.flops(100) == 2 * 100 * 18
 
 
+def test_engine_systems_get_the_workload_grouped_by_adapter():
+    """Engine runs but arrival see the requests grouped by adapter (base rows first), each
+    adapter's in arrival order, as a job's sort clusters them; the set of requests is the same."""
+    workload = Workload.generate(BenchConfig(requests=40, **TINY), 300)
+    arrival = workload.requests(7)
+    grouped = group_by_adapter(arrival)
+    assert sorted(r.id for r in grouped) == [r.id for r in arrival]
+    names = [r.adapter for r in grouped]
+    assert names == sorted(names) and len(set(names)) > 1
+    for name in set(names):
+        ids = [r.id for r in grouped if r.adapter == name]
+        assert ids == sorted(ids)
+    base = group_by_adapter([*arrival[:3], dataclasses.replace(arrival[3], adapter=None)])
+    assert base[0].adapter is None and base[0].id == arrival[3].id
+    assert "arrival" in ARRIVAL_ORDER and "slora" not in ARRIVAL_ORDER
+
+
 def test_plan_order_and_validation():
     plan = BenchConfig(adapters=[1, 1000, 10], ablation_adapters=[1000]).plan()
     assert plan == [
@@ -97,6 +116,7 @@ def test_plan_order_and_validation():
         ("peft", 10),
         ("bmm", 1000),
         ("no-unified", 1000),
+        ("arrival", 1000),
     ]
     assert BenchConfig(systems=["peft"], adapters=[1000]).plan() == [("peft", 100)]
     for bad in (
@@ -121,7 +141,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         "--device",
         "cpu",
         "--systems",
-        "slora,base,peft,bmm,no-unified",
+        "slora,base,peft,bmm,no-unified,arrival",
         "--adapters",
         "3",
         "--requests",
@@ -154,6 +174,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         ("peft", 3),
         ("bmm", 3),
         ("no-unified", 3),
+        ("arrival", 3),
     ]
     workload = Workload.generate(BenchConfig(requests=6, **TINY), 300)
     for row in rows:
@@ -170,7 +191,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         if row["system"] != "peft":
             assert row["steps"] > 0 and 0 <= row["host_share"] <= 1
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified"}
+    assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified", "arrival"}
     assert set(summary["base"]) == {"0"} and set(summary["slora"]) == {"3"}
     assert set(summary["slora"]["3"]) == {
         "requests_per_s",

@@ -265,24 +265,3 @@ def test_bf16_tiled_decode_graphs_match_peft(gpu_case):
     assert engine.runner.tiled_graph_steps > 0
     del engine
     torch.cuda.empty_cache()
-
-
-def test_lora_stream_changes_no_result(gpu_case):
-    """The LoRA shrinks on their own stream beside the base projections (the default) give the
-    same first-step logits and tokens, bit for bit, as everything on one stream; with graphs, so
-    the captured fork and join are what run."""
-    model_dir, weights, adapters, _ = gpu_case
-    runs = {}
-    for stream in (True, False):
-        engine = make_engine(model_dir, weights, adapters, lora_stream=stream)
-        assert (engine.model.lora_stream is not None) == stream
-        cases = rows(engine.spec.vocab_size)
-        logits = [engine.prompt_logits(Request(**row)) for row in cases]
-        tokens = {r.id: r.token_ids for r in engine.generate(Request(**row) for row in cases)}
-        assert engine.counters.graph_steps > 0
-        runs[stream] = logits, tokens
-        del engine
-        torch.cuda.empty_cache()
-    for ours, single in zip(runs[True][0], runs[False][0], strict=True):
-        assert torch.equal(ours, single)
-    assert runs[True][1] == runs[False][1]
