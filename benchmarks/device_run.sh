@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh final   # engine GPU tests, then the acceptance run, 18 s a run
 #   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@1/10/1000/2000 and peft
 #   bash benchmarks/device_run.sh quick   # engine gpu tests, then base and slora@1000 (~4 minutes)
+#   bash benchmarks/device_run.sh few     # profiles of 10 adapters (grouped and arrival order) and 100
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
@@ -82,6 +83,11 @@ elif [ "$mode" = confirm ]; then
   bench h200-confirm 340 12 "${ACCEPTANCE[@]}" --systems base,slora,peft --adapters 10,1000,2000 \
     --peft-adapters 1 --max-seconds 25 --peft-max-seconds 150 --total-seconds 330
   profile 90 2000,0
+elif [ "$mode" = few ]; then
+  # where a step's time goes at 10 adapters, requests grouped by adapter (the bench's order) and
+  # in arrival order, next to 100 adapters
+  profile 150 10,100 --profile-steps 16 --rows 30
+  profile 80 10 --order arrival --profile-steps 16 --rows 30
 elif [ "$mode" = bench ]; then
   bench h200 580 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 25 \

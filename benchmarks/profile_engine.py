@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from slora_batch.bench import BenchConfig
+from slora_batch.bench_engine import group_by_adapter
 from slora_batch.bench_workload import Workload, adapter_sources, build_model
 from slora_batch.config import EngineConfig, SamplingConfig
 from slora_batch.engine import Engine
@@ -61,6 +62,8 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
         weights=model.weights,
     )
     requests = workload.requests(n)
+    if args.order == "adapter":  # as the bench feeds its engine systems
+        requests = group_by_adapter(requests)
     results = engine.generate(iter(requests))
     for done, _ in enumerate(results, 1):  # steady state: the first requests are done
         if done >= args.skip_results:
@@ -71,7 +74,7 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
         if engine.counters.steps - before["steps"] >= args.window_steps:
             break
     sync(model.device)
-    line = f"adapters {n}{args.set or ''}: {describe(before, snapshot(engine))}; wall {time.perf_counter() - start:.2f} s"
+    line = f"adapters {n}{args.set or ''} ({args.order} order): {describe(before, snapshot(engine))}; wall {time.perf_counter() - start:.2f} s"
     print(line, flush=True)
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,6 +95,7 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
     except Exception:  # older torch
         table = averages.table(sort_by="self_cuda_time_total", row_limit=args.rows)
     tag = "".join(f"-{k}-{v}" for k, v in args.set.items())  # no "=": the device tool drops it
+    tag += "-arrival" if args.order == "arrival" else ""
     (out / f"profile-{n}{tag}.txt").write_text(line + "\n" + table)
     print(table, flush=True)
     results.close()
@@ -116,6 +120,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--out", default="out/profile")
     parser.add_argument("--preset", default="llama2-7b", help="tiny: a CPU check of the script")
+    parser.add_argument("--order", choices=["adapter", "arrival"], default="adapter")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="an EngineConfig field for every run, e.g. cuda_graphs=false")  # fmt: skip
     args = parser.parse_args()
