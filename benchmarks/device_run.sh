@@ -7,6 +7,7 @@
 #   bash benchmarks/device_run.sh verify  # every gpu test, then base, slora@1/10/1000/2000 and peft
 #   bash benchmarks/device_run.sh quick   # engine gpu tests, then base and slora@1000 (~4 minutes)
 #   bash benchmarks/device_run.sh few     # profiles of 10 adapters (grouped and arrival order) and 100
+#   bash benchmarks/device_run.sh ten     # base, slora@10 grouped by adapter and in arrival order
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
@@ -88,6 +89,10 @@ elif [ "$mode" = few ]; then
   # in arrival order, next to 100 adapters
   profile 150 10,100 --profile-steps 16 --rows 30
   profile 80 10 --order arrival --profile-steps 16 --rows 30
+elif [ "$mode" = ten ]; then
+  # base, then slora@10 with the workload grouped by adapter and in arrival order, side by side
+  bench h200-ten 200 8 --requests 2000 --systems base,slora,arrival --adapters 10 \
+    --max-seconds 25 --total-seconds 190
 elif [ "$mode" = bench ]; then
   bench h200 580 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 25 \
