@@ -77,8 +77,9 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
     requests = ctx.workload.requests(0 if system == "base" else n)
     if system not in ARRIVAL_ORDER:
         requests = group_by_adapter(requests)
-    for _ in engine.generate(_warmup(requests[: cfg.warmup_requests])):
-        pass
+    for group in warmup_groups(requests, engine.store, cfg.warmup_requests):
+        for _ in engine.generate(_warmup(group)):
+            pass
     _sync(model.device)
     setup_s = time.perf_counter() - start
     before = _counters(engine)
@@ -152,6 +153,26 @@ def group_by_adapter(requests: list[Request]) -> list[Request]:
     limit still sees the workload's mix of lengths. Example: adapters [b, a, None, b] -> [None, a,
     b, b], the two b rows in their order."""
     return sorted(requests, key=lambda r: (r.adapter is not None, r.adapter or ""))
+
+
+def warmup_groups(requests: list[Request], store, count: int) -> list[list[Request]]:
+    """The untimed warm-up, one engine.generate per group: for each adapter rank in the workload,
+    its first request alone and its first 8 together, then the first ``count`` requests. Triton
+    builds a LoRA kernel per block shape, and the shapes of a step without CUDA graph follow its
+    largest rank; grouped by adapter, the first requests may all share one rank (10 adapters:
+    the first 200 are rank 8), so without the rank groups the builds for the other ranks would
+    land inside the timed run. Example: ranks 8 and 16 -> [r8 first], [r16 first], [r8 first 8],
+    [r16 first 8], [first count]. No warm-up when count is 0."""
+    if count == 0:
+        return []
+    by_rank: dict[int, list[Request]] = {}
+    for request in requests:
+        if request.adapter is not None:
+            by_rank.setdefault(store.info(request.adapter).rank, []).append(request)
+    ranks = sorted(by_rank)
+    alone = [by_rank[rank][:1] for rank in ranks]
+    together = [by_rank[rank][:8] for rank in ranks]
+    return alone + together + [requests[:count]]
 
 
 def _warmup(requests: list[Request]) -> list[Request]:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 from slora_batch import bench as bench_module
 from slora_batch.bench import BenchConfig, run_bench
 from slora_batch.bench_cli import bench
-from slora_batch.bench_engine import ARRIVAL_ORDER, group_by_adapter
+from slora_batch.bench_engine import ARRIVAL_ORDER, group_by_adapter, warmup_groups
 from slora_batch.bench_workload import RANKS, Workload, adapter_sources
 from slora_batch.config import ConfigError
 from slora_batch.roofline import Work, kv_tokens_read
@@ -103,6 +104,22 @@ def test_engine_systems_get_the_workload_grouped_by_adapter():
     base = group_by_adapter([*arrival[:3], dataclasses.replace(arrival[3], adapter=None)])
     assert base[0].adapter is None and base[0].id == arrival[3].id
     assert "arrival" in ARRIVAL_ORDER and "slora" not in ARRIVAL_ORDER
+
+
+def test_warmup_covers_each_rank_before_the_timed_run():
+    """Grouped by adapter, the first requests of 10 adapters all use rank 8; the warm-up still
+    runs each rank alone and in a batch of up to 8, then the first requests, so no Triton build
+    for another rank's block shapes lands in the timed run."""
+    workload = Workload.generate(BenchConfig(requests=200, **TINY), 300)
+    grouped = group_by_adapter(workload.requests(10))
+    store = SimpleNamespace(info=lambda name: SimpleNamespace(rank=RANKS[int(name[1:]) % 4]))
+    assert {store.info(r.adapter).rank for r in grouped[:8]} == {RANKS[0]}
+    groups = warmup_groups(grouped, store, 8)
+    ranks = [{store.info(r.adapter).rank for r in group} for group in groups]
+    assert ranks[:4] == [{r} for r in sorted(RANKS)] and ranks[4:8] == ranks[:4]
+    assert [len(g) for g in groups[:4]] == [1] * 4 and all(len(g) == 8 for g in groups[4:8])
+    assert groups[8] == grouped[:8] and len(groups) == 9
+    assert warmup_groups(grouped, store, 0) == []
 
 
 def test_plan_order_and_validation():
