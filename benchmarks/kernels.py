@@ -302,18 +302,13 @@ def _mixed_case(bw: float, decode: int = 248, chunks: int = 16, chunk: int = 280
 
 
 def _as_uploaded(meta: LoraMeta, long_first: bool) -> None:
-    """The step's segments, vector tokens and pos_seg as ``batch.upload`` builds them for
-    vector_max 8; long_first: its current layout, with tiled_tokens."""
-    b_slot = meta.b_slot.cpu().numpy().astype("int64")
-    order, seg1, seg_slot = step_batch.lora_segments(b_slot, vector_max=8 if long_first else None)
+    """The step's segments and hints as ``batch.upload`` lays them out for vector_max 8;
+    long_first False: slot order alone, as before tiled_tokens."""
+    layout = step_batch.lora_layout(meta.b_slot.cpu().numpy().astype("int64"), 8, long_first)
     meta.token_order, meta.seg1_start, meta.seg_slot = (
-        torch.from_numpy(a).cuda() for a in (order, seg1, seg_slot)
+        torch.from_numpy(a).cuda() for a in (layout.order, layout.seg1_start, layout.seg_slot)
     )
-    lengths = seg1[1:] - seg1[:-1]
-    meta.longest, meta.shortest = int(lengths.max()), int(lengths.min())
-    meta.vector_tokens = torch.from_numpy(step_batch.vector_tokens(order, seg1, 8)).cuda()
-    meta.pos_seg = torch.from_numpy(step_batch.position_segments(seg1, b_slot.size)).cuda()
-    meta.tiled_tokens = step_batch.tiled_tokens(seg1, 8) if long_first else None
+    layout.hint(meta, lambda array: torch.from_numpy(array).cuda())
 
 
 def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw,

@@ -199,6 +199,43 @@ def position_segments(seg1_start: np.ndarray, num_tokens: int) -> np.ndarray:
     return np.searchsorted(seg1_start[1:], np.arange(num_tokens), side="right").astype(np.int32)
 
 
+@dataclass
+class LoraLayout:
+    """A step's LoRA segments on the host, and the hints the launchers read (LoraMeta's
+    longest, shortest, vector_tokens, tiled_tokens and pos_seg), built once for ``upload`` and for
+    the benchmarks and tests that need a step laid out as it does."""
+
+    order: np.ndarray  # token_order
+    seg1_start: np.ndarray
+    seg_slot: np.ndarray
+    vector_max: int
+    long_first: bool
+
+    def hint(self, meta: LoraMeta, to_device) -> None:
+        """Sets the hints on ``meta``; ``to_device`` turns an int32 host array into its tensor.
+        vector_tokens when a segment has at most vector_max tokens, pos_seg (and, long segments
+        first, tiled_tokens) when one is longer."""
+        lengths = np.diff(self.seg1_start)
+        meta.longest, meta.shortest = int(lengths.max()), int(lengths.min())
+        if meta.shortest <= self.vector_max:
+            meta.vector_tokens = to_device(
+                vector_tokens(self.order, self.seg1_start, self.vector_max)
+            )
+        if meta.longest > self.vector_max:  # the tiled kernels run: where each block starts
+            if self.long_first:
+                meta.tiled_tokens = tiled_tokens(self.seg1_start, self.vector_max)
+            meta.pos_seg = to_device(position_segments(self.seg1_start, self.order.size))
+
+
+def lora_layout(b_slot: np.ndarray, vector_max: int, long_first: bool = True) -> LoraLayout:
+    """The segments of an eager step with adapter tokens, long ones first unless
+    ``long_first`` is False (slot order alone, as before tiled_tokens existed)."""
+    order, seg1_start, seg_slot = lora_segments(
+        b_slot, vector_max=vector_max if long_first else None
+    )
+    return LoraLayout(order, seg1_start, seg_slot, vector_max, long_first)
+
+
 def lora_meta(
     b_slot: torch.Tensor,
     token_order: torch.Tensor,
@@ -232,11 +269,12 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
 
     lora = None
     if (host.b_slot >= 0).any():
-        order, seg1_start, seg_slot = lora_segments(host.b_slot, vector_max=LoraMeta.vector_max)
+        layout = lora_layout(host.b_slot, LoraMeta.vector_max)
+        seg_slot = layout.seg_slot
         lora = lora_meta(
             dev(host.b_slot, torch.int32),
-            dev(order, torch.int32),
-            dev(seg1_start, torch.int32),
+            dev(layout.order, torch.int32),
+            dev(layout.seg1_start, torch.int32),
             dev(seg_slot, torch.int32),
             residency,
             int(residency.slot_rank[seg_slot].max()),
@@ -244,13 +282,7 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
                 np.flatnonzero((residency.slot_offsets[seg_slot, :, 0] >= 0).any(axis=0)).tolist()
             ),
         )
-        lengths = np.diff(seg1_start)
-        lora.longest, lora.shortest = int(lengths.max()), int(lengths.min())
-        if lora.shortest <= lora.vector_max:
-            lora.vector_tokens = dev(vector_tokens(order, seg1_start, lora.vector_max), torch.int32)
-        if lora.longest > lora.vector_max:  # the tiled kernels run: where each block starts
-            lora.tiled_tokens = tiled_tokens(seg1_start, lora.vector_max)
-            lora.pos_seg = dev(position_segments(seg1_start, len(host.b_slot)), torch.int32)
+        layout.hint(lora, lambda array: dev(array, torch.int32))
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),
         b_seq_len=dev(host.b_seq_len, torch.int32),

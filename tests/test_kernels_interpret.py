@@ -24,7 +24,7 @@ import torch
 
 from kernels import ref
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
-from slora_batch.batch import lora_segments, position_segments, tiled_tokens, vector_tokens
+from slora_batch.batch import lora_layout, vector_tokens
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
@@ -252,15 +252,14 @@ def set_path(meta: LoraMeta, path: str) -> None:
     "indexed"; for "upload" also its segment order, tiled_tokens and pos_seg)."""
     meta.vector_max = VECTOR_PATHS[path]
     if path == "upload":
-        b_slot = meta.b_slot.cpu().numpy().astype(np.int64)
-        arrays = lora_segments(b_slot, vector_max=meta.vector_max)
         device = meta.b_slot.device
+        layout = lora_layout(meta.b_slot.cpu().numpy().astype(np.int64), meta.vector_max)
         meta.token_order, meta.seg1_start, meta.seg_slot = (
-            torch.from_numpy(a).to(device) for a in arrays
+            torch.from_numpy(a).to(device)
+            for a in (layout.order, layout.seg1_start, layout.seg_slot)
         )
-        meta.tiled_tokens = tiled_tokens(arrays[1], meta.vector_max)
-        meta.pos_seg = torch.from_numpy(position_segments(arrays[1], b_slot.size)).to(device)
-    if path in ("indexed", "upload"):
+        layout.hint(meta, lambda array: torch.from_numpy(array).to(device))
+    if path == "indexed":
         tokens = vector_tokens(
             meta.token_order.cpu().numpy(), meta.seg1_start.cpu().numpy(), meta.vector_max
         )
