@@ -8,6 +8,7 @@
 #   bash benchmarks/device_run.sh quick   # engine gpu tests, then base and slora@1000 (~4 minutes)
 #   bash benchmarks/device_run.sh few     # profiles of 10 adapters (grouped and arrival order) and 100
 #   bash benchmarks/device_run.sh ten     # base, slora@10 grouped by adapter and in arrival order
+#   bash benchmarks/device_run.sh tiles   # the tiled decode kernels' tokens per block and warps
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
 # Writes logs and results under $OUT (or ./out/device when OUT is unset).
@@ -93,6 +94,10 @@ elif [ "$mode" = ten ]; then
   # base, then slora@10 with the workload grouped by adapter and in arrival order, side by side
   bench h200-ten 200 8 --requests 2000 --systems base,slora,arrival --adapters 10 \
     --max-seconds 25 --total-seconds 190
+elif [ "$mode" = tiles ]; then
+  # the tiled LoRA kernels of decode steps on few adapters, tokens per block and warps varied
+  timeout 400 python3 -m benchmarks.kernels --tiled-sweep > "$out/tiled-sweep.md" 2>&1
+  cat "$out/tiled-sweep.md"
 elif [ "$mode" = bench ]; then
   bench h200 580 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 25 \

@@ -268,6 +268,48 @@ TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled k
 TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"n": 128}]
 
 
+TILED_DECODE_SHRINKS = [  # the tiled decode graph's shrink: tokens per block, warps, blocks
+    {},
+    {"dt": 32},
+    {"dt": 64},
+    {"dt": 32, "twarps": 8},
+    {"dt": 64, "twarps": 8},
+    {"dt": 64, "k": 64, "twarps": 8},
+    {"dt": 64, "rank": 64, "twarps": 8},
+]
+TILED_DECODE_EXPANDS = [
+    {},
+    {"det": 32},
+    {"det": 64},
+    {"det": 64, "twarps": 8},
+    {"det": 32, "n": 128, "twarps": 8},
+    {"det": 64, "n": 128, "twarps": 8},
+]
+TILED_DECODE_CASES = {  # a CUDA-graph decode step of 248 rows on the tiled kernels
+    "1 adapter (slora@1)": [0] * 248,
+    "2 adapters of ranks 32 and 64 (slora@10, grouped)": [2] * 124 + [3] * 124,
+    "10 adapters, arrival order": "random 10",
+    "16 adapters (slora@100, grouped)": [s for s in range(16) for _ in range(16)][:248],
+    "62 adapters of 4 rows (the tiled threshold)": [s for s in range(62) for _ in range(4)],
+}
+
+
+def tiled_decode_rows(bw: float) -> list[tuple]:
+    """The tiled kernels of a decode step (``runner.tiled_decode``: at least 4 rows an adapter),
+    tokens per block and warps varied, replayed from CUDA graphs."""
+    rows = []
+    for label, slots in TILED_DECODE_CASES.items():
+        if isinstance(slots, str):
+            gen = torch.Generator().manual_seed(10)
+            b_slot = torch.randint(0, 10, (248,), generator=gen)
+        else:
+            b_slot = torch.tensor(slots)
+        adapters = int(b_slot.max()) + 1
+        rows += _lora_case(b_slot, adapters, 0, f"T=248 {label}", TILED_DECODE_SHRINKS,
+                           TILED_DECODE_EXPANDS, bw)  # fmt: skip
+    return rows
+
+
 def _vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
@@ -396,11 +438,15 @@ def main() -> None:
     parser.add_argument("--lora-only", action="store_true")
     parser.add_argument("--decode-sweep", action="store_true")
     parser.add_argument("--vector-sweep", action="store_true", help="only the vector LoRA sweep")
+    parser.add_argument("--tiled-sweep", action="store_true", help="only the tiled decode sweep")
     args = parser.parse_args()
     bw, rate = copy_gbps(), matmul_tflops()
     rows = Table()
     rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
     rows.append(("matmul", "8192^3 bf16", 0.0, f"{rate:.0f} TFLOP/s", "1.00"))
+    if args.tiled_sweep:
+        rows += tiled_decode_rows(bw)
+        return
     if args.vector_sweep:  # case by case, so a run cut at its time limit keeps what it measured
         rows += _mixed_case(bw)
         for tokens, adapters in VECTOR_CASES:

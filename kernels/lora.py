@@ -61,7 +61,9 @@ BLOCKS = {
     "vwarps": 4,  # vector shrink: warps per program
     "vnwarps": 4,  # vector expand: warps per program
     "vwaves": 4,  # vector shrink: split d_in until the grid holds this many programs per SM
-    "et": 64,  # tiled expand: tokens per block in prefill-sized steps (decode-sized: 16)
+    "et": 64,  # tiled expand: tokens per block in prefill-sized steps
+    "dt": 16,  # tiled shrink: tokens per block in decode-sized steps (at most 256 tokens)
+    "det": 16,  # tiled expand: tokens per block in decode-sized steps
     "vr": 16,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
     "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
     "vstages": 2,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
@@ -70,8 +72,9 @@ BLOCKS = {
 
 
 def block_tokens(num_tokens: int) -> int:
-    """Tokens per block: 16 for decode-sized steps, 32 for prefills (64 spilled on sm_90)."""
-    return 16 if num_tokens <= 256 else 32
+    """Tokens per block of the tiled shrink: BLOCKS["dt"] for decode-sized steps (at most 256
+    tokens), 32 for prefills (64 spilled on sm_90 at BLOCK_K 128 and 4 warps)."""
+    return BLOCKS["dt"] if num_tokens <= 256 else 32
 
 
 @triton.jit
@@ -597,9 +600,8 @@ def lora_expand(
         return
     page = pool_layer.shape[1]
     span = _tiled_span(meta, num_tokens)
-    block_t, block_n = block_tokens(span), _pow2_divisor(page, BLOCKS["n"])
-    if block_t > 16:  # prefill-sized
-        block_t = BLOCKS["et"]
+    block_t = BLOCKS["det"] if span <= 256 else BLOCKS["et"]
+    block_n = _pow2_divisor(page, BLOCKS["n"])
     widths = [hi - lo for lo, hi in cols]
     starts = [lo for lo, _ in cols]
     common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),

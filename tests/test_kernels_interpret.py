@@ -226,6 +226,8 @@ SMALL_LORA_BLOCKS = {
     "vnwarps": 4,
     "vwaves": 4,
     "et": 32,
+    "dt": 16,
+    "det": 16,
     "vr": 16,
     "vgrid": 0,
     "vstages": 0,
@@ -414,8 +416,9 @@ class TestInterpreted:
             monkeypatch.setattr(tk.lora, "BLOCKS", SMALL_LORA_BLOCKS)
             splits = tk.lora.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
             assert splits > 1 or case != "uniform"  # the split reduction is exercised
-        if block_t is not None:
-            monkeypatch.setattr(tk.lora, "block_tokens", lambda num_tokens: block_t)
+        if block_t is not None:  # both tiled kernels' tokens per block in decode-sized steps
+            blocks = {**tk.lora.BLOCKS, "dt": block_t, "det": block_t}
+            monkeypatch.setattr(tk.lora, "BLOCKS", blocks)
         pool, meta = lora_case(
             page=page,
             target_dims=TARGET_DIMS,
