@@ -92,6 +92,7 @@ elif [ "$mode" = few ]; then
   profile 80 10 --order arrival --profile-steps 16 --rows 30
 elif [ "$mode" = ten ]; then
   # base, then slora@10 with the workload grouped by adapter and in arrival order, side by side
+  gpu_tests 90 3 tests/test_builds.py
   bench h200-ten 200 8 --requests 2000 --systems base,slora,arrival --adapters 10 \
     --max-seconds 25 --total-seconds 190
 elif [ "$mode" = tiles ]; then

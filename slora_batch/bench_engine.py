@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 import torch
 
+from kernels.builds import BuildLog
 from slora_batch.bench_workload import adapter_sources
 from slora_batch.config import EngineConfig, SamplingConfig
 from slora_batch.engine import Engine
@@ -77,10 +78,11 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
     requests = ctx.workload.requests(0 if system == "base" else n)
     if system not in ARRIVAL_ORDER:
         requests = group_by_adapter(requests)
-    for group in warmup_groups(requests, engine.store, cfg.warmup_requests):
-        for _ in engine.generate(_warmup(group)):
-            pass
-    _sync(model.device)
+    with BuildLog() as warmup_builds:
+        for group, whole in warmup_groups(requests, engine.store, cfg.warmup_requests):
+            for _ in engine.generate(_warmup(group, whole)):
+                pass
+        _sync(model.device)
     setup_s = time.perf_counter() - start
     before = _counters(engine)
     asked = {r.id: r.max_new_tokens for r in requests}
@@ -91,20 +93,21 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
         deadline = start + cfg.max_seconds
     results = engine.generate(_feed(requests, deadline, fed))
     stopped = False
-    for result in results:
-        if result.finish_reason == "error":
-            errors += 1
-            if errors == 1:
-                log.error("%s@%d: %s", system, n, result.error)
-        else:
-            finished += 1
-            mismatches += result.completion_tokens != asked[result.id]
-            work.add(result.prompt_tokens, result.completion_tokens)
-        if deadline is not None and time.perf_counter() >= deadline:
-            stopped = True
-            break
-    _sync(model.device)
-    wall_s = time.perf_counter() - start
+    with BuildLog() as builds:  # Triton builds inside the timed run, which they slow down
+        for result in results:
+            if result.finish_reason == "error":
+                errors += 1
+                if errors == 1:
+                    log.error("%s@%d: %s", system, n, result.error)
+            else:
+                finished += 1
+                mismatches += result.completion_tokens != asked[result.id]
+                work.add(result.prompt_tokens, result.completion_tokens)
+            if deadline is not None and time.perf_counter() >= deadline:
+                stopped = True
+                break
+        _sync(model.device)
+        wall_s = time.perf_counter() - start
     for prompt, generated in _partial(engine) if stopped else ():
         work.add(prompt, generated)
     results.close()
@@ -127,6 +130,10 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
     row["host_share"] = _share(delta["host_s"], delta["step_s"])
     row["decode_host_share"] = _share(delta["decode_host_s"], delta["decode_step_s"])
     row["decode_batch"] = delta["decode_tokens"] / delta["steps"] if delta["steps"] else math.nan
+    row.update(_builds(warmup_builds, builds))
+    if builds.count:
+        log.info("%s@%d: %d Triton builds in the timed run, %.1f s: %s", system, n, builds.count,
+                 builds.seconds, ", ".join(builds.names))  # fmt: skip
     return row
 
 
@@ -155,14 +162,17 @@ def group_by_adapter(requests: list[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: (r.adapter is not None, r.adapter or ""))
 
 
-def warmup_groups(requests: list[Request], store, count: int) -> list[list[Request]]:
-    """The untimed warm-up, one engine.generate per group: for each adapter rank in the workload,
-    its first request alone and its first 8 together, then the first ``count`` requests. Triton
-    builds a LoRA kernel per block shape, and the shapes of a step without CUDA graph follow its
-    largest rank; grouped by adapter, the first requests may all share one rank (10 adapters:
-    the first 200 are rank 8), so without the rank groups the builds for the other ranks would
-    land inside the timed run. Example: ranks 8 and 16 -> [r8 first], [r16 first], [r8 first 8],
-    [r16 first 8], [first count]. No warm-up when count is 0."""
+def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list[Request], bool]]:
+    """The untimed warm-up, one engine.generate per group, each (requests, full prompts): for each
+    adapter rank in the workload its first request alone and its first 8 together (prompts cut
+    to WARMUP_PROMPT), then its first ``count`` with their whole prompts, then the workload's
+    first ``count``. Triton builds a LoRA kernel per block shape, and the shapes of a step
+    without CUDA graph follow its largest rank and its token count (a prefill of thousands of
+    tokens needs no split reduction); grouped by adapter, the first requests may all share one
+    rank (10 adapters: the first 200 are rank 8), so without these groups those builds would land
+    inside the timed run (the bench counts them: kernel_builds). Example: ranks 8 and 16 ->
+    [r8 first], [r16 first], [r8 first 8], [r16 first 8], [r8 first count, whole], [r16 first
+    count, whole], [first count]. No warm-up when count is 0."""
     if count == 0:
         return []
     by_rank: dict[int, list[Request]] = {}
@@ -170,17 +180,18 @@ def warmup_groups(requests: list[Request], store, count: int) -> list[list[Reque
         if request.adapter is not None:
             by_rank.setdefault(store.info(request.adapter).rank, []).append(request)
     ranks = sorted(by_rank)
-    alone = [by_rank[rank][:1] for rank in ranks]
-    together = [by_rank[rank][:8] for rank in ranks]
-    return alone + together + [requests[:count]]
+    alone = [(by_rank[rank][:1], False) for rank in ranks]
+    together = [(by_rank[rank][:8], False) for rank in ranks]
+    whole = [(by_rank[rank][:count], True) for rank in ranks]
+    return alone + together + whole + [(requests[:count], False)]
 
 
-def _warmup(requests: list[Request]) -> list[Request]:
+def _warmup(requests: list[Request], whole: bool) -> list[Request]:
     return [
         Request(
             id=f"warmup-{r.id}",
             adapter=r.adapter,
-            prompt_token_ids=r.prompt_token_ids[:WARMUP_PROMPT],
+            prompt_token_ids=r.prompt_token_ids if whole else r.prompt_token_ids[:WARMUP_PROMPT],
             max_new_tokens=WARMUP_NEW_TOKENS,
             ignore_eos=True,
             temperature=0.0,
@@ -195,6 +206,14 @@ def _feed(requests: Iterable[Request], deadline: float | None, fed: list[int]) -
             return
         fed[0] += 1
         yield request
+
+
+def _builds(warmup: BuildLog, timed: BuildLog) -> dict[str, float]:
+    """Triton builds in the warm-up and in the timed run (NaN where Triton has no JIT hooks)."""
+    if not timed.available:
+        return dict.fromkeys(("warmup_builds", "kernel_builds", "kernel_build_s"), math.nan)
+    return dict(warmup_builds=warmup.count, kernel_builds=timed.count,
+                kernel_build_s=timed.seconds)  # fmt: skip
 
 
 def _partial(engine: Engine) -> list[tuple[int, int]]:

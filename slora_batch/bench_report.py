@@ -161,6 +161,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     "cut" if r["truncated"] else "",
                     f"{r['error_rows']} error rows" if r["error_rows"] else "",
                     f"{r['length_mismatches']} length mismatches" if r["length_mismatches"] else "",
+                    _builds_note(r),
                 ],
             )
         )
@@ -279,3 +280,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _builds_note(row: dict) -> str:
+    """Triton builds inside the timed run (they slow it down; see kernels.builds)."""
+    count = row.get("kernel_builds")
+    if count is None or math.isnan(count) or count == 0:
+        return ""
+    return f"{int(count)} kernel builds ({row['kernel_build_s']:.1f} s)"
