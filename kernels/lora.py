@@ -71,6 +71,11 @@ BLOCKS = {
 }
 
 
+# The most splits of d_in a shrink uses (tiled, vector). The reduction kernel's split block is
+# that bound, not the step's count, so steps of any size share its two builds.
+MAX_SPLITS, MAX_VECTOR_SPLITS = 64, 16
+
+
 def block_tokens(num_tokens: int) -> int:
     """Tokens per block of the tiled shrink: BLOCKS["dt"] for decode-sized steps (at most 256
     tokens), 32 for prefills (64 spilled on sm_90 at BLOCK_K 128 and 4 warps)."""
@@ -426,7 +431,7 @@ def shrink_splits(device: torch.device, num_tokens: int, max_rank: int, d_in: in
     programs = (triton.cdiv(num_tokens, block_tokens(num_tokens))
                 * triton.cdiv(max_rank, block_r) * num_targets)  # fmt: skip
     want = triton.cdiv(4 * sm_count(device), programs)
-    return max(1, min(want, d_in // BLOCKS["split_min_k"], 64))
+    return max(1, min(want, d_in // BLOCKS["split_min_k"], MAX_SPLITS))
 
 
 def lora_shrink(
@@ -482,7 +487,7 @@ def lora_shrink(
         rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
         programs = rows * group * rank_blocks
         want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), max(programs, 1))
-        splits = max(1, min(want, d_in // BLOCKS["split_min_k"], 16))
+        splits = max(1, min(want, d_in // BLOCKS["split_min_k"], MAX_VECTOR_SPLITS))
         k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
         splits = triton.cdiv(d_in, k_per_split)
         dst = _partials(out, splits)
@@ -567,7 +572,7 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
         meta.seg_slot, pos_seg, meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets,
         *targets, out, out.stride(0), rank_cap, meta.vector_max,
         NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=triton.next_power_of_2(rank_cap),
-        BLOCK_SPLIT=triton.next_power_of_2(splits), VECTOR=vector, **pick,
+        BLOCK_SPLIT=MAX_VECTOR_SPLITS if vector else MAX_SPLITS, VECTOR=vector, **pick,
         num_warps=4)  # fmt: skip
 
 

@@ -163,16 +163,19 @@ def group_by_adapter(requests: list[Request]) -> list[Request]:
 
 
 def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list[Request], bool]]:
-    """The untimed warm-up, one engine.generate per group, each (requests, full prompts): for each
-    adapter rank in the workload its first request alone and its first 8 together (prompts cut
-    to WARMUP_PROMPT), then its first ``count`` with their whole prompts, then the workload's
-    first ``count``. Triton builds a LoRA kernel per block shape, and the shapes of a step
-    without CUDA graph follow its largest rank and its token count (a prefill of thousands of
-    tokens needs no split reduction); grouped by adapter, the first requests may all share one
-    rank (10 adapters: the first 200 are rank 8), so without these groups those builds would land
-    inside the timed run (the bench counts them: kernel_builds). Example: ranks 8 and 16 ->
-    [r8 first], [r16 first], [r8 first 8], [r16 first 8], [r8 first count, whole], [r16 first
-    count, whole], [first count]. No warm-up when count is 0."""
+    """The untimed warm-up, one engine.generate per group, each (requests, whole prompts; else
+    cut to WARMUP_PROMPT): for each adapter rank in the workload its first request alone and its
+    first 8 together, cut, and its first ``count`` whole; then the first 8 of every rank
+    together, whole; then the workload's first ``count``, cut and whole.
+
+    Triton builds a kernel per block shape, and the shapes of a step without CUDA graph follow
+    its largest rank and its size (a prefill of thousands of tokens needs no split reduction;
+    attention's prefill blocks follow the context). Grouped by adapter, the first requests may
+    all share one rank (10 adapters: the first 200 are rank 8), and short prompts reach no long
+    context, so without these groups those builds would land inside the timed run (the bench
+    counts them: kernel_builds). Example: ranks 8 and 16 -> [r8 first], [r16 first], [r8 first
+    8], [r16 first 8], [r8 first count, whole], [r16 first count, whole], [r8 and r16 first 8,
+    whole], [first count], [first count, whole]. No warm-up when count is 0."""
     if count == 0:
         return []
     by_rank: dict[int, list[Request]] = {}
@@ -180,10 +183,12 @@ def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list
         if request.adapter is not None:
             by_rank.setdefault(store.info(request.adapter).rank, []).append(request)
     ranks = sorted(by_rank)
-    alone = [(by_rank[rank][:1], False) for rank in ranks]
-    together = [(by_rank[rank][:8], False) for rank in ranks]
-    whole = [(by_rank[rank][:count], True) for rank in ranks]
-    return alone + together + whole + [(requests[:count], False)]
+    groups = [(by_rank[rank][:1], False) for rank in ranks]
+    groups += [(by_rank[rank][:8], False) for rank in ranks]
+    groups += [(by_rank[rank][:count], True) for rank in ranks]
+    if len(ranks) > 1:
+        groups.append(([r for rank in ranks for r in by_rank[rank][:8]], True))
+    return groups + [(requests[:count], False), (requests[:count], True)]
 
 
 def _warmup(requests: list[Request], whole: bool) -> list[Request]:

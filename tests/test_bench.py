@@ -114,23 +114,27 @@ def test_engine_systems_get_the_workload_grouped_by_adapter():
 
 def test_warmup_covers_each_rank_before_the_timed_run():
     """Grouped by adapter, the first requests of 10 adapters all use rank 8; the warm-up still
-    runs each rank alone, in a batch of up to 8 and in a batch of whole prompts, then the first
-    requests, so no Triton build for another rank's block shapes lands in the timed run."""
+    runs each rank alone, in a batch of up to 8 and in a batch of whole prompts, then all ranks
+    together, then the first requests cut and whole, so no Triton build for another rank's (or
+    a longer prompt's) block shapes lands in the timed run."""
     workload = Workload.generate(BenchConfig(requests=200, **{**TINY, "max_input": 200}), 300)
     grouped = group_by_adapter(workload.requests(10))
     store = SimpleNamespace(info=lambda name: SimpleNamespace(rank=RANKS[int(name[1:]) % 4]))
     assert {store.info(r.adapter).rank for r in grouped[:8]} == {RANKS[0]}
     groups = warmup_groups(grouped, store, 12)
-    assert len(groups) == 13 and groups[12] == (grouped[:12], False)
+    assert len(groups) == 15 and groups[13:] == [(grouped[:12], False), (grouped[:12], True)]
     ranks = [{store.info(r.adapter).rank for r in group} for group, _ in groups]
     assert ranks[:4] == [{r} for r in sorted(RANKS)] and ranks[4:8] == ranks[8:12] == ranks[:4]
+    assert ranks[12] == set(RANKS)
     sizes = [len(group) for group, _ in groups]
-    assert sizes[:4] == [1] * 4 and sizes[4:8] == [8] * 4 and sizes[8:12] == [12] * 4
-    assert [whole for _, whole in groups] == [False] * 8 + [True] * 4 + [False]
+    assert sizes[:4] == [1] * 4 and sizes[4:8] == [8] * 4 and sizes[8:13] == [12] * 4 + [32]
+    assert [whole for _, whole in groups] == [False] * 8 + [True] * 5 + [False, True]
     short, whole = _warmup(groups[8][0], False), _warmup(groups[8][0], True)
     assert all(len(r.prompt_token_ids) <= WARMUP_PROMPT for r in short)
     assert [r.prompt_token_ids for r in whole] == [r.prompt_token_ids for r in groups[8][0]]
     assert max(len(r.prompt_token_ids) for r in whole) > WARMUP_PROMPT
+    base = warmup_groups(group_by_adapter(workload.requests(0)), store, 12)
+    assert [(len(group), whole) for group, whole in base] == [(12, False), (12, True)]
     assert warmup_groups(grouped, store, 0) == []
 
 

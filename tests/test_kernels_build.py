@@ -56,7 +56,27 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     ),
     "split reduction, indexed": (
         lora._shrink_reduce_kernel,
-        dict(NUM_TARGETS=7, BLOCK_R=RANK, BLOCK_SPLIT=4, VECTOR=True, ALL=False, INDEXED=True),
+        dict(
+            NUM_TARGETS=7,
+            BLOCK_R=RANK,
+            BLOCK_SPLIT=lora.MAX_VECTOR_SPLITS,
+            VECTOR=True,
+            ALL=False,
+            INDEXED=True,
+        ),  # fmt: skip
+        4,
+        ("out_stride",),
+    ),
+    "split reduction, tiled": (
+        lora._shrink_reduce_kernel,
+        dict(
+            NUM_TARGETS=7,
+            BLOCK_R=RANK,
+            BLOCK_SPLIT=lora.MAX_SPLITS,
+            VECTOR=False,
+            ALL=False,
+            INDEXED=False,
+        ),  # fmt: skip
         4,
         ("out_stride",),
     ),
