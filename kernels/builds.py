@@ -27,6 +27,7 @@ class BuildLog:
 
     def __init__(self) -> None:
         self.builds: list[tuple[str, float]] = []  # (kernel name, seconds)
+        self.details: list[str] = []  # Triton's text for each build: its argument specialization
         runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
         hooks = ("jit_cache_hook", "jit_post_compile_hook")
         self._runtime = runtime if all(hasattr(runtime, h) for h in hooks) else None
@@ -69,5 +70,6 @@ class BuildLog:
     def _after(self, *args, **kwargs):
         fn = kwargs.get("fn")
         self.builds.append((getattr(fn, "name", "?"), time.perf_counter() - self._started))
+        self.details.append(str(kwargs.get("repr", "")))
         earlier = self._saved[1]
         return earlier(*args, **kwargs) if earlier is not None else None

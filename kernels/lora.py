@@ -92,7 +92,7 @@ def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which,
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
-                               "out_stride", "rank_cap", "vector_max"])  # fmt: skip
+                               "out_stride", "rank_cap", "vector_max", "rank_blocks"])  # fmt: skip
 def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
                    pos_seg_ptr, num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr,
                    pages_stride, offsets_ptr, target0, target1, target2, rank_blocks, out_ptr,
@@ -206,7 +206,7 @@ def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, pos
 
 
 @triton.jit(do_not_specialize=["num_segs", "num_tokens", "target0", "target1", "target2",
-                               "out_stride", "rank_cap", "vector_max"])  # fmt: skip
+                               "out_stride", "rank_cap", "vector_max", "rank_blocks"])  # fmt: skip
 def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
                           seg_slot_ptr, pos_seg_ptr, num_tokens, num_segs, rank_ptr, pages_ptr,
                           pages_stride, offsets_ptr, target0, target1, target2, rank_blocks, r_span,

@@ -295,10 +295,11 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         split = (
             d,
             AttnMeta(attn.b1_start[: d + 1], attn.b_seq_len[:d], attn.page_table[:d], 1),
-            AttnMeta(
+            AttnMeta(  # copies, not views at row d: Triton builds a kernel per pointer
+                # alignment, and b_seq_len[d:] is 16-byte aligned only when d % 4 == 0
                 dev(host.b1_start[d:] - d, torch.int32),
-                attn.b_seq_len[d:],
-                attn.page_table[d:],
+                dev(host.b_seq_len[d:], torch.int32),
+                dev(host.page_table[d:], torch.int32),
                 host.max_new,
             ),
         )

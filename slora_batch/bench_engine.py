@@ -134,6 +134,8 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
     if builds.count:
         log.info("%s@%d: %d Triton builds in the timed run, %.1f s: %s", system, n, builds.count,
                  builds.seconds, ", ".join(builds.names))  # fmt: skip
+        for detail in builds.details:
+            log.info("  built %s", detail)
     return row
 
 

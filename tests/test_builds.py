@@ -32,7 +32,7 @@ def test_hooks_set_inside_the_block_and_chained():
             assert builds.available
             assert runtime.jit_cache_hook != earlier[0]
             assert not runtime.jit_cache_hook(key="k", fn=fn)
-            runtime.jit_post_compile_hook(key="k", fn=fn)
+            runtime.jit_post_compile_hook(key="k", fn=fn, repr="_shrink_kernel[num_warps=4](x)")
             fn.name = "_expand_kernel"
             runtime.jit_cache_hook(key="k", fn=fn)
             runtime.jit_post_compile_hook(key="k", fn=fn)
@@ -41,6 +41,7 @@ def test_hooks_set_inside_the_block_and_chained():
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
     assert builds.count == 2 and builds.names == ["_shrink_kernel", "_expand_kernel"]
     assert builds.seconds >= 0 and all(seconds >= 0 for _, seconds in builds.builds)
+    assert builds.details == ["_shrink_kernel[num_warps=4](x)", ""]
     assert calls == [
         ("before", "_shrink_kernel"),
         ("after", "_shrink_kernel"),
