@@ -38,6 +38,14 @@ def vector_shrink(*, partial: bool, all_tokens: bool, indexed: bool, one_page: b
     return lora._shrink_vector_kernel, constexprs, B["vwarps"], VECTOR_SHRINK_ALIGNED
 
 
+def split_reduction(*, vector: bool) -> tuple:
+    """The split reduction of one shrink family, at that family's split bound."""
+    splits = lora.MAX_VECTOR_SPLITS if vector else lora.MAX_SPLITS
+    constexprs = dict(NUM_TARGETS=7, BLOCK_R=RANK, BLOCK_SPLIT=splits, VECTOR=vector, ALL=False,
+                      INDEXED=vector)  # fmt: skip
+    return lora._shrink_reduce_kernel, constexprs, 4, ("out_stride",)
+
+
 BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     "shrink vector, graph": vector_shrink(
         partial=False, all_tokens=True, indexed=False, one_page=True
@@ -54,32 +62,8 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
         B["vnwarps"],
         EXPAND_ALIGNED,
     ),
-    "split reduction, indexed": (
-        lora._shrink_reduce_kernel,
-        dict(
-            NUM_TARGETS=7,
-            BLOCK_R=RANK,
-            BLOCK_SPLIT=lora.MAX_VECTOR_SPLITS,
-            VECTOR=True,
-            ALL=False,
-            INDEXED=True,
-        ),  # fmt: skip
-        4,
-        ("out_stride",),
-    ),
-    "split reduction, tiled": (
-        lora._shrink_reduce_kernel,
-        dict(
-            NUM_TARGETS=7,
-            BLOCK_R=RANK,
-            BLOCK_SPLIT=lora.MAX_SPLITS,
-            VECTOR=False,
-            ALL=False,
-            INDEXED=False,
-        ),  # fmt: skip
-        4,
-        ("out_stride",),
-    ),
+    "split reduction, indexed": split_reduction(vector=True),
+    "split reduction, tiled": split_reduction(vector=False),
     "shrink tiled, prefill": (
         lora._shrink_kernel,
         dict(
