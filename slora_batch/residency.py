@@ -55,6 +55,11 @@ class AdapterResidency:
         self.prefetch_hits = 0  # acquired an adapter that a prefetch had loaded
         self.prefetch_misses = 0  # acquired an adapter that had to be loaded on the spot
         self.bytes_copied = 0
+        # The device stream's point after the latest eviction's slot-table writes. A prefetch on
+        # a side stream may reuse that slot (and its pages) at once, while those writes still
+        # wait behind a step in flight; its copy waits for this point first, or the late "-1"
+        # row would land over the new adapter's row.
+        self._evicted: torch.cuda.Event | None = None
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
@@ -133,6 +138,8 @@ class AdapterResidency:
         self.slot_pages[slot, :need] = pages
         self.slot_offsets[slot] = paged.offsets.numpy()
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            if stream is not None and self._evicted is not None:
+                stream.wait_event(self._evicted)
             index = torch.from_numpy(pages.astype(np.int64)).to(self.device, non_blocking=True)
             self.pool.data.index_copy_(1, index, paged.data.to(self.device, non_blocking=True))
             self._sync_slot(slot)
@@ -150,6 +157,8 @@ class AdapterResidency:
         self.slot_pages[entry.slot] = -1
         self.slot_offsets[entry.slot] = -1
         self._sync_slot(entry.slot)
+        if self.device.type == "cuda":
+            self._evicted = torch.cuda.current_stream(self.device).record_event()
         self._free_slots.append(entry.slot)
         self.evictions += 1
         log.debug("evicted adapter %r from slot %d", name, entry.slot)

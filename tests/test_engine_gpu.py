@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from slora_batch import Engine, EngineConfig, Request
+from slora_batch.scheduler import PAGES_PER_TOKEN
 
 pytestmark = pytest.mark.gpu
 
@@ -180,10 +181,8 @@ def fp32_first_logits(peft_model, cases) -> dict:
 
 
 def make_engine(model_dir, weights, adapters, **knobs):
-    pages = 60_000 if "llama" in str(model_dir) else 200_000
-    config = EngineConfig(
-        device="cuda", dtype="bfloat16", num_pages=pages, max_num_seqs=16, **knobs
-    )
+    knobs.setdefault("num_pages", 60_000 if "llama" in str(model_dir) else 200_000)
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, **knobs)
     return Engine(model_dir, adapters=adapters, config=config, weights=weights)
 
 
@@ -263,5 +262,47 @@ def test_bf16_tiled_decode_graphs_match_peft(gpu_case):
         want, logits = expected[row["id"]]
         assert_tokens_match(results[row["id"]].token_ids, want, logits, row, margins[row["id"]])
     assert engine.runner.tiled_graph_steps > 0
+    del engine
+    torch.cuda.empty_cache()
+
+
+def test_bf16_engine_matches_peft_under_adapter_churn(gpu_case):
+    """A pool with room for the adapters and the KV of about 4 rows: idle adapters are evicted
+    for KV pages and loaded again, and the prefetch side stream copies into slots and pages an
+    eviction has just freed while a step may still run (overlap on). Tokens equal transformers +
+    PEFT's up to a near tie, as above."""
+    model_dir, weights, adapters, peft_model = gpu_case
+    probe = make_engine(model_dir, weights, adapters, cuda_graphs=False)
+    adapter_pages = sum(probe.residency.store.pages(name) for name in adapters)
+    vocab = probe.spec.vocab_size
+    del probe
+    gen = torch.Generator().manual_seed(5)
+    names = [*ADAPTERS, None]
+    lengths = torch.randint(20, 160, (18,), generator=gen).tolist()
+    cases = [
+        {
+            "id": i,
+            "adapter": names[i % len(names)],
+            "max_new_tokens": 12,
+            "ignore_eos": True,
+            "prompt_token_ids": torch.randint(3, vocab, (n,), generator=gen).tolist(),
+        }
+        for i, n in enumerate(lengths)
+    ]
+    kv_pages = 4 * (160 + 12) * PAGES_PER_TOKEN
+    engine = make_engine(model_dir, weights, adapters, num_pages=adapter_pages + kv_pages)
+    assert engine.prefetch_stream is not None and engine.config.overlap
+    expected = {row["id"]: reference(peft_model, row) for row in cases}
+    _, margins = first_step_errors(engine, peft_model, cases, expected)
+    results = {r.id: r for r in engine.generate(Request(**row) for row in cases)}
+    for row in cases:
+        result = results[row["id"]]
+        assert result.finish_reason == "length", (row["id"], result.error)
+        want, logits = expected[row["id"]]
+        assert_tokens_match(result.token_ids, want, logits, row, margins[row["id"]])
+    counters = engine.counters
+    print(f"loads {counters.adapter_loads}, evictions {counters.adapter_evictions}, "
+          f"prefetch hits {counters.prefetch_hits}")  # fmt: skip
+    assert counters.adapter_evictions > 0 and counters.adapter_loads > len(adapters)
     del engine
     torch.cuda.empty_cache()
