@@ -9,7 +9,7 @@
 #   bash benchmarks/device_run.sh few     # profiles of 10 adapters (grouped and arrival order) and 100
 #   bash benchmarks/device_run.sh ten     # base, slora@10 grouped by adapter and in arrival order
 #   bash benchmarks/device_run.sh tiles   # the tiled decode kernels' tokens per block and warps
-#   bash benchmarks/device_run.sh close   # base, slora@1/10/1000/2000 and peft, 25 s a run
+#   bash benchmarks/device_run.sh close   # base, slora@1/10/1000/2000, peft, adapter-wait@1000/2000
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -102,15 +102,17 @@ elif [ "$mode" = tiles ]; then
   timeout 400 python3 -m benchmarks.kernels --tiled-sweep > "$out/tiled-sweep.md" 2>&1
   cat "$out/tiled-sweep.md"
 elif [ "$mode" = close ]; then
-  # the acceptance ratios (base, slora@1/10/1000/2000, peft) at 25 s a run
-  bench h200-close 330 12 "${ACCEPTANCE[@]}" --systems base,slora,peft --adapters 1,10,1000,2000 \
-    --peft-adapters 1 --max-seconds 25 --peft-max-seconds 90 --total-seconds 320
+  # the acceptance ratios (base, slora@1/10/1000/2000, peft) at 25 s a run, and adapter-wait
+  # (prefetch_wait "adapter") at 1000 and 2000 beside them
+  bench h200-close 420 14 "${ACCEPTANCE[@]}" --systems base,slora,peft,adapter-wait \
+    --adapters 1,10,1000,2000 --ablation-adapters 1000,2000 --peft-adapters 1 --max-seconds 25 \
+    --peft-max-seconds 90 --total-seconds 410
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \
     tests/test_builds.py
 elif [ "$mode" = bench ]; then
-  bench h200 580 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
+  bench h200 580 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival,adapter-wait \
     --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 25 \
     --peft-max-seconds 150 --total-seconds 545
 fi

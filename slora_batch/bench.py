@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from slora_batch.bench_engine import ENGINE_SYSTEMS, run_engine
+from slora_batch.bench_engine import ABLATIONS, ENGINE_SYSTEMS, run_engine
 from slora_batch.bench_report import run_meta, write_outputs
 from slora_batch.bench_workload import (
     PEFT_MAX_ADAPTERS,
@@ -33,7 +33,7 @@ from slora_batch.roofline import Rates, measure_rates
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("base", "slora", "peft", "bmm", "no-unified", "arrival")  # the ablations last
+SYSTEMS = ("base", "slora", "peft", *ABLATIONS)  # the ablations last
 
 
 @dataclass
@@ -43,7 +43,7 @@ class BenchConfig:
     systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
     adapters: list[int] = field(default_factory=lambda: [1, 10, 100, 1000, 2000])  # slora
     peft_adapters: list[int] | None = None  # None: the `adapters` counts up to 100
-    ablation_adapters: list[int] | None = None  # bmm, no-unified, arrival; None: `adapters`
+    ablation_adapters: list[int] | None = None  # the ABLATIONS' counts; None: `adapters`
     requests: int = 2000
     peft_requests: int = 128  # the first ones of the same workload
     peft_batch: int = 64  # rows of one padded static batch
@@ -112,10 +112,8 @@ class BenchConfig:
             "peft": self.peft_adapters
             or [n for n in self.adapters if n <= PEFT_MAX_ADAPTERS]
             or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],
-            "bmm": self.ablation_adapters or self.adapters,
-            "no-unified": self.ablation_adapters or self.adapters,
-            "arrival": self.ablation_adapters or self.adapters,
         }
+        counts.update(dict.fromkeys(ABLATIONS, self.ablation_adapters or self.adapters))
         return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
 
 

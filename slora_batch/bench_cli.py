@@ -36,7 +36,8 @@ def bench(
         None, help="Adapter counts for peft, each <= 100 (none: the --adapters counts up to 100)."
     ),
     ablation_adapters: str = typer.Option(
-        None, help="Adapter counts for bmm, no-unified and arrival (none: --adapters)."
+        None,
+        help="Adapter counts for bmm, no-unified, arrival and adapter-wait (none: --adapters).",
     ),
     requests: int = typer.Option(D.requests, help="Requests in the workload."),
     peft_requests: int = typer.Option(

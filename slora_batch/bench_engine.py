@@ -1,5 +1,5 @@
 """One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``,
-``no-unified`` and ``arrival``."""
+``no-unified``, ``arrival`` and ``adapter-wait``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ ENGINE_SYSTEMS: dict[str, dict] = {
     "bmm": {"lora_layout": "bmm"},
     "no-unified": {"unified_pool": False},
     "arrival": {},
+    "adapter-wait": {"prefetch_wait": "adapter"},
 }
+ABLATIONS = ("bmm", "no-unified", "arrival", "adapter-wait")  # slora with one thing changed
 # Systems fed the workload in its generated order. The others get it grouped by adapter, the
 # clustering that `slora-batch run` gives its rows by sorting them (ordering.sort_key: adapter,
 # then prompt length) before they reach the engine; see group_by_adapter.

@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from slora_batch.bench_engine import ABLATIONS
+
 log = logging.getLogger(__name__)
 
 COMMIT_ENV = "SLORA_BATCH_COMMIT"  # where the tree travels without .git (the device machine)
@@ -212,7 +214,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- roofline {r['system']}@{r['adapters']} = {r['roofline_fraction']:.3f} "
                 f"(need >= 0.30): {'pass' if r['roofline_fraction'] >= 0.30 else 'FAIL'}"
             )
-        if r["system"] in ("bmm", "no-unified", "arrival") and tok("slora", r["adapters"]):
+        if r["system"] in ABLATIONS and tok("slora", r["adapters"]):
             lines.append(
                 f"- {r['system']}@{r['adapters']} / slora@{r['adapters']} = "
                 f"{r['output_tokens_per_s'] / tok('slora', r['adapters']):.2f}"

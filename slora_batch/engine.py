@@ -175,9 +175,7 @@ class Engine:
     def _launch(self, step: ScheduledStep, started: float, prev: _Inflight | None) -> _Inflight:
         """Plans a step and queues its forward and sampling on the device; returns at once."""
         host = plan_step(step)
-        if self._prefetched is not None:  # adapters copied on the side stream must have landed
-            torch.cuda.current_stream(self.device).wait_event(self._prefetched)
-            self._prefetched = None
+        self._wait_prefetched(step)
         self._steps += 1
         with torch.inference_mode():
             prepared = time.perf_counter()
@@ -255,26 +253,43 @@ class Engine:
         with torch.inference_mode():
             while seq.remaining:
                 step = self.scheduler.schedule()
+                self._wait_prefetched(step)
                 logits = self.runner.forward(plan_step(step))
                 seq.num_computed += step.num_new[0]
         self.scheduler.finish(seq)
         return logits[0].float()
+
+    def _wait_prefetched(self, step: ScheduledStep) -> None:
+        """Orders the step after the prefetch copies it may read: every copy issued so far
+        (prefetch_wait "step"), or only those of the adapters its rows use ("adapter")."""
+        if self.prefetch_stream is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if self.config.prefetch_wait == "adapter":
+            self.residency.wait_copied({s.adapter for s in step.seqs if s.adapter}, stream)
+        elif self._prefetched is not None:
+            stream.wait_event(self._prefetched)
+            self._prefetched = None
 
     def _prefetch(self) -> None:
         """Copies the adapters of the next waiting requests into free pages on the side stream:
         the distinct adapters of two admission groups (at least 8), so a group that joins the
         batch finds its adapters resident."""
         lookahead = max(8, 2 * self.config.admit_seats)
-        loaded = False
+        loaded: list[str] = []
         seen: set[str] = set()
         for seq in self.scheduler.waiting:
             if len(seen) >= lookahead:
                 break
             if seq.adapter and seq.adapter not in seen:
                 seen.add(seq.adapter)
-                loaded |= self.residency.prefetch(seq.adapter, self.prefetch_stream)
+                if self.residency.prefetch(seq.adapter, self.prefetch_stream):
+                    loaded.append(seq.adapter)
         if loaded:
-            self._prefetched = self.prefetch_stream.record_event()
+            event = self.prefetch_stream.record_event()
+            self.residency.mark_copying(loaded, event)  # an eviction waits for it, either way
+            if self.config.prefetch_wait == "step":
+                self._prefetched = event
 
     def _finished(self, seq: Sequence) -> bool:
         token = seq.output_ids[-1]

@@ -28,6 +28,7 @@ class Resident:
     pages: np.ndarray
     refcount: int = 0
     prefetched: bool = False
+    copying: torch.cuda.Event | None = None  # its prefetch copy, no device-stream wait yet
 
 
 class AdapterResidency:
@@ -119,6 +120,20 @@ class AdapterResidency:
         self._load(name, stream).prefetched = True
         return True
 
+    def mark_copying(self, names: list[str], event: torch.cuda.Event) -> None:
+        """The prefetch copies of ``names`` end at ``event`` (recorded on the side stream)."""
+        for name in names:
+            self._resident[name].copying = event
+
+    def wait_copied(self, names: set[str], stream: torch.cuda.Stream) -> None:
+        """Makes ``stream`` wait for the prefetch copies of the resident adapters in ``names``
+        that it has not waited for yet; later work on ``stream`` is then ordered after them."""
+        for name in names:
+            entry = self._resident.get(name)
+            if entry is not None and entry.copying is not None:
+                stream.wait_event(entry.copying)
+                entry.copying = None
+
     def _load(self, name: str, stream: torch.cuda.Stream | None = None) -> Resident:
         info = self.store.info(name)
         need = self.spec.adapter_pages(info.rank, info.targets)
@@ -152,6 +167,8 @@ class AdapterResidency:
 
     def _evict(self, name: str) -> None:
         entry = self._resident.pop(name)
+        if entry.copying is not None:  # its pages go back to the pool: the copy must land first
+            torch.cuda.current_stream(self.device).wait_event(entry.copying)
         self.pool.free(entry.pages)
         self.slot_rank[entry.slot] = 0
         self.slot_pages[entry.slot] = -1

@@ -150,6 +150,7 @@ def test_plan_order_and_validation():
         ("bmm", 1000),
         ("no-unified", 1000),
         ("arrival", 1000),
+        ("adapter-wait", 1000),
     ]
     assert BenchConfig(systems=["peft"], adapters=[1000]).plan() == [("peft", 100)]
     for bad in (
@@ -174,7 +175,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         "--device",
         "cpu",
         "--systems",
-        "slora,base,peft,bmm,no-unified,arrival",
+        "slora,base,peft,bmm,no-unified,arrival,adapter-wait",
         "--adapters",
         "3",
         "--requests",
@@ -208,6 +209,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         ("bmm", 3),
         ("no-unified", 3),
         ("arrival", 3),
+        ("adapter-wait", 3),
     ]
     workload = Workload.generate(BenchConfig(requests=6, **TINY), 300)
     for row in rows:
@@ -224,7 +226,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         if row["system"] != "peft":
             assert row["steps"] > 0 and 0 <= row["host_share"] <= 1
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified", "arrival"}
+    assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified", "arrival", "adapter-wait"}
     assert set(summary["base"]) == {"0"} and set(summary["slora"]) == {"3"}
     assert set(summary["slora"]["3"]) == {
         "requests_per_s",

@@ -20,6 +20,7 @@ def test_defaults_are_valid():
         ({"memory_fraction": 0}, "memory_fraction"),
         ({"dtype": "int8"}, "dtype must be"),
         ({"lora_layout": "dense"}, "lora_layout"),
+        ({"prefetch_wait": "never"}, "prefetch_wait must be step or adapter, got 'never'"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
     ],
 )
