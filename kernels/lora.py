@@ -76,10 +76,13 @@ BLOCKS = {
 MAX_SPLITS, MAX_VECTOR_SPLITS = 64, 16
 
 
-def block_tokens(num_tokens: int) -> int:
-    """Tokens per block of the tiled shrink: BLOCKS["dt"] for decode-sized steps (at most 256
-    tokens), 32 for prefills (64 spilled on sm_90 at BLOCK_K 128 and 4 warps)."""
-    return BLOCKS["dt"] if num_tokens <= 256 else 32
+def block_tokens(num_tokens: int, expand: bool = False) -> int:
+    """Tokens per block of the tiled shrink (expand): BLOCKS["dt"] (["det"]) in decode-sized
+    steps, at most 256 tokens; in prefills 32 (64 spilled on sm_90 at BLOCK_K 128 and 4 warps)
+    (BLOCKS["et"])."""
+    if num_tokens <= 256:
+        return BLOCKS["det" if expand else "dt"]
+    return BLOCKS["et"] if expand else 32
 
 
 @triton.jit
@@ -605,8 +608,7 @@ def lora_expand(
         return
     page = pool_layer.shape[1]
     span = _tiled_span(meta, num_tokens)
-    block_t = BLOCKS["det"] if span <= 256 else BLOCKS["et"]
-    block_n = _pow2_divisor(page, BLOCKS["n"])
+    block_t, block_n = block_tokens(span, expand=True), _pow2_divisor(page, BLOCKS["n"])
     widths = [hi - lo for lo, hi in cols]
     starts = [lo for lo, _ in cols]
     common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),

@@ -75,7 +75,11 @@ def plan_step(step: ScheduledStep) -> HostStep:
             logits_index.append(b1_start[-1] - 1)
         else:
             logit_rows.append(-1)
-    table = np.full((len(step.seqs), max(seq_lens), 2), -1, dtype=np.int32)
+    # An even width keeps every row of the int32 [B, width, 2] table 16-byte aligned, so the
+    # prefill half of a split step can be a view at any row (Triton builds a kernel per pointer
+    # alignment).
+    width = max(seq_lens) + max(seq_lens) % 2
+    table = np.full((len(step.seqs), width, 2), -1, dtype=np.int32)
     for b, seq in enumerate(step.seqs):
         table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
     return HostStep(
@@ -295,11 +299,11 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         split = (
             d,
             AttnMeta(attn.b1_start[: d + 1], attn.b_seq_len[:d], attn.page_table[:d], 1),
-            AttnMeta(  # copies, not views at row d: Triton builds a kernel per pointer
-                # alignment, and b_seq_len[d:] is 16-byte aligned only when d % 4 == 0
+            AttnMeta(  # b_seq_len's own copy: a view at row d is 16-byte aligned only when
+                # d % 4 == 0, and Triton builds a kernel per pointer alignment
                 dev(host.b1_start[d:] - d, torch.int32),
                 dev(host.b_seq_len[d:], torch.int32),
-                dev(host.page_table[d:], torch.int32),
+                attn.page_table[d:],  # aligned at any row (plan_step's even width)
                 host.max_new,
             ),
         )

@@ -38,6 +38,8 @@ def test_plan_and_upload_a_mixed_step():
     assert d == 1 and decode_meta.b_seq_len.tolist() == [4] and decode_meta.max_new == 1
     assert prefill_meta.b1_start.tolist() == [0, 6] and prefill_meta.b_seq_len.tolist() == [6]
     assert torch.equal(prefill_meta.page_table, step_input.attn.page_table[1:])
+    assert host.page_table.shape[1] % 2 == 0  # any row of the table starts 16-byte aligned
+    assert prefill_meta.page_table.data_ptr() % 16 == 0
 
 
 def test_base_only_step_has_no_lora_meta():

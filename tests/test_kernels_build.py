@@ -78,7 +78,12 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     ),
     "expand tiled, prefill": (
         lora._expand_kernel,
-        dict(TILED, BLOCK_T=B["et"], BLOCK_R=RANK, BLOCK_N=lora._pow2_divisor(PAGE, B["n"])),
+        dict(
+            TILED,
+            BLOCK_T=lora.block_tokens(4096, expand=True),
+            BLOCK_R=RANK,
+            BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
+        ),
         B["twarps"],
         EXPAND_ALIGNED,
     ),
