@@ -10,6 +10,7 @@
 #   bash benchmarks/device_run.sh ten     # base, slora@10 grouped by adapter and in arrival order
 #   bash benchmarks/device_run.sh tiles   # the tiled decode kernels' tokens per block and warps
 #   bash benchmarks/device_run.sh close   # base, slora@1/10/1000/2000, peft, adapter-wait@1000/2000
+#   bash benchmarks/device_run.sh steps   # device time per step kind at 0, 10 and 2000 adapters
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -107,6 +108,11 @@ elif [ "$mode" = close ]; then
   bench h200-close 420 14 "${ACCEPTANCE[@]}" --systems base,slora,peft,adapter-wait \
     --adapters 1,10,1000,2000 --ablation-adapters 1000,2000 --peft-adapters 1 --max-seconds 25 \
     --peft-max-seconds 90 --total-seconds 410
+elif [ "$mode" = steps ]; then
+  # each step's device time by kernel family and the GPU's idle time, decode and mixed steps
+  # apart, at 0, 10 and 2000 adapters (where slora@2000 loses to slora@10)
+  profile 330 0,10,2000 --profile-steps 90 --rows 25 --trace
+  cat "$out"/steps-*.md
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \

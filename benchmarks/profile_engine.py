@@ -11,6 +11,7 @@ mixed/prefill), mean wall ms of each, the host share, and the top kernels.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.trace_steps import mark_steps, step_table
 from slora_batch.bench import BenchConfig
 from slora_batch.bench_engine import group_by_adapter
 from slora_batch.bench_workload import Workload, adapter_sources, build_model
@@ -79,6 +81,7 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     before = snapshot(engine)
+    marks = mark_steps(engine) if args.trace else None
     activities = [ProfilerActivity.CPU]
     if model.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -98,6 +101,16 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
     tag += "-arrival" if args.order == "arrival" else ""
     (out / f"profile-{n}{tag}.txt").write_text(line + "\n" + table)
     print(table, flush=True)
+    if marks is not None:
+        with tempfile.TemporaryDirectory(prefix="slora-trace-") as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            steps, figures = step_table(trace, marks)
+        (out / f"steps-{n}{tag}.md").write_text(f"adapters {n}{tag}\n\n{steps}")
+        (out / f"steps-{n}{tag}.json").write_text(json.dumps(figures, indent=1))
+        print(
+            f"steps by kind, adapters {n}{tag} (ms a step on the main stream):\n{steps}", flush=True
+        )
     results.close()
 
 
@@ -120,6 +133,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--out", default="out/profile")
     parser.add_argument("--preset", default="llama2-7b", help="tiny: a CPU check of the script")
+    parser.add_argument("--trace", action="store_true",
+                        help="device time per step kind, from the profiled window's trace")  # fmt: skip
     parser.add_argument("--order", choices=["adapter", "arrival"], default="adapter")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="an EngineConfig field for every run, e.g. cuda_graphs=false")  # fmt: skip
