@@ -11,6 +11,7 @@
 #   bash benchmarks/device_run.sh tiles   # the tiled decode kernels' tokens per block and warps
 #   bash benchmarks/device_run.sh close   # base, slora@1/10/1000/2000, peft, adapter-wait@1000/2000
 #   bash benchmarks/device_run.sh steps   # device time per step kind at 0, 10 and 2000 adapters
+#   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both expand knob settings, then their sweep
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -113,6 +114,12 @@ elif [ "$mode" = steps ]; then
   # apart, at 0, 10 and 2000 adapters (where slora@2000 loses to slora@10)
   profile 330 0,10,2000 --profile-steps 90 --rows 25 --trace
   cat "$out"/steps-*.md
+elif [ "$mode" = knobs ]; then
+  # the LoRA kernels against their twins at both settings of the expand knobs ("er",
+  # "vestages"), then those knobs timed: decode steps on 2000 and 1000 adapters, a mixed step
+  gpu_tests 150 6 tests/test_kernels_gpu.py -k "lora or cuda_graph"
+  timeout 300 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
+  cat "$out/vector-sweep.md"
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \

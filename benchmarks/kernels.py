@@ -246,26 +246,21 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
 
 
 SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
-    {},
-    {"vk": 512},
-    {"vr": 8},  # 8 rank rows x 2048: fewer rows (pages) per tile, longer runs in each
-    {"vr": 32},  # 32 rank rows x 512: fewer rank-block programs past an adapter's rank
-    {"vr": 32, "vk": 512},
+    {},  # earlier sweeps (benchmarks/h200-tuning/) tried vk, vr, vstages, vwarps and vgrid
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},
-    {"vr": 8},
-    {"vr": 32},
-    {"vr": 32, "vn": 512},
+    {"vestages": 2},  # the rank loop software-pipelined
+    {"vestages": 3},
 ]
-VECTOR_CASES = [(256, 1000)]  # (decode tokens, adapters drawn from)
-TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
+VECTOR_CASES = [(247, 2000), (256, 1000)]  # (decode tokens, adapters drawn from)
+TILED_SHRINK_VARIANTS = [{}]  # a step with prefill: both families run; the tiled knobs vary
+TILED_EXPAND_VARIANTS = [
     {},
-    {"k": 256},
-    {"rank": 64},
-    {"split_min_k": 1 << 30},
+    {"er": 16},  # 16 rank rows a dot, up to each segment's own rank (not the step's largest)
+    {"er": 32},
+    {"er": 16, "vestages": 2},
 ]
-TILED_EXPAND_VARIANTS = [{}, {"et": 32}, {"n": 128}]
 
 
 TILED_DECODE_SHRINKS = [  # the tiled decode graph's shrink: tokens per block, warps, blocks

@@ -11,6 +11,7 @@ mixed/prefill), mean wall ms of each, the host share, and the top kernels.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import tempfile
@@ -112,6 +113,12 @@ def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
             f"steps by kind, adapters {n}{tag} (ms a step on the main stream):\n{steps}", flush=True
         )
     results.close()
+    # the engine's cycles (runner, graphs) keep its page pool until collected; the next engine
+    # sizes its pool from the free memory, so without this it got a few rows (12 at 10 adapters)
+    del engine, results, prof
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _field(item: str) -> tuple[str, object]:

@@ -68,6 +68,9 @@ BLOCKS = {
     "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
     "vstages": 2,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
     "twarps": 4,  # tiled kernels: warps per program
+    "er": 0,  # tiled expand: rank rows per dot, looped to each segment's own rank (0: the step's
+    # largest rank in one dot, every segment padded to it)
+    "vestages": 0,  # vector expand: software-pipeline stages of the rank loop (0: plain loop)
 }
 
 
@@ -280,6 +283,21 @@ def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE:
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
 
+@triton.jit
+def _column_dots(v_row, pool_ptr, slot_pages, rank, r0, n0, d_out, cols, col_live,
+                 PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """sum_r v[r] B^T[r, n0 + n] over one block of BLOCK_R rank rows, for each column n."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    row_live = rows < rank
+    vv = tl.load(v_row + rows, mask=row_live, other=0.0)
+    page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+    page = tl.load(page_ptrs, mask=row_live, other=0)
+    n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
+    b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
+    b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
+
+
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
                                "rank_cap", "vector_max"])  # fmt: skip
 def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
@@ -288,7 +306,7 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
                           width0, width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
                           vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALL: tl.constexpr,
-                          INDEXED: tl.constexpr):  # fmt: skip
+                          INDEXED: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
     tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
@@ -310,16 +328,15 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
     cols = tl.arange(0, BLOCK_N)
     col_live = n0 + cols < d_out
     delta = tl.zeros([BLOCK_N], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):  # the adapter's own rank, BLOCK_R rows at a time
-        rows = r0 + tl.arange(0, BLOCK_R)
-        row_live = rows < rank
-        vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
-        page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
-        page = tl.load(page_ptrs, mask=row_live, other=0)
-        n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
-        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
-        b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-        delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
+    v_row = v_ptr + tok * v_stride + j * rank_cap
+    if STAGES > 0:  # the adapter's own rank, BLOCK_R rows at a time
+        for r0 in tl.range(0, rank, BLOCK_R, num_stages=STAGES):
+            delta += _column_dots(v_row, pool_ptr, slot_pages, rank, r0, n0, d_out, cols,
+                                  col_live, PAGE, BLOCK_R, BLOCK_N)  # fmt: skip
+    else:
+        for r0 in range(0, rank, BLOCK_R):
+            delta += _column_dots(v_row, pool_ptr, slot_pages, rank, r0, n0, d_out, cols,
+                                  col_live, PAGE, BLOCK_R, BLOCK_N)  # fmt: skip
     delta = delta * tl.load(scale_ptr + slot)
     o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
     tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
@@ -348,7 +365,6 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
     n0 = (nb - tl.where(j == 0, 0, tl.where(j == 1, blocks1, blocks2))) * BLOCK_N
     ii = b0 + tl.arange(0, BLOCK_T)
     tok = tl.load(token_order_ptr + ii, mask=ii < num_tokens, other=0).to(tl.int64)
-    rows = tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     col_live = n0 + cols < d_out
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -362,15 +378,19 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         )
         if (slot >= 0) & (start >= 0) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
-            row_live = rows < rank
-            v_ptrs = v_ptr + tok[:, None] * v_stride + j * rank_cap + rows[None, :]
-            vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
-            page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
-            page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
-            n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
-            b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
-            b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-            delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+            delta = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for r0 in range(0, rank, BLOCK_R):  # this adapter's own rank, BLOCK_R rows a dot
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_live = rows < rank
+                v_ptrs = v_ptr + tok[:, None] * v_stride + j * rank_cap + rows[None, :]
+                vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
+                page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+                page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
+                n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
+                b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
+                b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta,
+                               input_precision=PRECISION)  # fmt: skip
             acc += delta * tl.load(scale_ptr + slot)
             touched = touched | in_seg
         seg += 1
@@ -549,6 +569,13 @@ def vector_block(page: int, max_rank: int, knob: str) -> tuple[int, int]:
     return block_r, _pow2_divisor(page, max(16, BLOCKS[knob] * 64 // block_r))
 
 
+def expand_rank_block(max_rank: int) -> int:
+    """Rank rows per dot of the tiled expand: the step's largest rank at once (at least 16, as
+    tl.dot needs), or with BLOCKS["er"] that many, looped to each segment's own rank."""
+    whole = max(16, triton.next_power_of_2(max_rank))
+    return min(whole, max(16, BLOCKS["er"])) if BLOCKS["er"] else whole
+
+
 def tiled_rank_block(max_rank: int) -> int:
     """Rank columns per program of the tiled shrink."""
     return min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
@@ -592,9 +619,9 @@ def lora_expand(
 
     Vector grid (tokens, see ``_vector_pick``; column blocks of all G targets), one token each,
     stepping through its adapter's rank. Tiled grid (ceil(T / BLOCK_T), column blocks of all G
-    targets): tl.dot tiles [BLOCK_T, R'] x [R', BLOCK_N] with the whole rank R' =
-    next_pow2(max_rank) (at least 16) in one step, on BLOCKS["twarps"] warps. v is fp32: the dot
-    runs in tf32 (ieee for fp32 pools).
+    targets): tl.dot tiles [BLOCK_T, R'] x [R', BLOCK_N] (R' from ``expand_rank_block``: the
+    step's largest rank, or BLOCKS["er"] rows a dot up to each segment's own rank), on
+    BLOCKS["twarps"] warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
     """
     _check(v, pool_layer, meta, out)
     targets = lora_group(target)
@@ -622,7 +649,7 @@ def lora_expand(
             position_segments(meta, num_tokens), num_tokens, num_segs, *common, first1, first2,
             out, out.stride(0), rank_cap, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
-            BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=block_n,
+            BLOCK_R=expand_rank_block(max_rank), BLOCK_N=block_n,
             PRECISION=_precision(pool_layer.dtype), num_warps=BLOCKS["twarps"])  # fmt: skip
     if meta.shortest <= meta.vector_max:
         block_r, block_n = vector_block(page, max_rank, "vn")
@@ -634,4 +661,5 @@ def lora_expand(
             v, v.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
             pos_seg, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
             meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r,
-            BLOCK_N=block_n, **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip
+            BLOCK_N=block_n, **pick, STAGES=BLOCKS["vestages"],
+            num_warps=BLOCKS["vnwarps"])  # fmt: skip

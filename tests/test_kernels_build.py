@@ -58,7 +58,13 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     ),
     "expand vector, indexed": (
         lora._expand_vector_kernel,
-        dict(VECTOR, BLOCK_N=VN, ALL=False, INDEXED=True),
+        dict(VECTOR, BLOCK_N=VN, ALL=False, INDEXED=True, STAGES=B["vestages"]),
+        B["vnwarps"],
+        EXPAND_ALIGNED,
+    ),
+    "expand vector, graph, rank loop in 2 stages": (  # the "vestages" variant the sweep times
+        lora._expand_vector_kernel,
+        dict(VECTOR, BLOCK_N=VN, ALL=True, INDEXED=False, STAGES=2),
         B["vnwarps"],
         EXPAND_ALIGNED,
     ),
@@ -81,7 +87,18 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
         dict(
             TILED,
             BLOCK_T=lora.block_tokens(4096, expand=True),
-            BLOCK_R=RANK,
+            BLOCK_R=lora.expand_rank_block(RANK),
+            BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
+        ),
+        B["twarps"],
+        EXPAND_ALIGNED,
+    ),
+    "expand tiled, prefill, 16 rank rows a dot": (  # the "er" variant the sweep times
+        lora._expand_kernel,
+        dict(
+            TILED,
+            BLOCK_T=lora.block_tokens(4096, expand=True),
+            BLOCK_R=16,
             BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
         ),
         B["twarps"],

@@ -99,12 +99,26 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
+# The expand knobs the sweep compares (kernels.lora.BLOCKS "er" and "vestages"): "launcher" runs
+# the defaults, "other" the other setting of each (16 rank rows a tiled dot or the whole rank;
+# the vector rank loop pipelined in 2 stages or plain).
+EXPAND_KNOBS = ["launcher", "other"]
+
+
+def _expand_knobs(ops, monkeypatch, knobs: str) -> None:
+    if knobs == "other":
+        monkeypatch.setitem(ops.lora.BLOCKS, "er", 0 if ops.lora.BLOCKS["er"] else 16)
+        monkeypatch.setitem(ops.lora.BLOCKS, "vestages", 0 if ops.lora.BLOCKS["vestages"] else 2)
+
+
+@pytest.mark.parametrize("knobs", EXPAND_KNOBS)
 @pytest.mark.parametrize("path", ["tiled", "indexed", "vector"])
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("num_tokens,popularity", [(256, "uniform"), (1024, "skewed")])
-def test_lora_paths(ops, model, num_tokens, popularity, path):
+def test_lora_paths(ops, monkeypatch, model, num_tokens, popularity, path, knobs):
     """Every segment on one kernel family, the tiled (matrix) or the vector (per-token) one, or
     both, the vector kernels given their tokens ("indexed")."""
+    _expand_knobs(ops, monkeypatch, knobs)
     pool, meta = _lora(model, num_tokens, popularity, torch.bfloat16, seed=num_tokens + 1)
     set_path(meta, path)
     shrink, expand = ops.triton_ops.lora_shrink, ops.triton_ops.lora_expand
@@ -188,14 +202,16 @@ def test_pool_past_2_31_elements(ops):
     assert_close(mine_out, theirs_out, dtype)
 
 
+@pytest.mark.parametrize("knobs", EXPAND_KNOBS)
 @pytest.mark.parametrize("tiled", [False, True], ids=["vector", "tiled"])
 @pytest.mark.parametrize("kind", list(HEADS))
-def test_cuda_graph_decode_step(ops, kind, tiled):
+def test_cuda_graph_decode_step(ops, monkeypatch, kind, tiled, knobs):
     """Capture attention_decode + shrink/expand of q once; replay on two other steps' metadata
     copied into the same buffers: equal to eager runs on those steps. Vector: every token on the
     vector kernels (VECTOR_ALL). Tiled: every segment on the tiled kernels, with no pos_seg in
     the metadata, so each launch builds it (a warm-up that kept it would fix step 0's segments
     into the graph)."""
+    _expand_knobs(ops, monkeypatch, knobs)
     dtype, batch, max_ctx, num_pages = torch.bfloat16, 24, 2048, 2 * 24 * 2048 + 8
     dims, _ = MODELS["llama2-7b" if kind == "mha" else "llama3-8b"]
     scale, num_kv_heads = 128**-0.5, HEADS[kind][1]
