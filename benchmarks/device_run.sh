@@ -12,6 +12,7 @@
 #   bash benchmarks/device_run.sh close   # base, slora@1/10/1000/2000, peft, adapter-wait@1000/2000
 #   bash benchmarks/device_run.sh steps   # device time per step kind at 0, 10 and 2000 adapters
 #   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both expand knob settings, then their sweep
+#   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -120,6 +121,13 @@ elif [ "$mode" = knobs ]; then
   gpu_tests 150 6 tests/test_kernels_gpu.py -k "lora or cuda_graph"
   timeout 300 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
   cat "$out/vector-sweep.md"
+elif [ "$mode" = last ]; then
+  # what a change of the kernels' defaults needs once the kernel tests passed at both settings:
+  # the engine against transformers + PEFT, then every acceptance figure at 20 s a run
+  gpu_tests 240 6 --durations=5 tests/test_engine_gpu.py tests/test_builds.py
+  bench h200 330 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified \
+    --adapters 10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 20 \
+    --peft-max-seconds 90 --total-seconds 320
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \

@@ -93,12 +93,12 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
         B["twarps"],
         EXPAND_ALIGNED,
     ),
-    "expand tiled, prefill, 16 rank rows a dot": (  # the "er" variant the sweep times
+    "expand tiled, prefill, the whole rank in one dot": (  # BLOCKS["er"] 0
         lora._expand_kernel,
         dict(
             TILED,
             BLOCK_T=lora.block_tokens(4096, expand=True),
-            BLOCK_R=16,
+            BLOCK_R=RANK,
             BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
         ),
         B["twarps"],
