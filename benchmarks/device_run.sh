@@ -13,6 +13,7 @@
 #   bash benchmarks/device_run.sh steps   # device time per step kind at 0, 10 and 2000 adapters
 #   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both expand knob settings, then their sweep
 #   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
+#   bash benchmarks/device_run.sh probe   # the vector LoRA kernels at one rank and mixed ranks, then ncu
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -128,6 +129,10 @@ elif [ "$mode" = last ]; then
   bench h200 330 16 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified \
     --adapters 10,100,1000,2000 --ablation-adapters 1000 --peft-adapters 1 --max-seconds 20 \
     --peft-max-seconds 90 --total-seconds 320
+elif [ "$mode" = probe ]; then
+  # why the vector kernels of a 2000-adapter decode step move rows at ~0.65 of the copy bandwidth
+  timeout 250 python3 -m benchmarks.vector_probe --out "$out" > "$out/probe.md" 2>&1
+  cat "$out/probe.md"
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \

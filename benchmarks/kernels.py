@@ -349,7 +349,7 @@ def _as_uploaded(meta: LoraMeta, long_first: bool) -> None:
 
 
 def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw,
-               upload=None):  # fmt: skip
+               upload=None, rank_cycle=(8, 16, 32, 64)):  # fmt: skip
     """q/k/v then o LoRA of one Llama-2-7B layer on the step's tokens ``b_slot``, shrinks and
     expands timed apart (replayed from CUDA graphs) for each BLOCKS variant. The fraction is of
     the copy bandwidth for the distinct adapter rows the step reads; the difference to the
@@ -359,7 +359,7 @@ def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_varia
     dims = [(hidden, heads * 128), (hidden, kv_dim), (hidden, kv_dim), (heads * 128, hidden)]
     q, kv = dims[0][1], dims[1][1]
     tokens = b_slot.numel()
-    ranks = [(8, 16, 32, 64)[s % 4] for s in range(adapters)]
+    ranks = [rank_cycle[s % len(rank_cycle)] for s in range(adapters)]
     pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
     meta.vector_max = vector_max
     if upload is not None:

@@ -1,0 +1,71 @@
+"""Why the vector LoRA kernels of a decode step on 2000 adapters move adapter rows at about 0.65
+of the copy bandwidth: the same step (247 tokens drawn from 2000 adapters, Llama-2-7B q, k, v, o,
+replayed from a CUDA graph) with every adapter at one rank, next to the workload's mixed ranks.
+Equal fractions at one rank would clear the programs that a mixed step leaves idle past an
+adapter's rank; then Nsight Compute's view of the two kernels, when ncu is there.
+
+    python3 -m benchmarks.vector_probe --out $OUT        # timings, then ncu on the mixed case
+    python3 -m benchmarks.vector_probe --launch          # what ncu profiles: the kernels alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.kernels import Table, _lora_case, copy_gbps
+from kernels.meta import VECTOR_ALL
+
+TOKENS, ADAPTERS = 247, 2000
+CYCLES = {"mixed 8/16/32/64": (8, 16, 32, 64), "all 64": (64,), "all 16": (16,), "all 8": (8,)}
+
+
+def b_slot() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(TOKENS + ADAPTERS)
+    return torch.randint(0, ADAPTERS, (TOKENS,), generator=gen)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out/probe")
+    parser.add_argument("--launch", action="store_true", help="one timed case only (for ncu)")
+    args = parser.parse_args()
+    bw = copy_gbps()
+    rows = Table()
+    rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
+    cycles = list(CYCLES.items())[:1] if args.launch else CYCLES.items()
+    for label, cycle in cycles:
+        rows += _lora_case(b_slot(), ADAPTERS, VECTOR_ALL, f"T={TOKENS} {ADAPTERS} adapters, "
+                           f"ranks {label}", [{}], [{}], bw, rank_cycle=cycle)  # fmt: skip
+    if args.launch:
+        return
+    ncu = shutil.which("ncu") or next(iter(Path("/opt/nvidia").glob("nsight-compute/*/ncu")), None)
+    if ncu is None:
+        print("no ncu on this machine", flush=True)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = ["SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats",
+                "LaunchStats", "SchedulerStats"]  # fmt: skip
+    for kernel in ("shrink", "expand"):  # the q,k,v launch and the o launch of each
+        cmd = [str(ncu), "--clock-control", "none", "--kernel-name", f"regex:_{kernel}_vector",
+               "--launch-count", "2", *[a for s in sections for a in ("--section", s)],
+               sys.executable, "-m", "benchmarks.vector_probe", "--launch"]  # fmt: skip
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+        except subprocess.TimeoutExpired as exc:
+            print(f"ncu on the {kernel}: {exc}", flush=True)
+            continue
+        (out / f"ncu-{kernel}.txt").write_text(done.stdout + done.stderr)
+        print(
+            f"ncu on the {kernel}: exit {done.returncode}, report in ncu-{kernel}.txt", flush=True
+        )
+
+
+if __name__ == "__main__":
+    main()
