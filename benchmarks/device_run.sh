@@ -11,7 +11,7 @@
 #   bash benchmarks/device_run.sh tiles   # the tiled decode kernels' tokens per block and warps
 #   bash benchmarks/device_run.sh close   # base, slora@1/10/1000/2000, peft, adapter-wait@1000/2000
 #   bash benchmarks/device_run.sh steps   # device time per step kind at 0, 10 and 2000 adapters
-#   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both expand knob settings, then their sweep
+#   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both settings of "er", then the LoRA sweep
 #   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
 #   bash benchmarks/device_run.sh probe   # the vector LoRA kernels at one rank and mixed ranks, then ncu
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
@@ -117,8 +117,8 @@ elif [ "$mode" = steps ]; then
   profile 330 0,10,2000 --profile-steps 90 --rows 25 --trace
   cat "$out"/steps-*.md
 elif [ "$mode" = knobs ]; then
-  # the LoRA kernels against their twins at both settings of the expand knobs ("er",
-  # "vestages"), then those knobs timed: decode steps on 2000 and 1000 adapters, a mixed step
+  # the LoRA kernels against their twins at both settings of the tiled expand's "er" knob, then
+  # the LoRA kernels' variants timed: decode steps on 2000 and 1000 adapters, a mixed step
   gpu_tests 150 6 tests/test_kernels_gpu.py -k "lora or cuda_graph"
   timeout 300 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
   cat "$out/vector-sweep.md"

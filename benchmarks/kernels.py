@@ -249,17 +249,14 @@ SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on t
     {},  # earlier sweeps (benchmarks/h200-tuning/) tried vk, vr, vstages, vwarps and vgrid
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
-    {},
-    {"vestages": 2},  # the rank loop software-pipelined
-    {"vestages": 3},
+    {},  # h200-knobs-9e7231f timed the rank loop software-pipelined: the same in 2 stages
 ]
 VECTOR_CASES = [(247, 2000), (256, 1000)]  # (decode tokens, adapters drawn from)
 TILED_SHRINK_VARIANTS = [{}]  # a step with prefill: both families run; the tiled knobs vary
 TILED_EXPAND_VARIANTS = [
     {},
-    {"er": 16},  # 16 rank rows a dot, up to each segment's own rank (not the step's largest)
+    {"er": 0},  # the step's largest rank in one dot, every segment padded to it
     {"er": 32},
-    {"er": 16, "vestages": 2},
 ]
 
 

@@ -70,8 +70,6 @@ BLOCKS = {
     "twarps": 4,  # tiled kernels: warps per program
     "er": 16,  # tiled expand: rank rows per dot, looped to each segment's own rank (0: the
     # step's largest rank in one dot, every segment padded to it: 26% slower in the mixed step)
-    "vestages": 0,  # vector expand: software-pipeline stages of the rank loop (0: plain loop;
-    # 2 stages timed the same, 3 slower)
 }
 
 
@@ -284,21 +282,6 @@ def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE:
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
 
-@triton.jit
-def _column_dots(v_row, pool_ptr, slot_pages, rank, r0, n0, d_out, cols, col_live,
-                 PAGE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """sum_r v[r] B^T[r, n0 + n] over one block of BLOCK_R rank rows, for each column n."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    row_live = rows < rank
-    vv = tl.load(v_row + rows, mask=row_live, other=0.0)
-    page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
-    page = tl.load(page_ptrs, mask=row_live, other=0)
-    n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
-    b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
-    b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-    return tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
-
-
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
                                "rank_cap", "vector_max"])  # fmt: skip
 def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
@@ -307,7 +290,7 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
                           width0, width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
                           vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALL: tl.constexpr,
-                          INDEXED: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+                          INDEXED: tl.constexpr):  # fmt: skip
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
     tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
@@ -329,15 +312,18 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
     cols = tl.arange(0, BLOCK_N)
     col_live = n0 + cols < d_out
     delta = tl.zeros([BLOCK_N], tl.float32)
-    v_row = v_ptr + tok * v_stride + j * rank_cap
-    if STAGES > 0:  # the adapter's own rank, BLOCK_R rows at a time
-        for r0 in tl.range(0, rank, BLOCK_R, num_stages=STAGES):
-            delta += _column_dots(v_row, pool_ptr, slot_pages, rank, r0, n0, d_out, cols,
-                                  col_live, PAGE, BLOCK_R, BLOCK_N)  # fmt: skip
-    else:
-        for r0 in range(0, rank, BLOCK_R):
-            delta += _column_dots(v_row, pool_ptr, slot_pages, rank, r0, n0, d_out, cols,
-                                  col_live, PAGE, BLOCK_R, BLOCK_N)  # fmt: skip
+    # The adapter's own rank, BLOCK_R rows at a time. (Software-pipelining this loop in 2 stages
+    # timed the same on the H200, 3 stages slower: benchmarks/h200-knobs-9e7231f.)
+    for r0 in range(0, rank, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_live = rows < rank
+        vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
+        page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+        page = tl.load(page_ptrs, mask=row_live, other=0)
+        n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
+        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
+        b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+        delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
     delta = delta * tl.load(scale_ptr + slot)
     o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
     tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
@@ -662,5 +648,4 @@ def lora_expand(
             v, v.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
             pos_seg, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
             meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r,
-            BLOCK_N=block_n, **pick, STAGES=BLOCKS["vestages"],
-            num_warps=BLOCKS["vnwarps"])  # fmt: skip
+            BLOCK_N=block_n, **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip

@@ -58,13 +58,7 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     ),
     "expand vector, indexed": (
         lora._expand_vector_kernel,
-        dict(VECTOR, BLOCK_N=VN, ALL=False, INDEXED=True, STAGES=B["vestages"]),
-        B["vnwarps"],
-        EXPAND_ALIGNED,
-    ),
-    "expand vector, graph, rank loop in 2 stages": (  # the "vestages" variant the sweep times
-        lora._expand_vector_kernel,
-        dict(VECTOR, BLOCK_N=VN, ALL=True, INDEXED=False, STAGES=2),
+        dict(VECTOR, BLOCK_N=VN, ALL=False, INDEXED=True),
         B["vnwarps"],
         EXPAND_ALIGNED,
     ),

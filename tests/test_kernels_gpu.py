@@ -99,16 +99,14 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
-# The expand knobs the sweep compares (kernels.lora.BLOCKS "er" and "vestages"): "launcher" runs
-# the defaults, "other" the other setting of each (16 rank rows a tiled dot or the whole rank;
-# the vector rank loop pipelined in 2 stages or plain).
+# The tiled expand's rank rows a dot (kernels.lora.BLOCKS "er"): "launcher" runs the default,
+# "other" the other setting (the step's whole largest rank in one dot, or 16 rows a dot).
 EXPAND_KNOBS = ["launcher", "other"]
 
 
 def _expand_knobs(ops, monkeypatch, knobs: str) -> None:
     if knobs == "other":
         monkeypatch.setitem(ops.lora.BLOCKS, "er", 0 if ops.lora.BLOCKS["er"] else 16)
-        monkeypatch.setitem(ops.lora.BLOCKS, "vestages", 0 if ops.lora.BLOCKS["vestages"] else 2)
 
 
 @pytest.mark.parametrize("knobs", EXPAND_KNOBS)
