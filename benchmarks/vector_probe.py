@@ -2,7 +2,10 @@
 of the copy bandwidth: the same step (247 tokens drawn from 2000 adapters, Llama-2-7B q, k, v, o,
 replayed from a CUDA graph) with every adapter at one rank, next to the workload's mixed ranks.
 Equal fractions at one rank would clear the programs that a mixed step leaves idle past an
-adapter's rank; then Nsight Compute's view of the two kernels, when ncu is there.
+adapter's rank. The mixed step again with its rows ordered by rank, largest first: in graph
+decode steps program i is row i, so the programs with the most rank rows would start first and
+spread over the SMs (the o launches run in one or two waves). Then Nsight Compute's view of the
+two kernels, when ncu is there.
 
     python3 -m benchmarks.vector_probe --out $OUT        # timings, then ncu on the mixed case
     python3 -m benchmarks.vector_probe --launch          # what ncu profiles: the kernels alone
@@ -25,9 +28,14 @@ TOKENS, ADAPTERS = 247, 2000
 CYCLES = {"mixed 8/16/32/64": (8, 16, 32, 64), "all 64": (64,), "all 16": (16,), "all 8": (8,)}
 
 
-def b_slot() -> torch.Tensor:
+def b_slot(by_rank: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The step's adapter slots; with ``by_rank`` (the rank cycle), rows by rank, largest first."""
     gen = torch.Generator().manual_seed(TOKENS + ADAPTERS)
-    return torch.randint(0, ADAPTERS, (TOKENS,), generator=gen)
+    slots = torch.randint(0, ADAPTERS, (TOKENS,), generator=gen)
+    if by_rank is None:
+        return slots
+    ranks = torch.tensor(by_rank)[slots % len(by_rank)]
+    return slots[torch.sort(-ranks, stable=True).indices]
 
 
 def main() -> None:
@@ -44,6 +52,10 @@ def main() -> None:
                            f"ranks {label}", [{}], [{}], bw, rank_cycle=cycle)  # fmt: skip
     if args.launch:
         return
+    mixed = CYCLES["mixed 8/16/32/64"]
+    rows += _lora_case(b_slot(mixed), ADAPTERS, VECTOR_ALL, f"T={TOKENS} {ADAPTERS} adapters, "
+                       "ranks mixed, rows by rank (largest first)", [{}], [{}], bw,
+                       rank_cycle=mixed)  # fmt: skip
     ncu = shutil.which("ncu") or next(iter(Path("/opt/nvidia").glob("nsight-compute/*/ncu")), None)
     if ncu is None:
         print("no ncu on this machine", flush=True)
