@@ -104,8 +104,10 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
 EXPAND_KNOBS = ["launcher", "other"]
 
 
-def _expand_knobs(ops, monkeypatch, knobs: str) -> None:
+def _expand_knobs(ops, monkeypatch, knobs: str, tiled: bool) -> None:
     if knobs == "other":
+        if not tiled:
+            pytest.skip("the knob changes the tiled expand only")
         monkeypatch.setitem(ops.lora.BLOCKS, "er", 0 if ops.lora.BLOCKS["er"] else 16)
 
 
@@ -116,7 +118,7 @@ def _expand_knobs(ops, monkeypatch, knobs: str) -> None:
 def test_lora_paths(ops, monkeypatch, model, num_tokens, popularity, path, knobs):
     """Every segment on one kernel family, the tiled (matrix) or the vector (per-token) one, or
     both, the vector kernels given their tokens ("indexed")."""
-    _expand_knobs(ops, monkeypatch, knobs)
+    _expand_knobs(ops, monkeypatch, knobs, tiled=path != "vector")
     pool, meta = _lora(model, num_tokens, popularity, torch.bfloat16, seed=num_tokens + 1)
     set_path(meta, path)
     shrink, expand = ops.triton_ops.lora_shrink, ops.triton_ops.lora_expand
@@ -209,7 +211,7 @@ def test_cuda_graph_decode_step(ops, monkeypatch, kind, tiled, knobs):
     vector kernels (VECTOR_ALL). Tiled: every segment on the tiled kernels, with no pos_seg in
     the metadata, so each launch builds it (a warm-up that kept it would fix step 0's segments
     into the graph)."""
-    _expand_knobs(ops, monkeypatch, knobs)
+    _expand_knobs(ops, monkeypatch, knobs, tiled)
     dtype, batch, max_ctx, num_pages = torch.bfloat16, 24, 2048, 2 * 24 * 2048 + 8
     dims, _ = MODELS["llama2-7b" if kind == "mha" else "llama3-8b"]
     scale, num_kv_heads = 128**-0.5, HEADS[kind][1]
