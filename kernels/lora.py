@@ -551,7 +551,7 @@ def vector_block(page: int, max_rank: int, knob: str) -> tuple[int, int]:
     with BLOCKS["vr"] > 0 that many rows at a time, so an adapter's loop runs to its own rank
     only; and BLOCKS[knob] ("vk": shrink, "vn": expand) row elements at 64 rows, scaled to keep
     the tile's size, capped by what divides page."""
-    whole = max(16, triton.next_power_of_2(max_rank))
+    whole = _whole_rank(max_rank)
     block_r = min(whole, BLOCKS["vr"]) if BLOCKS["vr"] else whole
     return block_r, _pow2_divisor(page, max(16, BLOCKS[knob] * 64 // block_r))
 
@@ -559,13 +559,18 @@ def vector_block(page: int, max_rank: int, knob: str) -> tuple[int, int]:
 def expand_rank_block(max_rank: int) -> int:
     """Rank rows per dot of the tiled expand: the step's largest rank at once (at least 16, as
     tl.dot needs), or with BLOCKS["er"] that many, looped to each segment's own rank."""
-    whole = max(16, triton.next_power_of_2(max_rank))
+    whole = _whole_rank(max_rank)
     return min(whole, max(16, BLOCKS["er"])) if BLOCKS["er"] else whole
 
 
 def tiled_rank_block(max_rank: int) -> int:
     """Rank columns per program of the tiled shrink."""
-    return min(BLOCKS["rank"], max(16, triton.next_power_of_2(max_rank)))
+    return min(BLOCKS["rank"], _whole_rank(max_rank))
+
+
+def _whole_rank(max_rank: int) -> int:
+    """The step's largest rank as one tile: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(max_rank))
 
 
 def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from kernels.builds import BuildLog
 from slora_batch.bench_workload import adapter_sources
 from slora_batch.config import EngineConfig, SamplingConfig
 from slora_batch.engine import Engine
+from slora_batch.ordering import sort_key
 from slora_batch.request import Request
 from slora_batch.roofline import Work
 
@@ -163,7 +164,7 @@ def group_by_adapter(requests: list[Request]) -> list[Request]:
     adapter: the job's sort without its second key, prompt length, so that a run cut at its time
     limit still sees the workload's mix of lengths. Example: adapters [b, a, None, b] -> [None, a,
     b, b], the two b rows in their order."""
-    return sorted(requests, key=lambda r: (r.adapter is not None, r.adapter or ""))
+    return sorted(requests, key=lambda r: sort_key(r)[:3])  # (kind, has adapter, adapter)
 
 
 def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list[Request], bool]]:
