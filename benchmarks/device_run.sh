@@ -14,6 +14,7 @@
 #   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both settings of "er", then the LoRA sweep
 #   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
 #   bash benchmarks/device_run.sh probe   # the vector LoRA kernels at one rank and mixed ranks, then ncu
+#   bash benchmarks/device_run.sh diag    # steps at 10 and 2000 adapters (2000 requests), vector kernels on bench-like steps
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -132,6 +133,13 @@ elif [ "$mode" = last ]; then
 elif [ "$mode" = probe ]; then
   # why the vector kernels of a 2000-adapter decode step move rows at ~0.65 of the copy bandwidth
   timeout 250 python3 -m benchmarks.vector_probe --out "$out" > "$out/probe.md" 2>&1
+  cat "$out/probe.md"
+elif [ "$mode" = diag ]; then
+  # where slora@2000 loses to slora@10 now, on the bench's 2000 requests: device time per step
+  # kind at both counts, then the vector kernels on bench-like steps (adapters side by side)
+  profile 240 10,2000 --requests 2000 --profile-steps 90 --rows 25 --trace
+  cat "$out"/steps-*.md
+  timeout 200 python3 -m benchmarks.vector_probe --no-ncu --out "$out" > "$out/probe.md" 2>&1
   cat "$out/probe.md"
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s

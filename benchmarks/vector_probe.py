@@ -38,10 +38,35 @@ def b_slot(by_rank: tuple[int, ...] | None = None) -> torch.Tensor:
     return slots[torch.sort(-ranks, stable=True).indices]
 
 
+def clustered_slots(step: int = 300, cap: int = TOKENS, seed: int = 0) -> torch.Tensor:
+    """The rows of a bench decode step at 2000 adapters: the workload's 2000 requests (adapter
+    uniform over 2000 ids, output 8-512 tokens) sorted by adapter, admitted in that order into a
+    batch of ``cap`` rows whenever rows finish; the batch's slots at ``step``, in admission order.
+    Requests of one adapter run side by side, so the step holds fewer distinct adapters than
+    rows (about 0.73 of them, against 0.94 in arrival order)."""
+    gen = torch.Generator().manual_seed(seed)
+    adapters = (torch.rand(2000, generator=gen) * ADAPTERS).long()
+    left = torch.randint(8, 513, (2000,), generator=gen)
+    queue = sorted(range(2000), key=lambda i: int(adapters[i]))
+    active: list[list[int]] = []
+    for _ in range(step):
+        while queue and len(active) < cap:
+            i = queue.pop(0)
+            active.append([i, int(left[i])])
+        for row in active:
+            row[1] -= 1
+        active = [row for row in active if row[1] > 0]
+    while queue and len(active) < cap:
+        i = queue.pop(0)
+        active.append([i, int(left[i])])
+    return adapters[[i for i, _ in active]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out/probe")
     parser.add_argument("--launch", action="store_true", help="one timed case only (for ncu)")
+    parser.add_argument("--no-ncu", action="store_true", help="the timings only")
     args = parser.parse_args()
     bw = copy_gbps()
     rows = Table()
@@ -56,6 +81,18 @@ def main() -> None:
     rows += _lora_case(b_slot(mixed), ADAPTERS, VECTOR_ALL, f"T={TOKENS} {ADAPTERS} adapters, "
                        "ranks mixed, rows by rank (largest first)", [{}], [{}], bw,
                        rank_cycle=mixed)  # fmt: skip
+    clustered = clustered_slots()
+    distinct = clustered.unique().numel()
+    rows += _lora_case(clustered, ADAPTERS, VECTOR_ALL, f"T={clustered.numel()} bench-like, "
+                       f"{distinct} adapters side by side", [{}], [{}], bw,
+                       rank_cycle=mixed)  # fmt: skip
+    order = torch.randperm(clustered.numel(), generator=torch.Generator().manual_seed(1))
+    shuffled = clustered[order]
+    rows += _lora_case(shuffled, ADAPTERS, VECTOR_ALL, f"T={clustered.numel()} bench-like, "
+                       f"{distinct} adapters, rows shuffled", [{}], [{}], bw,
+                       rank_cycle=mixed)  # fmt: skip
+    if args.no_ncu:
+        return
     ncu = shutil.which("ncu") or next(iter(Path("/opt/nvidia").glob("nsight-compute/*/ncu")), None)
     if ncu is None:
         print("no ncu on this machine", flush=True)
