@@ -15,7 +15,6 @@
 #   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
 #   bash benchmarks/device_run.sh probe   # the vector LoRA kernels at one rank and mixed ranks, then ncu
 #   bash benchmarks/device_run.sh diag    # steps at 10 and 2000 adapters (2000 requests), vector kernels on bench-like steps
-#   bash benchmarks/device_run.sh stream  # engine tests of the LoRA side stream, then base, slora, serial-lora at 10 and 2000
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -142,13 +141,6 @@ elif [ "$mode" = diag ]; then
   cat "$out"/steps-*.md
   timeout 200 python3 -m benchmarks.vector_probe --no-ncu --out "$out" > "$out/probe.md" 2>&1
   cat "$out/probe.md"
-elif [ "$mode" = stream ]; then
-  # the LoRA shrink on a side stream beside its base projection: the engine against
-  # transformers + PEFT and against itself without the stream, then base, slora and
-  # serial-lora (the shrink in line) at 10 and 2000 adapters, 20 s a run
-  gpu_tests 200 6 tests/test_engine_gpu.py -k "side_stream or test_bf16_engine_matches_peft"
-  bench h200-stream 330 12 --requests 2000 --systems base,slora,serial-lora --adapters 10,2000 \
-    --ablation-adapters 10,2000 --max-seconds 20 --total-seconds 320
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \

@@ -29,15 +29,8 @@ ENGINE_SYSTEMS: dict[str, dict] = {
     "no-unified": {"unified_pool": False},
     "arrival": {},
     "adapter-wait": {"prefetch_wait": "adapter"},
-    "serial-lora": {"lora_stream": False},
 }
-ABLATIONS = (
-    "bmm",
-    "no-unified",
-    "arrival",
-    "adapter-wait",
-    "serial-lora",
-)  # slora with one thing changed
+ABLATIONS = ("bmm", "no-unified", "arrival", "adapter-wait")  # slora with one thing changed
 # Systems fed the workload in its generated order. The others get it grouped by adapter, the
 # clustering that `slora-batch run` gives its rows by sorting them (ordering.sort_key: adapter,
 # then prompt length) before they reach the engine; see group_by_adapter.

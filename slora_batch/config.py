@@ -98,8 +98,6 @@ class EngineConfig:
     prefetch_wait: str = "step"  # "step": each step waits for every prefetch copy issued
     # before it; "adapter": a step waits only for the copies of the adapters it uses, so steps
     # after an admission do not stall on the next groups' copies (bench ablation adapter-wait)
-    lora_stream: bool = True  # each LoRA shrink on a side stream beside its base projection
-    # (cuda), which reads the same input; False (bench ablation serial-lora): one after the other
     overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
     # N+1 takes step N's sampled tokens on the device (False: one step at a time)
     lora_layout: str = "paged"  # "paged": kernels gather rows from pool pages; "bmm": ablation,

@@ -108,7 +108,6 @@ class Engine:
             self.config.max_num_seqs,
             self.max_model_len,
             use_graphs,
-            lora_stream=self.config.lora_stream,
         )
         self.prefetch_stream = (
             torch.cuda.Stream(self.device)

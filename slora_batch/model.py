@@ -102,22 +102,13 @@ class LlamaModel:
         self.qkv_cols = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         inter = spec.intermediate_size
         self.gate_up_cols = {"gate": (0, inter), "up": (inter, 2 * inter)}
-        self.o_cols = {"o": (0, spec.hidden_size)}
-        self.down_cols = {"down": (0, spec.hidden_size)}
 
     def forward(
-        self,
-        step: StepInput,
-        pool: PagePool,
-        ops: ModuleType,
-        lora_pool: PagePool | None = None,
-        side: torch.cuda.Stream | None = None,
+        self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
     ) -> torch.Tensor:
         """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index.
         Adapter rows are read from ``lora_pool`` when given (the no-unified ablation), else from
-        ``pool`` itself. With a ``side`` stream each LoRA shrink runs on it, beside the base
-        projection that reads the same input; the expand, which adds into the projection's
-        output, waits for both."""
+        ``pool`` itself."""
         lora_pool = lora_pool if lora_pool is not None else pool
         spec = self.spec
         x = F.embedding(step.input_ids, self.embed)  # [T, H]
@@ -127,13 +118,11 @@ class LlamaModel:
             lora_buf = torch.zeros(  # fp32 [T, 3 * max_rank]: a group of up to 3 targets
                 x.shape[0], 3 * step.lora.max_rank, dtype=torch.float32, device=x.device
             )
-        lora = _LoraGroups(step.lora, lora_buf, ops, side)
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             h, residual = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps, residual)
-            pending = lora.shrink(h, self.qkv_cols, lora_layer)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            lora.expand(pending, qkv, lora_layer)
+            self._lora(h, qkv, self.qkv_cols, lora_layer, step.lora, lora_buf, ops)
             q, k, v = (qkv[:, lo:hi] for lo, hi in self.qkv_cols.values())
             q = q.reshape(-1, spec.num_heads, spec.head_dim)
             k = k.reshape(-1, spec.num_kv_heads, spec.head_dim)
@@ -141,17 +130,16 @@ class LlamaModel:
             ops.rope(q, k, step.positions, self.cos_sin)
             ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
             attn = self._attend(q, pool_layer, step, ops).view(-1, spec.q_dim)
-            pending = lora.shrink(attn, self.o_cols, lora_layer)
             o = F.linear(attn, layer.o, layer.o_bias)
-            lora.expand(pending, o, lora_layer)
+            self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
             h, residual = ops.rms_norm(o, layer.post_norm, spec.rms_norm_eps, residual)
-            pending = lora.shrink(h, self.gate_up_cols, lora_layer)
             gate_up = F.linear(h, layer.gate_up)
-            lora.expand(pending, gate_up, lora_layer)
+            self._lora(h, gate_up, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops)
             act = ops.silu_mul(gate_up)
-            pending = lora.shrink(act, self.down_cols, lora_layer)
             down = F.linear(act, layer.down)
-            lora.expand(pending, down, lora_layer)
+            self._lora(
+                act, down, {"down": (0, down.shape[1])}, lora_layer, step.lora, lora_buf, ops
+            )
             x = down
         h, _ = ops.rms_norm(
             x[step.logits_index], self.final_norm, spec.rms_norm_eps, residual[step.logits_index]
@@ -173,52 +161,26 @@ class LlamaModel:
         out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, self.scale)
         return out
 
-
-class _LoraGroups:
-    """The LoRA deltas of one step, a projection group at a time (q, k, v; o; gate, up; down):
-    ``shrink`` computes v = x A for the targets of the group that some adapter of the step has,
-    ``expand`` adds (v B) * scale into their column ranges of the fused output, in place. One
-    launch of each kernel family per group; none for a group no adapter has.
-
-    With a side stream, the shrink runs there: it reads only x, as the base projection does, so
-    the two share the device (the projection of a decode step streams its weights at about 0.6
-    of the copy bandwidth; the shrink's gathered rows fill the rest). The expand waits for it."""
-
-    def __init__(
-        self,
+    @staticmethod
+    def _lora(
+        x: torch.Tensor,
+        out: torch.Tensor,
+        cols: dict[str, tuple[int, int]],
+        pool_layer: torch.Tensor,
         meta: LoraMeta | None,
         buf: torch.Tensor | None,
         ops: ModuleType,
-        side: torch.cuda.Stream | None,
     ) -> None:
-        self.meta, self.buf, self.ops, self.side = meta, buf, ops, side
-
-    def shrink(
-        self, x: torch.Tensor, cols: dict[str, tuple[int, int]], pool_layer: torch.Tensor
-    ) -> tuple | None:
-        """Starts the group's shrink; returns what ``expand`` needs, or None: nothing to add."""
-        if self.buf is None:
-            return None
-        meta = self.meta
+        """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
+        column ranges of the fused output, in place: one shrink and one expand launch for the
+        targets of the group that some adapter of the step has."""
+        if buf is None:
+            return
         group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
         group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
         if not group:
-            return None  # no adapter of the step has a target of this group: no launch
+            return  # no adapter of the step has a target of this group: no launch
         targets = tuple(index for index, _ in group)
-        v = self.buf[:, : len(group) * meta.max_rank]
-        if self.side is None:
-            self.ops.lora_shrink(x, pool_layer, meta, targets, v)
-        else:
-            # v is free: the previous group's expand, on the main stream, has read it
-            self.side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(self.side):
-                self.ops.lora_shrink(x, pool_layer, meta, targets, v)
-        return targets, tuple(lo_hi for _, lo_hi in group), v
-
-    def expand(self, pending: tuple | None, out: torch.Tensor, pool_layer: torch.Tensor) -> None:
-        if pending is None:
-            return
-        targets, cols, v = pending
-        if self.side is not None:
-            torch.cuda.current_stream(out.device).wait_stream(self.side)
-        self.ops.lora_expand(v, pool_layer, self.meta, targets, out, cols)
+        v = buf[:, : len(group) * meta.max_rank]
+        ops.lora_shrink(x, pool_layer, meta, targets, v)
+        ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))

@@ -73,11 +73,8 @@ class ModelRunner:
         max_batch: int,
         max_model_len: int,
         use_graphs: bool,
-        lora_stream: bool = True,
     ) -> None:
         self.model, self.pool, self.lora_pool = model, pool, lora_pool
-        # the stream each LoRA shrink runs on, beside its base projection (LlamaModel.forward)
-        self.side = torch.cuda.Stream(device) if lora_stream and device.type == "cuda" else None
         self.residency, self.ops, self.device = residency, ops, device
         self.max_model_len = max_model_len
         # (bucket, tiled LoRA) -> (graph, its static input, its logits)
@@ -112,7 +109,7 @@ class ModelRunner:
             return logits[:batch]
         step = upload(host, self.residency, self.device)
         self._previous(step.input_ids, host, prev_tokens)
-        return self.model.forward(step, self.pool, self.ops, self.lora_pool, self.side)
+        return self.model.forward(step, self.pool, self.ops, self.lora_pool)
 
     def _previous(self, input_ids: torch.Tensor, host: HostStep, prev_tokens) -> None:
         """Input ids drawn by the previous step, gathered on the device (no wait for it)."""
@@ -218,11 +215,11 @@ class ModelRunner:
             )
             self._fill(static, host, bucket)
             for _ in range(2):  # warm up: compile kernels outside the capture
-                self.model.forward(static, self.pool, self.ops, self.lora_pool, self.side)
+                self.model.forward(static, self.pool, self.ops, self.lora_pool)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
-                logits = self.model.forward(static, self.pool, self.ops, self.lora_pool, self.side)
+                logits = self.model.forward(static, self.pool, self.ops, self.lora_pool)
             self.graphs[bucket, tiled] = (graph, static, logits)
         torch.cuda.synchronize()
         self.buckets = sorted(buckets)

@@ -235,28 +235,6 @@ def test_bf16_engine_matches_peft(gpu_case, graphs):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_lora_side_stream_equals_serial(gpu_case, graphs):
-    """Each LoRA shrink on its side stream, beside the base projection, gives the tokens and the
-    first-step logits of the same engine with shrink, projection and expand one after another:
-    the same kernels on the same inputs, only their order on the device changes."""
-    model_dir, weights, adapters, _ = gpu_case
-    got = {}
-    for side in (True, False):
-        engine = make_engine(model_dir, weights, adapters, cuda_graphs=graphs, lora_stream=side)
-        assert (engine.runner.side is not None) == side
-        cases = rows(engine.spec.vocab_size)
-        logits = [engine.prompt_logits(Request(**row)) for row in cases]
-        tokens = {r.id: r.token_ids for r in engine.generate(Request(**row) for row in cases)}
-        got[side] = (logits, tokens)
-        assert (engine.counters.graph_steps > 0) == graphs
-        del engine
-        torch.cuda.empty_cache()
-    for ours, serial in zip(got[True][0], got[False][0], strict=True):
-        assert torch.equal(ours, serial)
-    assert got[True][1] == got[False][1]
-
-
 def test_bf16_tiled_decode_graphs_match_peft(gpu_case):
     """Decode steps with many tokens on few adapters (8 rows on r64, 4 on r16: at least 4 tokens
     per adapter) replay the tiled-LoRA CUDA graph; tokens equal transformers + PEFT's up to a
