@@ -252,11 +252,18 @@ EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},  # h200-knobs-9e7231f timed the rank loop software-pipelined: the same in 2 stages
 ]
 VECTOR_CASES = [(247, 2000), (256, 1000)]  # (decode tokens, adapters drawn from)
-TILED_SHRINK_VARIANTS = [{}]  # a step with prefill: both families run; the tiled knobs vary
+TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
+    {},
+    {"k": 64},  # 138 -> 96 registers on sm_90 (benchmarks/registers.py): 3 -> 5 programs an SM
+    {"rank": 64, "k": 64},  # x read once a target, not once per 32 rank columns
+]
 TILED_EXPAND_VARIANTS = [
     {},
-    {"er": 0},  # the step's largest rank in one dot, every segment padded to it
-    {"er": 32},
+    {"escale": 0},  # a second accumulator per segment (152 registers, 3 programs an SM)
+    {"et": 32},  # 104 registers
+    {"twarps": 8},  # 98 registers a thread, 2 programs of 8 warps
+    {"n": 128, "twarps": 8},
+    {"et": 32, "n": 128},
 ]
 
 
@@ -316,7 +323,8 @@ def _few_adapters_case(bw: float, tokens: int = 256, adapters: int = 10) -> list
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
     label = f"mha decode T={tokens} {adapters} adapters"
-    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", [{}], [{}], bw)
+    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS[:2],
+                      TILED_EXPAND_VARIANTS[:2], bw)  # fmt: skip
     return rows + _lora_case(b_slot, adapters, VECTOR_ALL, f"{label} vector", [{}], [{}], bw)
 
 
