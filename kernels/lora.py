@@ -68,9 +68,6 @@ BLOCKS = {
     "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
     "vstages": 2,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
     "twarps": 4,  # tiled kernels: warps per program
-    "escale": 1,  # tiled expand: 1 scales v's rows before each dot, so every segment of a
-    # block adds into one accumulator (117 registers on sm_90 at 64 x 64 tiles, 4 programs an
-    # SM); 0: a second accumulator per segment, scaled after its rank loop (152, 3 an SM)
     "er": 16,  # tiled expand: rank rows per dot, looped to each segment's own rank (0: the
     # step's largest rank in one dot, every segment padded to it: 26% slower in the mixed step)
 }
@@ -340,8 +337,7 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
                    width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap, vector_max,
                    PAGE: tl.constexpr,
                    NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   SCALE_V: tl.constexpr):  # fmt: skip
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b0 = tl.program_id(0) * BLOCK_T
     seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
     if seg >= num_segs:
@@ -369,7 +365,6 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         )
         if (slot >= 0) & (start >= 0) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
-            scale = tl.load(scale_ptr + slot)
             delta = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             for r0 in range(0, rank, BLOCK_R):  # this adapter's own rank, BLOCK_R rows a dot
                 rows = r0 + tl.arange(0, BLOCK_R)
@@ -381,14 +376,9 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
                 n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
                 b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
                 b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-                if SCALE_V:  # the scale on v's rows (zero outside the segment): one accumulator
-                    acc = tl.dot(vt.to(tl.float32) * scale, b.to(tl.float32), acc,
-                                 input_precision=PRECISION)  # fmt: skip
-                else:
-                    delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta,
-                                   input_precision=PRECISION)  # fmt: skip
-            if not SCALE_V:
-                acc += delta * scale
+                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta,
+                               input_precision=PRECISION)  # fmt: skip
+            acc += delta * tl.load(scale_ptr + slot)
             touched = touched | in_seg
         seg += 1
         lo = hi
@@ -652,8 +642,7 @@ def lora_expand(
             out, out.stride(0), rank_cap, meta.vector_max, PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
             BLOCK_R=expand_rank_block(max_rank), BLOCK_N=block_n,
-            PRECISION=_precision(pool_layer.dtype), SCALE_V=bool(BLOCKS["escale"]),
-            num_warps=BLOCKS["twarps"])  # fmt: skip
+            PRECISION=_precision(pool_layer.dtype), num_warps=BLOCKS["twarps"])  # fmt: skip
     if meta.shortest <= meta.vector_max:
         block_r, block_n = vector_block(page, max_rank, "vn")
         first1, first2, total = _column_blocks(widths, block_n)

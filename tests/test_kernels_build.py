@@ -83,19 +83,17 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
             BLOCK_T=lora.block_tokens(4096, expand=True),
             BLOCK_R=lora.expand_rank_block(RANK),
             BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
-            SCALE_V=bool(B["escale"]),
         ),
         B["twarps"],
         EXPAND_ALIGNED,
     ),
-    "expand tiled, prefill, the whole rank in one dot, scale after": (  # "er" 0, "escale" 0
+    "expand tiled, prefill, the whole rank in one dot": (  # BLOCKS["er"] 0
         lora._expand_kernel,
         dict(
             TILED,
             BLOCK_T=lora.block_tokens(4096, expand=True),
             BLOCK_R=RANK,
             BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
-            SCALE_V=not B["escale"],
         ),
         B["twarps"],
         EXPAND_ALIGNED,

@@ -99,9 +99,8 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
-# The tiled expand's knobs (kernels.lora.BLOCKS "er", "escale"): "launcher" runs the defaults,
-# "other" the other setting of both (the step's whole largest rank in one dot, or 16 rows a
-# dot; the scale after each segment's dots, or on v's rows before them).
+# The tiled expand's rank rows a dot (kernels.lora.BLOCKS "er"): "launcher" runs the default,
+# "other" the other setting (the step's whole largest rank in one dot, or 16 rows a dot).
 EXPAND_KNOBS = ["launcher", "other"]
 
 
@@ -110,7 +109,6 @@ def _expand_knobs(ops, monkeypatch, knobs: str, tiled: bool) -> None:
         if not tiled:
             pytest.skip("the knob changes the tiled expand only")
         monkeypatch.setitem(ops.lora.BLOCKS, "er", 0 if ops.lora.BLOCKS["er"] else 16)
-        monkeypatch.setitem(ops.lora.BLOCKS, "escale", 1 - ops.lora.BLOCKS["escale"])
 
 
 @pytest.mark.parametrize("knobs", EXPAND_KNOBS)

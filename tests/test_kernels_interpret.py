@@ -233,11 +233,10 @@ SMALL_LORA_BLOCKS = {
     "vstages": 0,
     "twarps": 8,
     "er": 0,
-    "escale": 0,
 }  # splits; blocks in pages
 # the vector shrink with rank-row blocks of 8 in the grid, its d_in loop pipelined
-# ... and the tiled expand 16 rank rows a dot (up to rank 64: several dots), v scaled
-GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2, "er": 16, "escale": 1}
+# ... and the tiled expand 16 rank rows a dot (up to rank 64: several dots)
+GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2, "er": 16}
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
     "skewed": ("skewed", 0.1, 40, torch.float16, 32),
