@@ -254,15 +254,10 @@ EXPAND_VARIANTS = [  # likewise, timed on the expands alone
 VECTOR_CASES = [(247, 2000), (256, 1000)]  # (decode tokens, adapters drawn from)
 TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
     {},
-    {"k": 64},  # 138 -> 96 registers on sm_90 (benchmarks/registers.py): 3 -> 5 programs an SM
-    {"rank": 64, "k": 64},  # x read once a target, not once per 32 rank columns
+    {"k": 64},  # 138 -> 96 registers on sm_90, yet 18% slower (benchmarks/h200-tiled-c975912)
 ]
-TILED_EXPAND_VARIANTS = [
-    {},
-    {"escale": 0},  # a second accumulator per segment (152 registers, 3 programs an SM)
-    {"et": 32},  # 104 registers
-    {"twarps": 8},  # 98 registers a thread, 2 programs of 8 warps
-    {"n": 128, "twarps": 8},
+TILED_EXPAND_VARIANTS = [  # h200-tiled-c975912 timed et 32, n 128 and 8 warps at 117 registers
+    {},  # (the scale on v's rows, since taken out): none beat this default by more than 3%
     {"et": 32, "n": 128},
 ]
 
