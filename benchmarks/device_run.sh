@@ -15,7 +15,6 @@
 #   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
 #   bash benchmarks/device_run.sh probe   # the vector LoRA kernels at one rank and mixed ranks, then ncu
 #   bash benchmarks/device_run.sh diag    # steps at 10 and 2000 adapters (2000 requests), vector kernels on bench-like steps
-#   bash benchmarks/device_run.sh tiled   # LoRA kernel GPU tests at both knob settings, then the tiled kernels' variants
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -142,12 +141,6 @@ elif [ "$mode" = diag ]; then
   cat "$out"/steps-*.md
   timeout 200 python3 -m benchmarks.vector_probe --no-ncu --out "$out" > "$out/probe.md" 2>&1
   cat "$out/probe.md"
-elif [ "$mode" = tiled ]; then
-  # the LoRA kernels against their twins at both settings of the tiled expand's knobs, then
-  # the tiled kernels' variants in a step with prefill and a decode step on 10 adapters
-  gpu_tests 150 6 tests/test_kernels_gpu.py -k "lora or cuda_graph"
-  timeout 300 python3 -m benchmarks.kernels --vector-sweep > "$out/vector-sweep.md" 2>&1
-  cat "$out/vector-sweep.md"
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s
   gpu_tests 540 20 --durations=10 tests/test_engine_gpu.py tests/test_kernels_gpu.py \

@@ -318,8 +318,8 @@ def _few_adapters_case(bw: float, tokens: int = 256, adapters: int = 10) -> list
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
     label = f"mha decode T={tokens} {adapters} adapters"
-    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS[:2],
-                      TILED_EXPAND_VARIANTS[:2], bw)  # fmt: skip
+    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS,
+                      TILED_EXPAND_VARIANTS, bw)  # fmt: skip
     return rows + _lora_case(b_slot, adapters, VECTOR_ALL, f"{label} vector", [{}], [{}], bw)
 
 

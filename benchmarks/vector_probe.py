@@ -4,10 +4,13 @@ replayed from a CUDA graph) with every adapter at one rank, next to the workload
 Equal fractions at one rank would clear the programs that a mixed step leaves idle past an
 adapter's rank. The mixed step again with its rows ordered by rank, largest first: in graph
 decode steps program i is row i, so the programs with the most rank rows would start first and
-spread over the SMs (the o launches run in one or two waves). Then Nsight Compute's view of the
-two kernels, when ncu is there.
+spread over the SMs (the o launches run in one or two waves). Then a step like the bench's
+(``clustered_slots``: fewer distinct adapters than rows, an adapter's rows side by side), and the
+same rows shuffled: whether the time follows the rows or the distinct adapters, and their order.
+Then Nsight Compute's view of the two kernels, when ncu is there.
 
     python3 -m benchmarks.vector_probe --out $OUT        # timings, then ncu on the mixed case
+    python3 -m benchmarks.vector_probe --no-ncu          # the timings only
     python3 -m benchmarks.vector_probe --launch          # what ncu profiles: the kernels alone
 """
 
