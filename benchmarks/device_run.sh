@@ -14,7 +14,6 @@
 #   bash benchmarks/device_run.sh knobs   # LoRA kernel GPU tests at both settings of "er", then the LoRA sweep
 #   bash benchmarks/device_run.sh last    # engine gpu tests, then base, slora@10/100/1000/2000, peft, bmm, no-unified
 #   bash benchmarks/device_run.sh probe   # the vector LoRA kernels at one rank and mixed ranks, then ncu
-#   bash benchmarks/device_run.sh diag    # steps at 10 and 2000 adapters (2000 requests), vector kernels on bench-like steps
 #   bash benchmarks/device_run.sh tests   # every gpu test (about 5 minutes on a fresh machine)
 #   bash benchmarks/device_run.sh bench   # the DESIGN section 5 acceptance run (~9 minutes)
 #   bash benchmarks/device_run.sh confirm # base, slora@10/1000/2000 and peft again, 25 s a run, profiles
@@ -114,8 +113,9 @@ elif [ "$mode" = close ]; then
     --peft-max-seconds 90 --total-seconds 410
 elif [ "$mode" = steps ]; then
   # each step's device time by kernel family and the GPU's idle time, decode and mixed steps
-  # apart, at 0, 10 and 2000 adapters (where slora@2000 loses to slora@10)
-  profile 330 0,10,2000 --profile-steps 90 --rows 25 --trace
+  # apart, at 0, 10 and 2000 adapters (where slora@2000 loses to slora@10), on the bench's
+  # 2000 requests (800 put 212 distinct adapters in a 2000-adapter decode step, the bench 188)
+  profile 330 0,10,2000 --requests 2000 --profile-steps 90 --rows 25 --trace
   cat "$out"/steps-*.md
 elif [ "$mode" = knobs ]; then
   # the LoRA kernels against their twins at both settings of the tiled expand's "er" knob, then
@@ -132,14 +132,8 @@ elif [ "$mode" = last ]; then
     --peft-max-seconds 90 --total-seconds 320
 elif [ "$mode" = probe ]; then
   # why the vector kernels of a 2000-adapter decode step move rows at ~0.65 of the copy bandwidth
+  # (python3 -m benchmarks.vector_probe --no-ncu: the timings only)
   timeout 250 python3 -m benchmarks.vector_probe --out "$out" > "$out/probe.md" 2>&1
-  cat "$out/probe.md"
-elif [ "$mode" = diag ]; then
-  # where slora@2000 loses to slora@10 now, on the bench's 2000 requests: device time per step
-  # kind at both counts, then the vector kernels on bench-like steps (adapters side by side)
-  profile 240 10,2000 --requests 2000 --profile-steps 90 --rows 25 --trace
-  cat "$out"/steps-*.md
-  timeout 200 python3 -m benchmarks.vector_probe --no-ncu --out "$out" > "$out/probe.md" 2>&1
   cat "$out/probe.md"
 elif [ "$mode" = tests ]; then
   # every gpu test; 230 s cut the d243031 run after 60 passed, so this one has 540 s

@@ -26,6 +26,9 @@ import torch
 
 from benchmarks.kernels import Table, _lora_case, copy_gbps
 from kernels.meta import VECTOR_ALL
+from slora_batch.bench import BenchConfig
+from slora_batch.bench_engine import group_by_adapter
+from slora_batch.bench_workload import Workload
 
 TOKENS, ADAPTERS = 247, 2000
 CYCLES = {"mixed 8/16/32/64": (8, 16, 32, 64), "all 64": (64,), "all 16": (16,), "all 8": (8,)}
@@ -41,28 +44,29 @@ def b_slot(by_rank: tuple[int, ...] | None = None) -> torch.Tensor:
     return slots[torch.sort(-ranks, stable=True).indices]
 
 
-def clustered_slots(step: int = 300, cap: int = TOKENS, seed: int = 0) -> torch.Tensor:
-    """The rows of a bench decode step at 2000 adapters: the workload's 2000 requests (adapter
-    uniform over 2000 ids, output 8-512 tokens) sorted by adapter, admitted in that order into a
-    batch of ``cap`` rows whenever rows finish; the batch's slots at ``step``, in admission order.
-    Requests of one adapter run side by side, so the step holds fewer distinct adapters than
-    rows (about 0.73 of them, against 0.94 in arrival order)."""
-    gen = torch.Generator().manual_seed(seed)
-    adapters = (torch.rand(2000, generator=gen) * ADAPTERS).long()
-    left = torch.randint(8, 513, (2000,), generator=gen)
-    queue = sorted(range(2000), key=lambda i: int(adapters[i]))
-    active: list[list[int]] = []
-    for _ in range(step):
+def clustered_slots(step: int = 300, cap: int = TOKENS) -> torch.Tensor:
+    """The rows of a bench decode step at 2000 adapters: the bench's workload (DESIGN section 5,
+    seed 0) in the bench's order (``group_by_adapter``), admitted into a batch of ``cap`` rows
+    whenever rows finish, each row leaving after its output length; the batch's adapter slots at
+    ``step``, in admission order. Requests of one adapter run side by side, so the step holds
+    fewer distinct adapters than rows (179 of 247 at step 300)."""
+    workload = Workload.generate(BenchConfig(), vocab_size=32000)
+    queue = group_by_adapter(workload.requests(ADAPTERS))
+    queue.reverse()  # popped from the end: the first request first
+    active: list[list] = []  # [request, tokens still to make]
+
+    def admit() -> None:
         while queue and len(active) < cap:
-            i = queue.pop(0)
-            active.append([i, int(left[i])])
+            request = queue.pop()
+            active.append([request, request.max_new_tokens])
+
+    for _ in range(step):
+        admit()
         for row in active:
             row[1] -= 1
-        active = [row for row in active if row[1] > 0]
-    while queue and len(active) < cap:
-        i = queue.pop(0)
-        active.append([i, int(left[i])])
-    return adapters[[i for i, _ in active]]
+        active[:] = [row for row in active if row[1] > 0]
+    admit()
+    return torch.tensor([int(request.adapter[1:]) for request, _ in active])  # "a0042" -> 42
 
 
 def main() -> None:
