@@ -7,6 +7,7 @@ in host memory (pinned when a GPU is used) in an LRU bounded by bytes, so thousa
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -267,6 +268,21 @@ class AdapterStore:
         """Parse every adapter; the first incompatible one raises ``AdapterError``."""
         return [self.info(name) for name in self.names]
 
+    def check_all(self) -> tuple[list[AdapterInfo], dict[str, AdapterError]]:
+        """Parse every adapter: the usable ones, and why each broken one cannot be used (its
+        rows become error rows; the others run)."""
+        infos, broken = [], {}
+        for name in self.names:
+            try:
+                infos.append(self.info(name))
+            except AdapterError as exc:
+                broken[name] = exc
+        return infos, broken
+
+    def nearest(self, name: str, n: int = 3) -> list[str]:
+        """Known adapter names closest to ``name`` (for "unknown adapter" messages)."""
+        return difflib.get_close_matches(name, self.names, n=n, cutoff=0.5)
+
     def pages(self, name: str) -> int:
         info = self.info(name)
         return self.spec.adapter_pages(info.rank, info.targets)
@@ -300,4 +316,5 @@ def resolve_sources(sources: dict[str, str | Path] | str | Path | None) -> dict[
     root = Path(sources)
     if not root.is_dir():
         raise AdapterError("*", root, "adapters directory does not exist")
-    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir()}
+    # Hidden folders (.ipynb_checkpoints, .git, ...) are not adapters.
+    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}

@@ -29,6 +29,8 @@ class Request:
     seed: int | None = None
     stop: list[str] | None = None
     ignore_eos: bool | None = None
+    extra: dict[str, Any] | None = None  # carried unchanged to ``Result.extra`` (kept columns)
+    source: str | None = None  # where the row came from ("in.jsonl line 7"), for error messages
 
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
@@ -46,15 +48,18 @@ class Result:
     completion_tokens: int = 0
     finish_reason: FinishReason = "stop"
     error: str | None = None
+    extra: dict[str, Any] | None = None  # the request's ``extra``, unchanged
 
     @classmethod
     def failed(cls, request: Request, message: str, prompt_tokens: int = 0) -> Result:
         adapter = request.adapter or None
+        where = f"{request.source}: " if request.source else ""
         return cls(
             id=request.id,
             adapter=adapter,
             text="",
             prompt_tokens=prompt_tokens,
             finish_reason="error",
-            error=f"row {request.id!r} (adapter {adapter!r}): {message}",
+            error=f"{where}row {request.id!r} (adapter {adapter!r}): {message}",
+            extra=request.extra,
         )
