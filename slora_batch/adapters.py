@@ -13,6 +13,7 @@ import logging
 import math
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,13 +231,19 @@ def to_pages(
 
 class AdapterStore:
     """All adapters by name: configs parsed on demand, weights kept in host memory in their page
-    layout (an LRU bounded by bytes; adapters that share a directory share one copy)."""
+    layout (an LRU bounded by bytes; adapters that share a directory share one copy).
+
+    Disk reads happen on one loader thread: ``load_ahead`` queues the read of an adapter the
+    next rows will need, ``ready`` says whether it is in host memory, and ``paged`` returns it,
+    waiting for the loader if its read is under way (counted in ``loader_waits``). Only the
+    engine's thread touches the cache; the loader thread only reads files into new tensors.
+    """
 
     def __init__(
         self,
         spec: ModelSpec,
         sources: dict[str, str | Path] | str | Path | None = None,
-        cache_bytes: int = 16 << 30,
+        cache_bytes: int = 8 << 30,
         pin: bool = False,
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -248,7 +255,12 @@ class AdapterStore:
         self._infos: dict[str, AdapterInfo] = {}
         self._paged: OrderedDict[Path, PagedAdapter] = OrderedDict()
         self._paged_bytes = 0
+        self._reading: dict[Path, Future[PagedAdapter]] = {}  # queued or running on the loader
+        self._ahead_bytes = 0  # bytes of the reads in _reading
+        self._loader: ThreadPoolExecutor | None = None
+        self._keys: dict[str, Path] = {}
         self.disk_loads = 0
+        self.loader_waits = 0
 
     @property
     def names(self) -> list[str]:
@@ -269,14 +281,15 @@ class AdapterStore:
         return [self.info(name) for name in self.names]
 
     def check_all(self) -> tuple[list[AdapterInfo], dict[str, AdapterError]]:
-        """Parse every adapter: the usable ones, and why each broken one cannot be used (its
-        rows become error rows; the others run)."""
+        """Parse every adapter: the usable ones, and why each broken one cannot be used. The
+        broken ones leave the store (their rows become error rows; the others run)."""
         infos, broken = [], {}
         for name in self.names:
             try:
                 infos.append(self.info(name))
             except AdapterError as exc:
                 broken[name] = exc
+                del self.sources[name]
         return infos, broken
 
     def nearest(self, name: str, n: int = 3) -> list[str]:
@@ -287,17 +300,50 @@ class AdapterStore:
         info = self.info(name)
         return self.spec.adapter_pages(info.rank, info.targets)
 
+    def nbytes(self, name: str) -> int:
+        """Host bytes of an adapter in page layout (known before reading it)."""
+        elt = torch.finfo(self.dtype).bits // 8
+        return self.pages(name) * self.spec.num_layers * self.spec.page_size * elt
+
+    def ready(self, name: str) -> bool:
+        """Whether ``paged(name)`` returns without reading the disk or waiting for the loader."""
+        key = self._key(name)
+        future = self._reading.get(key)
+        return key in self._paged or (future is not None and future.done())
+
+    def load_ahead(self, name: str) -> bool:
+        """Queue the read of an adapter on the loader thread, unless it is in host memory or
+        queued already. Reads run in the order queued. Adapters read ahead and not yet taken by
+        ``paged`` may hold at most half the cache's bytes: returns False (nothing queued) when
+        this one would pass that, so the caller stops asking for later ones."""
+        key = self._key(name)
+        if key in self._paged or key in self._reading:
+            return True
+        size = self.nbytes(name)
+        if self._ahead_bytes + size > self.cache_bytes // 2 and self._reading:
+            return False
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="slora-adapter-loader")
+        self._reading[key] = self._loader.submit(self._read, self.info(name))
+        self._ahead_bytes += size
+        return True
+
     def paged(self, name: str) -> PagedAdapter:
-        """Host weights in page layout, read from disk on first use and kept while the budget allows."""
-        info = self.info(name)
-        key = info.path.resolve()
+        """Host weights in page layout: from the cache, from the loader (waiting for its read if
+        it is under way), or read here when nobody asked ahead."""
+        key = self._key(name)
         cached = self._paged.get(key)
         if cached is not None:
             self._paged.move_to_end(key)
             return cached
-        paged = to_pages(
-            info, load_weights(info, self.spec), self.spec.page_size, self.dtype, self.pin
-        )
+        future = self._reading.pop(key, None)
+        if future is not None:
+            self._ahead_bytes -= self.nbytes(name)
+            if not future.done():
+                self.loader_waits += 1
+            paged = future.result()  # the loader's AdapterError, if any, raises here
+        else:
+            paged = self._read(self.info(name))
         self.disk_loads += 1
         self._paged[key] = paged
         self._paged_bytes += paged.nbytes
@@ -305,6 +351,27 @@ class AdapterStore:
             _, old = self._paged.popitem(last=False)
             self._paged_bytes -= old.nbytes
         return paged
+
+    def close(self) -> None:
+        """Stops the loader thread (queued reads are dropped) and empties the cache."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None
+        self._reading.clear()
+        self._ahead_bytes = 0
+        self._paged.clear()
+        self._paged_bytes = 0
+
+    def _key(self, name: str) -> Path:
+        """The cache key: the adapter's resolved directory (names sharing one share weights)."""
+        key = self._keys.get(name)
+        if key is None:
+            key = self._keys[name] = self.info(name).path.resolve()
+        return key
+
+    def _read(self, info: AdapterInfo) -> PagedAdapter:
+        weights = load_weights(info, self.spec)
+        return to_pages(info, weights, self.spec.page_size, self.dtype, self.pin)
 
 
 def resolve_sources(sources: dict[str, str | Path] | str | Path | None) -> dict[str, Path]:

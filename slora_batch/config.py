@@ -92,6 +92,9 @@ class EngineConfig:
     max_adapters_per_batch: int = 256  # adapter clustering cap: distinct adapters running
     max_resident_adapters: int = 1024  # adapter slots on the device
     max_model_len: int | None = None  # context cap; None takes the model's
+    host_cache_bytes: int = 8 << 30  # adapter weights kept in host memory (pinned on cuda),
+    # least recently used leave first; a loader thread reads the next rows' adapters into it
+    cpu_threads: int | None = None  # torch threads on a cpu engine; None: cores - 1 (min 1)
     lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
     cuda_graphs: bool = True  # capture decode steps on cuda
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
@@ -145,6 +148,7 @@ class EngineConfig:
             "max_resident_adapters",
             "lookahead",
             "cpu_pool_bytes",
+            "host_cache_bytes",
         ):
             value = getattr(self, name)
             check(
@@ -156,6 +160,13 @@ class EngineConfig:
             or isinstance(self.admit_batch, int)
             and 1 <= self.admit_batch <= self.max_num_seqs,
             f"admit_batch must be an integer in [1, max_num_seqs], got {self.admit_batch!r}",
+        )
+        check(
+            self.cpu_threads is None
+            or isinstance(self.cpu_threads, int)
+            and not isinstance(self.cpu_threads, bool)
+            and self.cpu_threads >= 1,
+            f"cpu_threads must be an integer >= 1 or null, got {self.cpu_threads!r}",
         )
         check(
             self.max_model_len is None or self.max_model_len >= 2,

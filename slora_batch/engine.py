@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
+import os
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +22,7 @@ from slora_batch.loader import load_model
 from slora_batch.pool import PagePool
 from slora_batch.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.residency import AdapterResidency
-from slora_batch.runner import ModelRunner
+from slora_batch.runner import ModelRunner, graph_buckets
 from slora_batch.sample_model import resolve_model
 from slora_batch.sampling import SamplingBatch, row_key, sample
 from slora_batch.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
@@ -73,17 +77,27 @@ class Engine:
         sampling: SamplingConfig | None = None,
         weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        began = time.perf_counter()
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingConfig()
         self.model_path = resolve_model(model)
         self.spec = read_spec(self.model_path)
         self.device = _pick_device(self.config.device)
         self.dtype = _pick_dtype(self.config.dtype, self.device)
+        if self.device.type == "cpu":
+            _set_cpu_threads(self.config.cpu_threads)
         self.ops = _pick_backend(self.config.backend, self.device, self.config.lora_layout)
         self.store = AdapterStore(
-            self.spec, adapters, pin=self.device.type == "cuda", dtype=self.dtype
+            self.spec,
+            adapters,
+            cache_bytes=self.config.host_cache_bytes,
+            pin=self.device.type == "cuda",
+            dtype=self.dtype,
         )
-        self.store.validate_all()  # an incompatible adapter fails the engine before any work
+        # A broken adapter among many costs only its own rows (error rows that say why).
+        _, self.broken = self.store.check_all()
+        for exc in self.broken.values():
+            log.warning("%s; its rows become error rows", exc)
         limit = self.config.max_model_len or self.spec.max_context
         self.max_model_len = min(limit, self.spec.max_context)
         self.model = load_model(self.spec, self.dtype, self.device, self.max_model_len, weights)
@@ -92,12 +106,15 @@ class Engine:
         self.residency = AdapterResidency(
             self.lora_pool, self.store, self.config.max_resident_adapters, self.device
         )
-        self.scheduler = Scheduler(self.config, self.pool, self.residency)
+        self.scheduler = Scheduler(
+            self.config, self.pool, self.residency, self.spec.eos_token_ids
+        )
         use_graphs = (
             self.config.cuda_graphs
             and self.ops.__name__.endswith("triton_ops")
             and self.config.lora_layout == "paged"
         )
+        warmup = time.perf_counter()
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -109,6 +126,7 @@ class Engine:
             self.max_model_len,
             use_graphs,
         )
+        warmup_s = time.perf_counter() - warmup
         self.prefetch_stream = (
             torch.cuda.Stream(self.device)
             if self.config.prefetch and self.device.type == "cuda"
@@ -116,29 +134,75 @@ class Engine:
         )
         self._prefetched = None  # event the next step waits on after a prefetch
         self._steps = 0  # steps launched
-        self._held: list[Sequence] = []  # finished rows whose pages a step in flight still uses
+        self._active: weakref.ref | None = None  # the generate() iterator in use
+        self._inflight: _Inflight | None = None  # the launched step not read back yet
         self.counters = EngineCounters()
+        self.counters.load_s = time.perf_counter() - began - warmup_s
+        self.counters.warmup_s = warmup_s
         self._arrivals = 0
+        page_bytes = self.spec.num_layers * self.spec.page_size * self.pool.data.element_size()
         log.info(
-            "engine: %s on %s/%s, pool %d pages (%d tokens), %d adapters",
+            "engine: %s on %s/%s, pool %d pages of %d B (%.2f GiB, %d tokens of KV), "
+            "%d adapters (%d unusable)",
             self.spec.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             self.pool.num_pages,
+            page_bytes,
+            self.pool.num_pages * page_bytes / 2**30,
             self.pool.num_pages // PAGES_PER_TOKEN,
             len(self.store.names),
+            len(self.broken),
         )
+
+    def close(self) -> None:
+        """Frees the engine's device memory (pool, CUDA graphs, weights), so that a next engine
+        in this process gets the whole card. The engine cannot run afterwards."""
+        for name in ("runner", "scheduler", "residency", "pool", "lora_pool", "model"):
+            self.__dict__.pop(name, None)
+        self.store.close()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def adapter_names(self) -> list[str]:
         return self.store.names
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        """Pulls requests lazily (a window of ``lookahead`` ahead) and yields results as they finish."""
-        source = iter(requests)
+        """Pulls requests lazily (a window of ``lookahead`` ahead) and yields results as they
+        finish. Abandoning the iterator (``break``, an exception, ``close()``, or a new
+        ``generate`` call, which closes the previous iterator) drops the rows still in the
+        engine and releases their pages and adapters; the engine stays usable."""
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous.close()
+        generator = self._generate(iter(requests))
+        self._active = weakref.ref(generator)
+        return generator
+
+    def _generate(self, source: Iterator[Request]) -> Iterator[Result]:
+        try:
+            yield from self._loop(source)
+        finally:
+            if self._inflight is not None:
+                self._inflight.read()  # its pages must not be reused while the device reads them
+                self._inflight = None
+            dropped = self.scheduler.abort()
+            if dropped:
+                log.info("generate() abandoned: %d rows dropped, their pages freed", len(dropped))
+            self._prefetched = None
+
+    def _loop(self, source: Iterator[Request]) -> Iterator[Result]:
         exhausted = False
         sched = self.scheduler
-        inflight: _Inflight | None = None
         while True:
             while not exhausted and len(sched.waiting) + len(sched.running) < self.config.lookahead:
                 request = next(source, None)
@@ -151,26 +215,27 @@ class Engine:
                     yield prepared
                 else:
                     sched.add(prepared)
-            if not sched.has_work() and inflight is None:
+            if not sched.has_work() and self._inflight is None:
                 if exhausted:
                     return
                 continue
             # Step N+1 is scheduled, prepared and launched while step N (in flight) runs; then
             # step N's tokens are read back. Without overlap each step completes at once.
             started = time.perf_counter()
+            self._load_ahead()
             step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
-            launched = self._launch(step, started, inflight) if step else None
-            if inflight is not None:
-                yield from self._complete(inflight, started)
-            elif launched is None:
+            done = self._inflight
+            self._inflight = self._launch(step, started, done) if step else None
+            if done is not None:
+                yield from self._complete(done, started)
+            elif self._inflight is None:
                 raise RuntimeError(
                     f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
                     f"{self.pool.num_free} of {self.pool.num_pages} pages free"
                 )
-            inflight = launched
-            if inflight is not None and not self.config.overlap:
-                yield from self._complete(inflight, None)
-                inflight = None
+            if self._inflight is not None and not self.config.overlap:
+                done, self._inflight = self._inflight, None
+                yield from self._complete(done, None)
 
     def _launch(self, step: ScheduledStep, started: float, prev: _Inflight | None) -> _Inflight:
         """Plans a step and queues its forward and sampling on the device; returns at once."""
@@ -192,13 +257,7 @@ class Engine:
                 tokens = logits.argmax(dim=-1)
             if self.prefetch_stream is not None and not self.config.overlap:
                 self._prefetch()  # overlaps the step running on the GPU
-        for seq, n in zip(step.seqs, step.num_new, strict=True):
-            seq.num_computed += n
-        for row, seq in enumerate(drawn):
-            seq.pending += 1
-            seq.last_row, seq.last_step = row, self._steps
-            if seq.num_drawn >= seq.max_new_tokens:  # its last token: no further steps
-                self.scheduler.retire(seq)
+        self.scheduler.launched(step, drawn, self._steps)
         launched = _Inflight(self._steps, step, drawn, tokens, started, prepared - started)
         if tokens is not None and tokens.device.type == "cuda":
             launched.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -220,23 +279,10 @@ class Engine:
             step_s=(next_started or now) - done.started,
             graph=self.runner.graph_steps,
         )
-        for seq in self._held:  # finished during the step just read: it no longer runs
-            self.scheduler.release(seq)
-        self._held = []
-        for seq, token in zip(done.drawn, tokens, strict=True):
-            seq.pending -= 1
-            if seq.finish_reason is not None:  # finished a step earlier: a wasted row
-                continue
-            seq.output_ids.append(token)
-            if self._finished(seq):
-                self.scheduler.retire(seq)
-                if seq.last_step > done.number:  # also in the step now in flight
-                    self._held.append(seq)
-                else:
-                    self.scheduler.release(seq)
-                result = self._result(seq)
-                self.counters.count_result(result)
-                yield result
+        for seq in self.scheduler.postprocess(done.number, done.drawn, tokens):
+            result = self._result(seq)
+            self.counters.count_result(result)
+            yield result
         if self.prefetch_stream is not None and self.config.overlap:
             # Pages free now are used by no step in flight (held ones are not free yet).
             self._prefetch()
@@ -271,6 +317,17 @@ class Engine:
             stream.wait_event(self._prefetched)
             self._prefetched = None
 
+    def _load_ahead(self, adapters: int = 32) -> None:
+        """Asks the store's loader thread to read the adapters of the next waiting rows into
+        host memory (up to ``adapters`` distinct ones, and the store's byte budget), so that
+        neither admission nor the device prefetch reads a file in this loop."""
+        seen: set[str] = set()
+        for seq in itertools.islice(self.scheduler.waiting, 512):
+            if seq.adapter and seq.adapter not in seen:
+                if len(seen) == adapters or not self.store.load_ahead(seq.adapter):
+                    return
+                seen.add(seq.adapter)
+
     def _prefetch(self) -> None:
         """Copies the adapters of the next waiting requests into free pages on the side stream:
         the distinct adapters of two admission groups (at least 8), so a group that joins the
@@ -291,22 +348,13 @@ class Engine:
             if self.config.prefetch_wait == "step":
                 self._prefetched = event
 
-    def _finished(self, seq: Sequence) -> bool:
-        token = seq.output_ids[-1]
-        if (
-            token in self.spec.eos_token_ids
-            and not seq.ignore_eos
-            or seq.stop
-            and seq.detok is not None
-            and seq.detok.find_stop(seq.output_ids, seq.stop)
-        ):
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= seq.max_new_tokens:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
     def _result(self, seq: Sequence) -> Result:
-        text = seq.detok.final_text(seq.output_ids, seq.stop) if seq.detok is not None else ""
+        if seq.detok is not None and seq.stop:  # fed token by token: its text is cut at the stop
+            text = seq.detok.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        else:
+            text = ""
         return Result(
             id=seq.request.id,
             adapter=seq.adapter,
@@ -315,14 +363,20 @@ class Engine:
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason,
+            extra=seq.request.extra,
         )
 
     def _prepare(self, request: Request) -> Sequence | Result:
         """Checks and tokenizes one request; a bad one becomes an error result, never an exception."""
         adapter = request.adapter or None
+        if adapter is not None and adapter in self.broken:
+            return Result.failed(request, f"adapter cannot be used: {self.broken[adapter]}")
         if adapter is not None and adapter not in self.store:
+            near = self.store.nearest(adapter)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
             return Result.failed(
-                request, f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known)"
+                request,
+                f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known{hint})",
             )
         try:
             params = self._sampling_for(request)
@@ -352,7 +406,11 @@ class Engine:
             key=row_key(params.seed, request.id),
             stop=list(params.stop),
             ignore_eos=params.ignore_eos,
-            detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            detok=(
+                Detokenizer(self.tokenizer, list(params.stop))
+                if self.tokenizer is not None and params.stop
+                else None
+            ),
         )
         if adapter and self.lora_pool is not self.pool:
             own = self.store.pages(adapter)
@@ -402,20 +460,53 @@ class Engine:
         page_bytes = spec.num_layers * spec.page_size * torch.finfo(self.dtype).bits // 8
         if self.device.type != "cuda":
             return max(1, self.config.cpu_pool_bytes // page_bytes)
+        # Memory the caching allocator holds but no tensor uses (an earlier engine's pool, say)
+        # is free for this one: the allocator hands it out before asking CUDA for more.
         free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        reserve = self._reserve_bytes()
+        usable = int(free * self.config.memory_fraction) - reserve
+        if usable < page_bytes * 64:
+            raise RuntimeError(
+                f"only {free >> 20} MiB free on {self.device} after the weights, "
+                f"{reserve >> 20} MiB of it reserved for activations, sampling and CUDA graphs; "
+                f"the pool needs at least {page_bytes * 64 >> 20} MiB "
+                f"(lower max_num_batched_tokens, max_num_seqs or max_model_len)"
+            )
+        log.info(
+            "pool: %d MiB free on %s, %d MiB reserved for activations, sampling and CUDA "
+            "graphs, %.0f%% of the rest for pages",
+            free >> 20,
+            self.device,
+            reserve >> 20,
+            100 * self.config.memory_fraction,
+        )
+        return usable // page_bytes
+
+    def _reserve_bytes(self) -> int:
+        """Device memory the pool leaves for a step's temporaries at the configured limits.
+
+        - Activations of a prefill step of ``max_num_batched_tokens``: q/k/v, the MLP's
+          gate/up/act, residuals and norms, each in the model dtype (the widths below, with
+          head room for LoRA's shrink outputs and the attention's scratch).
+        - Logits and the sampler's temporaries for ``max_num_seqs`` rows: fp32 logits, the
+          scaled copy, the sorted copy and its int64 order, the softmax, the cumulative sum and
+          masks: about 12 fp32 copies of [rows, vocab].
+        - CUDA graphs: one static page table [max_num_seqs, max_model_len, 2] int32 shared by
+          every bucket, and each bucket's logits [bucket, vocab] fp32.
+        """
+        spec, config = self.spec, self.config
         elt = torch.finfo(self.dtype).bits // 8
-        tokens = self.config.max_num_batched_tokens
         width = (
             3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size
         )
-        activations = tokens * width * elt + self.config.max_num_seqs * spec.vocab_size * 4 * 4
-        usable = int(free * self.config.memory_fraction) - activations
-        if usable < page_bytes * 64:
-            raise RuntimeError(
-                f"only {free >> 20} MiB free on {self.device} after the weights; "
-                f"the pool needs at least {page_bytes * 64 >> 20} MiB"
-            )
-        return usable // page_bytes
+        activations = config.max_num_batched_tokens * width * elt
+        sampler = config.max_num_seqs * spec.vocab_size * 4 * 12
+        graphs = 0
+        if config.cuda_graphs:
+            graphs = config.max_num_seqs * self.max_model_len * 2 * 4
+            graphs += sum(graph_buckets(config.max_num_seqs)) * spec.vocab_size * 4
+        return activations + sampler + graphs
 
 
 def _pick_device(name: str) -> torch.device:
@@ -428,6 +519,19 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def _set_cpu_threads(threads: int | None) -> None:
+    """torch's intra-op threads for a CPU engine. By default one core is left to the engine's
+    own Python thread and the adapter loader: OpenMP workers spin while they wait, so with as
+    many workers as cores, any other busy process (or our own threads) stalls every op. On a
+    busy 2-core machine a 6-row job took 197 s with 2 workers and 9 s with 1."""
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) - 1)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+        log.info("cpu: %d torch threads", threads)
 
 
 def _pick_backend(name: str, device: torch.device, lora_layout: str) -> ModuleType:

@@ -113,8 +113,8 @@ class AdapterResidency:
     def prefetch(self, name: str, stream: torch.cuda.Stream | None = None) -> bool:
         """Loads an adapter ahead of need (idle, unpinned) if its pages are free right now; the
         copy goes on ``stream``. Returns whether it loaded."""
-        if name in self._resident or not self._free_slots:
-            return False
+        if name in self._resident or not self._free_slots or not self.store.ready(name):
+            return False  # not yet in host memory: the loader thread reads it meanwhile
         if self.store.pages(name) > self.pool.num_free:
             return False
         self._load(name, stream).prefetched = True

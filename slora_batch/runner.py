@@ -91,6 +91,11 @@ class ModelRunner:
             self.targets = tuple(
                 i for i, t in enumerate(TARGETS) if any(t in info.targets for info in infos)
             )
+            # One page table for every bucket (graphs replay one at a time, each fills its rows):
+            # [max_batch, max_model_len, 2] int32 is 268 MB at 256 rows and a 128K context.
+            self._graph_page_table = torch.zeros(
+                max_batch, max_model_len, 2, dtype=torch.int32, device=device
+            )
             self._capture(graph_buckets(max_batch))
 
     def forward(self, host: HostStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,7 +137,7 @@ class ModelRunner:
         attn = AttnMeta(
             b1_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
             b_seq_len=zeros(bucket),
-            page_table=zeros(bucket, self.max_model_len, 2),
+            page_table=self._graph_page_table[:bucket],
             max_new=1,
         )
         lora = None

@@ -1,4 +1,12 @@
-"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+"""Iteration-level scheduling, and the one owner of a sequence's life.
+
+A sequence goes WAITING -> RUNNING -> (RETIRED) -> FINISHED -> RELEASED, or back from RUNNING to
+WAITING when preempted. With overlapped steps a row's token is read back one step after its
+launch, so two states keep pages that no longer run: RETIRED (its last token is drawn on the
+device, not yet read back) and FINISHED while a step still in flight uses its pages (it was
+already launched in step N+1 when step N's token finished it). Both keep their adapter pinned,
+and the per-batch adapter cap counts every adapter pinned by this scheduler's sequences, not
+only those of running rows: admission can then never take an adapter that has no slot.
 
 Every step: running sequences first (decodes take one token, unfinished prefills a chunk), each
 getting pages for its new tokens -- evicting idle adapters, then preempting the latest arrivals
@@ -11,13 +19,14 @@ running, then adapters already resident.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from slora_batch.config import EngineConfig
 from slora_batch.pool import PagePool
 from slora_batch.residency import AdapterResidency
-from slora_batch.sequence import Sequence
+from slora_batch.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +43,92 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, residency: AdapterResidency) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: PagePool,
+        residency: AdapterResidency,
+        eos_token_ids: Seq[int] = (),
+    ) -> None:
         self.config = config
         self.pool = pool
         self.residency = residency
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.retired: list[Sequence] = []  # last token drawn, not read back: pages held
+        self.held: list[Sequence] = []  # finished, pages used by a step in flight
+        self.pinned: Counter[str] = Counter()  # adapter -> sequences holding its slot
         self.preemptions = 0
         self.steps = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def holds_pages(self) -> bool:
+        """Whether any sequence still holds pages or an adapter (work, or rows in flight)."""
+        return bool(self.running or self.retired or self.held or self.pinned)
+
+    # -- after a step: launch, read back ------------------------------------------------------
+
+    def launched(self, step: ScheduledStep, drawn: list[Sequence], number: int) -> None:
+        """Step ``number`` is on the device: its K/V counts as computed, and ``drawn`` (its rows
+        that draw a token) each have one token pending. A row whose pending token is its last
+        (``max_new_tokens``) leaves the running set now but keeps its pages until read back."""
+        for seq, n in zip(step.seqs, step.num_new, strict=True):
+            seq.num_computed += n
+        for row, seq in enumerate(drawn):
+            seq.pending += 1
+            seq.last_row, seq.last_step = row, number
+            if seq.num_drawn >= seq.max_new_tokens and seq.status is Status.RUNNING:
+                self.running.remove(seq)
+                seq.status = Status.RETIRED
+                self.retired.append(seq)
+
+    def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
+        string or their length, and release what no step in flight uses. Returns the rows
+        finished by this step, in ``drawn`` order."""
+        still = []
+        for seq in self.held:  # held for a step up to this one: no step in flight uses it now
+            (self._release if seq.last_step <= number else still.append)(seq)
+        self.held = still
+        finished = []
+        for seq, token in zip(drawn, tokens, strict=True):
+            seq.pending -= 1
+            if seq.finish_reason is not None:  # finished a step earlier: a wasted row
+                continue
+            seq.output_ids.append(token)
+            stopped = seq.detok is not None and seq.stop and seq.detok.add([token])
+            if stopped or (token in self.eos_token_ids and not seq.ignore_eos):
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= seq.max_new_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self._leave(seq)
+            seq.status = Status.FINISHED
+            if seq.last_step > number:  # also launched in the step now in flight
+                self.held.append(seq)
+            else:
+                self._release(seq)
+            finished.append(seq)
+        return finished
+
+    def abort(self) -> list[Sequence]:
+        """Drop every sequence (the caller stopped pulling results, and no step is in flight):
+        pages and adapters go back. Returns the dropped sequences that had not finished."""
+        dropped = [*self.running, *self.retired, *self.waiting]
+        for seq in [*dropped, *self.held]:
+            seq.pending = 0
+            self._release(seq)
+        self.running, self.retired, self.held = [], [], []
+        self.waiting.clear()
+        return dropped
 
     def pages_for(self, seq: Sequence) -> int:
         """Pages a sequence needs to run at all: its whole context plus its adapter."""
@@ -95,16 +176,19 @@ class Scheduler:
         return free >= min(self.config.admit_seats, len(self.waiting))
 
     def finish(self, seq: Sequence) -> None:
-        """A sequence is done: its pages go back and its adapter is unpinned."""
-        self.retire(seq)
-        self.release(seq)
+        """A sequence is done and no step in flight uses it: pages and adapter go back."""
+        self._leave(seq)
+        seq.status = Status.FINISHED
+        self._release(seq)
 
-    def retire(self, seq: Sequence) -> None:
-        """A sequence leaves the running set (or the queue, if preempted) but keeps its pages
-        and adapter until ``release``: a step still on the device may be using them."""
-        if seq in self.running:
+    def _leave(self, seq: Sequence) -> None:
+        """Takes a sequence out of whichever list holds it (running, retired, or the queue when
+        a token read back after its preemption finishes it)."""
+        if seq.status is Status.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is Status.RETIRED:
+            self.retired.remove(seq)
+        elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
 
     def _grow(self, seq: Sequence, n: int) -> bool:
@@ -123,7 +207,7 @@ class Scheduler:
         adapter = seq.adapter
         cost = self.residency.cost(adapter)
         evictable = self.residency.evictable_pages()
-        if adapter and self.residency.is_resident(adapter) and self._idle(adapter):
+        if adapter and self.residency.is_resident(adapter) and adapter not in self.pinned:
             evictable -= self.residency.store.pages(adapter)  # it is about to be pinned
         if self.unified:
             fits = need + cost <= self.pool.num_free + evictable
@@ -134,12 +218,14 @@ class Scheduler:
         self.waiting.remove(seq)
         if adapter:
             seq.slot = self.residency.acquire(adapter)
+            self.pinned[adapter] += 1
         if not self._kv_room(need):
             raise AssertionError(
                 f"admission counted {need} KV pages, {self.pool.num_free} free "
                 f"after loading {adapter!r}"
             )
         self._take_pages(seq, n)
+        seq.status = Status.RUNNING
         self.running.append(seq)
         return True
 
@@ -154,34 +240,41 @@ class Scheduler:
             return self.residency.make_room(need)
         return self.pool.num_free >= need
 
-    def _idle(self, adapter: str) -> bool:
-        return all(s.adapter != adapter for s in self.running)
-
     def _pick(self) -> Sequence | None:
-        """The next waiting sequence: preempted ones first, then clustering by adapter."""
+        """The next waiting sequence: preempted ones first, then clustering by adapter: a row
+        whose adapter is pinned already, else one whose adapter is resident, else the first
+        whose adapter is in host memory. While rows run, a row whose adapter the loader thread
+        is still reading waits (the batch decodes meanwhile) rather than stall the step."""
         if not self.waiting:
             return None
         head = self.waiting[0]
         if head.preemptions:  # a token still on the device: recompute once it is read back
             return head if not head.pending and self._adapter_allowed(head.adapter) else None
-        running_adapters = {s.adapter for s in self.running if s.adapter}
-        full = len(running_adapters) >= self.config.max_adapters_per_batch
-        resident = None
+        full = len(self.pinned) >= self.config.max_adapters_per_batch
+        store = self.residency.store
+        resident = ready = None
         for seq in self.waiting:
-            if not seq.adapter or seq.adapter in running_adapters:
+            if not seq.adapter or seq.adapter in self.pinned:
                 return seq
-            if resident is None and not full and self.residency.is_resident(seq.adapter):
+            if full or resident is not None:
+                continue
+            if self.residency.is_resident(seq.adapter):
                 resident = seq
-        if resident is not None or full:
-            return resident
-        return head
+            elif ready is None and store.ready(seq.adapter):
+                ready = seq
+        if full:
+            return None
+        if resident is not None or ready is not None:
+            return resident or ready
+        return None if self.running else head
 
     def _adapter_allowed(self, adapter: str | None) -> bool:
-        running_adapters = {s.adapter for s in self.running if s.adapter}
+        """Adapters pinned by any of this scheduler's sequences count against the cap: running
+        rows, and retired or held ones whose slot a step in flight still reads."""
         return (
             not adapter
-            or adapter in running_adapters
-            or len(running_adapters) < self.config.max_adapters_per_batch
+            or adapter in self.pinned
+            or len(self.pinned) < self.config.max_adapters_per_batch
         )
 
     def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
@@ -218,10 +311,11 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
         self.running.remove(seq)
-        self.release(seq)
+        self._release(seq)
         seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions += 1
+        seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         log.debug(
             "preempted row %r after %d tokens (%d free pages)",
@@ -230,9 +324,15 @@ class Scheduler:
             self.pool.num_free,
         )
 
-    def release(self, seq: Sequence) -> None:
-        """A sequence's pages go back to the pool and its adapter is unpinned."""
+    def _release(self, seq: Sequence) -> None:
+        """A sequence's pages go back to the pool and its adapter is unpinned (idempotent: a
+        preempted row holds neither)."""
         self.pool.free(seq.drop_pages())
         if seq.adapter and seq.slot >= 0:
             self.residency.release(seq.adapter)
+            self.pinned[seq.adapter] -= 1
+            if not self.pinned[seq.adapter]:
+                del self.pinned[seq.adapter]
         seq.slot = -1
+        if seq.status is Status.FINISHED:
+            seq.status = Status.RELEASED

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
 from slora_batch.request import Request
 from slora_batch.tokens import Detokenizer
+
+
+class Status(Enum):
+    """Where a sequence is in its life; ``Scheduler`` moves it (see its module docstring)."""
+
+    WAITING = "waiting"  # queued: new, or preempted (KV dropped, recomputed on admission)
+    RUNNING = "running"  # scheduled every step until its last token is drawn
+    RETIRED = "retired"  # last token drawn on the device, not read back: pages held
+    FINISHED = "finished"  # read back and done; pages held while a step in flight uses them
+    RELEASED = "released"  # pages and adapter returned
 
 
 @dataclass
@@ -35,10 +46,10 @@ class Sequence:
     page_buf: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
     num_paged: int = 0  # tokens with pages; page_buf grows by doubling so appends stay O(1)
     slot: int = -1  # adapter slot while running, -1 for the base model
-    text: str = ""
+    status: Status = Status.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
-    detok: Detokenizer | None = None
+    detok: Detokenizer | None = None  # fed token by token only when ``stop`` is non-empty
     # Overlapped steps: tokens drawn on the device and not read back yet (counted in
     # num_tokens), the row of the latest one among its step's drawn rows, and that step's number.
     pending: int = 0

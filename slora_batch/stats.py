@@ -25,6 +25,10 @@ class EngineCounters:
     step_s: float = 0.0  # wall time of all steps
     decode_host_s: float = 0.0  # the same two for decode-only steps
     decode_step_s: float = 0.0
+    load_s: float = 0.0  # building the engine: weights, tokenizer, adapter headers, pool
+    warmup_s: float = 0.0  # kernel compilation and CUDA-graph capture at start
+    disk_loads: int = 0  # adapter weight files read into the host cache
+    loader_waits: int = 0  # admissions that waited for the loader thread's read
     rows: int = 0
     ok_rows: int = 0
     error_rows: int = 0
@@ -54,6 +58,8 @@ class EngineCounters:
         self.prefetch_hits = residency.prefetch_hits
         self.prefetch_misses = residency.prefetch_misses
         self.adapter_bytes_copied = residency.bytes_copied
+        self.disk_loads = residency.store.disk_loads
+        self.loader_waits = residency.store.loader_waits
 
     def count_result(self, result) -> None:
         self.rows += 1

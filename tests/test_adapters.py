@@ -9,7 +9,7 @@ import torch
 from factory import make_adapter, make_model
 from safetensors.torch import load_file, save_file
 
-from slora_batch import Engine, EngineConfig
+from slora_batch import Engine, EngineConfig, Request
 from slora_batch.adapters import AdapterError, AdapterStore, parse_adapter
 from slora_batch.spec import read_spec
 
@@ -127,10 +127,27 @@ def test_refuses_unreadable_file(model_dir, spec, tmp_path, broken):
     assert "unreadable" in refused("junk", path, spec)
 
 
-def test_engine_refuses_incompatible_adapter_before_work(model_dir, tmp_path):
-    path = adapter(model_dir, tmp_path, "dora", use_dora=True)
-    with pytest.raises(AdapterError, match="'dora'.*DoRA"):
-        Engine(model_dir, adapters={"dora": path}, config=EngineConfig(device="cpu", num_pages=100))
+def test_broken_adapter_costs_only_its_own_rows(model_dir, tmp_path):
+    """A DoRA adapter, one without weights and a hidden folder beside a good adapter: the bad
+    ones' rows are error rows naming the adapter and the reason, the good one's rows run, and
+    the hidden folder is no adapter at all."""
+    root = tmp_path / "adapters"
+    adapter(model_dir, root, "good")
+    adapter(model_dir, root, "dora", use_dora=True)
+    (adapter(model_dir, root, "noweights") / "adapter_model.safetensors").unlink()
+    (root / ".ipynb_checkpoints").mkdir()
+    engine = Engine(model_dir, adapters=root, config=EngineConfig(device="cpu", num_pages=400))
+    assert engine.adapter_names == ["good"] and sorted(engine.broken) == ["dora", "noweights"]
+    requests = [
+        Request(id=i, adapter=a, prompt_token_ids=[3, 4, 5], max_new_tokens=2, source=f"f line {i}")
+        for i, a in enumerate(["dora", "good", "noweights", "goood", None])
+    ]
+    results = {r.id: r for r in engine.generate(requests)}
+    assert results[0].finish_reason == "error" and "'dora'" in results[0].error
+    assert "DoRA" in results[0].error and results[0].error.startswith("f line 0: row 0")
+    assert results[2].finish_reason == "error" and "missing adapter_model" in results[2].error
+    assert "nearest: good" in results[3].error  # an unknown name gets the nearest known ones
+    assert results[1].finish_reason == "length" and results[4].finish_reason == "length"
 
 
 def test_store_lazy_bounded_and_paged(model_dir, spec, tmp_path):

@@ -41,6 +41,9 @@ class FakeStore:
     def pages(self, name):
         return SPEC.adapter_pages(self.ranks[name], ("q",))
 
+    def ready(self, name):
+        return True
+
     def paged(self, name):
         r = self.ranks[name]
         weights = AdapterWeights(
