@@ -3,11 +3,18 @@
 Sorting the whole input would need it all in memory; sorting ``window`` rows at a time keeps
 memory bounded and still hands the engine runs of rows that share an adapter and have similar
 lengths. Every item comes out exactly once.
+
+Windows alternate their adapter order (a..z, then z..a, ...). With the same order in every
+window, adapter access is cyclic: a cache of adapters smaller than a window's set (the host
+cache, the device's slots) holds none of the next window's first adapters, and hits ~0%. With
+alternating order, each window starts with the adapters the previous one ended with, which are
+still cached.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any, TypeVar
@@ -38,19 +45,44 @@ def prompt_length(request: Request) -> int:
     return len(request.prompt_token_ids or ())
 
 
+def adapter_group(item: Request | Result) -> tuple[int, str | None]:
+    """The run an item belongs to in a sorted window: error results (first in every window),
+    or the rows of one adapter (None = base model)."""
+    return (0, None) if isinstance(item, Result) else (1, item.adapter or None)
+
+
 def sorted_windows(
-    items: Iterable[T], window: int, key: Callable[[T], Any] = sort_key
+    items: Iterable[T],
+    window: int,
+    key: Callable[[T], Any] = sort_key,
+    group: Callable[[T], Any] | None = adapter_group,
 ) -> Iterator[T]:
     """Pull up to ``window`` items, yield them sorted by ``key`` (stable), repeat until exhausted.
+    In every second window the runs of equal ``group`` after the first run come in reverse
+    order (see the module docstring); ``group`` None keeps every window in ``key`` order.
 
-    Memory holds at most one window of items.
+    Running example (window 4, key adapter): [b, a, c, a | c, b, a, c] comes out as
+    [a, a, b, c | c, c, b, a]. Memory holds at most one window of items.
     """
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an integer >= 1, got {window!r}")
     iterator = iter(items)
-    while chunk := list(islice(iterator, window)):
+    for index in itertools.count():
+        chunk = list(islice(iterator, window))
+        if not chunk:
+            return
         chunk.sort(key=key)
+        if index % 2 and group is not None:
+            chunk = _reverse_runs(chunk, group)
         yield from chunk
+
+
+def _reverse_runs(chunk: list[T], group: Callable[[T], Any]) -> list[T]:
+    """The runs of equal ``group`` in reverse order, except the first run when it is the error
+    results' (they always lead: they skip the engine)."""
+    runs = [list(run) for _, run in itertools.groupby(chunk, key=group)]
+    head = [runs.pop(0)] if runs and group(runs[0][0]) == (0, None) else []
+    return [item for run in head + runs[::-1] for item in run]
 
 
 def fan_out(

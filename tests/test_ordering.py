@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
 import pytest
 
-from slora_batch.ordering import fan_out, sort_key, sorted_windows
+from slora_batch.ordering import adapter_group, fan_out, sort_key, sorted_windows
 from slora_batch.request import Request, Result
 
 
@@ -36,11 +37,16 @@ def test_every_item_once_and_sorted_within_windows(count, window):
         out.append(item)
         assert pulled - len(out) < window  # never more than one window held
     assert Counter(r.id for r in out) == Counter(r.id for r in items)
-    for start in range(0, count, window):
+    for index, start in enumerate(range(0, count, window)):
         chunk = out[start : start + window]
         assert [r.id for r in chunk] != [] or count == 0
         assert {r.id for r in chunk} == {r.id for r in items[start : start + window]}
-        assert [sort_key(r) for r in chunk] == sorted(sort_key(r) for r in chunk)
+        # within an adapter's run by prompt length; runs by adapter, every second window reversed
+        groups = [adapter_group(r) for r in chunk]
+        order = sorted(set(groups), key=lambda g: (g[0], g[1] is not None, g[1] or ""))
+        if index % 2:
+            order = order[:1] + order[1:][::-1] if order[0] == (0, None) else order[::-1]
+        assert sorted(chunk, key=lambda r: (order.index(adapter_group(r)), sort_key(r))) == chunk
 
 
 def test_sort_key_order():
@@ -54,6 +60,19 @@ def test_sort_key_order():
         Request(id=5, adapter="a", prompt_token_ids=[1, 2, 3, 4]),
     ]
     assert [i.id for i in sorted_windows(items, window=10)] == [9, 4, 2, 3, 5, 1]
+
+
+def test_windows_alternate_adapter_order():
+    """With one order in every window, adapter access is cyclic and an LRU smaller than a
+    window's adapters never hits; alternate windows end and start with the same adapters."""
+    adapters = ["a", "b", "c", "d"]
+    items = [Request(id=i, adapter=adapters[(i * 7) % 4], prompt="x") for i in range(16)]
+    items.insert(5, Result(id=99, adapter="c", text="", finish_reason="error", error="bad"))
+    out = list(sorted_windows(items, window=8))
+    runs = [
+        a for a, _ in itertools.groupby(o.adapter if isinstance(o, Request) else "!" for o in out)
+    ]
+    assert runs == ["!", "a", "b", "c", "d", "c", "b", "a", "b"]  # windows 1, 2 share the d run
 
 
 def test_sort_is_stable_for_equal_keys():
