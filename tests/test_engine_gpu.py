@@ -310,3 +310,26 @@ def test_bf16_engine_matches_peft_under_adapter_churn(gpu_case, wait):
     assert counters.adapter_evictions > 0 and counters.adapter_loads > len(adapters)
     del engine
     torch.cuda.empty_cache()
+
+
+def test_engines_one_after_another_get_the_whole_pool(gpu_case):
+    """Defect 6 (c06029c): a second engine in one process got about a tenth of the pool, the
+    first one's pages still reserved in the caching allocator. Closed or merely dropped, the
+    first engine's memory counts as free for the next."""
+    import gc
+
+    model_dir, weights, adapters, _ = gpu_case
+    row = Request(id=0, adapter="r8", prompt_token_ids=[5, 6, 7], max_new_tokens=4)
+    sizes = []
+    for closed in (True, True, False):
+        engine = make_engine(model_dir, weights, adapters, num_pages=None, memory_fraction=0.5)
+        sizes.append(engine.pool.num_pages)
+        assert [r.completion_tokens for r in engine.generate([row])] == [4]
+        if closed:
+            engine.close()
+        del engine
+        gc.collect()
+    engine = make_engine(model_dir, weights, adapters, num_pages=None, memory_fraction=0.5)
+    sizes.append(engine.pool.num_pages)
+    engine.close()
+    assert min(sizes[1:]) >= 0.97 * sizes[0], sizes
