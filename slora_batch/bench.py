@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from slora_batch.bench_engine import ABLATIONS, ENGINE_SYSTEMS, run_engine
+from slora_batch.bench_engine import ABLATIONS, run_engine
 from slora_batch.bench_report import run_meta, write_outputs
 from slora_batch.bench_workload import (
     PEFT_MAX_ADAPTERS,
@@ -187,7 +187,7 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
 
             row = run_peft(ctx, n)
         else:
-            row = run_engine(ctx, system, n, ENGINE_SYSTEMS[system])
+            row = run_engine(ctx, system, n)
     except Exception as exc:  # one broken system must not cost the others their run
         log.exception("run %s@%d failed", system, n)
         row = {"system": system, "adapters": n, "error": f"{type(exc).__name__}: {exc}"}

@@ -37,7 +37,7 @@ def bench(
     ),
     ablation_adapters: str = typer.Option(
         None,
-        help="Adapter counts for bmm, no-unified, arrival and adapter-wait (none: --adapters).",
+        help="Adapter counts for bmm, no-unified and arrival (none: --adapters).",
     ),
     requests: int = typer.Option(D.requests, help="Requests in the workload."),
     peft_requests: int = typer.Option(

@@ -1,5 +1,9 @@
 """One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``,
-``no-unified``, ``arrival`` and ``adapter-wait``."""
+``no-unified`` and ``arrival``.
+
+The ablations are composed from engine parts handed to ``Engine`` (its ``ops`` and ``pools``
+seams), never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for the padded
+batched matmul of ``kernels.bmm``; ``no-unified`` gives adapters a pool of their own."""
 
 from __future__ import annotations
 
@@ -8,29 +12,56 @@ import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
+from types import ModuleType
 
 import torch
 
 from kernels.builds import BuildLog
 from slora_batch.bench_workload import adapter_sources
 from slora_batch.config import EngineConfig, SamplingConfig
-from slora_batch.engine import Engine
+from slora_batch.engine import Engine, pick_backend
 from slora_batch.ordering import sort_key
+from slora_batch.pool import PagePool
 from slora_batch.request import Request
 from slora_batch.roofline import Work
 
 log = logging.getLogger(__name__)
 
-# EngineConfig settings per system, over the defaults; base is slora with no adapters at all.
-ENGINE_SYSTEMS: dict[str, dict] = {
-    "slora": {},
-    "base": {},
-    "bmm": {"lora_layout": "bmm"},
-    "no-unified": {"unified_pool": False},
-    "arrival": {},
-    "adapter-wait": {"prefetch_wait": "adapter"},
-}
-ABLATIONS = ("bmm", "no-unified", "arrival", "adapter-wait")  # slora with one thing changed
+ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival")  # base: no adapters at all
+ABLATIONS = ("bmm", "no-unified", "arrival")  # slora with one thing changed
+ADAPTER_POOL_FRACTION = 0.25  # no-unified: the adapters' share of the pages, KV the rest
+
+
+def bmm_ops(ops: ModuleType) -> ModuleType:
+    """The backend ``ops`` with its LoRA ops replaced by the padded-bmm ablation; no CUDA
+    graphs (its per-step copies allocate)."""
+    from kernels import bmm
+
+    mixed = ModuleType(f"{ops.__name__}+bmm")
+    mixed.__dict__.update({k: v for k, v in vars(ops).items() if not k.startswith("__")})
+    mixed.lora_shrink, mixed.lora_expand = bmm.lora_shrink, bmm.lora_expand
+    mixed.CUDA_GRAPHS = False
+    return mixed
+
+
+def separate_pools(
+    pages: int, spec, dtype: torch.dtype, device: torch.device
+) -> tuple[PagePool, PagePool]:
+    """The no-unified ablation's pools: KV cache and adapters apart, a fixed split of pages."""
+    adapter_pages = max(1, int(pages * ADAPTER_POOL_FRACTION))
+    kv = PagePool(pages - adapter_pages, spec.page_size, spec.num_layers, dtype, device)
+    return kv, PagePool(adapter_pages, spec.page_size, spec.num_layers, dtype, device)
+
+
+def engine_parts(system: str, backend: str, device: torch.device) -> dict:
+    """The ``ops`` and ``pools`` an ablation hands to ``Engine`` (none for the others)."""
+    if system == "bmm":
+        return {"ops": bmm_ops(pick_backend(backend, device))}
+    if system == "no-unified":
+        return {"pools": separate_pools}
+    return {}
+
+
 # Systems fed the workload in its generated order. The others get it grouped by adapter, the
 # clustering that `slora-batch run` gives its rows by sorting them (ordering.sort_key: adapter,
 # then prompt length) before they reach the engine; see group_by_adapter.
@@ -55,7 +86,7 @@ COUNTERS = (
 )
 
 
-def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
+def run_engine(ctx, system: str, n: int) -> dict:
     """Builds an engine on the shared weights, warms it up, then times the workload through it.
 
     With ``max_seconds`` the run stops feeding requests and stops at the limit; the work counted
@@ -73,10 +104,10 @@ def run_engine(ctx, system: str, n: int, overrides: dict) -> dict:
             device=str(model.device),
             backend=cfg.backend,
             dtype=str(model.dtype).removeprefix("torch."),
-            **overrides,
         ),
         sampling=SamplingConfig(ignore_eos=True),
         weights=model.weights,
+        **engine_parts(system, cfg.backend, model.device),
     )
     requests = ctx.workload.requests(0 if system == "base" else n)
     if system not in ARRIVAL_ORDER:

@@ -98,15 +98,8 @@ class EngineConfig:
     lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
     cuda_graphs: bool = True  # capture decode steps on cuda
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
-    prefetch_wait: str = "step"  # "step": each step waits for every prefetch copy issued
-    # before it; "adapter": a step waits only for the copies of the adapters it uses, so steps
-    # after an admission do not stall on the next groups' copies (bench ablation adapter-wait)
     overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
     # N+1 takes step N's sampled tokens on the device (False: one step at a time)
-    lora_layout: str = "paged"  # "paged": kernels gather rows from pool pages; "bmm": ablation,
-    # each step copies its adapters contiguous, padded to the largest rank, for a batched matmul
-    unified_pool: bool = True  # False (ablation): adapters get a separate pool of
-    adapter_pool_fraction: float = 0.25  # this share of the pages, KV the rest
 
     def __post_init__(self) -> None:
         check(
@@ -124,18 +117,6 @@ class EngineConfig:
         check(
             self.num_pages is None or self.num_pages >= 1,
             f"num_pages must be >= 1, got {self.num_pages}",
-        )
-        check(
-            self.lora_layout in ("paged", "bmm"),
-            f"lora_layout must be paged or bmm, got {self.lora_layout!r}",
-        )
-        check(
-            self.prefetch_wait in ("step", "adapter"),
-            f"prefetch_wait must be step or adapter, got {self.prefetch_wait!r}",
-        )
-        check(
-            0 < self.adapter_pool_fraction < 1,
-            f"adapter_pool_fraction must be in (0, 1), got {self.adapter_pool_fraction}",
         )
         check(
             0 < self.memory_fraction <= 1,

@@ -107,8 +107,8 @@ class LlamaModel:
         self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
     ) -> torch.Tensor:
         """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index.
-        Adapter rows are read from ``lora_pool`` when given (the no-unified ablation), else from
-        ``pool`` itself."""
+        K/V pages are ``pool``'s; adapter rows are ``lora_pool``'s, which is ``pool`` itself
+        (the default) under S-LoRA's unified paging."""
         lora_pool = lora_pool if lora_pool is not None else pool
         spec = self.spec
         x = F.embedding(step.input_ids, self.embed)  # [T, H]

@@ -81,10 +81,14 @@ class AdapterResidency:
             return 0
         return self.store.pages(name)
 
-    def make_room(self, need: int) -> bool:
-        """Evict idle adapters, least recently used first, until ``need`` pages are free."""
-        if self.pool.num_free >= need:  # the common case, once per running sequence and step
+    def make_room(self, need: int, pool: PagePool | None = None) -> bool:
+        """Evict idle adapters, least recently used first, until ``need`` pages are free in
+        ``pool`` (default: the adapters' own pool; evicting frees nothing in another pool)."""
+        pool = pool or self.pool
+        if pool.num_free >= need:  # the common case, once per running sequence and step
             return True
+        if pool is not self.pool:
+            return False
         for name in [n for n, r in self._resident.items() if r.refcount == 0]:
             if self.pool.num_free >= need:
                 break
@@ -124,15 +128,6 @@ class AdapterResidency:
         """The prefetch copies of ``names`` end at ``event`` (recorded on the side stream)."""
         for name in names:
             self._resident[name].copying = event
-
-    def wait_copied(self, names: set[str], stream: torch.cuda.Stream) -> None:
-        """Makes ``stream`` wait for the prefetch copies of the resident adapters in ``names``
-        that it has not waited for yet; later work on ``stream`` is then ordered after them."""
-        for name in names:
-            entry = self._resident.get(name)
-            if entry is not None and entry.copying is not None:
-                stream.wait_event(entry.copying)
-                entry.copying = None
 
     def _load(self, name: str, stream: torch.cuda.Stream | None = None) -> Resident:
         info = self.store.info(name)

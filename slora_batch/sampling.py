@@ -16,7 +16,7 @@ import torch
 _MASK63 = (1 << 63) - 1
 
 
-def row_key(seed: int, row_id: Any) -> int:
+def noise_key(seed: int, row_id: Any) -> int:
     """A stable 63-bit key for (seed, row id): the same in every process and on every run."""
     digest = hashlib.blake2b(
         f"{seed}\x00{type(row_id).__name__}\x00{row_id}".encode(), digest_size=8
@@ -29,7 +29,7 @@ class SamplingBatch:
     """Per-row parameters of the rows sampled in one step, as tensors on the logits' device.
 
     temperature [S] fp32 (0 = greedy); top_k [S] int64 (0 = off); top_p [S] fp32;
-    key [S] int64 from ``row_key``; step [S] int64: index of the token being drawn.
+    key [S] int64 from ``noise_key``; step [S] int64: index of the token being drawn.
     any_sampled: whether a row has temperature > 0 (known on the host, so greedy needs no sync).
     """
 

@@ -130,12 +130,28 @@ class Scheduler:
         self.waiting.clear()
         return dropped
 
-    def pages_for(self, seq: Sequence) -> int:
-        """Pages a sequence needs to run at all: its whole context plus its adapter."""
-        total = PAGES_PER_TOKEN * (len(seq.prompt_ids) + seq.max_new_tokens)
-        if seq.adapter and self.unified:
-            total += self.residency.store.pages(seq.adapter)
-        return total
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why a sequence could never run, even alone: its whole context's KV pages and its
+        adapter's pages against the pools that hold them (one pool for both when unified)."""
+        kv = PAGES_PER_TOKEN * (len(seq.prompt_ids) + seq.max_new_tokens)
+        adapter = self.residency.store.pages(seq.adapter) if seq.adapter else 0
+        demand = self._by_pool(kv, adapter)
+        for pool, need in demand.values():
+            if need > pool.num_pages:
+                return (
+                    f"needs {need} pages (prompt {len(seq.prompt_ids)} + {seq.max_new_tokens} "
+                    f"new tokens: {kv} KV pages, adapter {adapter}), the pool has {pool.num_pages}"
+                )
+        return None
+
+    def _by_pool(self, kv: int, adapter: int) -> dict[int, tuple[PagePool, int]]:
+        """Pages wanted per pool: KV pages from the KV pool, adapter pages from the adapters'
+        pool, summed when they are one pool (S-LoRA's unified paging)."""
+        demand = {id(self.pool): (self.pool, kv)}
+        lora_pool = self.residency.pool
+        _, have = demand.get(id(lora_pool), (lora_pool, 0))
+        demand[id(lora_pool)] = (lora_pool, have + adapter)
+        return demand
 
     def schedule(self) -> ScheduledStep:
         self.steps += 1
@@ -205,15 +221,14 @@ class Scheduler:
     def _admit(self, seq: Sequence, n: int) -> bool:
         need = PAGES_PER_TOKEN * n
         adapter = seq.adapter
-        cost = self.residency.cost(adapter)
         evictable = self.residency.evictable_pages()
         if adapter and self.residency.is_resident(adapter) and adapter not in self.pinned:
             evictable -= self.residency.store.pages(adapter)  # it is about to be pinned
-        if self.unified:
-            fits = need + cost <= self.pool.num_free + evictable
-        else:
-            fits = need <= self.pool.num_free and cost <= self.residency.pool.num_free + evictable
-        if not fits:
+        # Idle adapters can be evicted to make room in the pool that holds adapters.
+        room = {id(self.pool): self.pool.num_free}
+        room[id(self.residency.pool)] = self.residency.pool.num_free + evictable
+        demand = self._by_pool(need, self.residency.cost(adapter))
+        if any(want > room[key] for key, (_, want) in demand.items()):
             return False
         self.waiting.remove(seq)
         if adapter:
@@ -229,16 +244,10 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    @property
-    def unified(self) -> bool:
-        """KV and adapters share the pool (False only in the no-unified ablation)."""
-        return self.residency.pool is self.pool
-
     def _kv_room(self, need: int) -> bool:
-        """Whether ``need`` KV pages are free, evicting idle adapters first when they share the pool."""
-        if self.unified:
-            return self.residency.make_room(need)
-        return self.pool.num_free >= need
+        """Whether ``need`` KV pages are free, evicting idle adapters first (which frees pages
+        only where they share the pool)."""
+        return self.residency.make_room(need, self.pool)
 
     def _pick(self) -> Sequence | None:
         """The next waiting sequence: preempted ones first, then clustering by adapter: a row

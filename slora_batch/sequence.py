@@ -38,7 +38,7 @@ class Sequence:
     temperature: float
     top_k: int
     top_p: float
-    key: int  # sampling.row_key(seed, id)
+    key: int  # sampling.noise_key(seed, id): the row's sampling noise
     stop: list[str]
     ignore_eos: bool
     output_ids: list[int] = field(default_factory=list)

@@ -150,7 +150,6 @@ def test_plan_order_and_validation():
         ("bmm", 1000),
         ("no-unified", 1000),
         ("arrival", 1000),
-        ("adapter-wait", 1000),
     ]
     assert BenchConfig(systems=["peft"], adapters=[1000]).plan() == [("peft", 100)]
     for bad in (
@@ -175,7 +174,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         "--device",
         "cpu",
         "--systems",
-        "slora,base,peft,bmm,no-unified,arrival,adapter-wait",
+        "slora,base,peft,bmm,no-unified,arrival",
         "--adapters",
         "3",
         "--requests",
@@ -209,7 +208,6 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         ("bmm", 3),
         ("no-unified", 3),
         ("arrival", 3),
-        ("adapter-wait", 3),
     ]
     workload = Workload.generate(BenchConfig(requests=6, **TINY), 300)
     for row in rows:
@@ -226,7 +224,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         if row["system"] != "peft":
             assert row["steps"] > 0 and 0 <= row["host_share"] <= 1
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified", "arrival", "adapter-wait"}
+    assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified", "arrival"}
     assert set(summary["base"]) == {"0"} and set(summary["slora"]) == {"3"}
     assert set(summary["slora"]["3"]) == {
         "requests_per_s",
@@ -244,10 +242,10 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
 def test_time_limits_cut_runs_and_a_failed_system_does_not_stop_the_others(tmp_path, monkeypatch):
     real = bench_module.run_engine
 
-    def broken_bmm(ctx, system, n, overrides):
+    def broken_bmm(ctx, system, n):
         if system == "bmm":
             raise RuntimeError("bmm kernel missing")
-        return real(ctx, system, n, overrides)
+        return real(ctx, system, n)
 
     monkeypatch.setattr(bench_module, "run_engine", broken_bmm)
     config = BenchConfig(

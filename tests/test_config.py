@@ -19,8 +19,8 @@ def test_defaults_are_valid():
         ),
         ({"memory_fraction": 0}, "memory_fraction"),
         ({"dtype": "int8"}, "dtype must be"),
-        ({"lora_layout": "dense"}, "lora_layout"),
-        ({"prefetch_wait": "never"}, "prefetch_wait must be step or adapter, got 'never'"),
+        ({"cpu_threads": 0}, "cpu_threads must be an integer >= 1"),
+        ({"host_cache_bytes": 0}, "host_cache_bytes"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
     ],
 )

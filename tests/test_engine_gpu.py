@@ -266,13 +266,11 @@ def test_bf16_tiled_decode_graphs_match_peft(gpu_case):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("wait", ["step", "adapter"])
-def test_bf16_engine_matches_peft_under_adapter_churn(gpu_case, wait):
+def test_bf16_engine_matches_peft_under_adapter_churn(gpu_case):
     """A pool with room for the adapters and the KV of about 4 rows: idle adapters are evicted
     for KV pages and loaded again, and the prefetch side stream copies into slots and pages an
-    eviction has just freed while a step may still run (overlap on). With prefetch_wait
-    "adapter" a step waits only for its own adapters' copies. Tokens equal transformers + PEFT's
-    up to a near tie, as above."""
+    eviction has just freed while a step may still run (overlap on). Tokens equal transformers +
+    PEFT's up to a near tie, as above."""
     model_dir, weights, adapters, peft_model = gpu_case
     probe = make_engine(model_dir, weights, adapters, cuda_graphs=False)
     adapter_pages = sum(probe.residency.store.pages(name) for name in adapters)
@@ -292,9 +290,7 @@ def test_bf16_engine_matches_peft_under_adapter_churn(gpu_case, wait):
         for i, n in enumerate(lengths)
     ]
     kv_pages = 4 * (160 + 12) * PAGES_PER_TOKEN
-    engine = make_engine(
-        model_dir, weights, adapters, num_pages=adapter_pages + kv_pages, prefetch_wait=wait
-    )
+    engine = make_engine(model_dir, weights, adapters, num_pages=adapter_pages + kv_pages)
     assert engine.prefetch_stream is not None and engine.config.overlap
     expected = {row["id"]: reference(peft_model, row) for row in cases}
     _, margins = first_step_errors(engine, peft_model, cases, expected)

@@ -98,17 +98,21 @@ def test_seeded_sample_independent_of_batch(case):
     assert other_seed["probe"].token_ids != alone["probe"].token_ids
 
 
-@pytest.mark.parametrize(
-    "knobs", [{"lora_layout": "bmm"}, {"unified_pool": False}], ids=["bmm", "no-unified"]
-)
-def test_ablations_compute_the_same(case, knobs):
-    """The benchmark's ablations (padded bmm LoRA; separate KV and adapter pools) are exact too."""
+@pytest.mark.parametrize("system", ["bmm", "no-unified"])
+def test_ablations_compute_the_same(case, system):
+    """The benchmark's ablations (padded bmm LoRA; separate KV and adapter pools), composed from
+    the parts the bench hands the engine, are exact too."""
+    import torch
+
+    from slora_batch.bench_engine import engine_parts
+
     model_dir, adapters, rows, expected = case
-    results, engine = run(
-        model_dir, adapters, rows, num_pages=8000, max_num_batched_tokens=64, **knobs
-    )
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=8000, max_num_batched_tokens=64)
+    parts = engine_parts(system, "torch", torch.device("cpu"))
+    engine = Engine(model_dir, adapters=adapters, config=config, **parts)
+    results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
     assert_parity(results, expected)
-    if not knobs.get("unified_pool", True):
+    if system == "no-unified":
         assert engine.lora_pool is not engine.pool
         assert engine.pool.num_pages + engine.lora_pool.num_pages == 8000
 

@@ -2,17 +2,17 @@
 
 import torch
 
-from slora_batch.sampling import SamplingBatch, row_key, sample, uniform_noise
+from slora_batch.sampling import SamplingBatch, noise_key, sample, uniform_noise
 
 
 def batch(rows):
     return SamplingBatch.build(rows, torch.device("cpu"))
 
 
-def test_row_key_stable_and_distinct():
-    assert row_key(0, 7) == row_key(0, 7)
-    assert len({row_key(0, 7), row_key(1, 7), row_key(0, 8), row_key(0, "7")}) == 4
-    assert 0 <= row_key(123, "x") < 2**63
+def test_noise_key_stable_and_distinct():
+    assert noise_key(0, 7) == noise_key(0, 7)
+    assert len({noise_key(0, 7), noise_key(1, 7), noise_key(0, 8), noise_key(0, "7")}) == 4
+    assert 0 <= noise_key(123, "x") < 2**63
 
 
 def test_noise_is_pure_function_of_key_step_index():
