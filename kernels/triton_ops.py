@@ -12,6 +12,8 @@ from kernels.kv import kv_write
 from kernels.lora import lora_expand, lora_shrink
 from kernels.ref import gather_kv, gather_lora_rows, lora_group
 
+CUDA_GRAPHS = True  # every op is capturable: the engine captures decode steps with this backend
+
 __all__ = [
     "attention",
     "attention_decode",
