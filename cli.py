@@ -1,13 +1,18 @@
 """The ``slora-batch`` command: argument handling, progress and printing over ``slora_batch``.
 
 Everything a job does lives in ``slora_batch.jobrun``; this file only turns options into calls,
-draws progress with rich and prints summaries. Exit status: 0 done, 1 a bad job (one message on
-stderr, no traceback), 130 interrupted (finished rows are kept; re-run to resume).
+draws progress (rich bars on a terminal, a plain line every ``--progress-every`` seconds
+otherwise) and prints summaries. Exit status: 0 every job done; 1 a job failed (one message on
+stderr each, no traceback; the jobs after it still ran); 130 interrupted by SIGINT, 143 by
+SIGTERM (finished rows are committed; re-run to resume).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import sys
+import time
 from pathlib import Path
 
 import typer
@@ -31,6 +36,7 @@ from slora_batch.job import load_jobs
 from slora_batch.jobrun import (
     JOB_ERRORS,
     JobError,
+    JobFailure,
     JobProgress,
     JobSummary,
     preview,
@@ -60,6 +66,16 @@ PREVIEW_CHARS = 160
 ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in stats.parquet
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Python raises KeyboardInterrupt for SIGINT: it
+    unwinds the job (the writer commits every finished row) like an interrupt does."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise _Terminated
+
+
 @app.command()
 def run(
     jobs_file: Path = JOBS_FILE,
@@ -70,35 +86,69 @@ def run(
         False,
         "--overwrite",
         help="Delete the job's previous outputs and start over (default: resume, skipping rows "
-        "already written).",
+        "already written; a complete job is left as it is).",
     ),
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="Print nothing but errors: no progress, no summary."
     ),
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="Also log what the engine does (model, pool, adapters)."
+        False, "--verbose", "-v", help="Also log debug messages (engine, pool, adapters, parts)."
+    ),
+    progress_every: float = typer.Option(
+        30.0,
+        "--progress-every",
+        min=0.0,
+        help="Seconds between progress lines when stderr is not a terminal (logs of unattended "
+        "runs); a terminal shows live bars instead.",
     ),
 ) -> None:
     """Run the jobs of JOBS_FILE.
 
     Each job streams its input, generates, and writes Parquet parts, stats.parquet and a
-    _SUCCESS marker into its output directory; a re-run resumes. Every job is checked before
-    any runs, and a bad job stops with one message.
+    _SUCCESS marker into its output directory; a re-run resumes, and does nothing for a
+    complete job. A job that fails is reported and the next one runs; the exit status is then
+    1. SIGINT and SIGTERM commit every finished row and exit 130 and 143.
     """
     _logging(quiet, verbose)
     jobs = _load(jobs_file, job)
-    display = _ProgressDisplay(enabled=not quiet)
+    display = _ProgressDisplay(enabled=not quiet, live=err.is_terminal, every_s=progress_every)
+    failures: list[JobFailure] = []
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with display:
-            for summary in run_jobs(jobs, overwrite=overwrite, progress=display.update):
+            for outcome in run_jobs(jobs, overwrite=overwrite, progress=display.update):
                 display.finish()
-                if not quiet:
-                    _print_summary(summary, next(j for j in jobs if j.name == summary.job))
+                if isinstance(outcome, JobFailure):
+                    failures.append(outcome)
+                    err.print(f"[red]error:[/] {escape(outcome.error)}")
+                elif not quiet:
+                    _print_summary(outcome, next(j for j in jobs if j.name == outcome.job))
     except (JobError, *JOB_ERRORS) as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        err.print("interrupted: finished rows are kept; run the same command again to resume")
-        raise typer.Exit(130) from None
+        _interrupted("SIGINT", display.job, jobs, 130)
+    except _Terminated:
+        _interrupted("SIGTERM", display.job, jobs, 143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if failures:
+        if len(jobs) > 1:
+            names = ", ".join(f.job for f in failures)
+            err.print(f"[red]failed:[/] {len(failures)} of {len(jobs)} jobs ({names})")
+        raise typer.Exit(1)
+
+
+def _interrupted(name: str, current: str | None, jobs, code: int) -> None:
+    where = ""
+    if current is not None:
+        output = next((j.output for j in jobs if j.name == current), None)
+        where = f" of job {current!r} are committed in {_shown(Path(output))}" if output else ""
+    err.print(
+        f"interrupted by {name}: finished rows{where or ' are kept'}; run the same command again "
+        "to resume",
+        markup=False,
+    )
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -141,19 +191,31 @@ def _fail(exc: Exception) -> None:
 
 
 def _logging(quiet: bool, verbose: bool) -> None:
-    level = logging.ERROR if quiet else logging.INFO if verbose else logging.WARNING
-    handler = RichHandler(console=err, show_path=False, show_time=False)
-    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
+    """Warnings and errors (``--verbose``: debug too). On a terminal through rich; otherwise
+    plain lines with the time, for the log of an unattended run."""
+    level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.WARNING
+    if err.is_terminal:
+        handler: logging.Handler = RichHandler(console=err, show_path=False, show_time=False)
+        layout = "%(message)s"
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        layout = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=layout, handlers=[handler], force=True)
     if not quiet:  # the one-time conversion of the sample model takes a while: say so
         logging.getLogger("slora_batch.sample_model").setLevel(logging.INFO)
 
 
 class _ProgressDisplay:
-    """A rich progress line per job while it runs: rows done of total, tokens/s, adapters
-    resident, ETA. Drawn from a job's first event until ``finish``, so summaries print below."""
+    """Progress of the running job: rows done of total, tokens/s, adapters resident, ETA.
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    On a terminal (``live``) a rich progress line per job, drawn from its first event until
+    ``finish`` so that summaries print below. Otherwise one plain line on stderr when a job
+    starts scanning or loading and every ``every_s`` seconds while it runs: no bars, no
+    carriage returns, for logs."""
+
+    def __init__(self, enabled: bool, live: bool, every_s: float = 30.0) -> None:
+        self.enabled, self.live, self.every_s = enabled, live, every_s
+        self.job: str | None = None  # the job of the latest event
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("[bold]{task.description}"),
@@ -168,6 +230,8 @@ class _ProgressDisplay:
             console=err,
         )
         self.task: int | None = None
+        self.phase: str | None = None
+        self.last_line = 0.0  # time.monotonic() of the last plain line
 
     def __enter__(self) -> _ProgressDisplay:
         return self
@@ -177,25 +241,47 @@ class _ProgressDisplay:
             self.progress.stop()
 
     def update(self, event: JobProgress) -> None:
+        self.job = event.job
         if not self.enabled:
+            return
+        if not self.live:
+            self._line(event)
             return
         if self.task is None:
             # the rows of earlier runs are the task's start, not progress to measure speed on
             self.task = self.progress.add_task(
-                f"{event.job}: loading", total=event.rows_total, completed=event.rows_done,
+                f"{event.job}: {event.phase}", total=event.rows_total, completed=event.rows_done,
                 tokens_per_s=0.0, resident=0,
             )  # fmt: skip
             self.progress.start()
-        if event.phase == "loading":
+        if event.phase in ("scanning", "loading"):
+            self.progress.update(self.task, description=f"{event.job}: {event.phase}",
+                                 total=event.rows_total, completed=event.rows_done)  # fmt: skip
             return
         rate = event.completion_tokens / event.elapsed_s if event.elapsed_s > 0 else 0.0
         self.progress.update(
-            self.task, description=event.job, completed=event.rows_done, tokens_per_s=rate,
-            resident=event.adapters_resident,
+            self.task, description=event.job, total=event.rows_total, completed=event.rows_done,
+            tokens_per_s=rate, resident=event.adapters_resident,
         )  # fmt: skip
+
+    def _line(self, event: JobProgress) -> None:
+        now = time.monotonic()
+        phase, self.phase = self.phase, event.phase
+        if event.phase in ("scanning", "loading") and phase != event.phase:
+            what = "scanning the input" if event.phase == "scanning" else "loading the model"
+            self._print(f"job {event.job}: {what}")
+            self.last_line = now
+        elif event.phase == "running" and now - self.last_line >= self.every_s:
+            self._print(_progress_text(event))
+            self.last_line = now
+
+    @staticmethod
+    def _print(text: str) -> None:
+        err.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", markup=False, highlight=False)
 
     def finish(self) -> None:
         """Stop drawing the job's line, leaving it on screen complete."""
+        self.phase = None
         if self.task is None:
             return
         done = self.progress.tasks[0].completed
@@ -205,26 +291,61 @@ class _ProgressDisplay:
         self.task = None
 
 
+def _progress_text(event: JobProgress) -> str:
+    """ "job x: 1,234/10,000 rows (12.3%), 345.6 tok/s, 3 adapters resident, ETA 0:12:34"."""
+    rate = event.completion_tokens / event.elapsed_s if event.elapsed_s > 0 else 0.0
+    text = f"job {event.job}: {event.rows_done:,}"
+    eta = ""
+    if event.rows_total:
+        text += f"/{event.rows_total:,} rows ({100 * event.rows_done / event.rows_total:.1f}%)"
+        rows_per_s = event.rows_this_run / event.elapsed_s if event.elapsed_s > 0 else 0.0
+        if rows_per_s > 0:
+            left = max(event.rows_total - event.rows_done, 0) / rows_per_s
+            eta = f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
+    else:
+        text += " rows"
+    return f"{text}, {rate:.1f} tok/s, {event.adapters_resident} adapters resident{eta}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def _print_summary(summary: JobSummary, job) -> None:
     s = summary.stats
+    shown = escape(_shown(summary.output))
+    if summary.complete_already:
+        out.print(
+            f"job {escape(summary.job)}: complete already ({_plural(s['rows'], 'row')} in "
+            f"{shown}); nothing to do (--overwrite starts over)",
+            soft_wrap=True,
+        )
+        _print_notes(summary)
+        return
     table = Table(title=f"job {escape(summary.job)}", title_justify="left", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     for name, value in (
-        ("rows", f"{s['rows']:,} ({s['ok_rows']:,} ok, {s['error_rows']:,} errors)"),
+        ("rows", f"{_plural(s['rows'], 'row')} ({s['ok_rows']:,} ok, {_plural(s['error_rows'], 'error')})"),
         ("tokens", f"{s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated"),
-        ("this run", f"{s['wall_s']:.1f} s, {s['tokens_per_s']:.1f} tokens/s, "
-                     f"{s['requests_per_s']:.2f} rows/s"),
-        ("adapters", f"{s['adapters_seen']} used; {s['adapter_loads']} loads, "
-                     f"{s['adapter_evictions']} evictions, {s['prefetch_hits']} prefetch hits"),
-        ("pool", f"peak {s['peak_pool_pages']:,} pages"),
+        ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f} s, warmup "
+                     f"{s['warmup_s'] or 0:.1f} s, engine {s['engine_s']:.1f} s, read "
+                     f"{s['read_s']:.1f} s, write {s['write_s']:.1f} s"),
+        ("speed", f"{s['tokens_per_s']:.1f} tokens/s, {s['requests_per_s']:.2f} rows/s "
+                  "(engine time)"),
+        ("adapters", f"{s['adapters_seen']} used, {s['adapters_broken']} unusable; "
+                     f"{_plural(s['adapter_loads'], 'load')} ({s['adapter_disk_loads']} from disk), "
+                     f"{_plural(s['adapter_evictions'], 'eviction')}, "
+                     f"{_plural(s['prefetch_hits'], 'prefetch hit')}"),
+        ("pool", f"peak {_plural(s['peak_pool_pages'], 'page')}"),
         ("device", f"{s['device']}, {s['dtype']}"),
     ):  # fmt: skip
         table.add_row(name, value)
     out.print(table)
     if summary.rows_skipped:
+        done = "row was" if summary.rows_skipped == 1 else "rows were"
         out.print(
-            f"resumed: {summary.rows_skipped:,} rows were already done, "
+            f"resumed: {summary.rows_skipped:,} {done} already done, "
             f"{summary.rows_this_run:,} written this run"
         )
     adapters = Table(title="per adapter", title_justify="left")
@@ -240,10 +361,10 @@ def _print_summary(summary: JobSummary, job) -> None:
     if len(summary.adapters) > ADAPTER_ROWS:
         out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in stats.parquet")
     for message in summary.errors:
-        out.print(f"[yellow]error row:[/] {escape(message)}")
+        out.print(f"[yellow]error row:[/] {escape(message)}", soft_wrap=True)
+    _print_notes(summary)
     out.print(
-        f"outputs: [bold]{escape(_shown(summary.output))}[/] (part-*.parquet, stats.parquet, _SUCCESS)",
-        soft_wrap=True,
+        f"outputs: [bold]{shown}[/] (part-*.parquet, stats.parquet, _SUCCESS)", soft_wrap=True
     )
     rows = preview(job, limit=PREVIEW_ROWS)
     if rows:
@@ -258,6 +379,17 @@ def _print_summary(summary: JobSummary, job) -> None:
         out.print(sample)
 
 
+def _print_notes(summary: JobSummary) -> None:
+    """Unusable adapters and input columns neither used nor kept."""
+    for name, reason in summary.broken.items():
+        out.print(
+            f"[yellow]unusable adapter:[/] {escape(name)}: {escape(reason)}; its rows are error rows",
+            soft_wrap=True,
+        )
+    for note in summary.notes:
+        out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+
+
 def _shown(path: Path) -> str:
     """A path as the user would type it: relative when under the working directory."""
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
@@ -265,7 +397,6 @@ def _shown(path: Path) -> str:
 
 def _print_report(report: ValidationReport) -> None:
     spec = report.spec
-    rows = "?" if report.rows_total is None else f"{report.rows_total:,}"
     fanout = ""
     if report.sweep is not None:
         fanout = f", fan-out over {len(report.sweep)} (base + adapters)"
@@ -276,8 +407,23 @@ def _print_report(report: ValidationReport) -> None:
         soft_wrap=True,
     )
     ranks = sorted({a.rank for a in report.adapters})
-    out.print(f"  {len(report.adapters)} adapters" + (f", ranks {ranks}" if ranks else "") + fanout)
-    out.print(f"  input: {len(report.files)} files, {rows} rows; {report.rows_checked} checked")
+    out.print(
+        f"  {_plural(len(report.adapters), 'adapter')}"
+        + (f", ranks {ranks}" if ranks else "")
+        + fanout
+    )
+    for name, reason in report.broken.items():
+        out.print(
+            f"  [yellow]unusable adapter:[/] {escape(name)}: {escape(reason)} (its rows will be "
+            "error rows)",
+            soft_wrap=True,
+        )
+    out.print(
+        f"  input: {_plural(len(report.files), 'file')}, {_plural(report.rows_total, 'row')}; "
+        f"{report.rows_checked} checked; ids: {report.id_type}"
+    )
+    for note in report.notes:
+        out.print(f"  [yellow]note:[/] {escape(note)}", soft_wrap=True)
     for problem in report.problems[:10]:
         out.print(f"  [yellow]row problem:[/] {escape(problem)}", soft_wrap=True)
     if len(report.problems) > 10:

@@ -41,6 +41,8 @@ class JobConfig:
     fanout: str | list[str | None] | None = None  # None, "all", or adapter names (None = base)
     window: int = 8192  # rows sorted together by (adapter, prompt length)
     part_rows: int = 4096  # rows per output part file
+    part_seconds: float = 30.0  # a part is committed at least this often: what kill -9 can lose
+    keep_columns: str | list[str] | None = None  # input columns carried to the output, or "all"
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):
@@ -81,7 +83,15 @@ class JobConfig:
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                 f"{name} must be an integer >= 1, got {value!r}",
             )
+        check(
+            isinstance(self.part_seconds, int | float)
+            and not isinstance(self.part_seconds, bool)
+            and self.part_seconds > 0,
+            f"part_seconds must be a number > 0, got {self.part_seconds!r}",
+        )
+        self.part_seconds = float(self.part_seconds)
         self.fanout = _check_fanout(self.fanout, self.adapters)
+        self.keep_columns = _check_keep(self.keep_columns, self.columns)
 
 
 def _check_fanout(
@@ -107,6 +117,29 @@ def _check_fanout(
             f"fanout names adapter {name!r}, which is not in adapters ({', '.join(sorted(adapters or ()))})",
         )
     return names
+
+
+def _check_keep(keep: Any, columns: dict[str, str]) -> str | list[str] | None:
+    from slora_batch.writer import OUTPUT_COLUMNS
+
+    if keep is None or keep == "all":
+        return keep
+    check(
+        isinstance(keep, list) and keep != [] and all(isinstance(k, str) and k for k in keep),
+        f"keep_columns must be 'all' or a non-empty list of input column names, got {keep!r}",
+    )
+    check(len(set(keep)) == len(keep), f"keep_columns lists a column twice: {keep!r}")
+    for name in keep:
+        check(
+            name not in (columns["id"], columns["adapter"]),
+            f"keep_columns: {name!r} is the id or adapter column, already in the output",
+        )
+        check(
+            name not in OUTPUT_COLUMNS,
+            f"keep_columns: {name!r} would replace the output's own column of that name "
+            f"(output columns: {', '.join(OUTPUT_COLUMNS)})",
+        )
+    return list(keep)
 
 
 def adapter_names(adapters: str | dict[str, str] | None) -> list[str]:

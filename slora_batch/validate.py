@@ -1,6 +1,7 @@
-"""``slora-batch validate``: every check a run makes before any work, plus the input's schema and
-a sample of its rows turned into requests and tokenized as the engine would; no engine is built
-and no weights are loaded."""
+"""``slora-batch validate``: every check a run makes before any work, the scan a run makes of its
+input (duplicate rows, columns neither used nor kept, the id and kept columns' types), the
+Parquet schemas, and a sample of rows turned into requests and tokenized as the engine would; no
+engine is built and no weights are loaded."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slora_batch.adapters import AdapterInfo
-from slora_batch.io import InputError, read_rows, to_request
+from slora_batch.io import InputError, input_root, read_rows, scan_input, to_request
 from slora_batch.job import JobConfig
-from slora_batch.jobrun import _job_error, check_job
+from slora_batch.jobrun import JobError, _job_error, check_job
 from slora_batch.request import Request, Result
 from slora_batch.spec import ModelSpec
 from slora_batch.tokens import load_tokenizer, tokenize
+from slora_batch.writer import OUTPUT_COLUMNS
 
 VALIDATE_ROWS = 200  # input rows validate_job turns into requests and tokenizes
 
@@ -32,29 +34,40 @@ class ValidationReport:
     sweep: list[str | None] | None
     rows_checked: int
     problems: list[str]  # schema and sample-row problems: runs would write error rows for them
+    notes: list[str]  # input columns neither used nor kept (did you mean ...), kept columns
+    broken: dict[str, str]  # adapter -> why the engine cannot run it (its rows: error rows)
+    id_type: str  # the output's id column: "int64" or "string"
 
 
 def validate_job(job: JobConfig) -> ValidationReport:
-    """``check_job``, then the Parquet schemas and the first ``VALIDATE_ROWS`` rows turned into
-    requests and tokenized as the engine would. Builds no engine and loads no weights (only the
-    sample alias's one-time conversion reads its GGUF); problems of rows are reported (a run
-    writes error rows for them), problems of the job raise."""
+    """``check_job``, the input scan (every row is read once), then the Parquet schemas and the
+    first ``VALIDATE_ROWS`` rows turned into requests and tokenized as the engine would. Builds
+    no engine and loads no weights (only the sample alias's one-time conversion reads its GGUF);
+    problems of rows are reported (a run writes error rows for them), problems of the job
+    (duplicate rows included) raise."""
     plan = check_job(job)
+    fanout = plan.sweep is not None
+    try:
+        scan = scan_input(plan.files, job.columns, job.keep_columns, fanout, OUTPUT_COLUMNS)
+    except InputError as exc:
+        raise _job_error(job, exc) from exc
+    if scan.duplicates:
+        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}")
     problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
     tokenizer = load_tokenizer(plan.model_path)
     limit = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
-    known = None if plan.sweep is not None else {a.name for a in plan.adapters}
+    known = None if fanout else {a.name for a in plan.adapters}
     checked = 0
     try:
-        for row in read_rows(plan.files, job.columns):
+        for row in read_rows(plan.files, job.columns, root=input_root(plan.files)):
             if checked == VALIDATE_ROWS:
                 break
             checked += 1
-            item = to_request(row, job.sampling)
+            item = to_request(row, job.sampling, fanout)
             if isinstance(item, Result):
                 problems.append(item.error)
                 continue
-            problem = _request_problem(item, known, tokenizer, plan.spec, limit)
+            problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, limit)
             if problem:
                 problems.append(f"{row.where}: {problem}")
     except InputError as exc:
@@ -65,10 +78,13 @@ def validate_job(job: JobConfig) -> ValidationReport:
         spec=plan.spec,
         adapters=plan.adapters,
         files=plan.files,
-        rows_total=plan.rows_total,
+        rows_total=scan.rows,
         sweep=plan.sweep,
         rows_checked=checked,
         problems=problems,
+        notes=scan.notes(job.columns),
+        broken=plan.broken,
+        id_type=scan.id_type,
     )
 
 
@@ -101,11 +117,18 @@ def _schema_problems(file: Path, columns: dict[str, str]) -> list[str]:
 
 
 def _request_problem(
-    request: Request, known: set[str] | None, tokenizer, spec: ModelSpec, limit: int
+    request: Request,
+    known: set[str] | None,
+    broken: dict[str, str],
+    tokenizer,
+    spec: ModelSpec,
+    limit: int,
 ) -> str | None:
     """Why the engine would turn this request into an error row, or None."""
+    if request.adapter in broken:
+        return f"adapter {request.adapter!r} cannot run: {broken[request.adapter]}"
     if known is not None and request.adapter is not None and request.adapter not in known:
-        return f"unknown adapter {request.adapter!r} ({len(known)} adapters known)"
+        return f"unknown adapter {request.adapter!r} ({len(known) + len(broken)} adapters known)"
     if tokenizer is None:
         return "the model has no tokenizer, so prompt and messages cannot be tokenized"
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,14 +13,13 @@ import pytest
 
 from slora_batch import writer as output
 from slora_batch.config import SamplingConfig
-from slora_batch.io import InputError, iter_input_files, read_rows, to_request
+from slora_batch.io import InputError, RowSource, iter_input_files, read_rows, row_key, to_request
 from slora_batch.request import Request, Result
 from slora_batch.writer import (
     LOCK_FILE,
     OutputError,
     OutputLock,
     OutputWriter,
-    done_ids,
     done_keys,
     output_counts,
     read_success,
@@ -54,6 +54,19 @@ def requests(files: list[Path], columns: dict[str, str] = COLUMNS) -> list[Reque
     return [to_request(row, SAMPLING) for row in read_rows(files, columns)]
 
 
+def bare(items: list[Request | Result]) -> list[Request | Result]:
+    """The items without ``extra`` and ``source``, which name the file they came from."""
+    return [
+        dataclasses.replace(i, extra=None, **({"source": None} if isinstance(i, Request) else {}))
+        for i in items
+    ]
+
+
+def done_ids(out_dir: Path) -> set[str]:
+    """The ids of the done keys ("<length>:<id><adapter>")."""
+    return {rest[: int(n)] for n, rest in (key.split(":", 1) for key in done_keys(out_dir))}
+
+
 def test_iter_input_files(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -85,18 +98,27 @@ def test_jsonl_and_parquet_give_identical_requests(tmp_path):
     keys = dict.fromkeys(k for row in ROWS for k in row)  # from_pylist only sees row 0's keys
     pq.write_table(pa.table({k: [row.get(k) for row in ROWS] for k in keys}), parquet)
     from_jsonl, from_parquet = requests([jsonl]), requests([parquet])
-    assert from_jsonl == from_parquet
-    assert from_jsonl == [
+    assert bare(from_jsonl)[:3] == bare(from_parquet)[:3]
+    assert bare(from_jsonl)[:3] == [
         Request(id="a", adapter="shout", prompt="Hello"),
         Request(id="b", prompt="Hi there", max_new_tokens=5, stop=["\n"]),
         Request(id="c", messages=[{"role": "user", "content": "Hey"}], temperature=0.5),
-        Request(id=3, adapter="calm", prompt="Why?", top_k=3, seed=11, ignore_eos=True),
     ]
+    # no id: the row is known by where it came from, which no given id can equal
+    assert from_jsonl[3].id == RowSource("rows.jsonl line 4")
+    assert from_parquet[3].id == RowSource("rows.parquet row 3")
+    assert bare(from_jsonl)[3] == dataclasses.replace(
+        Request(id=None, adapter="calm", prompt="Why?", top_k=3, seed=11, ignore_eos=True),
+        id=from_jsonl[3].id,
+    )
+    assert from_jsonl[0].source == "rows.jsonl line 1"
+    assert from_jsonl[0].extra == {"source": "rows.jsonl line 1"}
     int_ids = [{"id": 10, "prompt": "x"}, {"id": None, "prompt": "y"}]
     pq.write_table(pa.Table.from_pylist(int_ids), parquet)
     from_parquet = requests([parquet])
-    assert from_parquet == requests([write_jsonl(tmp_path / "rows.jsonl", int_ids)])
-    assert [r.id for r in from_parquet] == [10, 1]
+    assert [r.id for r in from_parquet] == [10, RowSource("rows.parquet row 1")]
+    from_jsonl = requests([write_jsonl(tmp_path / "rows.jsonl", int_ids)])
+    assert [r.id for r in from_jsonl] == [10, RowSource("rows.jsonl line 2")]
 
 
 def test_directory_of_files_numbers_rows_globally(tmp_path):
@@ -110,7 +132,11 @@ def test_directory_of_files_numbers_rows_globally(tmp_path):
         (0, "1.jsonl", 1), (1, "1.jsonl", 2), (2, "2.parquet", 0), (3, "2.parquet", 1), (4, "3.jsonl", 2)
     ]  # fmt: skip
     out = [to_request(r, SAMPLING) for r in rows]
-    assert [(r.id, r.prompt) for r in out] == [(0, "a"), (1, "b"), (2, "c"), (3, "d"), (4, "e")]
+    assert [(str(r.id), r.prompt) for r in out] == [
+        ("1.jsonl line 1", "a"), ("1.jsonl line 2", "b"), ("2.parquet row 0", "c"),
+        ("2.parquet row 1", "d"), ("3.jsonl line 2", "e"),
+    ]  # fmt: skip
+    assert all(isinstance(r.id, RowSource) for r in out)
 
 
 def test_bad_rows_become_error_results(tmp_path):
@@ -150,7 +176,12 @@ def test_bad_rows_become_error_results(tmp_path):
     for error, want in zip(errors, expected, strict=True):
         assert want in error
     assert all(o.finish_reason == "error" and o.text == "" for o in out[1:-1])
-    assert [o.id for o in out[1:4]] == [1, 2, "int-prompt"]  # unparsable rows keep their position
+    # unreadable lines and rows whose id or adapter cannot be read are known by their source
+    assert [o.id for o in out[1:4]] == [
+        RowSource("rows.jsonl line 2"), RowSource("rows.jsonl line 3"), "int-prompt"
+    ]  # fmt: skip
+    assert out[10].id == RowSource("rows.jsonl line 11")  # id 1.5
+    assert out[11].id == RowSource("rows.jsonl line 12") and "(row id 'adapter-int')" in errors[10]
 
 
 def test_parquet_wrong_column_type_and_mapped_names(tmp_path):
@@ -169,7 +200,10 @@ def test_unreadable_parquet_names_the_file_and_missing_columns_are_row_errors(tm
     other = tmp_path / "other.parquet"
     pq.write_table(pa.table({"text": ["a", "b"]}), other)
     out = requests([other])
-    assert [o.id for o in out] == [0, 1]
+    assert [o.id for o in out] == [
+        RowSource("other.parquet row 0"),
+        RowSource("other.parquet row 1"),
+    ]
     assert "other.parquet row 1: row has neither column 'prompt' nor 'messages'" in out[1].error
 
 
@@ -196,14 +230,14 @@ def test_writer_parts_schema_and_types(tmp_path):
             writer.write(result(i, adapter="a" if i % 2 else ""))
         writer.write(result("x", reason="error", tokens=(), error="bad"))
     parts = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert parts == [LOCK_FILE, "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert parts == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     assert writer.rows_written == 6
     table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert table.schema == output.PART_SCHEMA
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     assert table.to_pylist()[1] == {
         "id": "1", "adapter": "a", "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
-        "completion_tokens": 2, "finish_reason": "stop", "error": None,
+        "completion_tokens": 2, "finish_reason": "stop", "error": None, "source": None,
     }  # fmt: skip
     assert pq.read_table(tmp_path / "out" / "part-00000.parquet")["adapter"].to_pylist() == [
         None,
@@ -230,12 +264,21 @@ def test_crash_leftovers_are_ignored_and_numbering_continues(tmp_path):
     assert done_ids(out) == {"0", "1", "2", "3", "4"}
 
 
-def test_failed_commit_leaves_no_part(tmp_path):
+def test_failed_commit_leaves_no_part_and_keeps_the_rows(tmp_path, monkeypatch):
     writer = OutputWriter(tmp_path, part_rows=10)
-    writer.write(result(1, tokens=(2**40,)))  # does not fit int32: the part cannot be built
-    with pytest.raises(pa.ArrowException):
+    writer.write(result(1))
+
+    def disk_full(table, handle):
+        handle.write(b"PAR1 half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", disk_full)
+    with pytest.raises(OSError, match="No space left"):
         writer.flush()
     assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]
+    monkeypatch.undo()
+    writer.close()  # the rows are still buffered: committed once the disk has room
+    assert done_ids(tmp_path) == {"1"}
 
 
 def test_resume_keys_with_fanout(tmp_path):
@@ -243,7 +286,7 @@ def test_resume_keys_with_fanout(tmp_path):
         for adapter in (None, "a", ""):
             writer.write(result(7, adapter=adapter))
         writer.write(result("8", adapter="b"))
-    assert done_keys(tmp_path) == {("7", None), ("7", "a"), ("8", "b")}
+    assert done_keys(tmp_path) == {row_key("7", None), row_key("7", "a"), row_key("8", "b")}
     assert output.row_key(7, "") in done_keys(tmp_path)
     assert done_ids(tmp_path) == {"7", "8"}
     assert done_ids(tmp_path / "missing") == set()
@@ -261,6 +304,9 @@ def test_reopen_and_overwrite(tmp_path):
     write_success(tmp_path, "job", 1)
     writer = OutputWriter(tmp_path, part_rows=1, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "README"]
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README"]  # the lock file goes too
+    writer = OutputWriter(tmp_path, part_rows=1)
     assert writer.next_part == 0 and done_ids(tmp_path) == set()
     writer.close()
 
