@@ -1,10 +1,17 @@
-"""The tokenizer side: loading it from the model directory, and stop strings on decoded text."""
+"""The tokenizer side: loading it from the model directory, prompts to ids, and output ids to
+text with stop strings."""
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+# What `decode` writes for bytes that are not (yet) a whole UTF-8 character.
+REPLACEMENT_CHAR = "\ufffd"
 
 
 def load_tokenizer(model_dir: Path):
@@ -16,28 +23,132 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+_SKIPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The ids that ``tokenizer.decode(ids, skip_special_tokens=True)`` leaves out: the special
+    tokens that decode to text alone and to nothing when skipped. Worked out once per tokenizer
+    (Llama-3 has 256 special tokens)."""
+    if tokenizer not in _SKIPPED:
+        special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        _SKIPPED[tokenizer] = frozenset(
+            i
+            for i in special | set(tokenizer.all_special_ids)
+            if tokenizer.decode([i], skip_special_tokens=False)
+            and not tokenizer.decode([i], skip_special_tokens=True)
+        )
+    return _SKIPPED[tokenizer]
+
+
 class Detokenizer:
-    """Decodes a row's output ids and finds stop strings in the text."""
+    """A row's output text, built as its ids arrive, and the first stop string in it.
 
-    def __init__(self, tokenizer) -> None:
+    After ids added one by one or in chunks, ``text`` is ``tokenizer.decode(ids,
+    skip_special_tokens=True)`` cut before the earliest occurrence of a stop string; an
+    unfinished character at the end is in it as decode writes it (U+FFFD). ``add`` says True at
+    the call whose ids complete a stop string. Each call decodes a window of the last few ids,
+    never the whole output: about 7 ids per id added, whatever the output's length.
+
+    The window (the prefix_offset / read_offset technique of vLLM and TGI, with a longer
+    prefix): the new text is what ``decode(window)`` gives beyond what it gave the previous
+    call, whose decode started at the same id, so whatever a tokenizer does at the start of a
+    slice (SentencePiece drops the first token's "▁" space) happens to both. Example,
+    Llama-2 style: the window ["▁It", "▁is"] decodes to "It is"; "▁me" arrives, the window
+    decodes to "It is me", so " me" is new. The window starts only where the text was complete
+    (no U+FFFD of an unfinished character at its end), and keeps at least CONTEXT ids before
+    the new ones: clean_up_tokenization_spaces rewrites up to 4 characters across tokens
+    ("it '" + "s" -> "it's"), and the window must see them to redo them. Costs more: a text
+    that keeps ending in U+FFFD (a row of invalid bytes) or a long run of byte fallback tokens
+    (<0xE8>), which are decoded whole.
+    """
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        if not all(stops):
+            raise ValueError(f"stop strings must be non-empty, got {stops!r}")
         self.tokenizer = tokenizer
+        self.skipped = skipped_ids(tokenizer)
+        self.stops = list(stops)
+        self.max_stop_len = max(map(len, stops), default=0)
+        self.window: list[int] = []  # the last ids; those before are in _text for good
+        self.starts: list[int] = []  # indices in window after which the text was complete
+        self.window_text = ""  # decode(window)
+        # The start of window_text that is in _text: all of it but an unfinished character.
+        # _text ends with it, except for what decode does at the window's first id.
+        self.shown = ""
+        self._text = ""
+        self.stopped = False
 
-    def text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def add(self, ids: list[int]) -> bool:
+        """Appends newly drawn token ids; True once a stop string is complete in the text (and
+        then for every later call, which changes nothing)."""
+        # Special tokens that decode skips stay out of the window: a row that draws EOS over and
+        # over would decode ever longer windows, and they would take the place of the context.
+        ids = [i for i in ids if i not in self.skipped]
+        if self.stopped or not ids:
+            return self.stopped
+        self.window.extend(ids)
+        self.window_text = self.tokenizer.decode(self.window, skip_special_tokens=True)
+        # Bytes of an unfinished character decode to U+FFFD; the text before them is final.
+        changed_from = self._show(self.window_text.rstrip(REPLACEMENT_CHAR))
+        if self.window_text == self.shown:
+            self._slide()
+        self._text, self.stopped = self._cut(self._text, changed_from)
+        return self.stopped
 
-    def find_stop(self, ids: list[int], stops: list[str]) -> bool:
-        # A stop string can only complete within the text of the last token or the ones before it,
-        # so decoding a tail as long as the longest stop string (in tokens, at worst 1 char each)
-        # suffices.
-        tail = ids[-(max(map(len, stops)) + 1) :]
-        text = self.text(tail)
-        return any(stop in text for stop in stops)
+    @property
+    def text(self) -> str:
+        """The whole output text so far, cut before the first stop string when one was found.
+        An unfinished character at the end is there as U+FFFD, as in ``tokenizer.decode``."""
+        if self.stopped or self.window_text == self.shown:
+            return self._text
+        return self._cut(self._text + self.window_text[len(self.shown) :], len(self._text))[0]
 
-    def final_text(self, ids: list[int], stops: list[str]) -> str:
-        """The whole output text, cut before the first stop string."""
-        text = self.text(ids)
-        cuts = [i for i in (text.find(stop) for stop in stops) if i >= 0]
-        return text[: min(cuts)] if cuts else text
+    def _show(self, new: str) -> int:
+        """Makes `new` the shown window text, fixing the end of ``_text`` to match; returns the
+        index in ``_text`` from which it changed. Text only grows, except where decode rewrites
+        what came before: clean_up_tokenization_spaces turns "it '" + "s" into "it's"."""
+        kept = len(os.path.commonprefix([self.shown, new]))
+        changed_from = len(self._text) - (len(self.shown) - kept)
+        self._text = self._text[:changed_from] + new[kept:]
+        self.shown = new
+        return changed_from
+
+    def _slide(self) -> None:
+        """Notes that the window's text is complete, and once the window is 2 * CONTEXT ids
+        long, drops its ids before the last CONTEXT or more, starting it where the text was
+        complete: one decode of the shorter window per CONTEXT calls."""
+        # Byte fallback (Llama-2: "<0xE8>") decodes a run of byte tokens as one: all of it, or
+        # every byte as U+FFFD when any is amiss, so "質" turns back into U+FFFD x 3 when an odd
+        # byte follows. The window never starts right after a byte token: a run is decoded whole.
+        if _is_byte_token(self.tokenizer.convert_ids_to_tokens(self.window[-1])):
+            return
+        self.starts.append(len(self.window))
+        if len(self.window) < 2 * self.CONTEXT:
+            return
+        # Example, CONTEXT 4, one id per call: window 8 ids, starts [1, .., 8]: start at 4, the
+        # window keeps its last 4 ids, starts [1, 2, 3, 4].
+        start = max((i for i in self.starts if i <= len(self.window) - self.CONTEXT), default=0)
+        if start == 0:
+            return
+        self.window = self.window[start:]
+        self.starts = [i - start for i in self.starts if i > start]
+        self.window_text = self.shown = self.tokenizer.decode(self.window, skip_special_tokens=True)
+
+    def _cut(self, text: str, changed_from: int) -> tuple[str, bool]:
+        """`text` cut before its earliest stop string, and whether there was one, given that
+        none is in ``text[:changed_from]``: only a match ending after it, so starting at most
+        one stop length before it, is new."""
+        start = max(0, changed_from - self.max_stop_len + 1)
+        hits = [i for i in (text.find(stop, start) for stop in self.stops) if i >= 0]
+        return (text[: min(hits)], True) if hits else (text, False)
+
+
+def _is_byte_token(token: str | None) -> bool:
+    """Whether `token` is a byte fallback token such as "<0xE8>"."""
+    return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
 
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -63,6 +174,24 @@ def tokenize(request, tokenizer, vocab_size: int, model: object = "the model") -
         if not isinstance(request.prompt, str):
             raise TypeError(f"prompt must be a string, got {type(request.prompt).__name__}")
         return tokenizer(request.prompt)["input_ids"] if request.prompt else []
-    return tokenizer.apply_chat_template(
-        request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    return _chat_ids(tokenizer, request.messages, model)
+
+
+def _chat_ids(tokenizer, messages, model: object) -> list[int]:
+    """`messages` through the tokenizer's chat template, with the generation prompt."""
+    from jinja2.exceptions import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {model} has no chat template: pass prompt or prompt_token_ids")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except TemplateError as error:
+        # Llama-2, Mistral and Gemma templates raise_exception() on a system turn or roles that
+        # do not alternate: a bad row, not a broken job.
+        raise ValueError(f"chat template: {error.message or type(error).__name__}") from error
+    # Some transformers versions give a BatchEncoding even with return_dict=False.
+    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
