@@ -198,11 +198,23 @@ def _logging(quiet: bool, verbose: bool) -> None:
         handler: logging.Handler = RichHandler(console=err, show_path=False, show_time=False)
         layout = "%(message)s"
     else:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         layout = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=level, format=layout, handlers=[handler], force=True)
     if not quiet:  # the one-time conversion of the sample model takes a while: say so
         logging.getLogger("slora_batch.sample_model").setLevel(logging.INFO)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A plain log handler writing to whatever ``sys.stderr`` is when a record comes."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 class _ProgressDisplay:

@@ -30,6 +30,7 @@ from slora_batch.request import Result
 logger = logging.getLogger(__name__)
 
 PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+SURROGATE = re.compile("[\ud800-\udfff]")  # what UTF-8 cannot encode in a Python str
 STATS_FILE = "stats.parquet"
 SUCCESS_FILE = "_SUCCESS"
 MANIFEST_FILE = "_job.json"  # what the rows were produced from (``jobrun`` writes it)
@@ -455,7 +456,7 @@ def _clean(text: str | None) -> str | None:
     """``text`` with every character UTF-8 cannot encode (lone surrogates) replaced by U+FFFD."""
     if text is None or _encodable(text):
         return text
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return SURROGATE.sub("\ufffd", text)
 
 
 def _json_text(value: Any) -> str:
