@@ -16,7 +16,10 @@ from functools import partial
 import torch
 import triton.testing
 
-from kernels import attention, lora, ref, triton_ops
+from kernels import attention, ref, triton_ops
+from kernels.lora_blocks import BLOCKS
+from kernels.lora_paths import position_segments
+from kernels.lora_shrink import shrink_splits
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 from slora_batch import batch as step_batch
 
@@ -73,7 +76,7 @@ def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]
     meta = LoraMeta(b_slot.int().cuda(), order.int().cuda(), seg1.int().cuda(),
                     seg_slot.int().cuda(), rank.cuda(), torch.ones(len(ranks), device="cuda"),
                     slot_pages, offsets.cuda(), int(rank[seg_slot].max()))  # fmt: skip
-    meta.pos_seg = lora.position_segments(meta, b_slot.numel())  # as eager steps bring it
+    meta.pos_seg = position_segments(meta, b_slot.numel())  # as eager steps bring it
     pool = torch.randn(sum(per), page, dtype=DTYPE, device="cuda")
     return pool, meta, sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist()) * 2
 
@@ -213,10 +216,10 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
                          ("grouped tiled et64", lora_grouped, {"et": 64}, tiled),
                          ("grouped tiled et64 n128", lora_grouped, {"et": 64, "n": 128}, tiled),
                          ("grouped tiled et128", lora_grouped, {"et": 128}, tiled)]  # fmt: skip
-        saved = dict(lora.BLOCKS)
+        saved = dict(BLOCKS)
         reference = None
         for name, step, blocks, vector_max in variants:
-            lora.BLOCKS.update(blocks)
+            BLOCKS.update(blocks)
             meta.vector_max = vector_max
             try:
                 out.zero_()
@@ -224,15 +227,15 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
                 if reference is None:
                     reference = out.clone()
                 diff = float((out.float() - reference.float()).abs().max())
-                splits = lora.shrink_splits(x.device, tokens, meta.max_rank, hidden, 3)
+                splits = shrink_splits(x.device, tokens, meta.max_rank, hidden, 3)
                 fn = partial(step, *args, triton_fns)
                 eager, graph = _us(fn), _graph_us(fn)
             except Exception as exc:  # a variant that fails to build must not stop the table
                 rows.append((f"lora q,k,v,o {name}", case, float("nan"), type(exc).__name__, ""))
                 continue
             finally:
-                lora.BLOCKS.clear()
-                lora.BLOCKS.update(saved)
+                BLOCKS.clear()
+                BLOCKS.update(saved)
             gbs = nbytes / graph / 1e3
             rows.append((f"lora q,k,v,o {name} (eager)", case, eager, "", ""))
             rows.append((f"lora q,k,v,o {name} (graph, splits {splits})", case, graph,
@@ -245,7 +248,7 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
     return rows
 
 
-SHRINK_VARIANTS = [  # lora.BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
+SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
     {},  # earlier sweeps (benchmarks/h200-tuning/) tried vk, vr, vstages, vwarps and vgrid
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
@@ -386,8 +389,8 @@ def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_varia
     ]:
         reference = None
         for variant in variants:
-            saved = dict(lora.BLOCKS)
-            lora.BLOCKS.update(variant)
+            saved = dict(BLOCKS)
+            BLOCKS.update(variant)
             try:
                 if kind == "expand":
                     buf.copy_(v_in)
@@ -404,8 +407,8 @@ def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_varia
                 rows.append((f"lora {kind} sweep", f"{case} {variant}", float("nan"),
                              f"{type(exc).__name__}: {str(exc)[:80]}", ""))  # fmt: skip
             finally:
-                lora.BLOCKS.clear()
-                lora.BLOCKS.update(saved)
+                BLOCKS.clear()
+                BLOCKS.update(saved)
     return rows
 
 

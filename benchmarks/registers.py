@@ -10,7 +10,7 @@ before spending device time on them; it says nothing about speed.
 
 from __future__ import annotations
 
-from kernels import lora
+from kernels import lora_expand, lora_shrink
 from kernels.build_check import (
     EXPAND_ALIGNED,
     REGISTERS_PER_SM,
@@ -27,12 +27,13 @@ def main() -> None:
     for block_k in (256, 512, 1024, 2048):
         for warps in (4, 8):
             consts = dict(common, BLOCK_K=block_k, PARTIAL=False, STAGES=0, ONE_PAGE=True)
-            cubin = build(lora._shrink_vector_kernel, consts, warps, aligned=VECTOR_SHRINK_ALIGNED)
+            cubin = build(lora_shrink._shrink_vector_kernel, consts, warps,
+                          aligned=VECTOR_SHRINK_ALIGNED)  # fmt: skip
             rows.append(("shrink", f"16 x {block_k}", warps, cubin))
     for block_n in (128, 256, 512, 1024):
         for warps in (4, 8):
             consts = dict(common, BLOCK_N=block_n)
-            cubin = build(lora._expand_vector_kernel, consts, warps, {"out_ptr": "*bf16"},
+            cubin = build(lora_expand._expand_vector_kernel, consts, warps, {"out_ptr": "*bf16"},
                           EXPAND_ALIGNED)  # fmt: skip
             rows.append(("expand", f"16 x {block_n}", warps, cubin))
     print("| kernel | tile | warps | registers | spill bytes | programs per SM | global loads |")

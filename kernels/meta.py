@@ -82,7 +82,7 @@ class LoraMeta:
     # the adapter tokens), where the tiled kernels' blocks start their walk. example: [0, 0, 1,
     # 1, 1]. ``slora_batch.batch.position_segments`` builds it (eager steps) and the runner
     # refills it (tiled CUDA-graph steps); without it each Triton launch builds it on the device
-    # (``kernels.lora.position_segments``).
+    # (``kernels.lora_paths.position_segments``).
     pos_seg: torch.Tensor | None = None
     # tiled_tokens (optional, host int): every segment longer than vector_max lies in the first
     # tiled_tokens sorted positions (``slora_batch.batch.lora_segments`` puts them first), so the

@@ -9,7 +9,8 @@ from __future__ import annotations
 from kernels.attention import attention, attention_decode
 from kernels.fused import rms_norm, rope, silu_mul
 from kernels.kv import kv_write
-from kernels.lora import lora_expand, lora_shrink
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
 from kernels.ref import gather_kv, gather_lora_rows, lora_group
 
 CUDA_GRAPHS = True  # every op is capturable: the engine captures decode steps with this backend

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from test_scheduler import make, seq
 
-from kernels.lora import position_segments as device_position_segments
+from kernels.lora_paths import position_segments as device_position_segments
 from kernels.meta import LoraMeta
 from slora_batch.batch import lora_segments, plan_step, position_segments, tiled_tokens, upload
 from slora_batch.runner import fill_lora

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from kernels import lora
+from kernels import lora_blocks, lora_expand, lora_shrink
 from kernels.build_check import (
     EXPAND_ALIGNED,
     SHRINK_ALIGNED,
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(not os.path.exists(cuobjdump()), reason="Triton 
 
 PAGE = 4096  # Llama-2-7B: kv_dim, and d_in and d_out of q, k, v and o
 RANK = 64  # the largest rank of the acceptance workload
-B = lora.BLOCKS  # the launchers' knobs; their tiles come from the launchers' own helpers
-VR, VK = lora.vector_block(PAGE, RANK, "vk")
-_, VN = lora.vector_block(PAGE, RANK, "vn")
+B = lora_blocks.BLOCKS  # the launchers' knobs; their tiles come from the launchers' own helpers
+VR, VK = lora_blocks.vector_block(PAGE, RANK, "vk")
+_, VN = lora_blocks.vector_block(PAGE, RANK, "vn")
 VECTOR = dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_R=VR)
 TILED = dict(PAGE=PAGE, NUM_TARGETS=7, PRECISION="tf32")
 
@@ -35,15 +35,15 @@ def vector_shrink(*, partial: bool, all_tokens: bool, indexed: bool, one_page: b
     """The vector shrink at the launchers' blocks, in one of its modes."""
     constexprs = dict(VECTOR, BLOCK_K=VK, STAGES=B["vstages"], PARTIAL=partial, ALL=all_tokens,
                       INDEXED=indexed, ONE_PAGE=one_page)  # fmt: skip
-    return lora._shrink_vector_kernel, constexprs, B["vwarps"], VECTOR_SHRINK_ALIGNED
+    return lora_shrink._shrink_vector_kernel, constexprs, B["vwarps"], VECTOR_SHRINK_ALIGNED
 
 
 def split_reduction(*, vector: bool) -> tuple:
     """The split reduction of one shrink family, at that family's split bound."""
-    splits = lora.MAX_VECTOR_SPLITS if vector else lora.MAX_SPLITS
+    splits = lora_shrink.MAX_VECTOR_SPLITS if vector else lora_shrink.MAX_SPLITS
     constexprs = dict(NUM_TARGETS=7, BLOCK_R=RANK, BLOCK_SPLIT=splits, VECTOR=vector, ALL=False,
                       INDEXED=vector)  # fmt: skip
-    return lora._shrink_reduce_kernel, constexprs, 4, ("out_stride",)
+    return lora_shrink._shrink_reduce_kernel, constexprs, 4, ("out_stride",)
 
 
 BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
@@ -57,7 +57,7 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
         partial=False, all_tokens=False, indexed=False, one_page=False
     ),
     "expand vector, indexed": (
-        lora._expand_vector_kernel,
+        lora_expand._expand_vector_kernel,
         dict(VECTOR, BLOCK_N=VN, ALL=False, INDEXED=True),
         B["vnwarps"],
         EXPAND_ALIGNED,
@@ -65,35 +65,35 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     "split reduction, indexed": split_reduction(vector=True),
     "split reduction, tiled": split_reduction(vector=False),
     "shrink tiled, prefill": (
-        lora._shrink_kernel,
+        lora_shrink._shrink_kernel,
         dict(
             TILED,
-            BLOCK_T=lora.block_tokens(4096),
-            BLOCK_R=lora.tiled_rank_block(RANK),
-            BLOCK_K=lora._pow2_divisor(PAGE, B["k"]),
+            BLOCK_T=lora_blocks.block_tokens(4096),
+            BLOCK_R=lora_blocks.tiled_rank_block(RANK),
+            BLOCK_K=lora_blocks._pow2_divisor(PAGE, B["k"]),
             PARTIAL=True,
         ),
         B["twarps"],
         SHRINK_ALIGNED,
     ),
     "expand tiled, prefill": (
-        lora._expand_kernel,
+        lora_expand._expand_kernel,
         dict(
             TILED,
-            BLOCK_T=lora.block_tokens(4096, expand=True),
-            BLOCK_R=lora.expand_rank_block(RANK),
-            BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
+            BLOCK_T=lora_blocks.block_tokens(4096, expand=True),
+            BLOCK_R=lora_blocks.expand_rank_block(RANK),
+            BLOCK_N=lora_blocks._pow2_divisor(PAGE, B["n"]),
         ),
         B["twarps"],
         EXPAND_ALIGNED,
     ),
     "expand tiled, prefill, the whole rank in one dot": (  # BLOCKS["er"] 0
-        lora._expand_kernel,
+        lora_expand._expand_kernel,
         dict(
             TILED,
-            BLOCK_T=lora.block_tokens(4096, expand=True),
+            BLOCK_T=lora_blocks.block_tokens(4096, expand=True),
             BLOCK_R=RANK,
-            BLOCK_N=lora._pow2_divisor(PAGE, B["n"]),
+            BLOCK_N=lora_blocks._pow2_divisor(PAGE, B["n"]),
         ),
         B["twarps"],
         EXPAND_ALIGNED,

@@ -50,10 +50,10 @@ LARGE_PAGE_OFFSET = 2**31  # elements: pages placed past it need int64 offsets
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels import attention, lora, triton_ops
+    from kernels import attention, lora_blocks, triton_ops
 
-    return dataclasses.make_dataclass("Ops", ["lora", "attention", "triton_ops"])(
-        lora, attention, triton_ops
+    return dataclasses.make_dataclass("Ops", ["lora_blocks", "attention", "triton_ops"])(
+        lora_blocks, attention, triton_ops
     )
 
 
@@ -99,7 +99,7 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
-# The tiled expand's rank rows a dot (kernels.lora.BLOCKS "er"): "launcher" runs the default,
+# The tiled expand's rank rows a dot (kernels.lora_blocks.BLOCKS "er"): "launcher" runs the default,
 # "other" the other setting (the step's whole largest rank in one dot, or 16 rows a dot).
 EXPAND_KNOBS = ["launcher", "other"]
 
@@ -108,7 +108,7 @@ def _expand_knobs(ops, monkeypatch, knobs: str, tiled: bool) -> None:
     if knobs == "other":
         if not tiled:
             pytest.skip("the knob changes the tiled expand only")
-        monkeypatch.setitem(ops.lora.BLOCKS, "er", 0 if ops.lora.BLOCKS["er"] else 16)
+        monkeypatch.setitem(ops.lora_blocks.BLOCKS, "er", 0 if ops.lora_blocks.BLOCKS["er"] else 16)
 
 
 @pytest.mark.parametrize("knobs", EXPAND_KNOBS)

@@ -71,14 +71,27 @@ if not INTERPRETED:
 @pytest.fixture(scope="module")
 def tk() -> SimpleNamespace:
     """The kernel modules, imported only once the process is known to interpret."""
-    from kernels import attention, fused, kv, lora, triton_ops
+    from kernels import attention, fused, kv, lora_blocks, lora_shrink, triton_ops
 
     return SimpleNamespace(
-        lora=lora, attention=attention, kv=kv, fused=fused, triton_ops=triton_ops
+        lora_blocks=lora_blocks,
+        lora_shrink=lora_shrink,
+        attention=attention,
+        kv=kv,
+        fused=fused,
+        triton_ops=triton_ops,
     )
 
 
 # ----------------------------------------------------------------------------- case builders
+
+
+def use_blocks(tk: SimpleNamespace, monkeypatch, blocks: dict) -> None:
+    """The LoRA launchers' BLOCKS set to ``blocks`` for one test, knob by knob: the shrink and
+    expand modules hold the dict itself, so rebinding the name would not reach them."""
+    assert blocks.keys() == tk.lora_blocks.BLOCKS.keys(), set(blocks) ^ set(tk.lora_blocks.BLOCKS)
+    for knob, value in blocks.items():
+        monkeypatch.setitem(tk.lora_blocks.BLOCKS, knob, value)
 
 
 def lora_case(
@@ -413,14 +426,14 @@ class TestInterpreted:
         case, blocks, block_t = run
         popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
         if blocks == "grid":
-            monkeypatch.setattr(tk.lora, "BLOCKS", GRID_LORA_BLOCKS)
+            use_blocks(tk, monkeypatch, GRID_LORA_BLOCKS)
         if blocks == "small":
-            monkeypatch.setattr(tk.lora, "BLOCKS", SMALL_LORA_BLOCKS)
-            splits = tk.lora.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
+            use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
+            splits = tk.lora_shrink.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
             assert splits > 1 or case != "uniform"  # the split reduction is exercised
         if block_t is not None:  # both tiled kernels' tokens per block in decode-sized steps
-            blocks = {**tk.lora.BLOCKS, "dt": block_t, "det": block_t}
-            monkeypatch.setattr(tk.lora, "BLOCKS", blocks)
+            monkeypatch.setitem(tk.lora_blocks.BLOCKS, "dt", block_t)
+            monkeypatch.setitem(tk.lora_blocks.BLOCKS, "det", block_t)
         pool, meta = lora_case(
             page=page,
             target_dims=TARGET_DIMS,
@@ -440,7 +453,7 @@ class TestInterpreted:
         """The runner's captured layout: segments padded to T with empty slot -1 segments, and
         max_rank the largest rank of all adapters."""
         if blocks == "small":
-            monkeypatch.setattr(tk.lora, "BLOCKS", SMALL_LORA_BLOCKS)
+            use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
         pool, meta = lora_case(
             page=32,
             target_dims=TARGET_DIMS,

@@ -1,0 +1,200 @@
+"""LoRA expand, the second factor (scale * v B^T per token's adapter, added in place into the
+base projection's output): the vector kernel (``_expand_vector_kernel``), the tiled kernel
+(``_expand_kernel``) and the launcher ``lora_expand``. The paths and the page layout:
+``kernels.lora_paths``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, expand_rank_block, vector_block
+from kernels.lora_paths import (
+    _check,
+    _factor,
+    _padded,
+    _precision,
+    _tiled_span,
+    _vector_pick,
+    _vector_token,
+    position_segments,
+)
+from kernels.meta import LoraMeta
+from kernels.ref import lora_group
+
+
+@triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
+                               "rank_cap", "vector_max"])  # fmt: skip
+def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
+                          seg_slot_ptr, pos_seg_ptr, num_segs, rank_ptr, scale_ptr, pages_ptr,
+                          pages_stride, offsets_ptr, target0, target1, target2, col0, col1, col2,
+                          width0, width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
+                          vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALL: tl.constexpr,
+                          INDEXED: tl.constexpr):  # fmt: skip
+    """One token of a short segment, one block of BLOCK_N output columns of one target:
+    out[n] += scale * sum_r v[r] B^T[r, n]."""
+    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
+                              pos_seg_ptr, num_segs, vector_max, tl.program_id(0), ALL,
+                              INDEXED)  # fmt: skip
+    if slot < 0:
+        return
+    nb = tl.program_id(1)
+    j = (nb >= blocks1).to(tl.int32) + (nb >= blocks2).to(tl.int32)
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
+    start, rank, slot_pages = _factor(
+        slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 1, rank_cap, NUM_TARGETS
+    )
+    if start < 0:
+        return
+    col = tl.where(j == 0, col0, tl.where(j == 1, col1, col2))
+    d_out = tl.where(j == 0, width0, tl.where(j == 1, width1, width2))
+    n0 = (nb - tl.where(j == 0, 0, tl.where(j == 1, blocks1, blocks2))) * BLOCK_N
+    cols = tl.arange(0, BLOCK_N)
+    col_live = n0 + cols < d_out
+    delta = tl.zeros([BLOCK_N], tl.float32)
+    # The adapter's own rank, BLOCK_R rows at a time. (Software-pipelining this loop in 2 stages
+    # timed the same on the H200, 3 stages slower: benchmarks/h200-knobs-9e7231f.)
+    for r0 in range(0, rank, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_live = rows < rank
+        vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
+        page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+        page = tl.load(page_ptrs, mask=row_live, other=0)
+        n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
+        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
+        b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+        delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
+    delta = delta * tl.load(scale_ptr + slot)
+    o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
+    tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
+                               "v_stride", "rank_cap", "vector_max"])  # fmt: skip
+def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
+                   pos_seg_ptr, num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr,
+                   pages_stride, offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
+                   width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap, vector_max,
+                   PAGE: tl.constexpr,
+                   NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    b0 = tl.program_id(0) * BLOCK_T
+    seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
+    if seg >= num_segs:
+        return
+    # Column blocks of the group's targets one after another: target j owns blocks
+    # [blocks_j, blocks_j+1) (blocks_0 = 0) and writes columns col_j .. col_j + width_j of out.
+    nb = tl.program_id(1)
+    j = (nb >= blocks1).to(tl.int32) + (nb >= blocks2).to(tl.int32)
+    target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
+    col = tl.where(j == 0, col0, tl.where(j == 1, col1, col2))
+    d_out = tl.where(j == 0, width0, tl.where(j == 1, width1, width2))
+    n0 = (nb - tl.where(j == 0, 0, tl.where(j == 1, blocks1, blocks2))) * BLOCK_N
+    ii = b0 + tl.arange(0, BLOCK_T)
+    tok = tl.load(token_order_ptr + ii, mask=ii < num_tokens, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    col_live = n0 + cols < d_out
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    touched = ii < 0  # rows whose adapter has the target: the only rows written
+    lo = tl.load(seg1_start_ptr + seg)
+    hi = tl.load(seg1_start_ptr + seg + 1)
+    while (lo < b0 + BLOCK_T) & (lo < hi):
+        slot = tl.load(seg_slot_ptr + seg)
+        start, rank, slot_pages = _factor(
+            slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 1, rank_cap, NUM_TARGETS
+        )
+        if (slot >= 0) & (start >= 0) & (hi - lo > vector_max):
+            in_seg = (ii >= lo) & (ii < hi)
+            delta = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for r0 in range(0, rank, BLOCK_R):  # this adapter's own rank, BLOCK_R rows a dot
+                rows = r0 + tl.arange(0, BLOCK_R)
+                row_live = rows < rank
+                v_ptrs = v_ptr + tok[:, None] * v_stride + j * rank_cap + rows[None, :]
+                vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
+                page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+                page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
+                n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
+                b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
+                b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta,
+                               input_precision=PRECISION)  # fmt: skip
+            acc += delta * tl.load(scale_ptr + slot)
+            touched = touched | in_seg
+        seg += 1
+        lo = hi
+        hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
+    o_ptrs = out_ptr + tok[:, None] * out_stride + col + n0 + cols[None, :]
+    live = touched[:, None] & col_live[None, :]
+    tl.store(o_ptrs, tl.load(o_ptrs, mask=live).to(tl.float32) + acc, mask=live)
+
+
+def _column_blocks(widths: list[int], block_n: int) -> tuple[int, int, int]:
+    """(first block of target 1, first block of target 2, all blocks) when the group's targets'
+    columns are cut into blocks of block_n one target after another; a target the group lacks
+    starts at the end, so no block reaches it."""
+    blocks = [triton.cdiv(w, block_n) for w in widths]
+    total = sum(blocks)
+    first1 = blocks[0] if len(blocks) > 1 else total
+    first2 = blocks[0] + blocks[1] if len(blocks) > 2 else total
+    return first1, first2, total
+
+
+def lora_expand(
+    v: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int | tuple[int, ...],
+    out: torch.Tensor,
+    cols: tuple[tuple[int, int], ...] | None = None,
+) -> None:
+    """Second LoRA factor, added in place into the base projection's output: the semantics of
+    ``kernels.ref.lora_expand``, in one launch of each kernel family for the whole group.
+
+    Vector grid (tokens, see ``_vector_pick``; column blocks of all G targets), one token each,
+    stepping through its adapter's rank. Tiled grid (ceil(T / BLOCK_T), column blocks of all G
+    targets): tl.dot tiles [BLOCK_T, R'] x [R', BLOCK_N] (R' from ``expand_rank_block``: the
+    step's largest rank, or BLOCKS["er"] rows a dot up to each segment's own rank), on
+    BLOCKS["twarps"] warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
+    """
+    _check(v, pool_layer, meta, out)
+    targets = lora_group(target)
+    group, targets = len(targets), _padded(targets)
+    cols = cols if cols is not None else ((0, out.shape[1]),)
+    assert len(cols) == group, f"{group} targets, {len(cols)} column ranges"
+    num_tokens = out.shape[0]
+    rank_cap = v.shape[1] // group
+    max_rank, num_segs = min(meta.max_rank, rank_cap), meta.seg_slot.shape[0]
+    if num_tokens == 0 or num_segs == 0 or max_rank == 0:
+        return
+    page = pool_layer.shape[1]
+    span = _tiled_span(meta, num_tokens)
+    block_t, block_n = block_tokens(span, expand=True), _pow2_divisor(page, BLOCKS["n"])
+    widths = [hi - lo for lo, hi in cols]
+    starts = [lo for lo, _ in cols]
+    common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
+              meta.slot_offsets, *targets, *_padded(tuple(starts)),
+              *_padded(tuple(widths)))  # fmt: skip
+    if meta.longest > meta.vector_max and span > 0:
+        first1, first2, total = _column_blocks(widths, block_n)
+        grid = (triton.cdiv(span, block_t), total)
+        _expand_kernel[grid](
+            v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
+            position_segments(meta, num_tokens), num_tokens, num_segs, *common, first1, first2,
+            out, out.stride(0), rank_cap, meta.vector_max, PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
+            BLOCK_R=expand_rank_block(max_rank), BLOCK_N=block_n,
+            PRECISION=_precision(pool_layer.dtype), num_warps=BLOCKS["twarps"])  # fmt: skip
+    if meta.shortest <= meta.vector_max:
+        block_r, block_n = vector_block(page, max_rank, "vn")
+        first1, first2, total = _column_blocks(widths, block_n)
+        rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
+        if rows == 0:
+            return
+        _expand_vector_kernel[(rows, total)](
+            v, v.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
+            pos_seg, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
+            meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r,
+            BLOCK_N=block_n, **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip

@@ -1,0 +1,140 @@
+"""What the LoRA shrink and expand share: where an adapter's rows lie in pool pages
+(``_factor``), the two paths a step's segments take and the tokens each path runs
+(``position_segments``, ``_tiled_span``, ``_vector_pick`` on the host, ``_vector_token`` on the
+device), and the launchers' argument checks.
+
+Adapter rows are gathered straight from pool pages, a different rank per adapter, no padding to
+the largest rank (S-LoRA's MBGMM/MBGMV, tiled as SGLang's chunked SGMV).
+
+Page layout (``kernels.ref.gather_lora_rows``): row j of slot s's factor lies in the pages
+slot_pages[s, start + j * per_row + c], c = 0 .. per_row - 1, with start = slot_offsets[s, target,
+which] and per_row = ceil(width / page_size); element k of the row is at offset k % page_size of
+page c = k // page_size. Running example: page_size 4096, gate (d_in 4096, d_out 11008): an A row
+is 1 page, a B^T row 3 pages (the third holds 2816 elements, then zeros). Blocks along a row
+(BLOCK_K, BLOCK_N) divide page_size, so a block of a row lies in one page: one page index per row.
+
+Two kernel families (paths), split by segment length (``LoraMeta.vector_max``, 8 tokens by
+default):
+
+Tiled (MBGMM), for segments longer than vector_max: the step's tokens, in ``token_order``
+(sorted by slot, base tokens last), are cut into blocks of BLOCK_T. A program takes one block,
+finds its first segment in ``pos_seg`` and walks the segments it overlaps, one ``tl.dot`` per
+segment on the rows of that segment (the others masked, so never loaded). Example, BLOCK_T 16,
+segments of 20 (slot 3), 1 (slot 7) and 1 (slot 0) tokens: block 0 = 16 tokens of slot 3, block 1
+= 4 tokens of slot 3, then slot 7, then slot 0. A popular adapter's rows are read once per 16-32 of
+its tokens; a decode token alone on its adapter costs its own rows. Blocks past the adapter tokens
+return at once. The grid depends on T, max_rank and the widths only, never on the segment count,
+so a captured decode step (segments padded with empty slot -1 ones) replays for any mix. Eager
+steps put their long segments first and pass ``LoraMeta.tiled_tokens``: the grid then covers only
+those tokens, and no block walks the short segments the vector kernels own (in a step of 16
+prompt chunks and 248 decode rows on their own adapters, about 15 of them between two chunks).
+
+Vector (MBGMV), for segments of at most vector_max tokens: one program per token (and target,
+and split of d_in, or block of output columns), reading its own adapter's rows, stepping through
+its own rank. A step of 256 tokens on 200 adapters needs no segment walk; in CUDA-graph decode
+steps (vector_max = VECTOR_ALL) program t is token t and reads its slot from b_slot. Eager steps
+that list their vector tokens (``LoraMeta.vector_tokens``: a step's 248 decode rows next to its
+prefill chunks) run one program per listed token.
+
+A group of up to three targets sharing one input (q, k, v; gate, up) is one launch of each
+kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.meta import VECTOR_ALL, LoraMeta
+
+
+@triton.jit
+def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which, rank_cap,
+            NUM_TARGETS: tl.constexpr):  # fmt: skip
+    """(start in slot_pages, -1 without the target; rank; pointer to slot_pages[slot, start])."""
+    start = tl.load(offsets_ptr + (slot * NUM_TARGETS + target) * 2 + which)
+    rank = tl.minimum(tl.load(rank_ptr + slot), rank_cap)
+    return start, rank, pages_ptr + slot.to(tl.int64) * pages_stride + start
+
+
+@triton.jit
+def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, pos_seg_ptr, num_segs,
+                  vector_max, i, ALL: tl.constexpr, INDEXED: tl.constexpr):  # fmt: skip
+    """(token, slot) of program i when the vector path owns that token, else (_, -1). ALL: every
+    adapter token is on the vector path (CUDA-graph decode steps) and program i is token i, its
+    slot one load away. INDEXED: token_order_ptr holds the vector path's tokens
+    (``LoraMeta.vector_tokens``) and program i takes the i-th. Else i is a sorted position, owned
+    when its segment (one load from pos_seg) has at most vector_max tokens and an adapter."""
+    if ALL:
+        tok = i.to(tl.int64)
+        slot = tl.load(b_slot_ptr + i)
+    elif INDEXED:
+        tok = tl.load(token_order_ptr + i).to(tl.int64)
+        slot = tl.load(b_slot_ptr + tok)
+    else:
+        seg = tl.load(pos_seg_ptr + i)
+        safe = tl.minimum(seg, num_segs - 1)
+        length = tl.load(seg1_start_ptr + safe + 1) - tl.load(seg1_start_ptr + safe)
+        mine = (seg < num_segs) & (length <= vector_max)
+        tok = tl.load(token_order_ptr + i).to(tl.int64)
+        slot = tl.where(mine, tl.load(seg_slot_ptr + safe), -1)
+    return tok, slot
+
+
+def position_segments(meta: LoraMeta, num_tokens: int) -> torch.Tensor:
+    """``meta.pos_seg``: the first segment ending after each sorted position, so a program finds
+    its segment with one load instead of a binary search of seg1_start (9 dependent loads at 264
+    segments). When the step did not bring it, a fresh one is built from seg1_start on the device
+    at each call and never kept in meta: a CUDA graph captured from such a meta rebuilds it at
+    every replay instead of replaying one built from the warm-up's segments."""
+    if meta.pos_seg is not None:
+        return meta.pos_seg
+    positions = torch.arange(num_tokens, dtype=torch.int32, device=meta.seg1_start.device)
+    return torch.searchsorted(meta.seg1_start[1:], positions, right=True).to(torch.int32)
+
+
+def _tiled_span(meta: LoraMeta, num_tokens: int) -> int:
+    """The sorted positions the tiled kernels cover: ``meta.tiled_tokens`` when the step brings
+    it (its long segments first), else all of them."""
+    return num_tokens if meta.tiled_tokens is None else meta.tiled_tokens
+
+
+def _vector_pick(meta: LoraMeta, num_tokens: int) -> tuple[int, torch.Tensor, dict, torch.Tensor]:
+    """How the vector kernels find their tokens: (programs, the array passed as token_order,
+    the ALL/INDEXED flags, the array passed as pos_seg). Graph decode steps: every token, its
+    slot from b_slot. Steps with ``vector_tokens``: just those tokens. Else every sorted
+    position, its segment from ``position_segments``. pos_seg is read only in the last case."""
+    if meta.vector_max >= VECTOR_ALL:
+        return num_tokens, meta.token_order, {"ALL": True, "INDEXED": False}, meta.seg1_start
+    if meta.vector_tokens is not None:
+        picked = meta.vector_tokens
+        return picked.shape[0], picked, {"ALL": False, "INDEXED": True}, meta.seg1_start
+    pick = {"ALL": False, "INDEXED": False}
+    return num_tokens, meta.token_order, pick, position_segments(meta, num_tokens)
+
+
+def _check(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, out: torch.Tensor) -> None:
+    assert pool_layer.dim() == 2 and pool_layer.is_contiguous(), "pool_layer: [P, page_size]"
+    assert pool_layer.shape[1] % 16 == 0, f"page_size {pool_layer.shape[1]}: a multiple of 16"
+    assert x.dim() == 2 and out.dim() == 2 and x.shape[0] == out.shape[0], (x.shape, out.shape)
+    assert x.stride(1) == 1 and out.stride(1) == 1, "rows must be contiguous"
+    for name in ("b_slot", "token_order", "seg1_start", "seg_slot", "slot_rank", "slot_pages"):
+        tensor = getattr(meta, name)
+        assert tensor.dtype == torch.int32 and tensor.is_contiguous(), f"{name}: contiguous int32"
+    assert meta.slot_offsets.dtype == torch.int32 and meta.slot_offsets.is_contiguous()
+    assert meta.slot_scale.dtype == torch.float32
+    if meta.vector_tokens is not None:
+        assert meta.vector_tokens.dtype == torch.int32 and meta.vector_tokens.is_contiguous()
+    if meta.tiled_tokens is not None:
+        assert 0 <= meta.tiled_tokens <= x.shape[0], (meta.tiled_tokens, x.shape[0])
+    assert meta.b_slot.shape[0] == x.shape[0] == meta.token_order.shape[0]
+
+
+def _padded(targets: tuple[int, ...]) -> tuple[int, int, int]:
+    """A group of targets padded to 3 for the kernels' scalar arguments."""
+    return targets + (targets[-1],) * (3 - len(targets))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
