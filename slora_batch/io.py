@@ -145,16 +145,18 @@ def read_rows(
     only when a file cannot be opened or read."""
     files = list(files)
     root = root or (input_root(files) if files else Path("."))
-    pairs, keep = _pairs(columns), list(keep)
-    wanted = [c for _, c in pairs] + keep
+    logical = {column: key for key, column in reversed(_pairs(columns))}  # column -> name
+    keep = list(keep)
+    wanted = list(logical) + keep
     position = 0
     for file in files:
         name = relative_name(file, root)
         for number, record, error in _records(file, wanted):
             values, kept = {}, {}
-            if record is not None:
-                values = {k: record[c] for k, c in pairs if c in record}
-                kept = {c: record[c] for c in keep if c in record}
+            if record is not None:  # a record has a few keys: walk them, not every name
+                values = {logical[c]: v for c, v in record.items() if c in logical}
+                if keep:
+                    kept = {c: record[c] for c in keep if c in record}
             yield InputRow(position, file, name, number, values, columns, kept, error)
             position += 1
 
@@ -181,8 +183,8 @@ def _jsonl_records(file: Path) -> Iterator[tuple[int, dict | None, str | None]]:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
+                try:  # decoding first spares json.loads guessing the encoding of every line
+                    record = json.loads(line.decode("utf-8"))
                 except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError
                     yield number, None, f"malformed JSON: {exc}"
                     continue
