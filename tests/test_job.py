@@ -205,3 +205,28 @@ def test_columns_validation():
         JobConfig(**common, columns={"prompt": "text", "messages": "text"})
     with pytest.raises(ConfigError, match="columns.id must be a non-empty string"):
         JobConfig(**common, columns={"id": ""})
+
+
+def test_keep_columns_and_part_seconds(tmp_path):
+    common = {"name": "j", "model": "m", "input": "i.jsonl", "output": "o"}
+    job = JobConfig(**common)
+    assert (job.keep_columns, job.part_seconds) == (None, 30.0)
+    assert JobConfig(**common, keep_columns="all").keep_columns == "all"
+    assert JobConfig(**common, keep_columns=["label", "task"]).keep_columns == ["label", "task"]
+    assert JobConfig(**common, part_seconds=2).part_seconds == 2.0
+    for keep, message in (
+        ([], "keep_columns must be 'all' or a non-empty list of input column names"),
+        ("label", "keep_columns must be 'all' or a non-empty list"),
+        (["a", "a"], "keep_columns lists a column twice"),
+        (["key"], "keep_columns: 'key' is the id or adapter column, already in the output"),
+        (["error"], "keep_columns: 'error' would replace the output's own column of that name"),
+        (["source"], "keep_columns: 'source' would replace the output's own column"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            JobConfig(**common, keep_columns=keep, columns={"id": "key"})
+    for seconds in (0, -1, True, "30"):
+        with pytest.raises(ConfigError, match="part_seconds must be a number > 0"):
+            JobConfig(**common, part_seconds=seconds)
+    text = MINIMAL + "    keep_columns: [label]\n    part_seconds: 5\n"
+    (job,) = load_jobs(write(tmp_path, text))
+    assert (job.keep_columns, job.part_seconds) == (["label"], 5.0)

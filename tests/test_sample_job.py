@@ -3,7 +3,8 @@ root): every prompt through the base model and every sample adapter, and each ad
 (``samples/behaviours.py``) in at least 80% of its rows and at most 10% of the base rows.
 
 The run resumes over ``out/sample``, so after the README's command (CI runs it first) this test
-only reads the outputs; outputs older than the sample adapters, prompts or job file are redone.
+only reads the outputs; outputs older than the sample adapters, prompts or job file, or written
+without a job manifest (by an older slora-batch), are redone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from slora_batch.writer import SUCCESS_FILE, read_success
+from slora_batch.writer import MANIFEST_FILE, part_files, read_success
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "sample.yaml"
@@ -36,10 +37,13 @@ def load_checks() -> dict:
 
 
 def stale() -> bool:
-    """Whether out/sample predates what it was generated from."""
-    marker = OUT / SUCCESS_FILE
+    """Whether out/sample holds rows older than what they were generated from (the job manifest
+    is written when a run starts), or rows without a manifest: a run refuses both."""
+    if not part_files(OUT):
+        return False  # absent or nothing committed: a plain run is right
+    marker = OUT / MANIFEST_FILE
     if not marker.exists():
-        return False  # incomplete or absent: resuming is right
+        return True
     sources = [JOB, SAMPLES / "prompts.jsonl", *(SAMPLES / "adapters").rglob("*")]
     return max(p.stat().st_mtime for p in sources) > marker.stat().st_mtime
 
@@ -61,7 +65,7 @@ def test_sample_job_shows_every_adapter_at_work():
     prompts = [json.loads(line) for line in (SAMPLES / "prompts.jsonl").read_text().splitlines()]
     adapters = sorted(p.name for p in (SAMPLES / "adapters").iterdir() if p.is_dir())
     assert set(checks) <= set(adapters)
-    rows = pq.read_table(sorted(OUT.glob("part-*.parquet"))).to_pylist()
+    rows = pq.read_table([p for _, p in part_files(OUT)]).to_pylist()
     keys = {(r["id"], r["adapter"]) for r in rows}
     assert len(keys) == len(rows) == len(prompts) * (1 + len(adapters)) == read_success(OUT)["rows"]
     assert [r["error"] for r in rows if r["finish_reason"] == "error"] == []
