@@ -520,8 +520,8 @@ def _stats(
         "prefetch_hits": getattr(counters, "prefetch_hits", 0),
         "peak_pool_pages": getattr(counters, "peak_pages", 0),
         # no engine this run (every row was done): the device of the run that made them
-        "device": previous.get("device"),
-        "dtype": previous.get("dtype"),
+        "device": previous.get("device") or plan.job.engine.device,
+        "dtype": previous.get("dtype") or plan.job.engine.dtype,
     }
     if run.device is not None:
         job_row["device"], job_row["dtype"] = run.device, run.dtype
@@ -670,6 +670,8 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
                 # as stored: an int64 id column means every id is an int
                 prompts.setdefault(item.id if int_ids else str(item.id), _prompt_text(item))
     except InputError:
+        return []
+    if not prompts:
         return []
     found: dict[Any, list[dict[str, Any]]] = {}
     for _, path in parts:

@@ -212,30 +212,28 @@ def test_the_writer_buffer_stays_writable_after_a_bad_row(tmp_path):
     """Issue 14, defect 9 at the writer: whatever reaches it, a row that cannot be stored as
     given becomes an error row before it enters the buffer, and bad text is replaced."""
     with OutputWriter(tmp_path, part_rows=100) as writer:
-        writer.write(
-            Result(id="\ud800", adapter=None, text="x", extra={"source": "in.jsonl line 1"})
-        )
-        writer.write(
-            Result(id="fine", adapter="a\udfff", text="x", extra={"source": "in.jsonl line 2"})
-        )
+        writer.write(Result(id="\ud800", adapter=None, text="x"))
         writer.write(Result(id="text", adapter=None, text="bad \ud83d text", token_ids=[5]))
         writer.write(Result(id="good", adapter=None, text="ok", token_ids=[1]))
     rows = outputs(tmp_path)
-    assert [(r["id"], r["source"], r["finish_reason"]) for r in rows] == [
-        (None, "in.jsonl line 1", "error"), (None, "in.jsonl line 2", "error"),
-        ("text", None, "stop"), ("good", None, "stop"),
+    assert [(r["id"], r["finish_reason"]) for r in rows] == [
+        (None, "error"), ("text", "stop"), ("good", "stop")
     ]  # fmt: skip
-    assert rows[0]["error"].startswith("in.jsonl line 1: row cannot be stored: id '\\ud800'")
-    assert "adapter 'a\\udfff' cannot be stored" in rows[1]["error"]
-    assert rows[2]["text"] == "bad \ufffd text"
+    assert rows[0]["error"].startswith("row cannot be stored: id '\\ud800' has characters")
+    assert rows[1]["text"] == "bad \ufffd text"
 
     from slora_batch.io import RowSource
 
-    with OutputWriter(tmp_path, part_rows=100) as writer:  # a row without an id: its source
+    with OutputWriter(tmp_path, part_rows=100) as writer:  # the source names the row
+        writer.write(
+            Result(id="fine", adapter="a\udfff", text="x", extra={"source": "in.jsonl line 2"})
+        )
         writer.write(Result(id=RowSource("in.jsonl line 5"), adapter=None, text="ok"))
-    assert (
-        outputs(tmp_path)[-1]["id"] is None and outputs(tmp_path)[-1]["source"] == "in.jsonl line 5"
-    )
+    rows = outputs(tmp_path)[3:]
+    assert [(r["id"], r["source"], r["finish_reason"]) for r in rows] == [
+        (None, "in.jsonl line 2", "error"), (None, "in.jsonl line 5", "stop")
+    ]  # fmt: skip
+    assert rows[0]["error"].startswith("in.jsonl line 2: row cannot be stored: adapter 'a\\udfff'")
 
 
 # -- resume fingerprint -------------------------------------------------------------------------
