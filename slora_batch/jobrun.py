@@ -284,17 +284,19 @@ def run_plan(
         with OutputWriter(
             out, job.part_rows, lock=lock, schema=schema, part_seconds=job.part_seconds
         ) as writer:
-            first = next(items, None)
-            if first is not None:
-                notify(JobProgress(job.name, "loading", len(done), total, 0, 0.0, 0))
-                built = time.perf_counter()
-                try:
+            try:
+                pulled = time.perf_counter()
+                first = next(items, None)  # the engine is built only when a row is left
+                run.read_s = time.perf_counter() - pulled
+                if first is not None:
+                    notify(JobProgress(job.name, "loading", len(done), total, 0, 0.0, 0))
+                    built = time.perf_counter()
                     engine = _build_engine(plan)
-                except JOB_ERRORS as exc:
-                    raise _job_error(job, exc) from exc
-                run.load_s = time.perf_counter() - built
-                with contextlib.closing(engine):  # frees the device for the next job
-                    run.feed(engine, chain([first], items), writer)
+                    run.load_s = time.perf_counter() - built
+                    with contextlib.closing(engine):  # frees the device for the next job
+                        run.feed(engine, chain([first], items), writer)
+            except JOB_ERRORS as exc:  # a model the engine cannot load, a file unreadable midway
+                raise _job_error(job, exc) from exc
         run.write_s = writer.write_s
         wall_s = time.perf_counter() - started
         job_row, adapter_rows = _stats(out, plan, run, wall_s)
@@ -434,7 +436,7 @@ class _Run:
         self.first_in: dict[str | None, float] = {}  # adapter -> first row handed to the engine
         self.last_out: dict[str | None, float] = {}  # adapter -> its last result
         self.started = time.perf_counter()
-        self.load_s = self.read_s = self.write_s = self.loop_s = 0.0
+        self.load_s = self.read_s = self.write_s = self.engine_s = 0.0
 
     @property
     def elapsed(self) -> float:
@@ -451,6 +453,7 @@ class _Run:
         self.counters = engine.counters
         self.device, self.dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
         self.started = time.perf_counter()
+        read_s, write_s = self.read_s, writer.write_s  # before the loop
 
         def requests() -> Iterator[Request]:
             while True:
@@ -469,7 +472,9 @@ class _Run:
         for result in engine.generate(requests()):
             self.last_out[result.adapter] = time.perf_counter()
             self._done(result, writer)
-        self.loop_s = self.elapsed
+        # the loop's time less what it spent reading input and writing parts
+        loop_read, loop_write = self.read_s - read_s, writer.write_s - write_s
+        self.engine_s = max(self.elapsed - loop_read - loop_write, 0.0)
 
     def _done(self, result: Result, writer: OutputWriter) -> None:
         writer.write(result)
@@ -499,7 +504,7 @@ def _stats(
     per_adapter = output_counts(out_dir)
     totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS}
     counters = run.counters
-    engine_s = max(run.loop_s - run.read_s - run.write_s, 0.0)
+    engine_s = run.engine_s
     rate = 1.0 / engine_s if engine_s > 0 else 0.0
     previous = _previous_stats(out_dir)
     job_row = {
