@@ -525,7 +525,7 @@ def scan_input(
                 tracker = take(name)
                 if tracker is not None:
                     tracker.merge(schema.field(name).type)
-                elif name not in used and not keep_all and name not in types:
+                elif name not in used and not keep_all:
                     count = scan.unused.setdefault(
                         name, [0, f"{relative_name(file, root)} (every row)"]
                     )
@@ -544,7 +544,7 @@ def scan_input(
                     tracker = take(name)
                     if tracker is not None:
                         tracker.add(value)
-                    elif name not in used and name not in types:
+                    elif name not in used and not keep_all:
                         count = scan.unused.setdefault(name, [0, row.where])
                         count[0] += 1
             row.values = {
@@ -583,7 +583,7 @@ def _first_rows(
 ) -> dict[str, str]:
     """Where each of ``keys`` first occurs (a second pass, stopping when all are found)."""
     found: dict[str, str] = {}
-    for row in read_rows(files, {**columns}, root=input_root(files)):
+    for row in read_rows(files, columns, root=input_root(files)):
         id_, adapter, problem = identity(row, fanout)
         if problem is None and not isinstance(id_, RowSource):
             key = row_key(id_, adapter)

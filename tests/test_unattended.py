@@ -552,3 +552,18 @@ def test_messages_count_in_words(tmp_path, tiny):
     assert "│ rows     │ 2 rows (2 ok, 0 errors)" in result.stdout
     write_jsonl(tmp_path / "rows.jsonl", make_rows(1))
     assert "input: 1 file, 1 row; 1 checked" in invoke("validate", job_file).stdout
+
+
+def test_keep_columns_all_takes_every_column_the_job_does_not_read(tmp_path, tiny):
+    rows = make_rows(4)
+    for i, row in enumerate(rows):
+        row.update(label=f"l{i}", text="an input column called text", max_new_tokens=4)
+    rows[2]["late"] = 1.5  # first seen in the third row: null before
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    summary = run_job(load_job(tmp_path, tiny, keep_columns="all"))
+    table = parts_table(tmp_path / "out")
+    assert table.schema.names[-2:] == ["label", "late"]  # not max_new_tokens: the job reads it
+    assert table.schema.field("late").type == pa.float64()
+    got = {r["id"]: r for r in table.to_pylist()}
+    assert [got[r["id"]]["late"] for r in rows] == [None, None, 1.5, None]
+    assert summary.notes == ["column 'text' is not kept: the output has its own 'text'"]
