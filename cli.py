@@ -160,9 +160,11 @@ def validate(
 ) -> None:
     """Check the jobs of JOBS_FILE without running them (loads no weights).
 
-    Checks keys, the model config, every adapter against the model, the input files and
-    schema, and a sample of rows (tokenized). Exits 1 when a job could not run; row problems
-    are listed (a run writes error rows for them) but do not fail validation.
+    Checks keys, the model config, every adapter against the model (adapters the engine
+    cannot run are listed), the input files and schema, every row's id (repeated (id, adapter)
+    rows fail the job) and columns (those neither used nor kept are listed), and a sample of
+    rows (tokenized). Exits 1 when a job could not run; row problems are listed (a run writes
+    error rows for them) but do not fail validation.
     """
     _logging(quiet=False, verbose=False)
     failed = 0
