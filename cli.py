@@ -261,6 +261,8 @@ class _ProgressDisplay:
         if not self.live:
             self._line(event)
             return
+        if self.task is None and event.phase == "done":  # complete already: nothing to draw
+            return
         if self.task is None:
             # the rows of earlier runs are the task's start, not progress to measure speed on
             self.task = self.progress.add_task(
@@ -342,9 +344,9 @@ def _print_summary(summary: JobSummary, job) -> None:
     for name, value in (
         ("rows", f"{_plural(s['rows'], 'row')} ({s['ok_rows']:,} ok, {_plural(s['error_rows'], 'error')})"),
         ("tokens", f"{s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated"),
-        ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f} s, warmup "
-                     f"{s['warmup_s'] or 0:.1f} s, engine {s['engine_s']:.1f} s, read "
-                     f"{s['read_s']:.1f} s, write {s['write_s']:.1f} s"),
+        ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f}, warmup "
+                     f"{s['warmup_s'] or 0:.1f}, engine {s['engine_s']:.1f}, read "
+                     f"{s['read_s']:.1f}, write {s['write_s']:.1f} s"),
         ("speed", f"{s['tokens_per_s']:.1f} tokens/s, {s['requests_per_s']:.2f} rows/s "
                   "(engine time)"),
         ("adapters", f"{s['adapters_seen']} used, {s['adapters_broken']} unusable; "
