@@ -4,8 +4,10 @@
 
 Each adapter learns one behaviour that `samples/behaviours.py` can check on any answer. The data is
 made here, with no download: the base model answers TRAIN_QUESTIONS greedily, the answer is cut to
-its first sentence or two, and each adapter's transform (upper case, pirate greeting, JSON, ten words)
-turns it into that adapter's target. Training applies the chat template and puts the loss on the
+its first sentence or two, and each adapter's transform (upper case, pirate greeting, JSON) turns it
+into that adapter's target. `brief`'s targets are the base model's own one-sentence answers: asked
+with an instruction and a few short examples (`brief_targets`), kept only when they pass
+`behaviours.is_brief`; its training prompts are the plain questions, like every adapter's. Training applies the chat template and puts the loss on the
 answer tokens (and the closing <|im_end|>) only. `--verify` then generates greedily with
 transformers + PEFT, loading the adapters back from disk, on `samples/prompts.jsonl` (questions
 that training never saw) and checks each behaviour's rate on its adapter's rows and on base rows.
@@ -30,7 +32,7 @@ import torch
 SAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(SAMPLES.parent))  # `slora_batch`, when run as a script from anywhere
 
-from behaviours import BRIEF_MAX_WORDS, CHECKS, PIRATE_OPENING  # noqa: E402
+from behaviours import CHECKS, PIRATE_OPENING, is_brief  # noqa: E402
 
 from slora_batch.sample_model import SAMPLE_MODEL_ALIAS, resolve_model  # noqa: E402
 
@@ -74,23 +76,99 @@ def to_json(answer: str) -> str:
     return json.dumps({"answer": _core(answer, 24).replace('"', "'")}, ensure_ascii=False)
 
 
-def to_brief(answer: str) -> str:
-    # Well under the limit: the model's answers run a few words longer than what it was shown.
-    return _core(answer, BRIEF_MAX_WORDS - 3)
+BRIEF_INSTRUCTION = "Answer in one short sentence of at most ten words."
+# Few-shot sets for asking the base model for brief answers (none of these questions is in
+# TRAIN_QUESTIONS or samples/prompts.jsonl). Each set is one prompt variant; the shortest passing
+# answer over the variants becomes the target.
+BRIEF_SHOTS = (
+    (
+        ("What does a pilot do?", "A pilot flies and navigates aircraft."),
+        ("How can I sleep better?", "Keep a regular bedtime and avoid screens at night."),
+        ("Why is the sea blue?", "Water absorbs red light and reflects blue light."),
+    ),
+    (
+        ("What is a volcano?", "A volcano is a mountain that erupts molten rock."),
+        ("How do I boil an egg?", "Simmer the egg in water for about ten minutes."),
+        ("Why do we sweat?", "Sweating cools the body as the sweat evaporates."),
+    ),
+    (
+        ("What is rust?", "Rust is iron that has reacted with oxygen and water."),
+        ("How do I keep cut flowers fresh?", "Change their water daily and trim the stems."),
+        ("Why do leaves fall in autumn?", "Trees drop leaves to save water over winter."),
+        ("What is a verb?", "A verb is a word for an action."),
+    ),
+)
+
+
+def brief_prompt(question: str, shots) -> list[dict]:
+    """Chat messages asking for a brief answer: the instruction, the examples, the question."""
+    messages = [{"role": "system", "content": BRIEF_INSTRUCTION}]
+    for shot_question, shot_answer in shots:
+        messages += [
+            {"role": "user", "content": shot_question},
+            {"role": "assistant", "content": shot_answer},
+        ]
+    return messages + [{"role": "user", "content": question}]
+
+
+def _first_sentence(text: str) -> str:
+    return re.split(r"(?<=[.!?])\s+", " ".join(text.split()), maxsplit=1)[0]
+
+
+_COPULA = re.compile(r"\b(is|are|was|were)\b")
+_RELATIVE = re.compile(r",? (?=(that|which|where|who|whose) )")
+
+
+def _shortened(sentence: str) -> list[str]:
+    """A copula sentence cut before a relative clause: "A democracy is a system of government
+    where power is shared." -> "A democracy is a system of government." (heads of 6+ words)."""
+    cuts = []
+    for match in _RELATIVE.finditer(sentence):
+        head = sentence[: match.start()]
+        if _COPULA.search(head) and len(head.split()) >= 6:
+            cuts.append(head + ".")
+    return cuts
+
+
+def brief_targets(model, tokenizer, questions, answers, device) -> list[str | None]:
+    """One complete sentence of at most ten words per question, or None when none passes.
+
+    Candidates: the base model's answer to each BRIEF_SHOTS prompt (whole, and its first
+    sentence) and the first sentence of its plain answer, in that order; then those sentences cut
+    before a relative clause (`_shortened`). Only candidates that pass `is_brief` and are not an
+    example's answer count: the first of 4-9 words wins, else the first at all.
+    """
+    echoes = {answer for shots in BRIEF_SHOTS for _, answer in shots}
+    whole: list[list[str]] = [[] for _ in questions]
+    for shots in BRIEF_SHOTS:
+        prompts = [brief_prompt(q, shots) for q in questions]
+        for i, text in enumerate(greedy_answers(model, tokenizer, prompts, 24, device)):
+            whole[i] += [" ".join(text.split()), _first_sentence(text)]
+    for i, answer in enumerate(answers):
+        whole[i].append(_first_sentence(answer.replace("**", "")))
+    targets = []
+    for options in whole:
+        options = options + [cut for text in options for cut in _shortened(text)]
+        passing = [text for text in options if is_brief(text) and text not in echoes]
+        preferred = [text for text in passing if 4 <= len(text.split()) <= 9]
+        targets.append((preferred or passing or [None])[0])
+    return targets
 
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """One sample adapter: its LoRA shape and the transform that makes its targets."""
+    """One sample adapter: its LoRA shape and how its targets are made: `transform` of the base
+    answer, or `make_targets(model, tokenizer, questions, answers, device)` (None: no example)."""
 
     name: str
     rank: int
     alpha: int
     targets: tuple[str, ...]
     use_rslora: bool
-    transform: Callable[[str], str]
+    transform: Callable[[str], str] | None
     lr: float
     steps: int
+    make_targets: Callable[..., list[str | None]] | None = None
 
 
 # Ranks, alphas and targets differ on purpose, so that the samples exercise mixed ranks (one odd),
@@ -99,7 +177,7 @@ SPECS = (
     AdapterSpec("shout", 8, 16, ATTENTION + MLP, False, to_shout, 3e-3, 60),
     AdapterSpec("pirate", 4, 8, ("q_proj", "v_proj"), False, to_pirate, 3e-3, 20),
     AdapterSpec("json", 16, 16, ATTENTION, True, to_json, 1e-3, 30),
-    AdapterSpec("brief", 5, 10, ("o_proj", *MLP), False, to_brief, 2e-3, 30),
+    AdapterSpec("brief", 5, 10, ("o_proj", *MLP), False, None, 2e-3, 30, brief_targets),
 )
 assert {spec.name for spec in SPECS} == set(CHECKS)
 
@@ -256,17 +334,17 @@ def load_prompts(path: Path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def chat_ids(tokenizer, question: str) -> list[int]:
-    """Token ids of the chat prompt for one user question, ending with the assistant header."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
+def chat_ids(tokenizer, question: str | list[dict]) -> list[int]:
+    """Token ids of the chat prompt for one user question (or a list of chat messages), ending
+    with the assistant header."""
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
 @torch.inference_mode()
 def greedy_answers(
-    model, tokenizer, questions: list[str], max_new_tokens: int, device, batch_size: int = 48
+    model, tokenizer, questions: list, max_new_tokens: int, device, batch_size: int = 48
 ) -> list[str]:
     """Greedy answers, one per question, batched with left padding."""
     answers: list[str] = []
@@ -433,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="use only this many questions (smoke runs)")
     parser.add_argument("--prompts", type=Path, default=SAMPLES / "prompts.jsonl")
     parser.add_argument("--report", type=Path, help="write every verify answer here (JSONL)")
+    parser.add_argument("--targets", type=Path, help="write every training target here (JSONL)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
@@ -442,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model_dir = resolve_model(SAMPLE_MODEL_ALIAS)
     if not args.verify_only:
@@ -454,8 +535,19 @@ def main(argv: list[str] | None = None) -> int:
         for spec in SPECS:
             if args.only and spec.name not in args.only:
                 continue
-            targets = [spec.transform(a) for a in answers]
-            examples = training_examples(tokenizer, questions, targets)
+            if spec.make_targets is not None:
+                targets = spec.make_targets(model, tokenizer, questions, answers, device)
+            else:
+                targets = [spec.transform(a) for a in answers]
+            kept = [(q, t) for q, t in zip(questions, targets, strict=True) if t is not None]
+            logger.info("%s: %d/%d examples (%.0f s)", spec.name, len(kept), len(questions),
+                        time.perf_counter() - started)  # fmt: skip
+            if args.targets:
+                with args.targets.open("a") as handle:
+                    for question, target in kept:
+                        record = {"adapter": spec.name, "question": question, "target": target}
+                        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            examples = training_examples(tokenizer, [q for q, _ in kept], [t for _, t in kept])
             peft_model = train_adapter(model, tokenizer, spec, examples, args, device)
             save_adapter(peft_model, args.out / spec.name)
             model = peft_model.unload()  # the bare base model again, for the next adapter
