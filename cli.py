@@ -1,6 +1,6 @@
 """The ``slora-batch`` command: argument handling, progress and printing over ``slora_batch``.
 
-Everything a job does lives in ``slora_batch.jobrun``; this file only turns options into calls,
+Everything a job does lives in ``slora_batch.jobs.run``; this file only turns options into calls,
 draws progress (rich bars on a terminal, a plain line every ``--progress-every`` seconds
 otherwise) and prints summaries. Exit status: 0 every job done; 1 a job failed (one message on
 stderr each, no traceback; the jobs after it still ran); 130 interrupted by SIGINT, 143 by
@@ -30,10 +30,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from slora_batch.bench_cli import bench
-from slora_batch.config import ConfigError
-from slora_batch.job import load_jobs
-from slora_batch.jobrun import (
+from slora_batch.engine.config import ConfigError
+from slora_batch.jobs.config import load_jobs
+from slora_batch.jobs.run import (
     JOB_ERRORS,
     JobError,
     JobFailure,
@@ -43,7 +42,7 @@ from slora_batch.jobrun import (
     run_jobs,
     select_jobs,
 )
-from slora_batch.validate import ValidationReport, validate_job
+from slora_batch.jobs.validate import ValidationReport, validate_job
 
 app = typer.Typer(
     help="Offline batch inference of one base LLM with many LoRA adapters (S-LoRA design).",
@@ -51,7 +50,22 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("bench")(bench)  # DESIGN section 5; its options live with it in bench_cli.py
+
+
+@app.command(
+    "bench",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+    help="Benchmark every system on one workload (see benchmarks/README.md; options: "
+    "slora-batch bench --help).",
+)
+def bench(ctx: typer.Context) -> None:
+    # Registered lazily: the bench (torch, transformers, PEFT) loads only when it runs.
+    from slora_batch.bench.cli import app as bench_app
+
+    bench_app(args=ctx.args, prog_name="slora-batch bench")
+
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line
 
@@ -204,7 +218,7 @@ def _logging(quiet: bool, verbose: bool) -> None:
         layout = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=level, format=layout, handlers=[handler], force=True)
     if not quiet:  # the one-time conversion of the sample model takes a while: say so
-        logging.getLogger("slora_batch.sample_model").setLevel(logging.INFO)
+        logging.getLogger("slora_batch.engine.sample_model").setLevel(logging.INFO)
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -28,7 +28,7 @@ bench() {  # bench DIR SECONDS BENCH_ARGS...: slora-batch bench into $out/DIR
   local dir=$out/$1 limit=$2
   shift 2
   mkdir -p "$dir"
-  timeout "$limit" python3 -m slora_batch.bench.cli "$@" --out "$dir" > "$dir/bench.log" 2>&1
+  timeout "$limit" python3 -m slora_batch.bench.bench.cli "$@" --out "$dir" > "$dir/bench.log" 2>&1
   tail -5 "$dir/bench.log"; cat "$dir/results.md" 2>/dev/null
 }
 # the acceptance workload (benchmarks/README.md) with PEFT's one static batch of 64 rows

@@ -21,7 +21,7 @@ from kernels.lora_blocks import BLOCKS
 from kernels.lora_paths import position_segments
 from kernels.lora_shrink import shrink_splits
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
-from slora_batch import batch as step_batch
+from slora_batch.engine import batch as step_batch
 
 DTYPE = torch.bfloat16
 SHAPES = {"mha": (32, 32, 4096, 11008), "gqa": (32, 8, 4096, 14336)}  # heads, kv heads, H, I

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.trace_steps import mark_steps, step_table
-from slora_batch.bench import BenchConfig
-from slora_batch.bench_engine import group_by_adapter
-from slora_batch.bench_workload import Workload, adapter_sources, build_model
-from slora_batch.config import EngineConfig, SamplingConfig
-from slora_batch.engine import Engine
+from slora_batch.bench.bench import BenchConfig
+from slora_batch.bench.engine_run import group_by_adapter
+from slora_batch.bench.workload import Workload, adapter_sources, build_model
+from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.engine import Engine
 
 log = logging.getLogger("profile_engine")
 

@@ -1,7 +1,20 @@
-"""slora-batch: offline batch inference of one base LLM with thousands of LoRA adapters."""
+"""slora-batch: offline batch inference of one base LLM with thousands of LoRA adapters.
 
-from slora_batch.config import EngineConfig, SamplingConfig
-from slora_batch.engine import Engine
-from slora_batch.request import Request, Result
+Three packages follow the data flow, job -> rows -> windows -> engine -> writer:
+``slora_batch.engine`` (one base model, many adapters: requests in, results out),
+``slora_batch.jobs`` (the offline job tool around it) and ``slora_batch.bench`` (the benchmark).
+``Engine`` is imported on first use: the settings and request types need no torch.
+"""
+
+from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.request import Request, Result
 
 __all__ = ["Engine", "EngineConfig", "Request", "Result", "SamplingConfig"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from slora_batch.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'slora_batch' has no attribute {name!r}")

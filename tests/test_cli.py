@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -25,8 +26,8 @@ from test_jobrun import (
 from typer.testing import CliRunner
 
 from cli import app
-from slora_batch.jobrun import run_job
-from slora_batch.writer import read_success
+from slora_batch.jobs.run import run_job
+from slora_batch.jobs.writer import read_success
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}  # wide enough that rich wraps no message
 
@@ -172,3 +173,23 @@ def test_kill_9_mid_run_then_resume_yields_every_row_once(tmp_path, tiny):
     got = generated(outputs(out))  # raises when a row appears twice
     assert sorted(i for i, _ in got) == sorted(r["id"] for r in rows)
     assert got == generated(outputs(tmp_path / "reference"))
+
+
+def test_the_cli_loads_neither_torch_nor_the_bench_to_answer():
+    """``--help``, argument errors and job-file errors answer without torch; ``validate``
+    (which reads the model's tokenizer) loads no benchmark module."""
+    script = (
+        "import sys, cli\n"
+        "from typer.testing import CliRunner\n"
+        "CliRunner().invoke(cli.app, ['--help'])\n"
+        "CliRunner().invoke(cli.app, ['validate', 'no-such-file.yaml'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "CliRunner().invoke(cli.app, ['validate', 'jobs/sample.yaml'])\n"
+        "bench = sorted(m for m in sys.modules if m.startswith('slora_batch.bench'))\n"
+        "assert not bench, bench\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,10 @@
+"""``slora-batch bench``: the workload of benchmarks/README.md through every system, in one process.
+
+bench.py       settings, the plan of runs, orchestration
+cli.py         the ``bench`` command (Typer options)
+workload.py    the model (random weights), adapters and requests
+engine_run.py  one timed engine run; the ablations composed from engine parts
+peft_run.py    transformers + PEFT in padded static batches
+report.py      results.parquet, results.md, summary.json, the plot
+roofline.py    the card's measured rates and each run's floor
+"""

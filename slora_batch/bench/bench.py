@@ -1,0 +1,219 @@
+"""``slora-batch bench``: the DESIGN section 5 workload through every system, in one process.
+
+One random-weight base model (a transformers ``LlamaForCausalLM`` built on the device) serves all
+systems: the engine takes its state dict, PEFT wraps the model itself. Adapters: ONE PEFT
+directory per distinct rank (8, 16, 32, 64), and adapter id i maps to the directory of rank
+RANKS[i % 4]; the engine still parses, loads, pages and evicts each id on its own. Results are
+rewritten after every run, so a run cut short keeps what finished (``bench_report``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slora_batch.bench.engine_run import ABLATIONS, run_engine
+from slora_batch.bench.report import run_meta, write_outputs
+from slora_batch.bench.roofline import Rates, measure_rates
+from slora_batch.bench.workload import (
+    PEFT_MAX_ADAPTERS,
+    PRESETS,
+    RANKS,
+    BenchModel,
+    Workload,
+    build_model,
+)
+from slora_batch.engine.config import check
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = ("base", "slora", "peft", *ABLATIONS)  # the ablations last
+
+
+@dataclass
+class BenchConfig:
+    """Every bench setting and its default; the CLI fills this and nothing else."""
+
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    adapters: list[int] = field(default_factory=lambda: [1, 10, 100, 1000, 2000])  # slora
+    peft_adapters: list[int] | None = None  # None: the `adapters` counts up to 100
+    ablation_adapters: list[int] | None = None  # the ABLATIONS' counts; None: `adapters`
+    requests: int = 2000
+    peft_requests: int = 128  # the first ones of the same workload
+    peft_batch: int = 64  # rows of one padded static batch
+    min_input: int = 8
+    max_input: int = 512
+    min_output: int = 8
+    max_output: int = 512
+    skewed: bool = False  # adapter popularity power(0.1) instead of power(1)
+    seed: int = 0
+    model_preset: str = "llama2-7b"
+    device: str = "auto"  # auto: cuda when available
+    backend: str = "auto"  # the engine's kernels (EngineConfig.backend)
+    max_seconds: float = 0.0  # per engine run: stop there, count the work done; 0 = no limit
+    peft_max_seconds: float = 0.0  # per peft run, the same; 0 = no limit
+    total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit
+    warmup_requests: int = 32  # short requests through each engine before its timed run
+    out: Path = Path("benchmarks/results")
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        unknown = sorted(set(self.systems) - set(SYSTEMS))
+        check(
+            not unknown and bool(self.systems),
+            f"systems must be among {', '.join(SYSTEMS)}, got {self.systems!r}",
+        )
+        for name in ("adapters", "peft_adapters", "ablation_adapters"):
+            value = getattr(self, name)
+            check(
+                value is None
+                or (bool(value) and all(isinstance(n, int) and n >= 1 for n in value)),
+                f"{name} must be a non-empty list of integers >= 1, got {value!r}",
+            )
+        check(
+            not self.peft_adapters or max(self.peft_adapters) <= PEFT_MAX_ADAPTERS,
+            f"peft_adapters must be <= {PEFT_MAX_ADAPTERS}, got {self.peft_adapters}",
+        )
+        check(
+            1 <= self.min_input <= self.max_input,
+            f"need 1 <= min_input <= max_input, got {self.min_input}, {self.max_input}",
+        )
+        check(
+            1 <= self.min_output <= self.max_output,
+            f"need 1 <= min_output <= max_output, got {self.min_output}, {self.max_output}",
+        )
+        for name in ("requests", "peft_requests", "peft_batch"):
+            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        check(
+            self.warmup_requests >= 0, f"warmup_requests must be >= 0, got {self.warmup_requests}"
+        )
+        for name in ("max_seconds", "peft_max_seconds", "total_seconds"):
+            check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        check(
+            self.model_preset in PRESETS,
+            f"model_preset must be one of {', '.join(PRESETS)}, got {self.model_preset!r}",
+        )
+        check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
+
+    def plan(self) -> list[tuple[str, int]]:
+        """(system, adapter count) of every run, in run order; base runs once, at 0 adapters."""
+        counts = {
+            "base": [0],
+            "slora": self.adapters,
+            "peft": self.peft_adapters
+            or [n for n in self.adapters if n <= PEFT_MAX_ADAPTERS]
+            or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],
+        }
+        counts.update(dict.fromkeys(ABLATIONS, self.ablation_adapters or self.adapters))
+        return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
+
+
+@dataclass
+class BenchContext:
+    """What every run shares: the model, its directory, the adapters, the workload, the rates."""
+
+    config: BenchConfig
+    model: BenchModel
+    rank_dirs: dict[int, Path]
+    workload: Workload
+    rates: Rates
+
+
+def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
+    """Runs the plan and writes its outputs to ``config.out`` after every run.
+
+    Returns one row per (system, adapters) and the header (date, card, commit, rates, settings).
+    """
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    started = time.perf_counter()
+    runs = config.plan()
+    log.info("bench: %d runs on %s: %s", len(runs), device, ", ".join(f"{s}@{n}" for s, n in runs))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="slora-bench-") as tmp:
+        model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed)
+        rank_dirs = model.write_adapters(Path(tmp) / "adapters", config.seed)
+        rates = measure_rates(device, dtype)
+        log.info(
+            "measured: matmul %.1f TFLOP/s, copy %.2f TB/s",
+            rates.matmul_flops_per_s / 1e12,
+            rates.copy_bytes_per_s / 1e12,
+        )
+        workload = Workload.generate(config, model.spec.vocab_size)
+        meta = run_meta(device, dtype, rates, config, model, len(RANKS))
+        log.info("setup took %.1f s", time.perf_counter() - started)
+        ctx = BenchContext(config, model, rank_dirs, workload, rates)
+        for system, n in runs:
+            if _over_budget(config, system, started):
+                log.warning(
+                    "skipping %s@%d: --total-seconds %.0f would be exceeded",
+                    system,
+                    n,
+                    config.total_seconds,
+                )
+                meta["skipped"].append(f"{system}@{n}")
+                write_outputs(config.out, rows, meta)
+                continue
+            rows.append(_run_one(ctx, system, n))
+            write_outputs(config.out, rows, meta)
+    return rows, meta
+
+
+def _over_budget(config: BenchConfig, system: str, started: float) -> bool:
+    if not config.total_seconds:
+        return False
+    limit = config.peft_max_seconds if system == "peft" else config.max_seconds
+    return time.perf_counter() - started + limit > config.total_seconds
+
+
+def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
+    """One run; a failure becomes a row with its error so the other runs still happen."""
+    log.info("run %s with %d adapters", system, n)
+    try:
+        if system == "peft":
+            from slora_batch.bench.peft_run import run_peft
+
+            row = run_peft(ctx, n)
+        else:
+            row = run_engine(ctx, system, n)
+    except Exception as exc:  # one broken system must not cost the others their run
+        log.exception("run %s@%d failed", system, n)
+        row = {"system": system, "adapters": n, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        gc.collect()
+        if ctx.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+            log.info(
+                "after %s@%d: %.1f GiB allocated on %s (the base model is %.1f GiB)",
+                system,
+                n,
+                torch.cuda.memory_allocated(ctx.model.device) / 2**30,
+                ctx.model.device,
+                ctx.model.num_params * ctx.model.dtype.itemsize / 2**30,
+            )
+    row.setdefault("error", None)
+    row["weight_sets"] = min(n, len(RANKS))
+    log.info("%s@%d: %s", system, n, _brief(row))
+    return row
+
+
+def _brief(row: dict) -> str:
+    if row.get("error"):
+        return f"FAILED ({row['error']})"
+    return (
+        f"{row['output_tokens_per_s']:.1f} output tok/s, {row['requests_per_s']:.2f} req/s, "
+        f"{row['wall_s']:.1f} s, roofline {row['roofline_fraction']:.3f}"
+        f"{' (cut at the time limit)' if row['truncated'] else ''}"
+    )

@@ -1,0 +1,127 @@
+"""The ``bench`` command. ``cli.py`` registers a lazy ``slora-batch bench`` that hands its
+arguments to ``app`` here (so that ``run`` and ``validate`` never import the bench); it also runs
+on its own: ``python -m slora_batch.bench.cli --help``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import typer
+
+from slora_batch.bench.bench import SYSTEMS, BenchConfig, run_bench
+from slora_batch.bench.report import markdown
+from slora_batch.engine.config import ConfigError
+
+D = BenchConfig()  # the defaults, written once in BenchConfig
+
+
+def _ints(text: str | None) -> list[int] | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+def bench(
+    systems: str = typer.Option(
+        ",".join(D.systems), help=f"Comma-separated, among {', '.join(SYSTEMS)}."
+    ),
+    adapters: str = typer.Option(",".join(map(str, D.adapters)), help="Adapter counts for slora."),
+    peft_adapters: str = typer.Option(
+        None, help="Adapter counts for peft, each <= 100 (none: the --adapters counts up to 100)."
+    ),
+    ablation_adapters: str = typer.Option(
+        None,
+        help="Adapter counts for bmm, no-unified and arrival (none: --adapters).",
+    ),
+    requests: int = typer.Option(D.requests, help="Requests in the workload."),
+    peft_requests: int = typer.Option(
+        D.peft_requests, help="First requests of the workload that peft runs."
+    ),
+    peft_batch: int = typer.Option(D.peft_batch, help="Rows per padded static batch of peft."),
+    skewed: bool = typer.Option(
+        D.skewed, "--skewed", help="Adapter popularity power(0.1) instead of power(1)."
+    ),
+    min_input: int = typer.Option(D.min_input, help="Shortest prompt, tokens."),
+    max_input: int = typer.Option(D.max_input, help="Longest prompt, tokens."),
+    min_output: int = typer.Option(D.min_output, help="Shortest output, tokens."),
+    max_output: int = typer.Option(D.max_output, help="Longest output, tokens."),
+    seed: int = typer.Option(D.seed, help="Seed of the workload and the random weights."),
+    model_preset: str = typer.Option(D.model_preset, help="Model shapes: llama2-7b or tiny."),
+    device: str = typer.Option(D.device, help="auto, cpu or cuda[:N]."),
+    backend: str = typer.Option(D.backend, help="Engine kernels: auto, torch or triton."),
+    max_seconds: float = typer.Option(
+        D.max_seconds, help="Per engine run: stop there and count the work done (0: no limit)."
+    ),
+    peft_max_seconds: float = typer.Option(
+        D.peft_max_seconds, help="Per peft run, the same (0: no limit)."
+    ),
+    total_seconds: float = typer.Option(
+        D.total_seconds,
+        help="Skip runs that could end past this many seconds from the start (0: no limit).",
+    ),
+    warmup_requests: int = typer.Option(
+        D.warmup_requests, help="Short warm-up requests per engine run."
+    ),
+    out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Benchmark slora against the base model, transformers + PEFT and the ablations (DESIGN 5)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose else logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    try:
+        config = BenchConfig(
+            systems=[s.strip() for s in systems.split(",") if s.strip()],
+            adapters=_ints(adapters) or [],
+            peft_adapters=_ints(peft_adapters),
+            ablation_adapters=_ints(ablation_adapters),
+            requests=requests,
+            peft_requests=peft_requests,
+            peft_batch=peft_batch,
+            skewed=skewed,
+            min_input=min_input,
+            max_input=max_input,
+            min_output=min_output,
+            max_output=max_output,
+            seed=seed,
+            model_preset=model_preset,
+            device=device,
+            backend=backend,
+            max_seconds=max_seconds,
+            peft_max_seconds=peft_max_seconds,
+            total_seconds=total_seconds,
+            warmup_requests=warmup_requests,
+            out=Path(out),
+        )
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    rows, meta = run_bench(config)
+    typer.echo(markdown(rows, meta))
+    typer.echo(
+        f"results in {config.out}/ (results.parquet, results.md, summary.json, run.json, throughput.png)"
+    )
+    failed = [f"{r['system']}@{r['adapters']}" for r in rows if r.get("error")]
+    if failed:
+        typer.echo(f"failed runs: {', '.join(failed)}", err=True)
+        raise typer.Exit(1)
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command(
+    help="Run the benchmark workload of benchmarks/README.md through every system (engine "
+    "runs, PEFT, ablations) on the same weights and requests; write results.parquet, "
+    "results.md, summary.json, run.json and throughput.png."
+)(bench)
+
+if __name__ == "__main__":
+    app()

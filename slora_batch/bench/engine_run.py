@@ -1,0 +1,293 @@
+"""One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``,
+``no-unified`` and ``arrival``.
+
+The ablations are composed from engine parts handed to ``Engine`` (its ``ops`` and ``pools``
+seams), never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for the padded
+batched matmul of ``kernels.bmm``; ``no-unified`` gives adapters a pool of their own."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from types import ModuleType
+
+import torch
+
+from kernels.builds import BuildLog
+from slora_batch.bench.roofline import Work
+from slora_batch.bench.workload import adapter_sources
+from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.engine import Engine, pick_backend
+from slora_batch.engine.pool import PagePool
+from slora_batch.engine.request import Request
+from slora_batch.jobs.ordering import sort_key
+
+log = logging.getLogger(__name__)
+
+ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival")  # base: no adapters at all
+ABLATIONS = ("bmm", "no-unified", "arrival")  # slora with one thing changed
+ADAPTER_POOL_FRACTION = 0.25  # no-unified: the adapters' share of the pages, KV the rest
+
+
+def bmm_ops(ops: ModuleType) -> ModuleType:
+    """The backend ``ops`` with its LoRA ops replaced by the padded-bmm ablation; no CUDA
+    graphs (its per-step copies allocate)."""
+    from kernels import bmm
+
+    mixed = ModuleType(f"{ops.__name__}+bmm")
+    mixed.__dict__.update({k: v for k, v in vars(ops).items() if not k.startswith("__")})
+    mixed.lora_shrink, mixed.lora_expand = bmm.lora_shrink, bmm.lora_expand
+    mixed.CUDA_GRAPHS = False
+    return mixed
+
+
+def separate_pools(
+    pages: int, spec, dtype: torch.dtype, device: torch.device
+) -> tuple[PagePool, PagePool]:
+    """The no-unified ablation's pools: KV cache and adapters apart, a fixed split of pages."""
+    adapter_pages = max(1, int(pages * ADAPTER_POOL_FRACTION))
+    kv = PagePool(pages - adapter_pages, spec.page_size, spec.num_layers, dtype, device)
+    return kv, PagePool(adapter_pages, spec.page_size, spec.num_layers, dtype, device)
+
+
+def engine_parts(system: str, backend: str, device: torch.device) -> dict:
+    """The ``ops`` and ``pools`` an ablation hands to ``Engine`` (none for the others)."""
+    if system == "bmm":
+        return {"ops": bmm_ops(pick_backend(backend, device))}
+    if system == "no-unified":
+        return {"pools": separate_pools}
+    return {}
+
+
+# Systems fed the workload in its generated order. The others get it grouped by adapter, the
+# clustering that `slora-batch run` gives its rows by sorting them (ordering.sort_key: adapter,
+# then prompt length) before they reach the engine; see group_by_adapter.
+ARRIVAL_ORDER = ("arrival",)
+WARMUP_PROMPT = 64  # warm-up requests: prompts cut to this, a few new tokens each
+WARMUP_NEW_TOKENS = 8
+COUNTERS = (
+    "steps",
+    "decode_steps",
+    "decode_tokens",
+    "prefill_tokens",
+    "preemptions",
+    "adapter_loads",
+    "adapter_evictions",
+    "prefetch_hits",
+    "prefetch_misses",
+    "graph_steps",
+    "host_s",
+    "step_s",
+    "decode_host_s",
+    "decode_step_s",
+)
+
+
+def run_engine(ctx, system: str, n: int) -> dict:
+    """Builds an engine on the shared weights, warms it up, then times the workload through it.
+
+    With ``max_seconds`` the run stops feeding requests and stops at the limit; the work counted
+    is every token computed by then: finished requests plus the done part of running ones.
+    """
+    cfg, model = ctx.config, ctx.model
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(model.device)
+    start = time.perf_counter()
+    engine = Engine(
+        model.model_dir,
+        adapters=adapter_sources(n, ctx.rank_dirs) if n else {},
+        config=EngineConfig(
+            device=str(model.device),
+            backend=cfg.backend,
+            dtype=str(model.dtype).removeprefix("torch."),
+        ),
+        sampling=SamplingConfig(ignore_eos=True),
+        weights=model.weights,
+        **engine_parts(system, cfg.backend, model.device),
+    )
+    requests = ctx.workload.requests(0 if system == "base" else n)
+    if system not in ARRIVAL_ORDER:
+        requests = group_by_adapter(requests)
+    with BuildLog() as warmup_builds:
+        for group, whole in warmup_groups(requests, engine.store, cfg.warmup_requests):
+            for _ in engine.generate(_warmup(group, whole)):
+                pass
+        _sync(model.device)
+    setup_s = time.perf_counter() - start
+    before = _counters(engine)
+    asked = {r.id: r.max_new_tokens for r in requests}
+    deadline = None
+    work, finished, errors, mismatches, fed = Work(), 0, 0, 0, [0]
+    start = time.perf_counter()
+    if cfg.max_seconds:
+        deadline = start + cfg.max_seconds
+    results = engine.generate(_feed(requests, deadline, fed))
+    stopped = False
+    with BuildLog() as builds:  # Triton builds inside the timed run, which they slow down
+        for result in results:
+            if result.finish_reason == "error":
+                errors += 1
+                if errors == 1:
+                    log.error("%s@%d: %s", system, n, result.error)
+            else:
+                finished += 1
+                mismatches += result.completion_tokens != asked[result.id]
+                work.add(result.prompt_tokens, result.completion_tokens)
+            if deadline is not None and time.perf_counter() >= deadline:
+                stopped = True
+                break
+        _sync(model.device)
+        wall_s = time.perf_counter() - start
+    for prompt, generated in _partial(engine) if stopped else ():
+        work.add(prompt, generated)
+    results.close()
+    delta = {k: after - before[k] for k, after in _counters(engine).items()}
+    del engine, results
+    row = dict(
+        system=system,
+        adapters=n,
+        requests=len(requests),
+        fed=fed[0],
+        finished=finished,
+        error_rows=errors,
+        length_mismatches=mismatches,
+        truncated=stopped or fed[0] < len(requests),
+        setup_s=setup_s,
+        peak_mem_gib=_peak_gib(model.device),
+    )
+    row.update(figures(ctx, work, finished, wall_s))
+    row.update(delta)
+    row["host_share"] = _share(delta["host_s"], delta["step_s"])
+    row["decode_host_share"] = _share(delta["decode_host_s"], delta["decode_step_s"])
+    row["decode_batch"] = delta["decode_tokens"] / delta["steps"] if delta["steps"] else math.nan
+    row.update(_builds(warmup_builds, builds))
+    if builds.count:
+        log.info("%s@%d: %d Triton builds in the timed run, %.1f s: %s", system, n, builds.count,
+                 builds.seconds, ", ".join(builds.names))  # fmt: skip
+        for detail in builds.details:
+            log.info("  built %s", detail)
+    return row
+
+
+def figures(ctx, work: Work, finished: int, wall_s: float) -> dict:
+    """The rates and the roofline fraction of a run that did ``work`` in ``wall_s`` seconds."""
+    model = ctx.model
+    floor_s = work.floor_seconds(model.num_params, model.kv_bytes_per_token, ctx.rates)
+    return dict(
+        prompt_tokens=work.prompt_tokens,
+        output_tokens=work.output_tokens,
+        wall_s=wall_s,
+        requests_per_s=finished / wall_s,
+        output_tokens_per_s=work.output_tokens / wall_s,
+        flops=work.flops(model.num_params),
+        kv_bytes=work.kv_bytes(model.kv_bytes_per_token),
+        floor_s=floor_s,
+        roofline_fraction=floor_s / wall_s,
+    )
+
+
+def group_by_adapter(requests: list[Request]) -> list[Request]:
+    """The requests stably sorted by adapter (base-model rows first), arrival order within an
+    adapter: the job's sort without its second key, prompt length, so that a run cut at its time
+    limit still sees the workload's mix of lengths. Example: adapters [b, a, None, b] -> [None, a,
+    b, b], the two b rows in their order."""
+    return sorted(requests, key=lambda r: sort_key(r)[:3])  # (kind, has adapter, adapter)
+
+
+def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list[Request], bool]]:
+    """The untimed warm-up, one engine.generate per group, each (requests, whole prompts; else
+    cut to WARMUP_PROMPT): for each adapter rank in the workload its first request alone and its
+    first 8 together, cut, and its first ``count`` whole; then the first 8 of every rank
+    together, whole; then the workload's first ``count``, cut and whole.
+
+    Triton builds a kernel per block shape, and the shapes of a step without CUDA graph follow
+    its largest rank and its size (a prefill of thousands of tokens needs no split reduction;
+    attention's prefill blocks follow the context). Grouped by adapter, the first requests may
+    all share one rank (10 adapters: the first 200 are rank 8), and short prompts reach no long
+    context, so without these groups those builds would land inside the timed run (the bench
+    counts them: kernel_builds). Example: ranks 8 and 16 -> [r8 first], [r16 first], [r8 first
+    8], [r16 first 8], [r8 first count, whole], [r16 first count, whole], [r8 and r16 first 8,
+    whole], [first count], [first count, whole]. No warm-up when count is 0."""
+    if count == 0:
+        return []
+    by_rank: dict[int, list[Request]] = {}
+    for request in requests:
+        if request.adapter is not None:
+            by_rank.setdefault(store.info(request.adapter).rank, []).append(request)
+    ranks = sorted(by_rank)
+    groups = [(by_rank[rank][:1], False) for rank in ranks]
+    groups += [(by_rank[rank][:8], False) for rank in ranks]
+    groups += [(by_rank[rank][:count], True) for rank in ranks]
+    if len(ranks) > 1:
+        groups.append(([r for rank in ranks for r in by_rank[rank][:8]], True))
+    return groups + [(requests[:count], False), (requests[:count], True)]
+
+
+def _warmup(requests: list[Request], whole: bool) -> list[Request]:
+    return [
+        Request(
+            id=f"warmup-{r.id}",
+            adapter=r.adapter,
+            prompt_token_ids=r.prompt_token_ids if whole else r.prompt_token_ids[:WARMUP_PROMPT],
+            max_new_tokens=WARMUP_NEW_TOKENS,
+            ignore_eos=True,
+            temperature=0.0,
+        )
+        for r in requests
+    ]
+
+
+def _feed(requests: Iterable[Request], deadline: float | None, fed: list[int]) -> Iterator[Request]:
+    for request in requests:
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
+        fed[0] += 1
+        yield request
+
+
+def _builds(warmup: BuildLog, timed: BuildLog) -> dict[str, float]:
+    """Triton builds in the warm-up and in the timed run (NaN where Triton has no JIT hooks)."""
+    if not timed.available:
+        return dict.fromkeys(("warmup_builds", "kernel_builds", "kernel_build_s"), math.nan)
+    return dict(warmup_builds=warmup.count, kernel_builds=timed.count,
+                kernel_build_s=timed.seconds)  # fmt: skip
+
+
+def _partial(engine: Engine) -> list[tuple[int, int]]:
+    """(prompt tokens computed, tokens generated) of the requests still in the engine."""
+    scheduler = getattr(engine, "scheduler", None)
+    if scheduler is None:
+        log.warning("engine has no scheduler attribute: unfinished requests are not counted")
+        return []
+    out = []
+    for seq in [*scheduler.running, *scheduler.waiting]:
+        generated = len(seq.output_ids)
+        prompt = len(seq.prompt_ids) if generated else min(seq.num_computed, len(seq.prompt_ids))
+        out.append((prompt, generated))
+    return out
+
+
+def _counters(engine: Engine) -> dict[str, float]:
+    """The counters the bench reads; host_s and step_s are NaN where the engine lacks them."""
+    values = asdict(engine.counters)
+    return {k: float(values.get(k, math.nan)) for k in COUNTERS}
+
+
+def _share(part: float, whole: float) -> float:
+    """part / whole; NaN where the engine lacks the counters or ran no such step."""
+    return part / whole if whole > 0 else math.nan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    if device.type != "cuda":
+        return math.nan
+    return torch.cuda.max_memory_allocated(device) / 2**30

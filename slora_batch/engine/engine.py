@@ -1,0 +1,355 @@
+"""The engine: requests in, results out, as a lazy iterator over a continuous-batching loop.
+
+Each turn of the loop: pull requests up to ``lookahead`` (``RequestPreparer`` checks and
+tokenizes them), queue the next rows' adapter reads, schedule a step, launch it on the device,
+then read the previous step's tokens back (``Scheduler.postprocess`` finishes rows and frees
+pages) and yield its finished rows. With ``overlap`` the host plans step N+1 while the device
+runs step N; N+1 takes N's drawn tokens on the device.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from slora_batch.engine.adapters import AdapterStore
+from slora_batch.engine.batch import plan_step
+from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.counters import EngineCounters
+from slora_batch.engine.loader import load_model
+from slora_batch.engine.memory import (
+    PoolFactory,
+    num_pages,
+    page_bytes,
+    pick_device,
+    pick_dtype,
+    set_cpu_threads,
+    unified_pool,
+)
+from slora_batch.engine.prefetch import AdapterPrefetcher
+from slora_batch.engine.prepare import RequestPreparer
+from slora_batch.engine.request import Request, Result
+from slora_batch.engine.residency import AdapterResidency
+from slora_batch.engine.runner import ModelRunner
+from slora_batch.engine.sample_model import resolve_model
+from slora_batch.engine.sampling import SamplingBatch, sample
+from slora_batch.engine.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
+from slora_batch.engine.sequence import Sequence
+from slora_batch.engine.spec import read_spec
+from slora_batch.engine.tokens import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose drawn tokens have not been read back."""
+
+    number: int
+    step: ScheduledStep
+    drawn: list[Sequence]  # the sequences that draw a token, in the order of ``tokens``
+    tokens: torch.Tensor | None  # [len(drawn)] int64 on the device
+    started: float
+    host_s: float
+    # On cuda: the tokens copied to pinned host memory, and the event after that copy. Reading
+    # them waits for this step alone, not for the step queued after it.
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def read(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host_tokens.tolist()
+
+
+class Engine:
+    """One base model, many adapters, one page pool.
+
+    ``Engine(model, adapters=dir_or_mapping, config=EngineConfig(...), sampling=SamplingConfig())``
+    then ``for result in engine.generate(requests): ...``. ``weights`` (Hugging Face tensor names)
+    replaces reading the model directory's safetensors, for benchmarks on random weights.
+
+    Two seams let the benchmark compose its ablations from engine parts: ``ops``, the kernel
+    backend (a module with ``kernels.ref``'s functions; default from ``config.backend``), and
+    ``pools``, the factory of the KV and adapter pools (default: one unified pool).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        adapters: dict[str, str | Path] | str | Path | None = None,
+        config: EngineConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        weights: dict[str, torch.Tensor] | None = None,
+        ops: ModuleType | None = None,
+        pools: PoolFactory = unified_pool,
+    ) -> None:
+        began = time.perf_counter()
+        self.config = config = config or EngineConfig()
+        self.model_path = resolve_model(model)
+        self.spec = spec = read_spec(self.model_path)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.cpu_threads)
+        self.ops = ops or pick_backend(config.backend, self.device)
+        self.store = AdapterStore(
+            spec, adapters, config.host_cache_bytes, self.device.type == "cuda", self.dtype
+        )
+        # A broken adapter among many costs only its own rows (error rows that say why).
+        _, self.broken = self.store.check_all()
+        for exc in self.broken.values():
+            log.warning("%s; its rows become error rows", exc)
+        self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
+        self.model = load_model(spec, self.dtype, self.device, self.max_model_len, weights)
+        self.tokenizer = load_tokenizer(self.model_path)
+        pages = num_pages(config, spec, self.dtype, self.device, self.max_model_len)
+        self.pool, self.lora_pool = pools(pages, spec, self.dtype, self.device)
+        self.residency = AdapterResidency(
+            self.lora_pool, self.store, config.max_resident_adapters, self.device
+        )
+        self.scheduler = Scheduler(config, self.pool, self.residency, spec.eos_token_ids)
+        self.prepare = RequestPreparer(
+            spec,
+            self.store,
+            self.broken,
+            self.tokenizer,
+            sampling or SamplingConfig(),
+            self.max_model_len,
+            self.scheduler,
+        )
+        warmup = time.perf_counter()
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.lora_pool,
+            self.residency,
+            self.ops,
+            self.device,
+            config.max_num_seqs,
+            self.max_model_len,
+            use_graphs=config.cuda_graphs and getattr(self.ops, "CUDA_GRAPHS", False),
+        )
+        warmup_s = time.perf_counter() - warmup
+        stream = None
+        if config.prefetch and self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+        self.prefetcher = AdapterPrefetcher(
+            self.scheduler, self.residency, self.store, stream, config.admit_seats
+        )
+        self._steps = 0  # steps launched
+        self._active: weakref.ref | None = None  # the generate() iterator in use
+        self._inflight: _Inflight | None = None  # the launched step not read back yet
+        self.counters = EngineCounters()
+        self.counters.load_s = time.perf_counter() - began - warmup_s
+        self.counters.warmup_s = warmup_s
+        size = page_bytes(spec, self.dtype)
+        log.info(
+            "engine: %s on %s/%s, pool %d pages of %d B (%.2f GiB, %d tokens of KV), "
+            "%d adapters (%d unusable)",
+            spec.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.pool.num_pages,
+            size,
+            self.pool.num_pages * size / 2**30,
+            self.pool.num_pages // PAGES_PER_TOKEN,
+            len(self.store.names),
+            len(self.broken),
+        )
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return self.store.names
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.prepare.sampling
+
+    def close(self) -> None:
+        """Frees the engine's device memory (pool, CUDA graphs, weights), so that a next engine
+        in this process gets the whole card. The engine cannot run afterwards."""
+        for name in ("runner", "scheduler", "residency", "pool", "lora_pool", "model", "prepare"):
+            self.__dict__.pop(name, None)
+        self.prefetcher = None
+        self.store.close()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        """Pulls requests lazily (a window of ``lookahead`` ahead) and yields results as they
+        finish. Abandoning the iterator (``break``, an exception, ``close()``, or a new
+        ``generate`` call, which closes the previous iterator) drops the rows still in the
+        engine and releases their pages and adapters; the engine stays usable."""
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous.close()
+        generator = self._generate(iter(requests))
+        self._active = weakref.ref(generator)
+        return generator
+
+    def _generate(self, source: Iterator[Request]) -> Iterator[Result]:
+        try:
+            yield from self._loop(source)
+        finally:
+            if self._inflight is not None:
+                self._inflight.read()  # its pages must not be reused while the device reads them
+                self._inflight = None
+            dropped = self.scheduler.abort()
+            if dropped:
+                log.info("generate() abandoned: %d rows dropped, their pages freed", len(dropped))
+
+    def _loop(self, source: Iterator[Request]) -> Iterator[Result]:
+        exhausted = False
+        sched = self.scheduler
+        while True:
+            while not exhausted and len(sched.waiting) + len(sched.running) < self.config.lookahead:
+                request = next(source, None)
+                if request is None:
+                    exhausted = True
+                    break
+                prepared = self.prepare(request)
+                if isinstance(prepared, Result):
+                    self.counters.count_result(prepared)
+                    yield prepared
+                else:
+                    sched.add(prepared)
+            if not sched.has_work() and self._inflight is None:
+                if exhausted:
+                    return
+                continue
+            # Step N+1 is scheduled, prepared and launched while step N (in flight) runs; then
+            # step N's tokens are read back. Without overlap each step completes at once.
+            started = time.perf_counter()
+            self.prefetcher.load_ahead()
+            step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
+            done = self._inflight
+            self._inflight = self._launch(step, started, done) if step else None
+            if done is not None:
+                yield from self._complete(done, started)
+            elif self._inflight is None:
+                raise RuntimeError(
+                    f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
+                    f"{self.pool.num_free} of {self.pool.num_pages} pages free"
+                )
+            if self._inflight is not None and not self.config.overlap:
+                done, self._inflight = self._inflight, None
+                yield from self._complete(done, None)
+
+    def _launch(self, step: ScheduledStep, started: float, prev: _Inflight | None) -> _Inflight:
+        """Plans a step and queues its forward and sampling on the device; returns at once."""
+        host = plan_step(step)
+        self.prefetcher.order(self.device)
+        self._steps += 1
+        with torch.inference_mode():
+            prepared = time.perf_counter()
+            logits = self.runner.forward(host, prev.tokens if prev is not None else None)
+            drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
+            tokens = None
+            if drawn and any(s.temperature > 0 for s in drawn):
+                params = SamplingBatch.build(
+                    [(s.temperature, s.top_k, s.top_p, s.key, s.num_drawn) for s in drawn],
+                    logits.device,
+                )
+                tokens = sample(logits, params)
+            elif drawn:  # all greedy: sample()'s argmax, without building its parameters
+                tokens = logits.argmax(dim=-1)
+            if not self.config.overlap:
+                self.prefetcher.prefetch()  # overlaps the step running on the GPU
+        self.scheduler.launched(step, drawn, self._steps)
+        launched = _Inflight(self._steps, step, drawn, tokens, started, prepared - started)
+        if tokens is not None and tokens.device.type == "cuda":
+            launched.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            launched.host_tokens.copy_(tokens, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def _complete(self, done: _Inflight, next_started: float | None) -> Iterator[Result]:
+        """Reads a step's tokens back (waiting for the device) and yields the rows it finished."""
+        tokens = done.read()
+        now = time.perf_counter()
+        self.counters.count_step(
+            done.step,
+            self.pool,
+            self.scheduler,
+            self.residency,
+            host_s=done.host_s,
+            step_s=(next_started or now) - done.started,
+            graph=self.runner.graph_steps,
+        )
+        for seq in self.scheduler.postprocess(done.number, done.drawn, tokens):
+            result = self._result(seq)
+            self.counters.count_result(result)
+            yield result
+        if self.config.overlap:
+            # Pages free now are used by no step in flight (held ones are not free yet).
+            self.prefetcher.prefetch()
+
+    def prompt_logits(self, request: Request) -> torch.Tensor:
+        """Next-token logits after the request's prompt, fp32 [vocab]: for checking the engine
+        against another implementation. Runs alone: the engine must have no other work."""
+        if self.scheduler.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        seq = self.prepare(request)
+        if isinstance(seq, Result):
+            raise ValueError(seq.error)
+        self.scheduler.add(seq)
+        with torch.inference_mode():
+            while seq.remaining:
+                step = self.scheduler.schedule()
+                self.prefetcher.order(self.device)
+                logits = self.runner.forward(plan_step(step))
+                seq.num_computed += step.num_new[0]
+        self.scheduler.finish(seq)
+        return logits[0].float()
+
+    def _result(self, seq: Sequence) -> Result:
+        if seq.detok is not None:  # fed token by token for its stop strings: cut at the stop
+            text = seq.detok.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        else:
+            text = ""
+        return Result(
+            id=seq.request.id,
+            adapter=seq.adapter,
+            text=text,
+            token_ids=list(seq.output_ids),
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            finish_reason=seq.finish_reason,
+            extra=seq.request.extra,
+        )
+
+
+def pick_backend(name: str, device: torch.device) -> ModuleType:
+    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from kernels import triton_ops
+
+        return triton_ops
+    from kernels import ref
+
+    return ref

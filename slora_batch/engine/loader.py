@@ -1,0 +1,81 @@
+"""Hugging Face safetensors directories (and the built-in sample) into ``LlamaModel``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from slora_batch.engine.model import LayerWeights, LlamaModel
+from slora_batch.engine.spec import ModelError, ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name (one file or an index of shards)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"model {str(model_dir)!r}: no .safetensors weights found")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_model(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_pos: int,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> LlamaModel:
+    """Builds the model on ``device`` in ``dtype`` from the safetensors of ``spec.path``, or from
+    ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict."""
+    raw = dict(weights) if weights is not None else load_tensors(Path(spec.path))
+
+    def take(name: str, required: bool = True) -> torch.Tensor | None:
+        tensor = raw.pop(name, None)
+        if tensor is None:
+            if required:
+                raise ModelError(f"model {spec.path!r}: missing tensor {name!r}")
+            return None
+        return tensor.to(device=device, dtype=dtype)
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        qkv = [take(p + f"self_attn.{t}_proj.weight") for t in "qkv"]
+        biases = [take(p + f"self_attn.{t}_proj.bias", spec.attention_bias) for t in "qkv"]
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat(qkv).contiguous(),
+                qkv_bias=torch.cat(biases).contiguous() if spec.attention_bias else None,
+                o=take(p + "self_attn.o_proj.weight"),
+                o_bias=take(p + "self_attn.o_proj.bias", spec.o_bias),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                ).contiguous(),
+                down=take(p + "mlp.down_proj.weight"),
+            )
+        )
+    embed = take("model.embed_tokens.weight")
+    head = take("lm_head.weight", required=not spec.tie_word_embeddings)
+    model = LlamaModel(
+        spec, embed, layers, take("model.norm.weight"), head if head is not None else embed, max_pos
+    )
+    leftover = [k for k in raw if "rotary_emb" not in k]
+    if leftover:
+        log.warning("model %s: %d unused tensors, e.g. %s", spec.path, len(leftover), leftover[:3])
+    return model

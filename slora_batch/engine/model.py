@@ -1,0 +1,186 @@
+"""The Llama family in one file: RMSNorm, RoPE (incl. llama3 / linear scaling), GQA, tied
+embeddings, q/k/v bias (Qwen2), with LoRA deltas added per target and the KV cache in the pool.
+
+``h = x W + (x A) B * scale``: the base projection runs once for the whole batch; the LoRA
+factors of every token's own adapter are gathered from pool pages by the kernel backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kernels.meta import AttnMeta, LoraMeta
+from slora_batch.engine.pool import PagePool
+from slora_batch.engine.spec import TARGETS, ModelSpec
+
+TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H]
+    qkv_bias: torch.Tensor | None  # [q_dim + 2 * kv_dim]
+    o: torch.Tensor  # [H, q_dim]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 * I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class StepInput:
+    """Everything one forward step reads besides the weights, built by ``slora_batch.engine.batch``."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_pages: torch.Tensor  # [T, 2] int32: where each token's K and V go
+    attn: AttnMeta
+    lora: LoraMeta | None  # None when no token of the step uses an adapter
+    logits_index: torch.Tensor  # [S] int64: tokens whose next-token logits are needed
+    decode_only: bool  # every sequence has exactly one new token
+    # Mixed steps whose first d sequences bring one token each: (d, their AttnMeta, the rest's),
+    # so decode rows take the decode kernel; None: the whole step on the prefill kernel.
+    attn_split: tuple[int, AttnMeta, AttnMeta] | None = None
+
+
+def rope_cos_sin(spec: ModelSpec, max_pos: int, device: torch.device) -> torch.Tensor:
+    """[max_pos, head_dim] fp32: cos in the first half, sin in the second (HF's inv_freq rules)."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = spec.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling of the rotary frequencies."""
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class LlamaModel:
+    """Weights plus a forward over one step's flat tokens; stateless besides the pool."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_pos: int,
+    ) -> None:
+        self.spec = spec
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.cos_sin = rope_cos_sin(spec, max_pos, embed.device)
+        self.scale = spec.head_dim**-0.5
+        q, kv = spec.q_dim, spec.kv_dim
+        # Column ranges of q, k, v inside the fused qkv output.
+        self.qkv_cols = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+        inter = spec.intermediate_size
+        self.gate_up_cols = {"gate": (0, inter), "up": (inter, 2 * inter)}
+
+    def forward(
+        self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
+    ) -> torch.Tensor:
+        """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index.
+        K/V pages are ``pool``'s; adapter rows are ``lora_pool``'s, which is ``pool`` itself
+        (the default) under S-LoRA's unified paging."""
+        lora_pool = lora_pool if lora_pool is not None else pool
+        spec = self.spec
+        x = F.embedding(step.input_ids, self.embed)  # [T, H]
+        residual = None
+        lora_buf = None
+        if step.lora is not None and step.lora.max_rank > 0:
+            lora_buf = torch.zeros(  # fp32 [T, 3 * max_rank]: a group of up to 3 targets
+                x.shape[0], 3 * step.lora.max_rank, dtype=torch.float32, device=x.device
+            )
+        for index, layer in enumerate(self.layers):
+            pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
+            h, residual = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps, residual)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            self._lora(h, qkv, self.qkv_cols, lora_layer, step.lora, lora_buf, ops)
+            q, k, v = (qkv[:, lo:hi] for lo, hi in self.qkv_cols.values())
+            q = q.reshape(-1, spec.num_heads, spec.head_dim)
+            k = k.reshape(-1, spec.num_kv_heads, spec.head_dim)
+            q, k = q.contiguous(), k.contiguous()
+            ops.rope(q, k, step.positions, self.cos_sin)
+            ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
+            attn = self._attend(q, pool_layer, step, ops).view(-1, spec.q_dim)
+            o = F.linear(attn, layer.o, layer.o_bias)
+            self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
+            h, residual = ops.rms_norm(o, layer.post_norm, spec.rms_norm_eps, residual)
+            gate_up = F.linear(h, layer.gate_up)
+            self._lora(h, gate_up, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops)
+            act = ops.silu_mul(gate_up)
+            down = F.linear(act, layer.down)
+            self._lora(
+                act, down, {"down": (0, down.shape[1])}, lora_layer, step.lora, lora_buf, ops
+            )
+            x = down
+        h, _ = ops.rms_norm(
+            x[step.logits_index], self.final_norm, spec.rms_norm_eps, residual[step.logits_index]
+        )
+        return F.linear(h, self.lm_head).float()
+
+    def _attend(
+        self, q: torch.Tensor, pool_layer: torch.Tensor, step: StepInput, ops: ModuleType
+    ) -> torch.Tensor:
+        """Attention of the step's queries: decode kernel, prefill kernel, or both on a split."""
+        kv_heads = self.spec.num_kv_heads
+        if step.decode_only:
+            return ops.attention_decode(q, pool_layer, step.attn, kv_heads, self.scale)
+        if step.attn_split is None:
+            return ops.attention(q, pool_layer, step.attn, kv_heads, self.scale)
+        d, decode, prefill = step.attn_split
+        out = torch.empty_like(q)
+        out[:d] = ops.attention_decode(q[:d], pool_layer, decode, kv_heads, self.scale)
+        out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, self.scale)
+        return out
+
+    @staticmethod
+    def _lora(
+        x: torch.Tensor,
+        out: torch.Tensor,
+        cols: dict[str, tuple[int, int]],
+        pool_layer: torch.Tensor,
+        meta: LoraMeta | None,
+        buf: torch.Tensor | None,
+        ops: ModuleType,
+    ) -> None:
+        """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
+        column ranges of the fused output, in place: one shrink and one expand launch for the
+        targets of the group that some adapter of the step has."""
+        if buf is None:
+            return
+        group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
+        group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
+        if not group:
+            return  # no adapter of the step has a target of this group: no launch
+        targets = tuple(index for index, _ in group)
+        v = buf[:, : len(group) * meta.max_rank]
+        ops.lora_shrink(x, pool_layer, meta, targets, v)
+        ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))

@@ -1,0 +1,94 @@
+"""A request becomes a ``Sequence`` the scheduler can run, or an error ``Result`` that says why.
+
+Checks, in order: the adapter (broken, or unknown with the nearest known names), the sampling
+overrides, tokenization (prompt, chat template, given ids), the prompt against the context,
+and the pages the row needs at the least against the pool. A bad request never raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from slora_batch.engine.adapters import AdapterError, AdapterStore
+from slora_batch.engine.config import ConfigError, SamplingConfig
+from slora_batch.engine.request import SAMPLING_FIELDS, Request, Result
+from slora_batch.engine.sampling import noise_key
+from slora_batch.engine.scheduler import Scheduler
+from slora_batch.engine.sequence import Sequence
+from slora_batch.engine.spec import ModelSpec
+from slora_batch.engine.tokens import Detokenizer, tokenize
+
+
+class RequestPreparer:
+    """Turns requests into sequences for one engine (its store, tokenizer, limits)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: AdapterStore,
+        broken: dict[str, AdapterError],
+        tokenizer,
+        sampling: SamplingConfig,
+        max_model_len: int,
+        scheduler: Scheduler,
+    ) -> None:
+        self.spec, self.store, self.broken = spec, store, broken
+        self.tokenizer, self.sampling = tokenizer, sampling
+        self.max_model_len, self.scheduler = max_model_len, scheduler
+        self.arrivals = 0
+
+    def __call__(self, request: Request) -> Sequence | Result:
+        adapter = request.adapter or None
+        if adapter is not None and adapter in self.broken:
+            return Result.failed(request, f"adapter cannot be used: {self.broken[adapter]}")
+        if adapter is not None and adapter not in self.store:
+            near = self.store.nearest(adapter)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            return Result.failed(
+                request,
+                f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known{hint})",
+            )
+        try:
+            params = self.sampling_for(request)
+            prompt_ids = tokenize(request, self.tokenizer, self.spec.vocab_size, self.spec.path)
+        except (ConfigError, ValueError, TypeError) as exc:
+            return Result.failed(request, str(exc))
+        n = len(prompt_ids)
+        if n == 0:
+            return Result.failed(request, "empty prompt")
+        if n >= self.max_model_len:
+            return Result.failed(
+                request,
+                f"prompt of {n} tokens does not fit the context of {self.max_model_len} tokens",
+                prompt_tokens=n,
+            )
+        self.arrivals += 1
+        stop = list(params.stop)
+        seq = Sequence(
+            request=request,
+            order=self.arrivals,
+            adapter=adapter,
+            prompt_ids=prompt_ids,
+            max_new_tokens=min(params.max_new_tokens, self.max_model_len - n),
+            temperature=float(params.temperature),
+            top_k=params.top_k,
+            top_p=float(params.top_p),
+            key=noise_key(params.seed, request.id),
+            stop=stop,
+            ignore_eos=params.ignore_eos,
+            detok=Detokenizer(self.tokenizer, stop)
+            if self.tokenizer is not None and stop
+            else None,
+        )
+        problem = self.scheduler.never_fits(seq)
+        if problem:
+            return Result.failed(request, problem, prompt_tokens=n)
+        return seq
+
+    def sampling_for(self, request: Request) -> SamplingConfig:
+        """The engine's sampling with the request's own fields over it."""
+        merged = asdict(self.sampling)
+        merged.update(
+            {k: getattr(request, k) for k in SAMPLING_FIELDS if getattr(request, k) is not None}
+        )
+        return SamplingConfig(**merged)

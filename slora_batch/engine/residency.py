@@ -1,0 +1,182 @@
+"""Adapters resident in the page pool: slots, pages, reference counts, LRU eviction.
+
+An adapter in use by a running request is pinned (refcount > 0). Idle adapters stay resident
+(a later request reuses them for free) until their pages are needed, then leave least recently
+used first. The slot tables here are what ``LoraMeta`` carries to the kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from contextlib import nullcontext as _nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slora_batch.engine.adapters import AdapterStore
+from slora_batch.engine.pool import PagePool, PoolExhausted
+from slora_batch.engine.spec import TARGETS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resident:
+    slot: int
+    pages: np.ndarray
+    refcount: int = 0
+    prefetched: bool = False
+    copying: torch.cuda.Event | None = None  # its prefetch copy, no device-stream wait yet
+
+
+class AdapterResidency:
+    def __init__(
+        self, pool: PagePool, store: AdapterStore, max_slots: int, device: torch.device
+    ) -> None:
+        self.pool, self.store, self.spec = pool, store, store.spec
+        self.max_slots = max_slots
+        width = max([store.pages(n) for n in store.names] or [1])
+        self.slot_rank = np.zeros(max_slots, dtype=np.int32)
+        self.slot_scale = np.zeros(max_slots, dtype=np.float32)
+        self.slot_pages = np.full((max_slots, width), -1, dtype=np.int32)
+        self.slot_offsets = np.full((max_slots, len(TARGETS), 2), -1, dtype=np.int32)
+        self.device = device
+        self.dev_rank = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.dev_scale = torch.zeros(max_slots, dtype=torch.float32, device=device)
+        self.dev_pages = torch.full((max_slots, width), -1, dtype=torch.int32, device=device)
+        self.dev_offsets = torch.full(
+            (max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device
+        )
+        self._resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order, most recent last
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.loads = 0
+        self.evictions = 0
+        self.prefetch_hits = 0  # acquired an adapter that a prefetch had loaded
+        self.prefetch_misses = 0  # acquired an adapter that had to be loaded on the spot
+        self.bytes_copied = 0
+        # The device stream's point after the latest eviction's slot-table writes. A prefetch on
+        # a side stream may reuse that slot (and its pages) at once, while those writes still
+        # wait behind a step in flight; its copy waits for this point first, or the late "-1"
+        # row would land over the new adapter's row.
+        self._evicted: torch.cuda.Event | None = None
+
+    def is_resident(self, name: str) -> bool:
+        return name in self._resident
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._resident)
+
+    def slot(self, name: str) -> int:
+        return self._resident[name].slot
+
+    def evictable_pages(self) -> int:
+        return sum(r.pages.size for r in self._resident.values() if r.refcount == 0)
+
+    def cost(self, name: str | None) -> int:
+        """Pages that admitting a request on ``name`` takes beyond its KV (0 when resident)."""
+        if not name or name in self._resident:
+            return 0
+        return self.store.pages(name)
+
+    def make_room(self, need: int, pool: PagePool | None = None) -> bool:
+        """Evict idle adapters, least recently used first, until ``need`` pages are free in
+        ``pool`` (default: the adapters' own pool; evicting frees nothing in another pool)."""
+        pool = pool or self.pool
+        if pool.num_free >= need:  # the common case, once per running sequence and step
+            return True
+        if pool is not self.pool:
+            return False
+        for name in [n for n, r in self._resident.items() if r.refcount == 0]:
+            if self.pool.num_free >= need:
+                break
+            self._evict(name)
+        return self.pool.num_free >= need
+
+    def acquire(self, name: str) -> int:
+        """Pin an adapter for one request, loading it into pool pages first if needed."""
+        entry = self._resident.get(name)
+        if entry is None:
+            entry = self._load(name)
+            self.prefetch_misses += 1
+        elif entry.prefetched:
+            entry.prefetched = False
+            self.prefetch_hits += 1
+        entry.refcount += 1
+        self._resident.move_to_end(name)
+        return entry.slot
+
+    def release(self, name: str) -> None:
+        entry = self._resident[name]
+        if entry.refcount <= 0:
+            raise ValueError(f"adapter {name!r} released more often than acquired")
+        entry.refcount -= 1
+
+    def prefetch(self, name: str, stream: torch.cuda.Stream | None = None) -> bool:
+        """Loads an adapter ahead of need (idle, unpinned) if its pages are free right now; the
+        copy goes on ``stream``. Returns whether it loaded."""
+        if name in self._resident or not self._free_slots or not self.store.ready(name):
+            return False  # not yet in host memory: the loader thread reads it meanwhile
+        if self.store.pages(name) > self.pool.num_free:
+            return False
+        self._load(name, stream).prefetched = True
+        return True
+
+    def mark_copying(self, names: list[str], event: torch.cuda.Event) -> None:
+        """The prefetch copies of ``names`` end at ``event`` (recorded on the side stream)."""
+        for name in names:
+            self._resident[name].copying = event
+
+    def _load(self, name: str, stream: torch.cuda.Stream | None = None) -> Resident:
+        info = self.store.info(name)
+        need = self.spec.adapter_pages(info.rank, info.targets)
+        if not self._free_slots:
+            idle = [n for n, r in self._resident.items() if r.refcount == 0]
+            if not idle:
+                raise PoolExhausted(1, 0, self.max_slots, f"adapter slot for {name!r}")
+            self._evict(idle[0])
+        if not self.make_room(need):
+            raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
+        paged = self.store.paged(name)
+        pages = self.pool.alloc(need, f"adapter {name!r}")
+        slot = self._free_slots.pop()
+        self.slot_rank[slot] = info.rank
+        self.slot_scale[slot] = info.scale
+        self.slot_pages[slot] = -1
+        self.slot_pages[slot, :need] = pages
+        self.slot_offsets[slot] = paged.offsets.numpy()
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            if stream is not None and self._evicted is not None:
+                stream.wait_event(self._evicted)
+            index = torch.from_numpy(pages.astype(np.int64)).to(self.device, non_blocking=True)
+            self.pool.data.index_copy_(1, index, paged.data.to(self.device, non_blocking=True))
+            self._sync_slot(slot)
+        self.loads += 1
+        self.bytes_copied += paged.nbytes
+        log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
+        entry = Resident(slot=slot, pages=pages)
+        self._resident[name] = entry
+        return entry
+
+    def _evict(self, name: str) -> None:
+        entry = self._resident.pop(name)
+        if entry.copying is not None:  # its pages go back to the pool: the copy must land first
+            torch.cuda.current_stream(self.device).wait_event(entry.copying)
+        self.pool.free(entry.pages)
+        self.slot_rank[entry.slot] = 0
+        self.slot_pages[entry.slot] = -1
+        self.slot_offsets[entry.slot] = -1
+        self._sync_slot(entry.slot)
+        if self.device.type == "cuda":
+            self._evicted = torch.cuda.current_stream(self.device).record_event()
+        self._free_slots.append(entry.slot)
+        self.evictions += 1
+        log.debug("evicted adapter %r from slot %d", name, entry.slot)
+
+    def _sync_slot(self, slot: int) -> None:
+        self.dev_rank[slot] = int(self.slot_rank[slot])
+        self.dev_scale[slot] = float(self.slot_scale[slot])
+        self.dev_pages[slot].copy_(torch.from_numpy(self.slot_pages[slot]), non_blocking=True)
+        self.dev_offsets[slot].copy_(torch.from_numpy(self.slot_offsets[slot]), non_blocking=True)

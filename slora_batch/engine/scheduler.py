@@ -1,0 +1,347 @@
+"""Iteration-level scheduling, and the one owner of a sequence's life.
+
+A sequence goes WAITING -> RUNNING -> (RETIRED) -> FINISHED -> RELEASED, or back from RUNNING to
+WAITING when preempted. With overlapped steps a row's token is read back one step after its
+launch, so two states keep pages that no longer run: RETIRED (its last token is drawn on the
+device, not yet read back) and FINISHED while a step still in flight uses its pages (it was
+already launched in step N+1 when step N's token finished it). Both keep their adapter pinned,
+and the per-batch adapter cap counts every adapter pinned by this scheduler's sequences, not
+only those of running rows: admission can then never take an adapter that has no slot.
+
+Every step: running sequences first (decodes take one token, unfinished prefills a chunk), each
+getting pages for its new tokens -- evicting idle adapters, then preempting the latest arrivals
+(recompute later) when the pool runs dry. Then, once enough seats are free (``admit_batch``),
+waiting sequences join while the token budget, the sequence cap, the adapter cap and the free
+pages (counting the pages of an adapter not yet resident) allow, preferring adapters already
+running, then adapters already resident.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.pool import PagePool
+from slora_batch.engine.residency import AdapterResidency
+from slora_batch.engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+PAGES_PER_TOKEN = 2  # one K page and one V page
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens computed for each sequence this step
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: PagePool,
+        residency: AdapterResidency,
+        eos_token_ids: Seq[int] = (),
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.residency = residency
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.retired: list[Sequence] = []  # last token drawn, not read back: pages held
+        self.held: list[Sequence] = []  # finished, pages used by a step in flight
+        self.pinned: Counter[str] = Counter()  # adapter -> sequences holding its slot
+        self.preemptions = 0
+        self.steps = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def holds_pages(self) -> bool:
+        """Whether any sequence still holds pages or an adapter (work, or rows in flight)."""
+        return bool(self.running or self.retired or self.held or self.pinned)
+
+    # -- after a step: launch, read back ------------------------------------------------------
+
+    def launched(self, step: ScheduledStep, drawn: list[Sequence], number: int) -> None:
+        """Step ``number`` is on the device: its K/V counts as computed, and ``drawn`` (its rows
+        that draw a token) each have one token pending. A row whose pending token is its last
+        (``max_new_tokens``) leaves the running set now but keeps its pages until read back."""
+        for seq, n in zip(step.seqs, step.num_new, strict=True):
+            seq.num_computed += n
+        for row, seq in enumerate(drawn):
+            seq.pending += 1
+            seq.last_row, seq.last_step = row, number
+            if seq.num_drawn >= seq.max_new_tokens and seq.status is Status.RUNNING:
+                self.running.remove(seq)
+                seq.status = Status.RETIRED
+                self.retired.append(seq)
+
+    def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
+        string or their length, and release what no step in flight uses. Returns the rows
+        finished by this step, in ``drawn`` order."""
+        still = []
+        for seq in self.held:  # held for a step up to this one: no step in flight uses it now
+            (self._release if seq.last_step <= number else still.append)(seq)
+        self.held = still
+        finished = []
+        for seq, token in zip(drawn, tokens, strict=True):
+            seq.pending -= 1
+            if seq.finish_reason is not None:  # finished a step earlier: a wasted row
+                continue
+            seq.output_ids.append(token)
+            stopped = seq.detok is not None and seq.stop and seq.detok.add([token])
+            if stopped or (token in self.eos_token_ids and not seq.ignore_eos):
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= seq.max_new_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self._leave(seq)
+            seq.status = Status.FINISHED
+            if seq.last_step > number:  # also launched in the step now in flight
+                self.held.append(seq)
+            else:
+                self._release(seq)
+            finished.append(seq)
+        return finished
+
+    def abort(self) -> list[Sequence]:
+        """Drop every sequence (the caller stopped pulling results, and no step is in flight):
+        pages and adapters go back. Returns the dropped sequences that had not finished."""
+        dropped = [*self.running, *self.retired, *self.waiting]
+        for seq in [*dropped, *self.held]:
+            seq.pending = 0
+            self._release(seq)
+        self.running, self.retired, self.held = [], [], []
+        self.waiting.clear()
+        return dropped
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why a sequence could never run, even alone: its whole context's KV pages and its
+        adapter's pages against the pools that hold them (one pool for both when unified)."""
+        kv = PAGES_PER_TOKEN * (len(seq.prompt_ids) + seq.max_new_tokens)
+        adapter = self.residency.store.pages(seq.adapter) if seq.adapter else 0
+        demand = self._by_pool(kv, adapter)
+        for pool, need in demand.values():
+            if need > pool.num_pages:
+                return (
+                    f"needs {need} pages (prompt {len(seq.prompt_ids)} + {seq.max_new_tokens} "
+                    f"new tokens: {kv} KV pages, adapter {adapter}), the pool has {pool.num_pages}"
+                )
+        return None
+
+    def _by_pool(self, kv: int, adapter: int) -> dict[int, tuple[PagePool, int]]:
+        """Pages wanted per pool: KV pages from the KV pool, adapter pages from the adapters'
+        pool, summed when they are one pool (S-LoRA's unified paging)."""
+        demand = {id(self.pool): (self.pool, kv)}
+        lora_pool = self.residency.pool
+        _, have = demand.get(id(lora_pool), (lora_pool, 0))
+        demand[id(lora_pool)] = (lora_pool, have + adapter)
+        return demand
+
+    def schedule(self) -> ScheduledStep:
+        self.steps += 1
+        step = ScheduledStep([], [])
+        budget = self.config.max_num_batched_tokens
+        i = self._grow_decodes(step, budget)
+        budget -= i
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, n):
+                break  # seq itself was preempted: it was the latest arrival
+            step.seqs.append(seq)
+            step.num_new.append(n)
+            budget -= n
+            i += 1
+        if not self._admitting():
+            return step
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._pick()
+            if seq is None:
+                break
+            n = min(seq.remaining, budget)
+            if not self._admit(seq, n):
+                break
+            step.seqs.append(seq)
+            step.num_new.append(n)
+            budget -= n
+        return step
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join this step. A running batch takes newcomers only once
+        ``admit_seats`` seats are free (or all waiting ones fit): one prefill step for many new
+        requests instead of one mixed, graph-less step per finished request."""
+        if not self.running or not self.waiting:
+            return True
+        free = self.config.max_num_seqs - len(self.running)
+        return free >= min(self.config.admit_seats, len(self.waiting))
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done and no step in flight uses it: pages and adapter go back."""
+        self._leave(seq)
+        seq.status = Status.FINISHED
+        self._release(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Takes a sequence out of whichever list holds it (running, retired, or the queue when
+        a token read back after its preemption finishes it)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.RETIRED:
+            self.retired.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
+        need = PAGES_PER_TOKEN * n
+        while not self._kv_room(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self._take_pages(seq, n)
+        return True
+
+    def _admit(self, seq: Sequence, n: int) -> bool:
+        need = PAGES_PER_TOKEN * n
+        adapter = seq.adapter
+        evictable = self.residency.evictable_pages()
+        if adapter and self.residency.is_resident(adapter) and adapter not in self.pinned:
+            evictable -= self.residency.store.pages(adapter)  # it is about to be pinned
+        # Idle adapters can be evicted to make room in the pool that holds adapters.
+        room = {id(self.pool): self.pool.num_free}
+        room[id(self.residency.pool)] = self.residency.pool.num_free + evictable
+        demand = self._by_pool(need, self.residency.cost(adapter))
+        if any(want > room[key] for key, (_, want) in demand.items()):
+            return False
+        self.waiting.remove(seq)
+        if adapter:
+            seq.slot = self.residency.acquire(adapter)
+            self.pinned[adapter] += 1
+        if not self._kv_room(need):
+            raise AssertionError(
+                f"admission counted {need} KV pages, {self.pool.num_free} free "
+                f"after loading {adapter!r}"
+            )
+        self._take_pages(seq, n)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _kv_room(self, need: int) -> bool:
+        """Whether ``need`` KV pages are free, evicting idle adapters first (which frees pages
+        only where they share the pool)."""
+        return self.residency.make_room(need, self.pool)
+
+    def _pick(self) -> Sequence | None:
+        """The next waiting sequence: preempted ones first, then clustering by adapter: a row
+        whose adapter is pinned already, else one whose adapter is resident, else the first
+        whose adapter is in host memory. While rows run, a row whose adapter the loader thread
+        is still reading waits (the batch decodes meanwhile) rather than stall the step."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        if head.preemptions:  # a token still on the device: recompute once it is read back
+            return head if not head.pending and self._adapter_allowed(head.adapter) else None
+        full = len(self.pinned) >= self.config.max_adapters_per_batch
+        store = self.residency.store
+        resident = ready = None
+        for seq in self.waiting:
+            if not seq.adapter or seq.adapter in self.pinned:
+                return seq
+            if full or resident is not None:
+                continue
+            if self.residency.is_resident(seq.adapter):
+                resident = seq
+            elif ready is None and store.ready(seq.adapter):
+                ready = seq
+        if full:
+            return None
+        if resident is not None or ready is not None:
+            return resident or ready
+        return None if self.running else head
+
+    def _adapter_allowed(self, adapter: str | None) -> bool:
+        """Adapters pinned by any of this scheduler's sequences count against the cap: running
+        rows, and retired or held ones whose slot a step in flight still reads."""
+        return (
+            not adapter
+            or adapter in self.pinned
+            or len(self.pinned) < self.config.max_adapters_per_batch
+        )
+
+    def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
+        """The common decode step in one allocation: the leading running sequences that bring one
+        token each get their page pairs from one ``alloc``, when the pool has room for all of
+        them. The same steps, page counts and evictions as growing them one by one (which
+        ``schedule`` falls back to when room runs out, to preempt); only which free pages go to
+        whom may differ after an eviction. Returns how many it scheduled."""
+        count = 0
+        limit = min(len(self.running), budget)
+        while count < limit and self.running[count].remaining == 1:
+            count += 1
+        if count == 0:
+            return 0
+        seqs = self.running[:count]
+        short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
+        if not self._kv_room(PAGES_PER_TOKEN * len(short)):
+            return 0
+        if short:
+            pages = self.pool.alloc(PAGES_PER_TOKEN * len(short)).reshape(-1, PAGES_PER_TOKEN)
+            for seq, pair in zip(short, pages, strict=True):
+                seq.add_page(pair)
+        step.seqs.extend(seqs)
+        step.num_new.extend([1] * count)
+        return count
+
+    def _take_pages(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        have = seq.pages.shape[0]
+        if start + n > have:
+            new = self.pool.alloc(PAGES_PER_TOKEN * (start + n - have)).reshape(-1, PAGES_PER_TOKEN)
+            seq.add_pages(new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        log.debug(
+            "preempted row %r after %d tokens (%d free pages)",
+            seq.request.id,
+            len(seq.output_ids),
+            self.pool.num_free,
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence's pages go back to the pool and its adapter is unpinned (idempotent: a
+        preempted row holds neither)."""
+        self.pool.free(seq.drop_pages())
+        if seq.adapter and seq.slot >= 0:
+            self.residency.release(seq.adapter)
+            self.pinned[seq.adapter] -= 1
+            if not self.pinned[seq.adapter]:
+                del self.pinned[seq.adapter]
+        seq.slot = -1
+        if seq.status is Status.FINISHED:
+            seq.status = Status.RELEASED

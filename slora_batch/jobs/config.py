@@ -1,0 +1,297 @@
+"""Jobs: what to run (model, adapters, input, output) and how, loaded strictly from YAML.
+
+A job file has an optional ``defaults`` mapping merged under every entry of ``jobs``; the nested
+``sampling``, ``engine`` and ``columns`` mappings merge key by key, every other key is replaced.
+Unknown keys at any level raise ``ConfigError`` naming the file, the job and the key.
+
+Base-model convention: wherever an adapter name is expected (input rows, ``fanout`` lists), null
+or "" means the base model. "base" is an ordinary adapter name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
+
+MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
+COLUMN_KEYS = ("id", "adapter", "prompt", "messages")
+NESTED = {"sampling": SamplingConfig, "engine": EngineConfig}
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """One job. Paths are absolute after ``load_jobs`` (relative to the job file)."""
+
+    name: str
+    model: str
+    adapters: str | dict[str, str] | None = None  # dir of PEFT adapter dirs, or {name: path}
+    input: str  # a .jsonl/.parquet file, a directory of them, or a glob
+    output: str  # output directory
+    columns: dict[str, str] = field(default_factory=lambda: {k: k for k in COLUMN_KEYS})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    fanout: str | list[str | None] | None = None  # None, "all", or adapter names (None = base)
+    window: int = 8192  # rows sorted together by (adapter, prompt length)
+    part_rows: int = 4096  # rows per output part file
+    part_seconds: float = 30.0  # a part is committed at least this often: what kill -9 can lose
+    keep_columns: str | list[str] | None = None  # input columns carried to the output, or "all"
+
+    def __post_init__(self) -> None:
+        for name in ("name", "model", "input", "output"):
+            value = getattr(self, name)
+            check(
+                isinstance(value, str) and value != "",
+                f"{name} must be a non-empty string, got {value!r}",
+            )
+        check(
+            self.adapters is None or isinstance(self.adapters, str | Mapping),
+            f"adapters must be a directory, a mapping {{name: path}} or null, got {self.adapters!r}",
+        )
+        if isinstance(self.adapters, Mapping):
+            for key, value in self.adapters.items():
+                check(
+                    isinstance(key, str) and key != "" and isinstance(value, str) and value != "",
+                    f"adapters: names and paths must be non-empty strings, got {key!r}: {value!r}",
+                )
+            self.adapters = dict(self.adapters)
+        check(isinstance(self.columns, Mapping), f"columns must be a mapping, got {self.columns!r}")
+        unknown = sorted(set(self.columns) - set(COLUMN_KEYS))
+        check(not unknown, f"columns: unknown key {unknown[0] if unknown else ''!r}")
+        self.columns = {key: self.columns.get(key, key) for key in COLUMN_KEYS}
+        for key, value in self.columns.items():
+            check(
+                isinstance(value, str) and value != "",
+                f"columns.{key} must be a non-empty string, got {value!r}",
+            )
+        check(
+            len(set(self.columns.values())) == len(COLUMN_KEYS),
+            f"columns map two keys to one input column: {self.columns}",
+        )
+        check(isinstance(self.sampling, SamplingConfig), "sampling must be a SamplingConfig")
+        check(isinstance(self.engine, EngineConfig), "engine must be an EngineConfig")
+        for name in ("window", "part_rows"):
+            value = getattr(self, name)
+            check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name} must be an integer >= 1, got {value!r}",
+            )
+        check(
+            isinstance(self.part_seconds, int | float)
+            and not isinstance(self.part_seconds, bool)
+            and self.part_seconds > 0,
+            f"part_seconds must be a number > 0, got {self.part_seconds!r}",
+        )
+        self.part_seconds = float(self.part_seconds)
+        self.fanout = _check_fanout(self.fanout, self.adapters)
+        self.keep_columns = _check_keep(self.keep_columns, self.columns)
+
+
+def _check_fanout(
+    fanout: Any, adapters: str | dict[str, str] | None
+) -> str | list[str | None] | None:
+    if fanout is None or fanout == "all":
+        return fanout
+    check(
+        isinstance(fanout, list)
+        and fanout != []
+        and all(a is None or isinstance(a, str) for a in fanout),
+        f"fanout must be null, 'all' or a non-empty list of adapter names (null = base), got {fanout!r}",
+    )
+    names = [a or None for a in fanout]
+    check(len(set(names)) == len(names), f"fanout lists an adapter twice: {fanout!r}")
+    for name in names:
+        check(
+            name is None or adapters is not None,
+            f"fanout names adapter {name!r} but the job has no adapters",
+        )
+        check(
+            name is None or not isinstance(adapters, dict) or name in adapters,
+            f"fanout names adapter {name!r}, which is not in adapters ({', '.join(sorted(adapters or ()))})",
+        )
+    return names
+
+
+def _check_keep(keep: Any, columns: dict[str, str]) -> str | list[str] | None:
+    from slora_batch.jobs.writer import OUTPUT_COLUMNS
+
+    if keep is None or keep == "all":
+        return keep
+    check(
+        isinstance(keep, list) and keep != [] and all(isinstance(k, str) and k for k in keep),
+        f"keep_columns must be 'all' or a non-empty list of input column names, got {keep!r}",
+    )
+    check(len(set(keep)) == len(keep), f"keep_columns lists a column twice: {keep!r}")
+    for name in keep:
+        check(
+            name not in (columns["id"], columns["adapter"]),
+            f"keep_columns: {name!r} is the id or adapter column, already in the output",
+        )
+        check(
+            name not in OUTPUT_COLUMNS,
+            f"keep_columns: {name!r} would replace the output's own column of that name "
+            f"(output columns: {', '.join(OUTPUT_COLUMNS)})",
+        )
+    return list(keep)
+
+
+def adapter_names(adapters: str | dict[str, str] | None) -> list[str]:
+    """Names of the job's adapters, sorted, by the engine's own rule (``resolve_sources``):
+    mapping keys, or every sub-directory of the adapters directory (name = folder name)."""
+    from slora_batch.engine.adapter_files import AdapterError, resolve_sources
+
+    try:
+        return sorted(resolve_sources(adapters))
+    except AdapterError as exc:
+        raise ConfigError(f"adapters: {exc}") from exc
+
+
+def fanout_adapters(job: JobConfig) -> list[str | None] | None:
+    """The adapters every prompt runs against (None = base model), or None when not fanning out.
+    "all" is the base model followed by every adapter of the job."""
+    if job.fanout is None:
+        return None
+    try:
+        names = adapter_names(job.adapters)
+    except ConfigError as exc:
+        raise ConfigError(f"job {job.name!r}: {exc}") from exc
+    if job.fanout == "all":
+        return [None, *names]
+    missing = [a for a in job.fanout if a is not None and a not in names]
+    if missing:
+        raise ConfigError(
+            f"job {job.name!r}: fanout names adapter {missing[0]!r}, not found in {job.adapters}"
+        )
+    return list(job.fanout)
+
+
+def load_jobs(path: str | Path) -> list[JobConfig]:
+    """Read a job file; every job validated, paths resolved against the file's directory."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the job file: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path.name}: invalid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path.name}: expected a mapping with a 'jobs' list, got {type(data).__name__}"
+        )
+    _reject_unknown(data, {"defaults", "jobs"}, f"{path.name}: unknown top-level key")
+    defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{path.name}: defaults must be a mapping, got {type(defaults).__name__}")
+    jobs = data.get("jobs")
+    if not isinstance(jobs, list) or not jobs:
+        raise ConfigError(f"{path.name}: 'jobs' must be a non-empty list of job mappings")
+    if "name" in defaults:
+        raise ConfigError(f"{path.name}: defaults cannot set 'name' (every job needs its own)")
+    _check_keys(defaults, f"{path.name}: defaults")
+    base_dir = path.resolve().parent
+    result: list[JobConfig] = []
+    for index, raw in enumerate(jobs):
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{path.name}: job {index} must be a mapping, got {type(raw).__name__}"
+            )
+        name = raw.get("name") or f"{path.stem}-{index}"
+        where = f"{path.name}: job {name!r}"
+        _check_keys(raw, where)
+        result.append(_build(_merge(defaults, raw), name, base_dir, where))
+    for key in ("name", "output"):
+        seen: dict[str, str] = {}
+        for job in result:
+            value = getattr(job, key)
+            if value in seen:
+                raise ConfigError(
+                    f"{path.name}: jobs {seen[value]!r} and {job.name!r} have the same {key} {value!r}"
+                )
+            seen[value] = job.name
+    return result
+
+
+def _check_keys(raw: dict[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(JobConfig)}
+    _reject_unknown(raw, known, f"{where}: unknown key")
+    for key, cls in (*NESTED.items(), ("columns", None)):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {key} must be a mapping, got {type(value).__name__}")
+        names = set(COLUMN_KEYS) if cls is None else {f.name for f in dataclasses.fields(cls)}
+        _reject_unknown(value, names, f"{where}: unknown key", f" in {key}")
+
+
+def _reject_unknown(data: dict[str, Any], known: set[str], prefix: str, suffix: str = "") -> None:
+    unknown = sorted(set(data) - known, key=str)
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        hint = (
+            f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+        )
+        raise ConfigError(f"{prefix} {key!r}{suffix}{hint}")
+
+
+def _merge(defaults: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    merged = {**defaults, **job}
+    for key in (*NESTED, "columns"):
+        if isinstance(defaults.get(key), dict) and isinstance(job.get(key), dict):
+            merged[key] = {**defaults[key], **job[key]}
+    return merged
+
+
+def _build(raw: dict[str, Any], name: str, base_dir: Path, where: str) -> JobConfig:
+    raw = {**raw, "name": name}
+    for key in ("input", "output"):
+        if key not in raw:
+            raise ConfigError(f"{where}: missing required key {key!r}")
+    if "model" not in raw:
+        raise ConfigError(
+            f"{where}: missing required key 'model' (set it in the job or in defaults)"
+        )
+    for key in ("input", "output"):
+        raw[key] = _resolve(raw[key], base_dir, key, where)
+    if isinstance(raw.get("adapters"), str):
+        raw["adapters"] = _resolve(raw["adapters"], base_dir, "adapters", where)
+    elif isinstance(raw.get("adapters"), dict):
+        raw["adapters"] = {
+            k: _resolve(v, base_dir, f"adapters.{k}", where) for k, v in raw["adapters"].items()
+        }
+    if isinstance(raw["model"], str) and _looks_like_path(raw["model"], base_dir):
+        raw["model"] = _resolve(raw["model"], base_dir, "model", where)
+    for key, cls in NESTED.items():
+        try:
+            raw[key] = from_dict(cls, raw.get(key), f"{where}: {key}")
+        except ConfigError as exc:  # __post_init__ range checks do not name the job
+            raise ConfigError(
+                exc.args[0] if str(exc).startswith(where) else f"{where}: {key}: {exc}"
+            ) from exc
+    try:
+        return JobConfig(**raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _looks_like_path(model: str, base_dir: Path) -> bool:
+    """The alias and hub-style ids ("org/name") stay as written; anything absolute, starting with
+    "." or "~", or existing relative to the job file is a path."""
+    if model == MODEL_ALIAS:
+        return False
+    return model.startswith((".", "/", "~")) or (base_dir / model).exists()
+
+
+def _resolve(value: Any, base_dir: Path, key: str, where: str) -> str:
+    if not isinstance(value, str) or value == "":
+        raise ConfigError(f"{where}: {key} must be a non-empty string path, got {value!r}")
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else base_dir / path)

@@ -1,0 +1,140 @@
+"""``slora-batch validate``: every check a run makes before any work, the scan a run makes of its
+input (duplicate rows, columns neither used nor kept, the id and kept columns' types), the
+Parquet schemas, and a sample of rows turned into requests and tokenized as the engine would; no
+engine is built and no weights are loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.engine.adapter_files import AdapterInfo
+from slora_batch.engine.request import Request, Result
+from slora_batch.engine.spec import ModelSpec
+from slora_batch.engine.tokens import load_tokenizer, tokenize
+from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.io import InputError, input_root, read_rows, scan_input, to_request
+from slora_batch.jobs.run import JobError, _job_error, check_job
+from slora_batch.jobs.writer import OUTPUT_COLUMNS
+
+VALIDATE_ROWS = 200  # input rows validate_job turns into requests and tokenizes
+
+
+@dataclass
+class ValidationReport:
+    job: str
+    model: str
+    spec: ModelSpec
+    adapters: list[AdapterInfo]
+    files: list[Path]
+    rows_total: int | None  # input rows (before fan-out), None when not counted
+    sweep: list[str | None] | None
+    rows_checked: int
+    problems: list[str]  # schema and sample-row problems: runs would write error rows for them
+    notes: list[str]  # input columns neither used nor kept (did you mean ...), kept columns
+    broken: dict[str, str]  # adapter -> why the engine cannot run it (its rows: error rows)
+    id_type: str  # the output's id column: "int64" or "string"
+
+
+def validate_job(job: JobConfig) -> ValidationReport:
+    """``check_job``, the input scan (every row is read once), then the Parquet schemas and the
+    first ``VALIDATE_ROWS`` rows turned into requests and tokenized as the engine would. Builds
+    no engine and loads no weights (only the sample alias's one-time conversion reads its GGUF);
+    problems of rows are reported (a run writes error rows for them), problems of the job
+    (duplicate rows included) raise."""
+    plan = check_job(job)
+    fanout = plan.sweep is not None
+    try:
+        scan = scan_input(plan.files, job.columns, job.keep_columns, fanout, OUTPUT_COLUMNS)
+    except InputError as exc:
+        raise _job_error(job, exc) from exc
+    if scan.duplicates:
+        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}")
+    problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
+    tokenizer = load_tokenizer(plan.model_path)
+    limit = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
+    known = None if fanout else {a.name for a in plan.adapters}
+    checked = 0
+    try:
+        for row in read_rows(plan.files, job.columns, root=input_root(plan.files)):
+            if checked == VALIDATE_ROWS:
+                break
+            checked += 1
+            item = to_request(row, job.sampling, fanout)
+            if isinstance(item, Result):
+                problems.append(item.error)
+                continue
+            problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, limit)
+            if problem:
+                problems.append(f"{row.where}: {problem}")
+    except InputError as exc:
+        raise _job_error(job, exc) from exc
+    return ValidationReport(
+        job=job.name,
+        model=str(plan.model_path),
+        spec=plan.spec,
+        adapters=plan.adapters,
+        files=plan.files,
+        rows_total=scan.rows,
+        sweep=plan.sweep,
+        rows_checked=checked,
+        problems=problems,
+        notes=scan.notes(job.columns),
+        broken=plan.broken,
+        id_type=scan.id_type,
+    )
+
+
+_ARROW_TYPES = {  # accepted column types; an all-null column (type null) is always fine
+    "id": (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer, pa.types.is_null),
+    "adapter": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
+    "prompt": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
+    "messages": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+}
+
+
+def _schema_problems(file: Path, columns: dict[str, str]) -> list[str]:
+    if file.suffix.lower() != ".parquet":
+        return []  # JSONL has no schema: the sample of rows covers it
+    schema = pq.read_schema(file)
+    if columns["prompt"] not in schema.names and columns["messages"] not in schema.names:
+        return [
+            f"{file}: no column {columns['prompt']!r} or {columns['messages']!r}: "
+            "every row will be an error row"
+        ]
+    problems = []
+    for key, checks in _ARROW_TYPES.items():
+        name = columns[key]
+        if name in schema.names and not any(ok(schema.field(name).type) for ok in checks):
+            problems.append(
+                f"{file}: column {name!r} has type {schema.field(name).type}: "
+                "its non-null values will be error rows"
+            )
+    return problems
+
+
+def _request_problem(
+    request: Request,
+    known: set[str] | None,
+    broken: dict[str, str],
+    tokenizer,
+    spec: ModelSpec,
+    limit: int,
+) -> str | None:
+    """Why the engine would turn this request into an error row, or None."""
+    if request.adapter in broken:
+        return f"adapter {request.adapter!r} cannot run: {broken[request.adapter]}"
+    if known is not None and request.adapter is not None and request.adapter not in known:
+        return f"unknown adapter {request.adapter!r} ({len(known) + len(broken)} adapters known)"
+    if tokenizer is None:
+        return "the model has no tokenizer, so prompt and messages cannot be tokenized"
+    try:
+        n = len(tokenize(request, tokenizer, spec.vocab_size, spec.path))
+    except Exception as exc:  # tokenizers and chat templates raise many types
+        return f"cannot tokenize: {exc}"
+    if n >= limit:
+        return f"prompt of {n} tokens does not fit the context of {limit} tokens"
+    return None

@@ -1,0 +1,113 @@
+"""A sequence's whole life in the engine: adapter slots under overlapped steps, abandoning
+``generate``, and the pages and adapters every path gives back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from factory import make_adapter, make_model
+
+from slora_batch import Engine, EngineConfig, Request
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lifecycle")
+    model_dir = make_model(root, "gqa")
+    adapters = {
+        f"a{i}": make_adapter(
+            model_dir,
+            root / f"a{i}",
+            rank=2 + i,
+            targets=["q_proj", "v_proj"],
+            alpha=4,
+            rslora=False,
+            seed=i,
+        )  # fmt: skip
+        for i in range(6)
+    }
+    return model_dir, adapters
+
+
+def rows(n: int, adapters: list[str], seed: int = 0) -> list[Request]:
+    """Rows whose lengths differ, so that rows finish in every step and adapters change often."""
+    rng = random.Random(seed)
+    return [
+        Request(
+            id=i,
+            adapter=adapters[rng.randrange(len(adapters))],
+            prompt_token_ids=[rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 3, 6]))],
+            max_new_tokens=rng.choice([1, 2, 3, 5]),
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+
+
+def assert_idle(engine: Engine) -> None:
+    """No row holds a page or pins an adapter: only idle resident adapters use pages."""
+    sched, residency = engine.scheduler, engine.residency
+    assert not sched.holds_pages() and not sched.waiting
+    assert all(entry.refcount == 0 for entry in residency._resident.values())
+    adapter_pages = sum(entry.pages.size for entry in residency._resident.values())
+    assert engine.pool.num_used == adapter_pages
+
+
+def test_adapter_cap_counts_rows_that_hold_slots_under_overlap(tiny):
+    """Defect 5 (c06029c): with as many slots as the per-batch cap, rows retired at launch and
+    rows held one more step keep their adapters pinned; counting only running rows, admission
+    took a row whose adapter had no slot and the scheduler raised PoolExhausted."""
+    model_dir, adapters = tiny
+    config = EngineConfig(
+        device="cpu", num_pages=4000, max_resident_adapters=2, max_adapters_per_batch=2,
+        max_num_seqs=8, admit_batch=1, overlap=True,
+    )  # fmt: skip
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    requests = rows(60, sorted(adapters))
+    results = {r.id: r for r in engine.generate(requests)}
+    assert sorted(results) == list(range(60))
+    assert all(r.finish_reason == "length" for r in results.values())
+    assert all(r.completion_tokens == q.max_new_tokens for r, q in zip(
+        (results[i] for i in range(60)), requests, strict=True))  # fmt: skip
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("how", ["break", "raise", "source raises", "close", "new generate"])
+def test_abandoned_generate_releases_everything(tiny, how):
+    """Defect 8 (c06029c): leaving ``generate`` early left rows, pages and pending tokens
+    behind and the next ``generate`` failed. Now every way out gives everything back, and the
+    next run's tokens equal a fresh engine's."""
+    model_dir, adapters = tiny
+    config = EngineConfig(device="cpu", num_pages=4000, max_num_seqs=6, admit_batch=1)
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    requests = rows(30, sorted(adapters), seed=1)
+
+    def source():
+        yield from requests[:20]
+        raise KeyError("the input failed")
+
+    if how in ("raise", "source raises"):
+        with pytest.raises(KeyError):
+            for i, _ in enumerate(
+                engine.generate(source() if how == "source raises" else requests)
+            ):
+                if i == 2:
+                    raise KeyError("the consumer failed")
+    else:
+        iterator = engine.generate(requests)
+        got = [next(iterator) for _ in range(3)]
+        assert len(got) == 3 and engine.scheduler.holds_pages()
+        if how == "break":
+            del iterator  # what a for loop's break leaves behind
+        elif how == "close":
+            iterator.close()
+        else:
+            engine.generate([])  # starting again closes the abandoned iterator
+    assert_idle(engine)
+    again = {r.id: r.token_ids for r in engine.generate(requests)}
+    fresh = Engine(model_dir, adapters=adapters, config=config)
+    assert again == {r.id: r.token_ids for r in fresh.generate(requests)}
+    assert_idle(engine)

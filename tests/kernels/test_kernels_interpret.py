@@ -1,0 +1,698 @@
+"""Triton kernels against their torch twins (kernels/ref.py) on the CPU, in Triton's interpreter.
+
+Triton chooses between compiling and interpreting when it is imported, for the whole process.
+So these tests run in a child process started with TRITON_INTERPRET=1
+(``test_kernels_in_interpreter``), whatever the order in which pytest imports the suite's files;
+``TRITON_INTERPRET=1 pytest tests/kernels/test_kernels_interpret.py`` runs them in-process, one by one. The case builders here are
+shared with tests/kernels/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import ref
+from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_batch.engine.batch import lora_layout, vector_tokens
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
+    "q": (64, 64),
+    "k": (64, 32),
+    "v": (64, 32),
+    "o": (64, 64),
+    "gate": (64, 96),
+    "up": (64, 96),
+    "down": (96, 64),
+}
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+if not INTERPRETED:
+
+    def test_kernels_in_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--tb=short",
+            ],
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tk() -> SimpleNamespace:
+    """The kernel modules, imported only once the process is known to interpret."""
+    from kernels import attention, fused, kv, lora_blocks, lora_shrink, triton_ops
+
+    return SimpleNamespace(
+        lora_blocks=lora_blocks,
+        lora_shrink=lora_shrink,
+        attention=attention,
+        kv=kv,
+        fused=fused,
+        triton_ops=triton_ops,
+    )
+
+
+# ----------------------------------------------------------------------------- case builders
+
+
+def use_blocks(tk: SimpleNamespace, monkeypatch, blocks: dict) -> None:
+    """The LoRA launchers' BLOCKS set to ``blocks`` for one test, knob by knob: the shrink and
+    expand modules hold the dict itself, so rebinding the name would not reach them."""
+    assert blocks.keys() == tk.lora_blocks.BLOCKS.keys(), set(blocks) ^ set(tk.lora_blocks.BLOCKS)
+    for knob, value in blocks.items():
+        monkeypatch.setitem(tk.lora_blocks.BLOCKS, knob, value)
+
+
+def lora_case(
+    *,
+    page: int,
+    target_dims: dict[str, tuple[int, int]],
+    ranks: list[int],
+    num_tokens: int,
+    popularity: str,
+    base_share: float,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    b_slot: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LoraMeta]:
+    """A pool holding one adapter per rank (plus an empty slot), pages placed at random, adapters
+    after the first lacking random targets, and the step's LoraMeta as batch.py builds it.
+
+    Page tails past a row's width hold noise, so a kernel that reads past the width fails.
+    popularity: "uniform", "skewed" (slot i drawn with weight 1 / (i + 1)^3) or "one" (slot 0);
+    b_slot, when given, is the tokens' slots instead.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    targets = list(target_dims)
+    num_slots = len(ranks) + 1  # the last slot stays empty (rank 0)
+    layout = []  # per slot: {target: (rank, d_in, d_out)}
+    for slot, rank in enumerate(ranks):
+        keep = torch.rand(len(targets), generator=gen) < 0.7
+        keep[0] |= slot == 0  # the first adapter has every target
+        keep[int(torch.randint(len(targets), (1,), generator=gen))] = True
+        layout.append(
+            {
+                t: (rank,) + target_dims[t]
+                for t, k in zip(targets, keep.tolist(), strict=True)
+                if k or slot == 0
+            }
+        )
+    per_row = lambda width: -(-width // page)
+    sizes = [sum(r * (per_row(i) + per_row(o)) for r, i, o in slot.values()) for slot in layout]
+    num_pages = sum(sizes) + 17
+    perm = torch.randperm(num_pages, generator=gen)
+    pool = torch.randn(num_pages, page, generator=gen)
+    slot_pages = torch.full((num_slots, max(sizes)), -1, dtype=torch.int32)
+    slot_offsets = torch.full((num_slots, len(targets), 2), -1, dtype=torch.int32)
+    cursor = 0
+    for slot, entry in enumerate(layout):
+        pages = perm[cursor : cursor + sizes[slot]]
+        cursor += sizes[slot]
+        slot_pages[slot, : sizes[slot]] = pages.int()
+        used = 0
+        for t_index, target in enumerate(targets):
+            if target not in entry:
+                continue
+            rank, d_in, d_out = entry[target]
+            for which, (width, std) in enumerate(((d_in, d_in**-0.5), (d_out, rank**-0.5))):
+                slot_offsets[slot, t_index, which] = used
+                rows = torch.randn(rank, width, generator=gen) * std
+                for j in range(rank):
+                    for c in range(per_row(width)):
+                        piece = rows[j, c * page : (c + 1) * page]
+                        pool[pages[used + j * per_row(width) + c], : piece.numel()] = piece
+                used += rank * per_row(width)
+    weights = {
+        "uniform": torch.ones(len(ranks)),
+        "one": torch.eye(len(ranks))[0],
+        "skewed": 1.0 / torch.arange(1, len(ranks) + 1).float() ** 3,
+    }[popularity]
+    if b_slot is None:
+        b_slot = torch.multinomial(weights, num_tokens, replacement=True, generator=gen)
+        b_slot[torch.rand(num_tokens, generator=gen) < base_share] = -1
+    key = torch.where(b_slot < 0, torch.iinfo(torch.int64).max, b_slot)
+    order = torch.sort(key, stable=True).indices
+    used_slots = b_slot[order][b_slot[order] >= 0]
+    change = torch.nonzero(used_slots[1:] != used_slots[:-1]).flatten() + 1
+    seg1_start = torch.cat(
+        [torch.zeros(1, dtype=torch.int64), change, torch.tensor([used_slots.numel()])]
+    )
+    seg_slot = used_slots[seg1_start[:-1]]
+    slot_rank = torch.tensor(ranks + [0], dtype=torch.int32)
+    meta = LoraMeta(
+        b_slot=b_slot.int().to(device),
+        token_order=order.int().to(device),
+        seg1_start=seg1_start.int().to(device),
+        seg_slot=seg_slot.int().to(device),
+        slot_rank=slot_rank.to(device),
+        slot_scale=(torch.rand(num_slots, generator=gen) * 2 + 0.5).to(device),
+        slot_pages=slot_pages.to(device),
+        slot_offsets=slot_offsets.to(device),
+        max_rank=int(slot_rank[seg_slot].max()) if seg_slot.numel() else 0,
+    )
+    return pool.to(device=device, dtype=dtype), meta
+
+
+def attn_case(
+    *,
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    num_pages: int | None = None,
+    max_ctx: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    """(q, pool, meta) for sequences given as (new tokens, context length incl. new), every
+    position's K and V in a random page; page_table is -1 past each context (and up to max_ctx
+    columns wide, when given). The pool is made on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    page = num_kv_heads * head_dim
+    total = sum(ctx for _, ctx in seqs)
+    num_pages = num_pages or 2 * total + 5
+    perm = torch.randperm(num_pages, generator=gen).int()
+    pool = torch.randn(num_pages, page, generator=torch.Generator(device).manual_seed(seed),
+                       device=device)  # fmt: skip
+    max_ctx = max_ctx or max(ctx for _, ctx in seqs)
+    table = torch.full((len(seqs), max_ctx, 2), -1, dtype=torch.int32)
+    cursor = 0
+    for b, (_, ctx) in enumerate(seqs):
+        table[b, :ctx] = perm[cursor : cursor + 2 * ctx].view(ctx, 2)
+        cursor += 2 * ctx
+    news = [n for n, _ in seqs]
+    b1_start = torch.tensor([0] + news).cumsum(0).int()
+    q = torch.randn(sum(news), num_heads, head_dim, generator=gen)
+    meta = AttnMeta(
+        b1_start=b1_start.to(device),
+        b_seq_len=torch.tensor([c for _, c in seqs], dtype=torch.int32).to(device),
+        page_table=table.to(device),
+        max_new=max(news),
+    )
+    return q.to(device=device, dtype=dtype), pool.to(device=device, dtype=dtype), meta
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+SMALL_LORA_BLOCKS = {
+    "rank": 16,
+    "k": 16,
+    "n": 16,
+    "split_min_k": 16,
+    "vk": 16,
+    "vn": 16,
+    "vwarps": 4,
+    "vnwarps": 4,
+    "vwaves": 4,
+    "et": 32,
+    "dt": 16,
+    "det": 16,
+    "vr": 16,
+    "vgrid": 0,
+    "vstages": 0,
+    "twarps": 8,
+    "er": 0,
+}  # splits; blocks in pages
+# the vector shrink with rank-row blocks of 8 in the grid, its d_in loop pipelined
+# ... and the tiled expand 16 rank rows a dot (up to rank 64: several dots)
+GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2, "er": 16}
+LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
+    "uniform": ("uniform", 0.25, 13, torch.float32, 32),
+    "skewed": ("skewed", 0.1, 40, torch.float16, 32),
+    "one": ("one", 0.3, 70, torch.float32, 64),
+}
+VECTOR_PATHS = {  # LoraMeta.vector_max: which kernels take which segments
+    "tiled": 0,  # every segment on the tiled (matrix) kernels
+    "both": 2,  # segments of 1-2 tokens token by token, longer ones tiled
+    "indexed": 2,  # the same, the vector kernels given their tokens (LoraMeta.vector_tokens)
+    "vector": VECTOR_ALL,  # every token on the vector kernels (CUDA-graph decode steps)
+    "upload": 2,  # "indexed" in upload's layout: long segments first, the tiled grid cut to them
+}
+
+
+def set_path(meta: LoraMeta, path: str) -> None:
+    """Routes the step's segments as VECTOR_PATHS[path] says (upload's vector_tokens for
+    "indexed"; for "upload" also its segment order, tiled_tokens and pos_seg)."""
+    meta.vector_max = VECTOR_PATHS[path]
+    if path == "upload":
+        device = meta.b_slot.device
+        layout = lora_layout(meta.b_slot.cpu().numpy().astype(np.int64), meta.vector_max)
+        meta.token_order, meta.seg1_start, meta.seg_slot = (
+            torch.from_numpy(a).to(device)
+            for a in (layout.order, layout.seg1_start, layout.seg_slot)
+        )
+        layout.hint(meta, lambda array: torch.from_numpy(array).to(device))
+    if path == "indexed":
+        tokens = vector_tokens(
+            meta.token_order.cpu().numpy(), meta.seg1_start.cpu().numpy(), meta.vector_max
+        )
+        meta.vector_tokens = torch.from_numpy(tokens).to(meta.b_slot.device)
+
+
+LORA_RUNS = [  # (case, blocks, tokens per block; None: the launcher's choice)
+    *[(case, "default", None) for case in LORA_CASES],
+    ("uniform", "small", None),
+    ("skewed", "small", 32),
+    ("one", "small", 64),
+    ("skewed", "grid", None),
+]
+
+
+def pad_segments(meta: LoraMeta, num_segs: int, max_rank: int) -> LoraMeta:
+    """The runner's CUDA-graph layout: segment arrays padded with empty segments of slot -1."""
+    extra = num_segs - meta.seg_slot.shape[0]
+    return dataclasses.replace(
+        meta,
+        seg1_start=torch.cat([meta.seg1_start, meta.seg1_start[-1:].expand(extra)]),
+        seg_slot=torch.cat([meta.seg_slot, meta.seg_slot.new_full((extra,), -1)]),
+        max_rank=max_rank,
+    )
+
+
+def meta_fields(meta) -> dict:
+    """Each field of a metadata object: (the object it holds, a copy of its value)."""
+    fields = {}
+    for f in dataclasses.fields(meta):
+        value = getattr(meta, f.name)
+        fields[f.name] = (value, value.clone() if isinstance(value, torch.Tensor) else value)
+    return fields
+
+
+def assert_meta_unchanged(meta, before: dict) -> None:
+    """Launches read the step's metadata and keep nothing in it: a CUDA graph captured after a
+    warm-up launch would replay whatever a launch had stored there."""
+    for name, (held, value) in meta_fields(meta).items():
+        assert held is before[name][0], f"{name} was replaced"
+        same = torch.equal if isinstance(value, torch.Tensor) else (lambda a, b: a == b)
+        assert same(value, before[name][1]), f"{name} was changed"
+
+
+def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
+    """Every target through shrink and expand against ref, on stale buffers and a column slice;
+    the metadata comes out as it went in."""
+    before = meta_fields(meta)
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = meta.b_slot.shape[0]
+    for index, (d_in, d_out) in enumerate(TARGET_DIMS.values()):
+        x = torch.randn(num_tokens, d_in, generator=gen).to(dtype)
+        buf = torch.randn(num_tokens, meta.max_rank, generator=gen)  # stale rows must survive
+        mine, theirs = buf.clone(), buf.clone()
+        shrink(x, pool, meta, index, mine)
+        ref.lora_shrink(x, pool, meta, index, theirs)
+        assert_close(mine, theirs, dtype)
+        wide = torch.randn(num_tokens, d_out + 24, generator=gen).to(dtype)
+        mine, theirs = wide.clone(), wide.clone()
+        expand(buf, pool, meta, index, mine[:, 8 : 8 + d_out])  # out: a column slice
+        ref.lora_expand(buf, pool, meta, index, theirs[:, 8 : 8 + d_out])
+        assert_close(mine, theirs, dtype)
+    check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
+    assert_meta_unchanged(meta, before)
+
+
+GROUPS = [(0, 1, 2), (3,), (4, 5), (6,), (0, 2), (1, 2)]  # q k v; o; gate up; down; partial groups
+
+
+def check_lora_groups(shrink, expand, pool, meta, dims, dtype, seed) -> None:
+    """One launch for a group of targets sharing an input equals one ref call per target: the
+    group's rank columns of the buffer side by side, each target into its own output columns."""
+    device = pool.device
+    gen = torch.Generator(device).manual_seed(seed)
+    widths = list(dims.values())
+    for group in GROUPS:
+        d_in = widths[group[0]][0]
+        rank = meta.max_rank
+        x = torch.randn(meta.b_slot.shape[0], d_in, generator=gen, device=device).to(dtype)
+        buf = torch.randn(x.shape[0], len(group) * rank + 5, generator=gen, device=device)
+        mine, theirs = buf.clone(), buf.clone()
+        shrink(x, pool, meta, group, mine[:, : len(group) * rank])
+        for j, t in enumerate(group):
+            ref.lora_shrink(x, pool, meta, t, theirs[:, j * rank : (j + 1) * rank])
+        assert_close(mine, theirs, dtype)
+        cols, lo = [], 3
+        for t in group:
+            cols.append((lo, lo + widths[t][1]))
+            lo += widths[t][1] + 2
+        wide = torch.randn(x.shape[0], lo + 4, generator=gen, device=device).to(dtype)
+        mine, theirs = wide.clone(), wide.clone()
+        v = buf[:, : len(group) * rank]
+        expand(v, pool, meta, group, mine, tuple(cols))
+        for j, (t, (c0, c1)) in enumerate(zip(group, cols, strict=True)):
+            ref.lora_expand(buf[:, j * rank : (j + 1) * rank], pool, meta, t, theirs[:, c0:c1])
+        assert_close(mine, theirs, dtype)
+
+
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1)}
+DECODE_RUNS = [  # (heads, dtype, splits; None: the launcher's choice)
+    ("mha", torch.float32, 1),
+    ("mha", torch.float16, 8),
+    ("mha", torch.float32, None),
+    ("gqa", torch.float16, 1),
+    ("gqa", torch.float32, 2),
+    ("gqa", torch.float32, None),
+    ("mqa", torch.float16, 4),
+]
+PREFILL_RUNS = [  # (heads, dtype, "short": 64-query tiles, "long": 128-query tiles)
+    ("mha", torch.float32, "short"),
+    ("gqa", torch.float16, "short"),
+    ("mqa", torch.float32, "short"),
+    ("gqa", torch.float32, "long"),
+    ("mha", torch.float16, "long"),
+]
+ATTN_SEQS = [
+    (5, 5),
+    (3, 20),
+    (1, 7),
+    (17, 80),
+    (64, 130),
+    (2, 2),
+]  # (new, context): prefill, chunked, decode
+
+
+class TestInterpreted:
+    """Run in the interpreter child process (see the module docstring)."""
+
+    def test_triton_ops_has_refs_signatures(self, tk):
+        public = [
+            n
+            for n, f in vars(ref).items()
+            if inspect.isfunction(f) and f.__module__ == ref.__name__
+        ]
+        for name in public:
+            mine, theirs = (
+                inspect.signature(getattr(tk.triton_ops, name)),
+                inspect.signature(getattr(ref, name)),
+            )
+            assert [(p.name, p.kind, p.default) for p in mine.parameters.values()] == [
+                (p.name, p.kind, p.default) for p in theirs.parameters.values()
+            ], name
+
+    @pytest.mark.parametrize("path", list(VECTOR_PATHS))
+    @pytest.mark.parametrize("run", LORA_RUNS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
+    def test_lora_shrink_expand(self, tk, monkeypatch, run, path):
+        case, blocks, block_t = run
+        popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
+        if blocks == "grid":
+            use_blocks(tk, monkeypatch, GRID_LORA_BLOCKS)
+        if blocks == "small":
+            use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
+            splits = tk.lora_shrink.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
+            assert splits > 1 or case != "uniform"  # the split reduction is exercised
+        if block_t is not None:  # both tiled kernels' tokens per block in decode-sized steps
+            monkeypatch.setitem(tk.lora_blocks.BLOCKS, "dt", block_t)
+            monkeypatch.setitem(tk.lora_blocks.BLOCKS, "det", block_t)
+        pool, meta = lora_case(
+            page=page,
+            target_dims=TARGET_DIMS,
+            ranks=[1, 3, 8, 16, 64],
+            num_tokens=num_tokens,
+            popularity=popularity,
+            base_share=base_share,
+            dtype=dtype,
+            device="cpu",
+            seed=num_tokens,
+        )
+        set_path(meta, path)
+        check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta, dtype)
+
+    @pytest.mark.parametrize("blocks", ["default", "small"])
+    def test_lora_padded_segments(self, tk, monkeypatch, blocks):
+        """The runner's captured layout: segments padded to T with empty slot -1 segments, and
+        max_rank the largest rank of all adapters."""
+        if blocks == "small":
+            use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
+        pool, meta = lora_case(
+            page=32,
+            target_dims=TARGET_DIMS,
+            ranks=[2, 5, 7, 12, 32, 4, 9],
+            num_tokens=20,
+            popularity="skewed",
+            base_share=0.3,
+            dtype=torch.float32,
+            device="cpu",
+            seed=5,
+        )
+        for vector_max in VECTOR_PATHS.values():
+            padded = dataclasses.replace(pad_segments(meta, 20, 32), vector_max=vector_max)
+            check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand,
+                       pool, padded, torch.float32)  # fmt: skip
+
+    def test_lora_all_base_tokens_write_nothing(self, tk):
+        pool, meta = lora_case(
+            page=32,
+            target_dims=TARGET_DIMS,
+            ranks=[4],
+            num_tokens=6,
+            popularity="uniform",
+            base_share=0.0,
+            dtype=torch.float32,
+            device="cpu",
+            seed=3,
+        )
+        meta.b_slot.fill_(-1)
+        meta.seg_slot.fill_(-1)  # a padded segment table: every segment empty of adapters
+        meta.seg1_start.fill_(0)
+        x, buf, out = torch.randn(6, 64), torch.randn(6, 4), torch.randn(6, 64)
+        mine, wide = buf.clone(), out.clone()
+        tk.triton_ops.lora_shrink(x, pool, meta, 0, mine)
+        tk.triton_ops.lora_expand(buf, pool, meta, 0, wide)
+        assert torch.equal(mine, buf) and torch.equal(wide, out)
+
+    @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
+    def test_attention_prefill(self, tk, monkeypatch, run):
+        kind, dtype, length = run
+        num_heads, num_kv_heads = HEADS[kind]
+        seqs = ATTN_SEQS
+        if length == "long":  # 128-query tiles
+            seqs = ATTN_SEQS + [(130, 140)]
+            monkeypatch.setattr(tk.attention, "PREFILL_TILE", (128, 8))
+        q, pool, meta = attn_case(
+            seqs=seqs,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            dtype=dtype,
+            device="cpu",
+            seed=num_kv_heads,
+        )
+        scale = 16**-0.5
+        mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale)
+        assert_close(mine, ref.attention(q, pool, meta, num_kv_heads, scale), dtype)
+
+    @pytest.mark.parametrize("run", DECODE_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
+    def test_attention_decode(self, tk, monkeypatch, run):
+        kind, dtype, splits = run
+        num_heads, num_kv_heads = HEADS[kind]
+        if kind == "mha" and dtype == torch.float32 and splits is None:  # the CUDA-core path
+            monkeypatch.setitem(tk.attention.DECODE, "mha_dot", False)
+        contexts = [1, 7, 64, 65, 300, 129, 600]
+        q, pool, meta = attn_case(
+            seqs=[(1, c) for c in contexts],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            dtype=dtype,
+            device="cpu",
+            seed=splits or 0,
+        )
+        scale = 16**-0.5
+        mine = tk.attention.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
+        assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, scale), dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+    def test_kv_write(self, tk, dtype):
+        gen = torch.Generator().manual_seed(0)
+        pool = torch.randn(40, 32, generator=gen).to(dtype)
+        qkv = torch.randn(9, 128, generator=gen).to(dtype)
+        k, v = qkv[:, 64:96], qkv[:, 96:]  # strided rows, as the model passes them
+        pages = torch.randperm(40, generator=gen)[:18].view(9, 2).int()
+        mine, theirs = pool.clone(), pool.clone()
+        tk.triton_ops.kv_write(mine, k, v, pages)
+        ref.kv_write(theirs, k, v, pages)
+        assert torch.equal(mine, theirs)
+        pages[3] = -1  # no page: nothing written
+        before = mine.clone()
+        tk.triton_ops.kv_write(mine, k * 2, v * 2, pages)
+        assert torch.equal(
+            mine[pages[[0, 1, 2, 4]].long().flatten()].view(4, 2, 32)[:, 0], (k * 2)[[0, 1, 2, 4]]
+        )
+        unwritten = torch.ones(40, dtype=torch.bool)
+        unwritten[pages[pages >= 0].long()] = False
+        assert torch.equal(mine[unwritten], before[unwritten])
+        twin = before.clone()
+        ref.kv_write(twin, k * 2, v * 2, pages)  # the twin honours the sentinel the same way
+        assert torch.equal(twin, mine)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+    @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+    def test_rms_norm(self, tk, dtype, with_residual):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(5, 96, generator=gen).to(dtype)
+        residual = torch.randn(5, 96, generator=gen).to(dtype) if with_residual else None
+        weight = (torch.rand(96, generator=gen) + 0.5).to(dtype)
+        y, r = tk.triton_ops.rms_norm(x, weight, 1e-5, residual)
+        y_ref, r_ref = ref.rms_norm(x, weight, 1e-5, residual)
+        assert y.dtype == y_ref.dtype and r.dtype == r_ref.dtype
+        assert_close(y, y_ref, dtype)
+        assert torch.equal(r, r_ref)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+    def test_rope(self, tk, dtype):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(6, 4, 16, generator=gen).to(dtype)
+        k = torch.randn(6, 2, 16, generator=gen).to(dtype)
+        positions = torch.tensor([0, 5, 6, 7, 99, 3])
+        freqs = torch.outer(
+            torch.arange(128).float(), 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)
+        )
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        mine_q, mine_k, ref_q, ref_k = q.clone(), k.clone(), q.clone(), k.clone()
+        tk.triton_ops.rope(mine_q, mine_k, positions, cos_sin)
+        ref.rope(ref_q, ref_k, positions, cos_sin)
+        assert_close(mine_q, ref_q, dtype)
+        assert_close(mine_k, ref_k, dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+    def test_silu_mul(self, tk, dtype):
+        gate_up = (torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+        assert_close(tk.triton_ops.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+
+
+def tiny_model():
+    """A 2-layer Llama (GQA 4/2, head_dim 16, q/k/v bias) with random weights, on the CPU."""
+    from factory import tiny_spec
+
+    from slora_batch.engine.model import LayerWeights, LlamaModel
+
+    spec = tiny_spec(attention_bias=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(64, generator=gen)
+
+    layers = [
+        LayerWeights(
+            norm(), w(128, 64), 0.1 * w(128), w(64, 64), None, norm(), w(192, 64), w(64, 96)
+        )
+        for _ in range(spec.num_layers)
+    ]
+    return LlamaModel(spec, torch.randn(50, 64, generator=gen), layers, norm(), w(50, 64), 128)
+
+
+def model_step(seqs: list[tuple[int, int, int]], seed: int):
+    """(step, KV pool, LoRA pool) for sequences (new tokens, context, adapter slot or -1)."""
+    from slora_batch.engine.model import StepInput
+    from slora_batch.engine.pool import PagePool
+
+    _, kv_layer, attn = attn_case(
+        seqs=[(n, ctx) for n, ctx, _ in seqs],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        device="cpu",
+        seed=seed,
+    )
+    pool = PagePool(kv_layer.shape[0], 32, 2)
+    pool.data[:] = kv_layer  # the earlier context: noise, the same in both layers
+    b_slot = torch.cat([torch.full((n,), slot) for n, _, slot in seqs])
+    lora_layer, lora = lora_case(
+        page=32,
+        target_dims=TARGET_DIMS,
+        ranks=[1, 3, 8, 16, 64],
+        num_tokens=b_slot.numel(),
+        popularity="uniform",
+        base_share=0.0,
+        dtype=torch.float32,
+        device="cpu",
+        seed=seed,
+        b_slot=b_slot,
+    )
+    positions = torch.cat([torch.arange(ctx - n, ctx) for n, ctx, _ in seqs])
+    out_pages = torch.cat([attn.page_table[b, ctx - n : ctx] for b, (n, ctx, _) in enumerate(seqs)])
+    step = StepInput(
+        input_ids=torch.randint(
+            50, (b_slot.numel(),), generator=torch.Generator().manual_seed(seed)
+        ),
+        positions=positions,
+        out_pages=out_pages.contiguous(),
+        attn=attn,
+        lora=lora,
+        logits_index=(attn.b1_start[1:] - 1).long(),
+        decode_only=attn.max_new == 1,
+    )
+    d = next((b for b, (n, _, _) in enumerate(seqs) if n > 1), len(seqs))
+    if 0 < d < len(seqs):  # leading decodes, as batch.upload splits them
+        step.attn_split = (
+            d,
+            AttnMeta(attn.b1_start[: d + 1], attn.b_seq_len[:d], attn.page_table[:d], 1),
+            AttnMeta(
+                (attn.b1_start[d:] - d).contiguous(),
+                attn.b_seq_len[d:],
+                attn.page_table[d:],
+                attn.max_new,
+            ),  # fmt: skip
+        )
+    return step, pool, SimpleNamespace(layer=lambda index: lora_layer)
+
+
+MODEL_STEPS = {  # (new tokens, context, slot): prefill, chunked prefill with context, decode
+    "mixed": [(5, 5, 0), (3, 20, -1), (1, 9, 3), (1, 30, 0), (4, 12, 4)],
+    "decode": [(1, 9, 0), (1, 30, -1), (1, 4, 3), (1, 17, 0), (1, 70, 4), (1, 2, 1)],
+    "split": [(1, 9, 0), (1, 30, -1), (1, 17, 3), (5, 5, 0), (3, 20, 4)],  # decodes lead
+}
+
+
+class TestModelInterpreted:
+    """The model's forward on the Triton backend equals the torch backend (interpreter only)."""
+
+    @pytest.mark.parametrize("kind", list(MODEL_STEPS))
+    def test_forward_matches_torch_backend(self, tk, kind):
+        model = tiny_model()
+        step, pool, lora_pool = model_step(MODEL_STEPS[kind], seed=len(kind))
+        ref_pool = copy.deepcopy(pool)
+        logits = model.forward(step, pool, tk.triton_ops, lora_pool)
+        whole = dataclasses.replace(step, attn_split=None)  # every row on the prefill kernel
+        expected = model.forward(whole, ref_pool, ref, lora_pool)
+        assert_close(logits, expected, torch.float32)
+        assert_close(pool.data, ref_pool.data, torch.float32)
+
+
+if not INTERPRETED:  # the child process runs these
+    del TestInterpreted, TestModelInterpreted
