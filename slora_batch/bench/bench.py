@@ -1,4 +1,4 @@
-"""``slora-batch bench``: the DESIGN section 5 workload through every system, in one process.
+"""``slora-batch bench``: the workload of benchmarks/README.md through every system, in one process.
 
 One random-weight base model (a transformers ``LlamaForCausalLM`` built on the device) serves all
 systems: the engine takes its state dict, PEFT wraps the model itself. Adapters: ONE PEFT

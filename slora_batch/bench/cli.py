@@ -71,7 +71,7 @@ def bench(
     out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
-    """Benchmark slora against the base model, transformers + PEFT and the ablations (DESIGN 5)."""
+    """Benchmark slora against the base model, transformers + PEFT and the ablations (benchmarks/README.md)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.DEBUG if verbose else logging.INFO,

@@ -2,7 +2,7 @@
 
 floor = max(FLOPs / matmul rate, KV bytes read / copy bandwidth), with FLOPs = 2 x parameters x
 (prompt + output tokens) and KV bytes = the sum over decode steps of context length x 2 x layers
-x kv_dim x bytes per element (DESIGN section 5). The roofline fraction is floor / measured time.
+x kv_dim x bytes per element (benchmarks/README.md). The roofline fraction is floor / measured time.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 # (matmul side, copy bytes, warm-ups, timed iterations) per device type: 8192^3 in bf16 on the
-# card as DESIGN section 5 asks; small enough on the CPU that the tests stay quick.
+# card, as the workload asks; small enough on the CPU that the tests stay quick.
 MEASURE = {"cuda": (8192, 2 << 30, 3, 10), "cpu": (512, 32 << 20, 1, 3)}
 
 

@@ -1,4 +1,4 @@
-"""The bench's inputs (DESIGN section 5): a random-weight model, rank-cycling adapters, requests."""
+"""The bench's inputs (benchmarks/README.md): a random-weight model, rank-cycling adapters, requests."""
 
 from __future__ import annotations
 

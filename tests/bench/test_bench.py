@@ -1,4 +1,4 @@
-"""The bench on the CPU: tiny shapes, a handful of requests, every system (DESIGN section 5)."""
+"""The bench on the CPU: tiny shapes, a handful of requests, every system (benchmarks/README.md)."""
 
 from __future__ import annotations
 
