@@ -31,17 +31,11 @@ from rich.progress import (
 from rich.table import Table
 
 from slora_batch.engine.config import ConfigError
+from slora_batch.jobs.check import JOB_ERRORS, JobError, select_jobs
 from slora_batch.jobs.config import load_jobs
-from slora_batch.jobs.run import (
-    JOB_ERRORS,
-    JobError,
-    JobFailure,
-    JobProgress,
-    JobSummary,
-    preview,
-    run_jobs,
-    select_jobs,
-)
+from slora_batch.jobs.preview import preview
+from slora_batch.jobs.progress import JobProgress
+from slora_batch.jobs.run import JobFailure, JobSummary, run_jobs
 from slora_batch.jobs.validate import ValidationReport, validate_job
 
 app = typer.Typer(

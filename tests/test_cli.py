@@ -26,8 +26,8 @@ from test_jobrun import (
 from typer.testing import CliRunner
 
 from cli import app
+from slora_batch.jobs.outdir import read_success
 from slora_batch.jobs.run import run_job
-from slora_batch.jobs.writer import read_success
 
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}  # wide enough that rich wraps no message
 

@@ -1,9 +1,22 @@
 """The offline job tool: a job file's rows through one engine into a resumable output directory.
 
 config.py    JobConfig and the YAML loader (unknown keys named, paths resolved)
-io.py        streaming readers (JSONL, Parquet), row checks, the input scan
+check.py     check_job -> JobPlan: everything that can fail a job, before any work; JobError
+reader.py    input files (JSONL, Parquet) and their rows, streamed
+rows.py      a row into a Request or an error Result; its identity (RowSource, row_key)
+scan.py      the input scan: id type, kept columns' types, duplicates, unused columns
+text.py      UTF-8 checks and repair, short descriptions of values for messages
 ordering.py  bounded windows sorted by adapter and prompt length, fan-out
-writer.py    the output directory: parts, commit protocol, resume keys, stats, markers, lock
-run.py       running a job: check, resume, feed the engine, write, summarize
+schema.py    the output parts' schema: id type, core columns, kept columns
+outdir.py    the output directory's files: atomic commit, parts, _SUCCESS, clearing
+lock.py      OutputLock: one run per output directory
+writer.py    OutputWriter: buffered rows committed as parts by rows and by time
+manifest.py  _job.json: the fingerprint of what decides the rows, and the resume check
+resume.py    keys of the rows already committed, and the input rows not yet among them
+progress.py  JobProgress: what a progress display is told
+feed.py      RunRecord: requests into the engine, results to the writer, this run's account
+stats.py     stats.parquet: its schema, the job and adapter rows, output counts
+run.py       running jobs: lock, fingerprint, scan, resume, feed the engine, summarize
+preview.py   a few finished outputs next to their prompts
 validate.py  every check a run makes, and a sample of rows, without running
 """

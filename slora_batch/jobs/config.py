@@ -120,7 +120,7 @@ def _check_fanout(
 
 
 def _check_keep(keep: Any, columns: dict[str, str]) -> str | list[str] | None:
-    from slora_batch.jobs.writer import OUTPUT_COLUMNS
+    from slora_batch.jobs.schema import OUTPUT_COLUMNS
 
     if keep is None or keep == "all":
         return keep

@@ -15,10 +15,12 @@ from slora_batch.engine.adapter_files import AdapterInfo
 from slora_batch.engine.request import Request, Result
 from slora_batch.engine.spec import ModelSpec
 from slora_batch.engine.tokens import load_tokenizer, tokenize
+from slora_batch.jobs.check import JobError, check_job, job_error
 from slora_batch.jobs.config import JobConfig
-from slora_batch.jobs.io import InputError, input_root, read_rows, scan_input, to_request
-from slora_batch.jobs.run import JobError, _job_error, check_job
-from slora_batch.jobs.writer import OUTPUT_COLUMNS
+from slora_batch.jobs.reader import InputError, input_root, read_rows
+from slora_batch.jobs.rows import to_request
+from slora_batch.jobs.scan import scan_input
+from slora_batch.jobs.schema import OUTPUT_COLUMNS
 
 VALIDATE_ROWS = 200  # input rows validate_job turns into requests and tokenizes
 
@@ -50,7 +52,7 @@ def validate_job(job: JobConfig) -> ValidationReport:
     try:
         scan = scan_input(plan.files, job.columns, job.keep_columns, fanout, OUTPUT_COLUMNS)
     except InputError as exc:
-        raise _job_error(job, exc) from exc
+        raise job_error(job, exc) from exc
     if scan.duplicates:
         raise JobError(f"job {job.name!r}: {scan.duplicates_message()}")
     problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
@@ -71,7 +73,7 @@ def validate_job(job: JobConfig) -> ValidationReport:
             if problem:
                 problems.append(f"{row.where}: {problem}")
     except InputError as exc:
-        raise _job_error(job, exc) from exc
+        raise job_error(job, exc) from exc
     return ValidationReport(
         job=job.name,
         model=str(plan.model_path),

@@ -13,26 +13,14 @@ import pytest
 
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.request import Request, Result
-from slora_batch.jobs import writer as output
-from slora_batch.jobs.io import (
-    InputError,
-    RowSource,
-    iter_input_files,
-    read_rows,
-    row_key,
-    to_request,
-)
-from slora_batch.jobs.writer import (
-    LOCK_FILE,
-    OutputError,
-    OutputLock,
-    OutputWriter,
-    done_keys,
-    output_counts,
-    read_success,
-    write_stats,
-    write_success,
-)
+from slora_batch.jobs.lock import OutputLock
+from slora_batch.jobs.outdir import LOCK_FILE, OutputError, read_success, write_success
+from slora_batch.jobs.reader import InputError, iter_input_files, read_rows
+from slora_batch.jobs.resume import done_keys
+from slora_batch.jobs.rows import RowSource, row_key, to_request
+from slora_batch.jobs.schema import PART_SCHEMA
+from slora_batch.jobs.stats import STATS_SCHEMA, output_counts, write_stats
+from slora_batch.jobs.writer import OutputWriter
 
 COLUMNS = {"id": "id", "adapter": "adapter", "prompt": "prompt", "messages": "messages"}
 SAMPLING = SamplingConfig()
@@ -240,7 +228,7 @@ def test_writer_parts_schema_and_types(tmp_path):
     assert parts == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
     assert writer.rows_written == 6
     table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
-    assert table.schema == output.PART_SCHEMA
+    assert table.schema == PART_SCHEMA
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     assert table.to_pylist()[1] == {
         "id": "1", "adapter": "a", "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
@@ -294,7 +282,7 @@ def test_resume_keys_with_fanout(tmp_path):
             writer.write(result(7, adapter=adapter))
         writer.write(result("8", adapter="b"))
     assert done_keys(tmp_path) == {row_key("7", None), row_key("7", "a"), row_key("8", "b")}
-    assert output.row_key(7, "") in done_keys(tmp_path)
+    assert row_key(7, "") in done_keys(tmp_path)
     assert done_ids(tmp_path) == {"7", "8"}
     assert done_ids(tmp_path / "missing") == set()
 
@@ -346,7 +334,7 @@ def test_stats_columns_and_types(tmp_path):
     adapter_rows = [{"adapter": None, "rows": 4, "tokens": 20, "seconds": 1.0},
                     {"adapter": "a", "rows": 6, "tokens": 30, "seconds": 1.5}]  # fmt: skip
     table = pq.read_table(write_stats(tmp_path, job_row, adapter_rows))
-    assert table.schema == output.STATS_SCHEMA
+    assert table.schema == STATS_SCHEMA
     assert table["kind"].to_pylist() == ["job", "adapter", "adapter"]
     assert table["adapter"].to_pylist() == [None, None, "a"]
     assert table["wall_s"].to_pylist() == [2.0, None, None]

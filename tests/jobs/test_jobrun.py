@@ -19,10 +19,13 @@ import yaml
 from factory import ALL, make_adapter
 
 from slora_batch import Engine, Request
+from slora_batch.jobs.check import JobError, check_job
 from slora_batch.jobs.config import load_jobs
-from slora_batch.jobs.run import JobError, check_job, preview, run_job
+from slora_batch.jobs.lock import OutputLock
+from slora_batch.jobs.outdir import LOCK_FILE, read_success
+from slora_batch.jobs.preview import preview
+from slora_batch.jobs.run import run_job
 from slora_batch.jobs.validate import validate_job
-from slora_batch.jobs.writer import LOCK_FILE, OutputLock, read_success
 
 CONTEXT = 256  # the tiny model's max_position_embeddings
 PAGES = 16384  # 4 MiB of pool: enough for these jobs, and no 1 GiB allocation per engine

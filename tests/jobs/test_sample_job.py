@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from slora_batch.jobs.writer import MANIFEST_FILE, part_files, read_success
+from slora_batch.jobs.outdir import MANIFEST_FILE, part_files, read_success
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "sample.yaml"

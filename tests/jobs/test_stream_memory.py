@@ -30,7 +30,8 @@ def tiny_model(tmp_path_factory, sample_model_dir) -> Path:
 STREAM = """
 import json, resource, sys
 from slora_batch.engine.config import SamplingConfig
-from slora_batch.jobs.io import iter_input_files, read_rows, to_request
+from slora_batch.jobs.reader import iter_input_files, read_rows
+from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.ordering import sorted_windows
 from slora_batch.engine.request import Request
 
@@ -150,16 +151,13 @@ def test_resume_of_a_million_rows_starts_in_seconds_in_bounded_memory(tmp_path, 
     import pyarrow.parquet as pq
     import yaml
 
+    from slora_batch.jobs.check import check_job
     from slora_batch.jobs.config import load_jobs
-    from slora_batch.jobs.io import scan_input
-    from slora_batch.jobs.run import MANIFEST_VERSION, check_job, fingerprint
-    from slora_batch.jobs.writer import (
-        OUTPUT_COLUMNS,
-        done_keys,
-        part_schema,
-        read_success,
-        write_manifest,
-    )
+    from slora_batch.jobs.manifest import MANIFEST_VERSION, fingerprint, write_manifest
+    from slora_batch.jobs.outdir import read_success
+    from slora_batch.jobs.resume import done_keys
+    from slora_batch.jobs.scan import scan_input
+    from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
 
     adapters = ['"a"', '"b"', "null"]
     with open(tmp_path / "rows.jsonl", "w", buffering=1 << 20) as handle:

@@ -33,9 +33,10 @@ from typer.testing import CliRunner
 from cli import app
 from slora_batch.engine.request import Result
 from slora_batch.jobs import run as jobrun
+from slora_batch.jobs.outdir import SUCCESS_FILE, part_files, read_success
 from slora_batch.jobs.run import JobError, JobSummary, run_job, run_jobs
 from slora_batch.jobs.validate import validate_job
-from slora_batch.jobs.writer import SUCCESS_FILE, OutputWriter, part_files, read_success
+from slora_batch.jobs.writer import OutputWriter
 
 # Names that are new with issue 14 are imported in the tests that use them, so that the tests of
 # its defects run (and fail) on the code before it too.
@@ -222,7 +223,7 @@ def test_the_writer_buffer_stays_writable_after_a_bad_row(tmp_path):
     assert rows[0]["error"].startswith("row cannot be stored: id '\\ud800' has characters")
     assert rows[1]["text"] == "bad \ufffd text"
 
-    from slora_batch.jobs.io import RowSource
+    from slora_batch.jobs.rows import RowSource
 
     with OutputWriter(tmp_path, part_rows=100) as writer:  # the source names the row
         writer.write(
@@ -341,7 +342,7 @@ def test_keep_columns_carry_input_columns_with_their_types(tmp_path, tiny):
     assert schema.names[-4:] == ["label", "task", "meta", "mixed"]
     assert schema.field("label").type == pa.int64() and schema.field("task").type == pa.string()
     assert schema.field("meta").type == pa.struct([("k", pa.int64()), ("tag", pa.string())])
-    from slora_batch.jobs.writer import JSON_TEXT
+    from slora_batch.jobs.schema import JSON_TEXT
 
     assert schema.field("mixed").type == pa.string() and schema.field("mixed").metadata == JSON_TEXT
     got = {r["id"]: r for r in table.to_pylist()}

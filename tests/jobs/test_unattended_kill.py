@@ -29,8 +29,8 @@ from test_jobrun import (
     write_jsonl,
 )
 
+from slora_batch.jobs.outdir import LOCK_FILE, TMP_MARK, part_files, read_success
 from slora_batch.jobs.run import run_job
-from slora_batch.jobs.writer import LOCK_FILE, TMP_MARK, part_files, read_success
 
 ROWS = 36
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +42,11 @@ KEYS = dict(part_rows=4, part_seconds=0.05, sampling={"max_new_tokens": 8},
 DRIVER = """
 import io, os, signal, sys
 from slora_batch.jobs import run as jobrun
-from slora_batch.jobs import writer
+from slora_batch.jobs import outdir, writer
 
 job_file, moment, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = 0
-real_commit = writer._commit
+real_commit = writer.commit_file
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -56,7 +56,7 @@ def commit(path, write):
     if not path.name.startswith("part-"):
         return real_commit(path, write)
     parts += 1
-    temp = path.with_name(f".{path.name}{writer.TMP_MARK}{os.getpid()}")
+    temp = path.with_name(f".{path.name}{outdir.TMP_MARK}{os.getpid()}")
     if moment == "temp-whole" and parts == n:
         with open(temp, "wb") as handle:
             write(handle)
@@ -74,7 +74,7 @@ def commit(path, write):
     if moment == "after-part" and parts == n:
         die()
 
-writer._commit = commit
+writer.commit_file = commit  # the parts' commits; stats, manifest and marker are outdir's
 if moment == "before-stats":
     jobrun.write_stats = lambda *args, **kwargs: die()
 if moment == "before-marker":

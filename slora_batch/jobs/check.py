@@ -1,0 +1,91 @@
+"""Checking a job before any work: ``check_job`` (model config, adapter headers, input files,
+output directory, fan-out; no weights, no input rows) makes its ``JobPlan``; ``JobError`` is what
+a job that cannot run raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.engine.adapter_files import AdapterError, AdapterInfo, check_adapters
+from slora_batch.engine.config import ConfigError
+from slora_batch.engine.sample_model import ModelNotFoundError, resolve_model
+from slora_batch.engine.spec import ModelError, ModelSpec, read_spec
+from slora_batch.jobs.config import JobConfig, fanout_adapters
+from slora_batch.jobs.outdir import OutputError
+from slora_batch.jobs.reader import InputError, iter_input_files
+
+
+class JobError(ValueError):
+    """A job cannot run; the message names the job and the reason."""
+
+
+# What a bad job raises; JobError wraps them with the job's name.
+JOB_ERRORS = (ConfigError, InputError, AdapterError, ModelError, ModelNotFoundError, OutputError)
+
+
+@dataclass
+class JobPlan:
+    """A checked job: what ``check_job`` learned without loading weights."""
+
+    job: JobConfig
+    model_path: Path
+    spec: ModelSpec
+    adapters: list[AdapterInfo]  # the usable ones
+    broken: dict[str, str]  # adapter -> why it cannot run (its rows become error rows)
+    files: list[Path]
+    sweep: list[str | None] | None  # fan-out adapters (None = base), or None without fan-out
+    rows_total: int | None = None  # input rows before fan-out, once the input is scanned
+
+    @property
+    def total(self) -> int | None:
+        """Output rows the job will have when complete."""
+        return None if self.rows_total is None else self.rows_total * len(self.sweep or [None])
+
+
+def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:
+    """Every job, or the one called ``name``."""
+    if name is None:
+        return jobs
+    chosen = [job for job in jobs if job.name == name]
+    if not chosen:
+        raise JobError(f"no job {name!r} (jobs: {', '.join(job.name for job in jobs)})")
+    return chosen
+
+
+def check_job(job: JobConfig) -> JobPlan:
+    """Everything that can fail a job, checked without loading weights or reading the input's
+    rows. An adapter the engine cannot run does not fail the job (its rows become error rows)."""
+    try:
+        device = job.engine.device
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"engine.device is {device!r} but no CUDA device is available")
+        model_path = resolve_model(job.model)
+        spec = read_spec(model_path)
+        adapters, broken = check_adapters(spec, job.adapters)
+        files = iter_input_files(job.input)
+        for file in files:  # every Parquet footer: an unreadable file fails here
+            if file.suffix.lower() == ".parquet":
+                try:
+                    pq.ParquetFile(file).metadata  # noqa: B018
+                except (OSError, pa.ArrowException) as exc:
+                    raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
+        sweep = fanout_adapters(job)
+        output = Path(job.output)
+        if output.exists() and not output.is_dir():
+            raise OutputError(f"output {str(output)!r} exists and is not a directory")
+    except JOB_ERRORS as exc:
+        raise job_error(job, exc) from exc
+    reasons = {name: str(exc) for name, exc in broken.items()}
+    return JobPlan(job, model_path, spec, adapters, reasons, files, sweep)
+
+
+def job_error(job: JobConfig, exc: Exception) -> JobError:
+    message = str(exc)
+    return JobError(message if f"job {job.name!r}" in message else f"job {job.name!r}: {message}")

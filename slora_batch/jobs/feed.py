@@ -1,0 +1,89 @@
+"""Feeding the engine: ``RunRecord`` hands one run's requests to the engine and writes every
+result as it comes, bad rows' too; it keeps the run's account as it goes: progress events,
+times, per-adapter spans and a few error messages."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from slora_batch.engine.request import Request, Result
+from slora_batch.jobs.progress import JobProgress, ProgressCallback
+from slora_batch.jobs.writer import OutputWriter
+
+ERROR_EXAMPLES = 3  # error messages of a run kept for the summary
+
+
+class RunRecord:
+    """This run's accounting: progress, times, per-adapter spans, a few error messages."""
+
+    def __init__(self, job: str, done: int, total: int | None, notify: ProgressCallback) -> None:
+        self.job, self.done, self.total, self.notify = job, done, total, notify
+        self.counters = None  # the engine's, once it runs
+        self.device: str | None = None  # the engine's device and dtype, once it runs
+        self.dtype: str | None = None
+        self.rows = 0
+        self.tokens = 0
+        self.errors: list[str] = []
+        self.first_in: dict[str | None, float] = {}  # adapter -> first row handed to the engine
+        self.last_out: dict[str | None, float] = {}  # adapter -> its last result
+        self.started = time.perf_counter()
+        self.load_s = self.read_s = self.write_s = self.engine_s = 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def resident(self) -> int:
+        return 0 if self.counters is None else self.counters.adapters_resident
+
+    def feed(self, engine, items: Iterator[Request | Result], writer: OutputWriter) -> None:
+        """Hand the requests to the engine and write every result as it comes: the engine's,
+        and the bad rows' that never reach it (written as the engine pulls past them, so a long
+        run of bad rows is never held in memory)."""
+        self.counters = engine.counters
+        self.device, self.dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
+        self.started = time.perf_counter()
+        read_s, write_s = self.read_s, writer.write_s  # before the loop
+
+        def requests() -> Iterator[Request]:
+            while True:
+                pulled = time.perf_counter()
+                item = next(items, None)
+                self.read_s += time.perf_counter() - pulled
+                if item is None:
+                    return
+                if isinstance(item, Result):
+                    self._done(item, writer)
+                else:
+                    self.first_in.setdefault(item.adapter, time.perf_counter())
+                    writer.tick()  # commits by time also while no row finishes
+                    yield item
+
+        for result in engine.generate(requests()):
+            self.last_out[result.adapter] = time.perf_counter()
+            self._done(result, writer)
+        # the loop's time less what it spent reading input and writing parts
+        loop_read, loop_write = self.read_s - read_s, writer.write_s - write_s
+        self.engine_s = max(self.elapsed - loop_read - loop_write, 0.0)
+
+    def _done(self, result: Result, writer: OutputWriter) -> None:
+        writer.write(result)
+        self.done += 1
+        self.rows += 1
+        self.tokens += result.completion_tokens
+        if result.error is not None and len(self.errors) < ERROR_EXAMPLES:
+            self.errors.append(result.error)
+        self.notify(
+            JobProgress(
+                self.job,
+                "running",
+                self.done,
+                self.total,
+                self.tokens,
+                self.elapsed,
+                self.resident,
+                self.rows,
+            )
+        )

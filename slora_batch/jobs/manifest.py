@@ -1,0 +1,173 @@
+"""The job manifest (``_job.json``): what an output's rows were produced from. A job's first run
+writes it with the ``fingerprint`` (input files with sizes and mtimes, model and adapter files,
+sampling, the job keys that decide rows) and the input scan; every later run compares
+fingerprints and refuses a directory that holds rows of other inputs or settings, naming what
+changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from slora_batch.engine.adapter_files import resolve_sources
+from slora_batch.jobs.check import JobError, JobPlan
+from slora_batch.jobs.outdir import (
+    MANIFEST_FILE,
+    OutputError,
+    commit_file,
+    part_files,
+    read_success,
+)
+from slora_batch.jobs.reader import input_root, relative_name
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+CHANGES_SHOWN = 6  # fingerprint differences named in a refusal
+
+
+def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    """Write ``MANIFEST_FILE`` (JSON) atomically."""
+    path = Path(out_dir) / MANIFEST_FILE
+    text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False)
+    commit_file(path, lambda handle: handle.write(text.encode() + b"\n"))
+    return path
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+    """The manifest, or None when there is none; ``OutputError`` when it is not one."""
+    path = Path(out_dir) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"{path}: unreadable job manifest: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise OutputError(f"{path}: unreadable job manifest: not a JSON object")
+    return manifest
+
+
+def resumable_manifest(plan: JobPlan, current: dict[str, Any]) -> dict[str, Any] | None:
+    """The output's manifest when it describes this job as it is now; None when there is none
+    or it is stale but no row was committed under it. Refuses (``JobError``) an output that holds
+    rows of other inputs or settings, or rows without a manifest."""
+    job, out = plan.job, Path(plan.job.output)
+    manifest = read_manifest(out)
+    has_rows = bool(part_files(out)) or read_success(out) is not None
+    if manifest is None:
+        if has_rows:
+            raise JobError(
+                f"job {job.name!r}: output {str(out)!r} holds parts but no {MANIFEST_FILE}, so "
+                "what produced them is unknown (an older slora-batch or another tool); nothing "
+                "was run. Re-run with --overwrite to start over, or give the job another output"
+            )
+        return None
+    if manifest.get("version") != MANIFEST_VERSION or "scan" not in manifest:
+        changes = [f"manifest version {manifest.get('version')!r} -> {MANIFEST_VERSION}"]
+    else:
+        changes = fingerprint_changes(manifest.get("fingerprint") or {}, current)
+    if not changes:
+        return manifest
+    if not has_rows:
+        logger.info("job %s: starting afresh (%s)", job.name, "; ".join(changes))
+        return None
+    shown = "; ".join(changes[:CHANGES_SHOWN])
+    more = len(changes) - CHANGES_SHOWN
+    raise JobError(
+        f"job {job.name!r}: output {str(out)!r} holds rows made from other inputs or settings: "
+        f"{shown}{f'; and {more} more' if more > 0 else ''}. Nothing was run; re-run with "
+        "--overwrite to start over, or give the job another output"
+    )
+
+
+def fingerprint(plan: JobPlan) -> dict[str, Any]:
+    """What decides a job's rows, cheap to take (file sizes and mtimes, no reading): the input
+    files, the model's and every adapter's files, the sampling and the job keys that change
+    outputs (columns, fanout, keep_columns, max_model_len, dtype). JSON-ready."""
+    job = plan.job
+    root = input_root(plan.files)
+    sources = resolve_sources(job.adapters)
+    taken = {
+        "input": {relative_name(f, root): _stat(f) for f in plan.files},
+        "model": {"model": job.model, "files": _dir_stats(plan.model_path)},
+        "adapters": {name: _dir_stats(path) for name, path in sorted(sources.items())},
+        "sampling": dataclasses.asdict(job.sampling),
+        "job": {
+            "columns": job.columns,
+            "fanout": job.fanout,
+            "keep_columns": job.keep_columns,
+            "max_model_len": job.engine.max_model_len,
+            "dtype": job.engine.dtype,
+        },
+    }
+    return json.loads(json.dumps(taken))  # tuples -> lists, as read back from the manifest
+
+
+def _stat(path: Path) -> list[int]:
+    stat = Path(path).stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _dir_stats(path: Path) -> dict[str, list[int]]:
+    """Size and mtime of a file, or of every visible file directly in a directory."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: _stat(path)}
+    if not path.is_dir():
+        return {}
+    return {
+        p.name: _stat(p)
+        for p in sorted(path.iterdir())
+        if p.is_file() and not p.name.startswith(".")
+    }
+
+
+def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two fingerprints, in words: "input rows.jsonl changed (size 10 ->
+    12)", "sampling.max_new_tokens 8 -> 16", "adapter 'c' added", ..."""
+    changes = []
+    changes += _files_changes("input", old.get("input", {}), new["input"])
+    old_model, new_model = old.get("model", {}), new["model"]
+    if old_model.get("model") != new_model["model"]:
+        changes.append(f"model {old_model.get('model')!r} -> {new_model['model']!r}")
+    else:
+        changes += _files_changes("model file", old_model.get("files", {}), new_model["files"])
+    old_adapters, new_adapters = old.get("adapters", {}), new["adapters"]
+    for name in sorted(set(old_adapters) | set(new_adapters)):
+        if name not in new_adapters:
+            changes.append(f"adapter {name!r} removed")
+        elif name not in old_adapters:
+            changes.append(f"adapter {name!r} added")
+        else:
+            changes += _files_changes(
+                f"adapter {name!r} file", old_adapters[name], new_adapters[name]
+            )
+    for section in ("sampling", "job"):
+        before, after = old.get(section, {}), new[section]
+        prefix = "sampling." if section == "sampling" else ""
+        for key in sorted(set(before) | set(after)):
+            if before.get(key) != after.get(key):
+                changes.append(f"{prefix}{key} {before.get(key)!r} -> {after.get(key)!r}")
+    return changes
+
+
+def _files_changes(what: str, old: dict[str, list], new: dict[str, list]) -> list[str]:
+    changes = []
+    for name in sorted(set(old) | set(new)):
+        if name not in new:
+            changes.append(f"{what} {name} removed")
+        elif name not in old:
+            changes.append(f"{what} {name} added")
+        elif old[name][0] != new[name][0]:
+            changes.append(
+                f"{what} {name} changed (size {old[name][0]:,} -> {new[name][0]:,} bytes)"
+            )
+        elif old[name][1] != new[name][1]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(new[name][1] / 1e9))
+            changes.append(f"{what} {name} changed (modified {when})")
+    return changes

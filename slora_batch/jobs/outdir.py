@@ -1,0 +1,93 @@
+"""The output directory's files, and the atomic commit every one of them is written with.
+
+A job writes ``part-NNNNN.parquet`` parts, ``stats.parquet``, the manifest ``_job.json`` and,
+last, the completion marker ``_SUCCESS``; ``.lock`` exists while a run holds the directory
+(``lock.py``). ``commit_file`` writes each to a hidden temp name in the same directory, fsyncs
+it and ``os.replace``s it, so a committed file is always whole, also after kill -9.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+STATS_FILE = "stats.parquet"
+SUCCESS_FILE = "_SUCCESS"
+MANIFEST_FILE = "_job.json"  # what the rows were produced from (``manifest.py`` writes it)
+LOCK_FILE = ".lock"  # flock'd by the running job, removed when it releases the lock
+TMP_MARK = ".tmp-"  # temp files are ".<final name>.tmp-<pid>"
+
+
+class OutputError(ValueError):
+    """The output directory cannot be used; the message names the path and why."""
+
+
+def commit_file(path: Path, write: Callable[[Any], Any]) -> None:
+    """Write ``path`` atomically: temp file in the same directory, fsync, rename, fsync the dir."""
+    temp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(temp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def part_files(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(number, path) of the committed parts, by number; [] when the directory does not exist."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    found = ((PART_RE.match(p.name), p) for p in out_dir.iterdir())
+    return sorted((int(m.group(1)), p) for m, p in found if m)
+
+
+def iter_output_rows(out_dir: str | Path, columns: list[str]) -> Iterator[dict[str, Any]]:
+    """Rows of the committed parts, part by part, with the given columns."""
+    for _, path in part_files(out_dir):
+        yield from pq.read_table(path, columns=columns).to_pylist()
+
+
+def clear_output(out_dir: str | Path) -> None:
+    """Remove what a job wrote (parts, stats, manifest, marker, temp files); other files stay."""
+    for path in Path(out_dir).iterdir():
+        if _ours(path.name) or (path.name.startswith(".") and TMP_MARK in path.name):
+            logger.info("removing %s", path)
+            path.unlink()
+
+
+def _ours(name: str) -> bool:
+    return bool(PART_RE.match(name)) or name in (STATS_FILE, SUCCESS_FILE, MANIFEST_FILE)
+
+
+def write_success(out_dir: str | Path, job: str, rows: int) -> Path:
+    """Write the completion marker (last, after parts and stats): JSON with job, rows, time."""
+    marker = {"job": job, "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = Path(out_dir) / SUCCESS_FILE
+    commit_file(path, lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
+    return path
+
+
+def read_success(out_dir: str | Path) -> dict[str, Any] | None:
+    """The completion marker's contents, or None when the job has not completed."""
+    path = Path(out_dir) / SUCCESS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

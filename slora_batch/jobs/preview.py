@@ -1,0 +1,72 @@
+"""``preview``: a few finished outputs of a job next to their prompts, for the run summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.engine.request import Request
+from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.outdir import part_files
+from slora_batch.jobs.reader import InputError, iter_input_files, read_rows
+from slora_batch.jobs.rows import RowSource, to_request
+
+
+@dataclass
+class PreviewRow:
+    id: str
+    adapter: str | None
+    prompt: str
+    text: str
+    finish_reason: str
+
+
+def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
+    """A few finished outputs with their prompts, taken from the first ``scan`` input rows: with
+    fan-out one prompt across its adapters (base first), else the first outputs in input order."""
+    parts = part_files(job.output)
+    if not parts:
+        return []
+    int_ids = pq.read_schema(parts[0][1]).field("id").type == pa.int64()
+    prompts: dict[Any, str] = {}
+    try:
+        files = iter_input_files(job.input)
+        for row in read_rows(files, job.columns):
+            if len(prompts) == scan:
+                break
+            item = to_request(row, job.sampling, job.fanout is not None)
+            if isinstance(item, Request) and not isinstance(item.id, RowSource):
+                # as stored: an int64 id column means every id is an int
+                prompts.setdefault(item.id if int_ids else str(item.id), _prompt_text(item))
+    except InputError:
+        return []
+    if not prompts:
+        return []
+    found: dict[Any, list[dict[str, Any]]] = {}
+    for _, path in parts:
+        table = pq.read_table(
+            path,
+            columns=["id", "adapter", "text", "finish_reason"],
+            filters=[("id", "in", list(prompts)), ("finish_reason", "!=", "error")],
+        )
+        for row in table.to_pylist():
+            found.setdefault(row["id"], []).append(row)
+    ids = [i for i in prompts if i in found]
+    if job.fanout is not None:
+        ids = ids[:1]
+    rows = [
+        PreviewRow(str(i), r["adapter"], prompts[i], r["text"], r["finish_reason"])
+        for i in ids
+        for r in sorted(found[i], key=lambda r: (r["adapter"] is not None, r["adapter"] or ""))
+    ]
+    return rows[:limit]
+
+
+def _prompt_text(request: Request) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    users = [m["content"] for m in request.messages or [] if m["role"] == "user"]
+    return users[-1] if users else (request.messages or [{"content": ""}])[-1]["content"]

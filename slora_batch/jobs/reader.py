@@ -1,0 +1,174 @@
+"""Input files and their rows, streamed: the files an input spec names (JSONL, Parquet) and
+every row one at a time (Parquet in record batches), so memory does not grow with the file.
+
+A line that cannot be parsed is a row with ``error`` set, never an exception; only a file that
+cannot be opened or read raises ``InputError``. Row numbers in messages: "line N" for JSONL
+(1-based, as editors show), "row N" for Parquet (0-based, as pyarrow and pandas show); files are
+named relative to the folder that holds them all (``input_root``). Rows into requests:
+``rows.py``; the scan a job makes first: ``scan.py``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.engine.request import SAMPLING_FIELDS
+from slora_batch.jobs.text import type_name
+
+SUFFIXES = (".jsonl", ".parquet")
+PARQUET_BATCH_ROWS = 1024
+
+
+class InputError(ValueError):
+    """The input spec matches nothing readable; the message names the spec or file."""
+
+
+def iter_input_files(spec: str) -> list[Path]:
+    """A .jsonl/.parquet file, a directory (its .jsonl/.parquet files, sorted by name, hidden
+    and "_" files skipped, not recursive) or a glob (``**`` recurses), sorted."""
+    path = Path(spec)
+    if path.is_file():
+        if path.suffix.lower() not in SUFFIXES:
+            raise InputError(
+                f"input {spec!r}: unsupported file type {path.suffix!r} (use .jsonl or .parquet)"
+            )
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and _is_input(p))
+        if not files:
+            raise InputError(f"input {spec!r}: directory holds no .jsonl or .parquet files")
+        return files
+    if glob.has_magic(spec):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True))
+        files = [p for p in files if p.is_file() and _is_input(p)]
+        if not files:
+            raise InputError(f"input {spec!r}: no .jsonl or .parquet files match")
+        return files
+    raise InputError(f"input {spec!r} does not exist")
+
+
+def _is_input(path: Path) -> bool:
+    return path.suffix.lower() in SUFFIXES and not path.name.startswith((".", "_"))
+
+
+def input_root(files: list[Path]) -> Path:
+    """The folder that holds every input file: rows name their file relative to it."""
+    return Path(os.path.commonpath([os.path.abspath(f.parent) for f in files]))
+
+
+@dataclass(slots=True)
+class InputRow:
+    """One input row: ``values`` holds the mapped columns under their logical names (id, adapter,
+    prompt, messages) plus per-row sampling overrides, ``kept`` the kept columns present in the
+    row; ``error`` is set when it could not be parsed."""
+
+    position: int  # global 0-based index across files
+    file: Path
+    name: str  # the file relative to the input root, as messages and ``source`` show it
+    number: int  # JSONL: 1-based line; Parquet: 0-based row in the file
+    values: dict[str, Any]
+    columns: dict[str, str]  # logical name -> input column name, shared by all rows
+    kept: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def where(self) -> str:
+        unit = "line" if self.file.suffix.lower() == ".jsonl" else "row"
+        return f"{self.name} {unit} {self.number}"
+
+
+def _pairs(columns: dict[str, str]) -> list[tuple[str, str]]:
+    """(logical name, input column) of the mapped columns and the overrides (never renamed)."""
+    pairs = [(key, columns.get(key, key)) for key in ("id", "adapter", "prompt", "messages")]
+    return pairs + [(name, name) for name in SAMPLING_FIELDS]
+
+
+def used_columns(columns: dict[str, str]) -> list[str]:
+    """Input column names a job reads: the mapped columns and the per-row overrides."""
+    return [column for _, column in _pairs(columns)]
+
+
+def read_rows(
+    files: Iterable[Path],
+    columns: dict[str, str],
+    keep: Iterable[str] = (),
+    root: Path | None = None,
+) -> Iterator[InputRow]:
+    """Stream every row of ``files`` in order, with the ``keep`` columns each row has. Raises
+    only when a file cannot be opened or read."""
+    files = list(files)
+    root = root or (input_root(files) if files else Path("."))
+    logical = {column: key for key, column in reversed(_pairs(columns))}  # column -> name
+    keep = list(keep)
+    wanted = list(logical) + keep
+    position = 0
+    for file in files:
+        name = relative_name(file, root)
+        for number, record, error in file_records(file, wanted):
+            values, kept = {}, {}
+            if record is not None:  # a record has a few keys: walk them, not every name
+                values = {logical[c]: v for c, v in record.items() if c in logical}
+                if keep:
+                    kept = {c: record[c] for c in keep if c in record}
+            yield InputRow(position, file, name, number, values, columns, kept, error)
+            position += 1
+
+
+def relative_name(file: Path, root: Path) -> str:
+    try:
+        return str(Path(os.path.abspath(file)).relative_to(root))
+    except ValueError:
+        return str(file)
+
+
+def file_records(
+    file: Path, columns: list[str] | None
+) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(number, record, error) of every row; Parquet reads only ``columns`` (None: all)."""
+    if file.suffix.lower() == ".jsonl":
+        return _jsonl_records(file)
+    return _parquet_records(file, columns)
+
+
+def _jsonl_records(file: Path) -> Iterator[tuple[int, dict | None, str | None]]:
+    try:
+        with open(file, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:  # decoding first spares json.loads guessing the encoding of every line
+                    record = json.loads(line.decode("utf-8"))
+                except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError
+                    yield number, None, f"malformed JSON: {exc}"
+                    continue
+                if isinstance(record, dict):
+                    yield number, record, None
+                else:
+                    yield number, None, f"expected a JSON object, got {type_name(record)}"
+    except OSError as exc:
+        raise InputError(f"{file}: cannot read: {exc.strerror or exc}") from exc
+
+
+def _parquet_records(
+    file: Path, columns: list[str] | None
+) -> Iterator[tuple[int, dict | None, str | None]]:
+    number = 0
+    try:
+        parquet = pq.ParquetFile(file)
+        names = parquet.schema_arrow.names
+        wanted = names if columns is None else [c for c in dict.fromkeys(columns) if c in names]
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
+            for record in batch.to_pylist():
+                yield number, record, None
+                number += 1
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{file}: cannot read as Parquet (at row {number}): {exc}") from exc

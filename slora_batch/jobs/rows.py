@@ -1,0 +1,176 @@
+"""One input row into a ``Request``, or an error ``Result`` whose message names the file, the
+row and why (a bad row never raises); and a row's identity.
+
+Identity: a row's id is its ``id`` column, kept with its type (string or int). A row without a
+usable id (none given; or its id, its adapter or the line itself cannot be read) gets a
+``RowSource`` instead: where it came from, which no given id can equal (the writer stores a null
+id and the source). ``row_key`` turns either into the resume key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from slora_batch.engine.config import ConfigError, SamplingConfig
+from slora_batch.engine.request import SAMPLING_FIELDS, Request, Result
+from slora_batch.jobs.reader import InputRow
+from slora_batch.jobs.text import describe, encodable, unencodable
+
+
+@dataclass(frozen=True, slots=True)
+class RowSource:
+    """The id of a row that has no usable one: where it came from, "rows.jsonl line 7"."""
+
+    source: str
+
+    def __str__(self) -> str:  # sampling keys a row's random stream by str(id)
+        return self.source
+
+    def __repr__(self) -> str:
+        return f"<no id: {self.source}>"
+
+
+def row_key(id_: Any, adapter: str | None, source: str | None = None) -> str:
+    """Resume key of a row: its id (an int compares as its decimal string, so the int 7 and the
+    string "7" are one id) and adapter ("" = None); a row without an id (None or a
+    ``RowSource``) is keyed by its source instead, which no given id can equal.
+
+    Running example: (7, None) -> "1:7"; ("7", "a") -> "1:7a"; (None, "a", "x line 3") ->
+    "@10:x line 3a". The length prefix ends the id, so no id and adapter pair reads as another.
+    """
+    if isinstance(id_, RowSource):
+        source, id_ = id_.source, None
+    if id_ is None:
+        return f"@{len(str(source))}:{source}{adapter or ''}"
+    text = str(id_)
+    return f"{len(text)}:{text}{adapter or ''}"
+
+
+def identity(row: InputRow, fanout: bool = False) -> tuple[Any, str | None, str | None]:
+    """(id, adapter, problem) of a row: the id as given, or a ``RowSource`` when the row has no
+    usable id; ``problem`` says why the row is an error row when its line, id or adapter cannot
+    be read (then the id is always a ``RowSource``: the row cannot claim an identity it may
+    share). With ``fanout`` the row's adapter is not read (the sweep replaces it)."""
+    if row.error is not None:
+        return RowSource(row.where), None, row.error
+    columns = row.columns
+    id_, problem = _check_id(row.values.get("id"), columns["id"])
+    adapter = None
+    if not fanout and problem is None:
+        adapter, problem = _check_adapter(row.values.get("adapter"), columns["adapter"])
+        if problem is not None and id_ is not None:
+            problem += f" (row id {id_!r})"
+    if problem is not None or id_ is None:
+        return RowSource(row.where), (None if problem else adapter), problem
+    return id_, adapter, None
+
+
+def _check_id(id_: Any, column: str) -> tuple[Any, str | None]:
+    if id_ is None:
+        return None, None
+    if isinstance(id_, bool) or not isinstance(id_, str | int) or id_ == "":
+        return (
+            None,
+            f"column {column!r} must be a non-empty string or an integer, got {describe(id_)}",
+        )
+    if isinstance(id_, str) and not encodable(id_):
+        return None, f"column {column!r}: {unencodable(id_)}"
+    return id_, None
+
+
+def _check_adapter(adapter: Any, column: str) -> tuple[str | None, str | None]:
+    if adapter is not None and not isinstance(adapter, str):
+        return None, f"column {column!r} must be a string or null, got {describe(adapter)}"
+    if adapter and not encodable(adapter):
+        return None, f"column {column!r}: {unencodable(adapter)}"
+    return adapter or None, None
+
+
+def to_request(
+    row: InputRow, sampling_defaults: SamplingConfig, fanout: bool = False
+) -> Request | Result:
+    """Validate one row into a ``Request``, or an error ``Result`` whose message names the file,
+    the row and the reason. Null override values mean "use the job's sampling". ``extra``
+    carries the output's extra columns: ``source`` and the kept columns."""
+    values, columns = row.values, row.columns
+    id_, adapter, problem = identity(row, fanout)
+    extra = {"source": row.where, **row.kept}
+
+    def failed(reason: str) -> Result:
+        return Result(
+            id=id_,
+            adapter=adapter,
+            text="",
+            finish_reason="error",
+            error=f"{row.where}: {reason}",
+            extra=extra,
+        )
+
+    if problem is not None:
+        return failed(problem)
+    prompt, messages = values.get("prompt"), values.get("messages")
+    if prompt is not None and messages is not None:
+        return failed(
+            f"give either column {columns['prompt']!r} or {columns['messages']!r}, not both"
+        )
+    if prompt is None and messages is None:
+        return failed(f"row has neither column {columns['prompt']!r} nor {columns['messages']!r}")
+    if prompt is not None and not isinstance(prompt, str):
+        return failed(f"column {columns['prompt']!r} must be a string, got {describe(prompt)}")
+    if prompt == "":
+        return failed(f"column {columns['prompt']!r} is empty")
+    if prompt is not None and not encodable(prompt):
+        return failed(f"column {columns['prompt']!r}: {unencodable(prompt)}")
+    if messages is not None:
+        messages, problem = _check_messages(messages, columns["messages"])
+        if problem:
+            return failed(problem)
+    overrides = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
+    if overrides:
+        try:  # SamplingConfig is the one place these are validated (and stop normalized)
+            merged = dataclasses.replace(sampling_defaults, **overrides)
+        except ConfigError as exc:
+            return failed(f"per-row override: {exc}")
+        overrides = {name: getattr(merged, name) for name in overrides}
+    return Request(
+        id=id_,
+        adapter=adapter,
+        prompt=prompt,
+        messages=messages,
+        extra=extra,
+        source=row.where,
+        **overrides,
+    )
+
+
+def _check_messages(messages: Any, column: str) -> tuple[list[dict[str, str]], str | None]:
+    if not isinstance(messages, list) or not messages:
+        return (
+            [],
+            f"column {column!r} must be a non-empty list of {{role, content}} objects, got {describe(messages)}",
+        )
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return (
+                [],
+                f"{column}[{i}] must be an object with 'role' and 'content', got {describe(message)}",
+            )
+        # Parquet structs carry every field of the column's type; null fields are absent ones
+        extra = sorted(
+            k for k, v in message.items() if k not in ("role", "content") and v is not None
+        )
+        if extra:
+            return [], f"{column}[{i}] has unsupported key {extra[0]!r} (only 'role' and 'content')"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or role == "":
+            return [], f"{column}[{i}].role must be a non-empty string, got {describe(role)}"
+        if not isinstance(content, str):
+            return [], f"{column}[{i}].content must be a string, got {describe(content)}"
+        for key, text in (("role", role), ("content", content)):
+            if not encodable(text):
+                return [], f"{column}[{i}].{key}: {unencodable(text)}"
+        clean.append({"role": role, "content": content})
+    return clean, None

@@ -1,0 +1,50 @@
+"""The output parts' schema: ``id`` keeps the input's type (int64 when every given id is an
+integer, else string: an int 7 is stored "7"), null for a row without a usable id, which
+``source`` ("rows.jsonl line 7") identifies instead; then the core columns, then the kept input
+columns (``JSON_TEXT`` ones hold each value as JSON text)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+JSON_TEXT = {b"slora_batch": b"json"}  # field metadata: a kept column stored as JSON text
+CORE_FIELDS = [
+    pa.field("adapter", pa.string()),  # null = base model
+    pa.field("text", pa.string(), nullable=False),
+    pa.field("token_ids", pa.list_(pa.int32()), nullable=False),  # generated ids only
+    pa.field("prompt_tokens", pa.int32(), nullable=False),
+    pa.field("completion_tokens", pa.int32(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),  # stop | length | error
+    pa.field("error", pa.string()),  # null when fine
+    pa.field("source", pa.string()),  # where the row came from: "rows.jsonl line 7"
+]
+OUTPUT_COLUMNS = ("id", *(f.name for f in CORE_FIELDS))  # a kept input column cannot take these
+ID_TYPES = {"int64": pa.int64(), "string": pa.string()}
+
+
+def part_schema(
+    id_type: str = "string",
+    keep: dict[str, pa.DataType] | None = None,
+    json_text: tuple[str, ...] | list[str] = (),
+) -> pa.Schema:
+    """The parts' schema: ``id`` of ``id_type`` ("int64" or "string"), the core columns, then
+    the kept input columns (``json_text`` ones are strings holding each value as JSON)."""
+    if id_type not in ID_TYPES:
+        raise ValueError(f"id_type must be 'int64' or 'string', got {id_type!r}")
+    kept = []
+    for name, type_ in (keep or {}).items():
+        if name in OUTPUT_COLUMNS:
+            raise ValueError(f"kept column {name!r} would replace the output's own column")
+        json_column = name in json_text
+        kept.append(
+            pa.field(
+                name,
+                pa.string() if json_column else type_,
+                True,
+                JSON_TEXT if json_column else None,
+            )
+        )
+    return pa.schema([pa.field("id", ID_TYPES[id_type]), *CORE_FIELDS, *kept])
+
+
+PART_SCHEMA = part_schema()  # string ids, no kept columns: the writer's default

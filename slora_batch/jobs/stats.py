@@ -1,0 +1,159 @@
+"""``stats.parquet``: its schema, the job row and the per-adapter rows a run writes, reading them
+back, and the row and token counts of the committed parts.
+
+Stats after a resume describe the whole output: row and token counts come from the committed
+parts; times, throughput and the engine counters (adapter loads, evictions, peak pool pages)
+are this run's. ``tokens_per_s`` divides this run's tokens by ``engine_s``, the generation
+loop's time without reading input and writing parts; model load (``load_s``), compile and
+capture (``warmup_s``), reading (``read_s``) and writing (``write_s``) are their own fields. An
+adapter's ``seconds`` is this run's span from its first row entering the engine to its last
+result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.jobs.check import JobPlan
+from slora_batch.jobs.feed import RunRecord
+from slora_batch.jobs.outdir import STATS_FILE, commit_file, part_files
+
+STATS_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),  # "job" or "adapter"
+        ("adapter", pa.string()),  # adapter rows: name, null = base model
+        ("rows", pa.int64()),
+        ("ok_rows", pa.int64()),
+        ("error_rows", pa.int64()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("wall_s", pa.float64()),  # this run, start to end
+        ("tokens_per_s", pa.float64()),  # completion tokens of this run / engine_s
+        ("requests_per_s", pa.float64()),  # rows of this run / engine_s
+        ("engine_s", pa.float64()),  # generating: the loop less reading, writing and warmup
+        ("load_s", pa.float64()),  # building the engine: weights, tokenizer, pool
+        ("warmup_s", pa.float64()),  # compiling kernels, capturing CUDA graphs
+        ("read_s", pa.float64()),  # reading input rows, skipping done ones included
+        ("write_s", pa.float64()),  # buffering and committing parts
+        ("adapters_seen", pa.int64()),
+        ("adapters_broken", pa.int64()),  # adapters that cannot run: their rows are errors
+        ("adapter_loads", pa.int64()),
+        ("adapter_disk_loads", pa.int64()),  # adapter weight files read
+        ("adapter_evictions", pa.int64()),
+        ("prefetch_hits", pa.int64()),
+        ("peak_pool_pages", pa.int64()),
+        ("device", pa.string()),
+        ("dtype", pa.string()),
+        ("tokens", pa.int64()),  # adapter rows: completion tokens of the adapter's rows
+        ("seconds", pa.float64()),  # adapter rows: time the adapter's rows were running
+    ]
+)
+
+
+COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
+
+
+def output_counts(out_dir: str | Path) -> dict[str | None, dict[str, int]]:
+    """Rows, ok and error rows, prompt and completion tokens per adapter over every committed
+    part (None = base model)."""
+    counts: dict[str | None, dict[str, int]] = {}
+    for _, path in part_files(out_dir):
+        table = pq.read_table(
+            path, columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"]
+        )
+        grouped = table.group_by(["adapter", "finish_reason"]).aggregate(
+            [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
+        )
+        for row in grouped.to_pylist():
+            c = counts.setdefault(row["adapter"], dict.fromkeys(COUNT_KEYS, 0))
+            c["rows"] += row["count_all"]
+            c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
+            c["prompt_tokens"] += row["prompt_tokens_sum"]
+            c["completion_tokens"] += row["completion_tokens_sum"]
+    return counts
+
+
+def write_stats(
+    out_dir: str | Path, job_row: dict[str, Any], adapter_rows: list[dict[str, Any]]
+) -> Path:
+    """Write ``stats.parquet``: one row kind="job", then one kind="adapter" per adapter.
+    Keys must be ``STATS_SCHEMA`` names; missing ones are null."""
+    rows = [{**job_row, "kind": "job"}] + [{**row, "kind": "adapter"} for row in adapter_rows]
+    for row in rows:
+        unknown = sorted(set(row) - set(STATS_SCHEMA.names))
+        if unknown:
+            raise ValueError(f"stats {row['kind']} row: unknown column {unknown[0]!r}")
+    table = pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
+    path = Path(out_dir) / STATS_FILE
+    commit_file(path, lambda handle: pq.write_table(table, handle))
+    return path
+
+
+def read_stats(out_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The job row and the adapter rows of ``stats.parquet``, or None when there is none."""
+    path = Path(out_dir) / STATS_FILE
+    if not path.is_file():
+        return None
+    rows = pq.read_table(path).to_pylist()
+    job = [r for r in rows if r["kind"] == "job"]
+    if not job:
+        return None
+    strip = lambda row: {k: v for k, v in row.items() if k != "kind"}
+    return strip(job[0]), [strip(r) for r in rows if r["kind"] == "adapter"]
+
+
+def stats_rows(
+    out_dir: Path, plan: JobPlan, run: RunRecord, wall_s: float
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The job row and the per-adapter rows of ``stats.parquet`` (see the module docstring)."""
+    per_adapter = output_counts(out_dir)
+    totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS}
+    counters = run.counters
+    engine_s = run.engine_s
+    rate = 1.0 / engine_s if engine_s > 0 else 0.0
+    previous = _previous_stats(out_dir)
+    job_row = {
+        **totals,
+        "wall_s": wall_s,
+        "tokens_per_s": run.tokens * rate,
+        "requests_per_s": run.rows * rate,
+        "engine_s": engine_s,
+        "load_s": getattr(counters, "load_s", None) or run.load_s,
+        "warmup_s": getattr(counters, "warmup_s", 0.0),
+        "read_s": run.read_s,
+        "write_s": run.write_s,
+        "adapters_seen": sum(1 for a, c in per_adapter.items() if a is not None and c["ok_rows"]),
+        "adapters_broken": len(plan.broken),
+        "adapter_loads": getattr(counters, "adapter_loads", 0),
+        "adapter_disk_loads": getattr(counters, "disk_loads", 0),
+        "adapter_evictions": getattr(counters, "adapter_evictions", 0),
+        "prefetch_hits": getattr(counters, "prefetch_hits", 0),
+        "peak_pool_pages": getattr(counters, "peak_pages", 0),
+        # no engine this run (every row was done): the device of the run that made them
+        "device": previous.get("device") or plan.job.engine.device,
+        "dtype": previous.get("dtype") or plan.job.engine.dtype,
+    }
+    if run.device is not None:
+        job_row["device"], job_row["dtype"] = run.device, run.dtype
+    adapter_rows = []
+    for adapter in sorted(per_adapter, key=lambda a: (a is not None, a or "")):
+        counts = per_adapter[adapter]
+        span = None
+        if adapter in run.first_in and adapter in run.last_out:
+            span = run.last_out[adapter] - run.first_in[adapter]
+        adapter_rows.append(
+            {"adapter": adapter, **counts, "tokens": counts["completion_tokens"], "seconds": span}
+        )
+    return job_row, adapter_rows
+
+
+def _previous_stats(out_dir: Path) -> dict[str, Any]:
+    try:
+        stats = read_stats(out_dir)
+    except (OSError, pa.ArrowException):
+        return {}
+    return stats[0] if stats else {}

@@ -1,0 +1,47 @@
+"""Text checks shared by the row checks and the writer: what UTF-8 cannot encode (a lone
+surrogate from a JSON ``\\u`` escape), its repair, and short descriptions of values for
+messages."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+SURROGATE = re.compile("[\ud800-\udfff]")  # what UTF-8 cannot encode in a Python str
+
+
+def encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unencodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        return (
+            f"{text[:40]!r} has a character UTF-8 cannot encode ({bad!r} at position {exc.start}, "
+            "a lone surrogate from a JSON \\u escape?)"
+        )
+    return f"{text[:40]!r} is fine"
+
+
+def clean(text: str | None) -> str | None:
+    """``text`` with every character UTF-8 cannot encode (lone surrogates) replaced by U+FFFD."""
+    if text is None or encodable(text):
+        return text
+    return SURROGATE.sub("\ufffd", text)
+
+
+def type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def describe(value: Any) -> str:
+    return f"{type_name(value)} {value!r}"[:80]
