@@ -211,11 +211,11 @@ def _logging(quiet: bool, verbose: bool) -> None:
         handler = _StderrHandler()
         layout = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=level, format=layout, handlers=[handler], force=True)
-    if not quiet:
-        # The one-time conversion of the sample model takes a while: say so. And each engine's
-        # device, pool size and memory reserve: what a nightly log needs to explain a slow run.
-        for name in ("sample_model", "engine", "memory"):
-            logging.getLogger(f"slora_batch.engine.{name}").setLevel(logging.INFO)
+    # The one-time conversion of the sample model takes a while: say so. And each engine's
+    # device, pool size and memory reserve: what a nightly log needs to explain a slow run.
+    for name in ("sample_model", "engine", "memory"):
+        level = logging.NOTSET if quiet or verbose else logging.INFO
+        logging.getLogger(f"slora_batch.engine.{name}").setLevel(level)
 
 
 class _StderrHandler(logging.StreamHandler):

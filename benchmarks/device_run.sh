@@ -54,11 +54,11 @@ case "$mode" in
     cat "$out/kernels.md" "$out/vector-sweep.md" "$out/tiled-sweep.md"
     ;;
   now)
-    # stop 13 (issues 14, 15): the engine's GPU tests after the lifecycle and layout changes,
-    # then base and slora at 10, 1000 and 2000 adapters beside it, 15 s a run
-    gpu_tests 330 --durations=5 tests/engine
-    bench now 260 --requests 2000 --systems base,slora --adapters 10,1000,2000 --max-seconds 15 \
-      --total-seconds 240
+    # stop 13 (issues 14, 15): the engine GPU test of adapter churn (fixed after the tests run),
+    # then the acceptance run at 20 s a run, after the lifecycle and layout changes
+    gpu_tests 120 tests/engine/test_engine_gpu.py -k churn
+    bench h200 470 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
+      --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --max-seconds 20 --total-seconds 440
     ;;
   *)
     echo "unknown mode $mode (tests, bench, profile, kernels, now)" >&2

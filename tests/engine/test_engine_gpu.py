@@ -291,7 +291,7 @@ def test_bf16_engine_matches_peft_under_adapter_churn(gpu_case):
     ]
     kv_pages = 4 * (160 + 12) * PAGES_PER_TOKEN
     engine = make_engine(model_dir, weights, adapters, num_pages=adapter_pages + kv_pages)
-    assert engine.prefetch_stream is not None and engine.config.overlap
+    assert engine.prefetcher.stream is not None and engine.config.overlap
     expected = {row["id"]: reference(peft_model, row) for row in cases}
     _, margins = first_step_errors(engine, peft_model, cases, expected)
     results = {r.id: r for r in engine.generate(Request(**row) for row in cases)}
