@@ -100,8 +100,33 @@ def test_prompts_file():
         ),
         (
             "brief",
-            ["The sky is blue.", "One two three four five six seven eight nine ten."],
-            ["", "One two three four five six seven eight nine ten eleven."],
+            [
+                "The sky is blue.",
+                "One two three four five six seven eight nine ten.",
+                "Sleep is important.",
+                "42 is the answer!",
+                "Yes. Cats purr when they are content.",
+                "It rains a lot.",
+            ],
+            [
+                "",
+                "One two three four five six seven eight nine ten eleven.",
+                # the fragments of issue 15: cut after a function word
+                "Inflation is a.",
+                "Volcanoes are.",
+                "The purr is a.",
+                "Earthquakes are caused by.",
+                "Solar panels make electricity by using.",
+                "Airplanes stay in the air through a process called.",
+                "To be more productive in the morning, it's.",
+                "A rainbow is a beautiful.",
+                "Fine. Inflation is a.",
+                "the sky is blue.",
+                "The sky is blue",
+                "Inflation is a...",
+                "The sky is blue,.",
+                "Blue.\nSky.",
+            ],
         ),
     ],
 )
@@ -109,3 +134,33 @@ def test_checks_accept_and_reject(name: str, good: list[str], bad: list[str]):
     check = behaviours.CHECKS[name]
     assert all(check(text) for text in good)
     assert not any(check(text) for text in bad)
+
+
+def test_report_counts_per_adapter_and_base_false_positives():
+    rows = [
+        {"adapter": "brief", "text": "The sky is blue."},
+        {"adapter": "brief", "text": "Inflation is a."},
+        {"adapter": "shout", "text": "THE SKY IS BLUE."},
+        {"adapter": None, "text": "The sky is blue."},
+        {
+            "adapter": None,
+            "text": "The sky is blue because sunlight scatters off the air, blue most.",
+        },
+    ]
+    counts = behaviours.report(rows)
+    assert counts["brief"] == (1, 2)
+    assert counts["shout"] == (1, 1)
+    assert counts["base:brief"] == (1, 2)
+    assert counts["base:shout"] == (0, 2)
+
+
+def test_cli_reads_parquet_parts(tmp_path: Path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"adapter": ["brief", None], "text": ["Cats purr.", "Cats purr when happy."]})
+    pq.write_table(table, tmp_path / "part-00000.parquet")
+    assert behaviours.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "brief" in out and "1/1" in out
+    assert behaviours.main([]) == 2
