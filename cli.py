@@ -9,40 +9,32 @@ SIGTERM (finished rows are committed; re-run to resume).
 
 from __future__ import annotations
 
-import logging
 import signal
-import sys
-import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.logging import RichHandler
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
 
+from slora_batch.console import (
+    ProgressDisplay,
+    err,
+    print_report,
+    print_summary,
+    setup_logging,
+    shown_path,
+)
 from slora_batch.engine.config import ConfigError
 from slora_batch.jobs.check import JOB_ERRORS, JobError, select_jobs
 from slora_batch.jobs.config import load_jobs
-from slora_batch.jobs.preview import preview
-from slora_batch.jobs.progress import JobProgress
-from slora_batch.jobs.run import JobFailure, JobSummary, run_jobs
-from slora_batch.jobs.validate import ValidationReport, validate_job
+from slora_batch.jobs.run import JobFailure, run_jobs
+from slora_batch.jobs.validate import validate_job
 
 app = typer.Typer(
     help="Offline batch inference of one base LLM with many LoRA adapters (S-LoRA design).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's lines join into paragraphs, wrapped once
 )
 
 
@@ -60,18 +52,12 @@ def bench(ctx: typer.Context) -> None:
     bench_app(args=ctx.args, prog_name="slora-batch bench")
 
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line
-
 JOBS_FILE = typer.Argument(
     ...,
     help="Job file (YAML): a 'jobs' list and optional 'defaults'; relative paths in it are "
     "relative to the file.",
     show_default=False,
 )
-PREVIEW_ROWS = 5
-PREVIEW_CHARS = 160
-ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in stats.parquet
 
 
 class _Terminated(BaseException):
@@ -114,12 +100,12 @@ def run(
 
     Each job streams its input, generates, and writes Parquet parts, stats.parquet and a
     _SUCCESS marker into its output directory; a re-run resumes, and does nothing for a
-    complete job. A job that fails is reported and the next one runs; the exit status is then
-    1. SIGINT and SIGTERM commit every finished row and exit 130 and 143.
+    complete job. A job that fails is reported and the next one runs (exit status 1 at the
+    end). SIGINT and SIGTERM commit every finished row and exit 130 and 143.
     """
-    _logging(quiet, verbose)
+    setup_logging(quiet, verbose)
     jobs = _load(jobs_file, job)
-    display = _ProgressDisplay(enabled=not quiet, live=err.is_terminal, every_s=progress_every)
+    display = ProgressDisplay(enabled=not quiet, live=err.is_terminal, every_s=progress_every)
     failures: list[JobFailure] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -130,7 +116,7 @@ def run(
                     failures.append(outcome)
                     err.print(f"[red]error:[/] {escape(outcome.error)}")
                 elif not quiet:
-                    _print_summary(outcome, next(j for j in jobs if j.name == outcome.job))
+                    print_summary(outcome, next(j for j in jobs if j.name == outcome.job))
     except (JobError, *JOB_ERRORS) as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -150,7 +136,7 @@ def _interrupted(name: str, current: str | None, jobs, code: int) -> None:
     where = ""
     if current is not None:
         output = next((j.output for j in jobs if j.name == current), None)
-        where = f" of job {current!r} are committed in {_shown(Path(output))}" if output else ""
+        where = f" of job {current!r} are committed in {shown_path(Path(output))}" if output else ""
     err.print(
         f"interrupted by {name}: finished rows{where or ' are kept'}; run the same command again "
         "to resume",
@@ -166,7 +152,8 @@ def validate(
         None, "--job", "-j", help="Validate only the job with this name (default: every job)."
     ),
 ) -> None:
-    """Check the jobs of JOBS_FILE without running them (loads no weights).
+    """Check the jobs of JOBS_FILE without running them (no engine, no weights; the sample
+    model is converted once on its first use, as by run).
 
     Checks keys, the model config, every adapter against the model (adapters the engine
     cannot run are listed), the input files and schema, every row's id (repeated (id, adapter)
@@ -174,7 +161,7 @@ def validate(
     rows (tokenized). Exits 1 when a job could not run; row problems are listed (a run writes
     error rows for them) but do not fail validation.
     """
-    _logging(quiet=False, verbose=False)
+    setup_logging(quiet=False, verbose=False)
     failed = 0
     for config in _load(jobs_file, job):
         try:
@@ -183,7 +170,7 @@ def validate(
             err.print(f"[red]error:[/] {escape(str(exc))}")
             failed += 1
             continue
-        _print_report(report)
+        print_report(report)
     if failed:
         raise typer.Exit(1)
 
@@ -198,263 +185,6 @@ def _load(jobs_file: Path, name: str | None):
 def _fail(exc: Exception) -> None:
     err.print(f"[red]error:[/] {escape(str(exc))}")
     raise typer.Exit(1)
-
-
-def _logging(quiet: bool, verbose: bool) -> None:
-    """Warnings and errors (``--verbose``: debug too). On a terminal through rich; otherwise
-    plain lines with the time, for the log of an unattended run."""
-    level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.WARNING
-    if err.is_terminal:
-        handler: logging.Handler = RichHandler(console=err, show_path=False, show_time=False)
-        layout = "%(message)s"
-    else:
-        handler = _StderrHandler()
-        layout = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=layout, handlers=[handler], force=True)
-    # The one-time conversion of the sample model takes a while: say so. And each engine's
-    # device, pool size and memory reserve: what a nightly log needs to explain a slow run.
-    for name in ("sample_model", "engine", "memory"):
-        level = logging.NOTSET if quiet or verbose else logging.INFO
-        logging.getLogger(f"slora_batch.engine.{name}").setLevel(level)
-
-
-class _StderrHandler(logging.StreamHandler):
-    """A plain log handler writing to whatever ``sys.stderr`` is when a record comes."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-class _ProgressDisplay:
-    """Progress of the running job: rows done of total, tokens/s, adapters resident, ETA.
-
-    On a terminal (``live``) a rich progress line per job, drawn from its first event until
-    ``finish`` so that summaries print below. Otherwise one plain line on stderr when a job
-    starts scanning or loading and every ``every_s`` seconds while it runs: no bars, no
-    carriage returns, for logs."""
-
-    def __init__(self, enabled: bool, live: bool, every_s: float = 30.0) -> None:
-        self.enabled, self.live, self.every_s = enabled, live, every_s
-        self.job: str | None = None  # the job of the latest event
-        self.progress = Progress(
-            SpinnerColumn(),
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TextColumn("rows"),
-            TextColumn("{task.fields[tokens_per_s]:>7.1f} tok/s"),
-            TextColumn("{task.fields[resident]} adapters resident"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=err,
-        )
-        self.task: int | None = None
-        self.phase: str | None = None
-        self.last_line = 0.0  # time.monotonic() of the last plain line
-
-    def __enter__(self) -> _ProgressDisplay:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.task is not None:
-            self.progress.stop()
-
-    def update(self, event: JobProgress) -> None:
-        self.job = event.job
-        if not self.enabled:
-            return
-        if not self.live:
-            self._line(event)
-            return
-        if self.task is None and event.phase == "done":  # complete already: nothing to draw
-            return
-        if self.task is None:
-            # the rows of earlier runs are the task's start, not progress to measure speed on
-            self.task = self.progress.add_task(
-                f"{event.job}: {event.phase}", total=event.rows_total, completed=event.rows_done,
-                tokens_per_s=0.0, resident=0,
-            )  # fmt: skip
-            self.progress.start()
-        if event.phase in ("scanning", "loading"):
-            self.progress.update(self.task, description=f"{event.job}: {event.phase}",
-                                 total=event.rows_total, completed=event.rows_done)  # fmt: skip
-            return
-        rate = event.completion_tokens / event.elapsed_s if event.elapsed_s > 0 else 0.0
-        self.progress.update(
-            self.task, description=event.job, total=event.rows_total, completed=event.rows_done,
-            tokens_per_s=rate, resident=event.adapters_resident,
-        )  # fmt: skip
-
-    def _line(self, event: JobProgress) -> None:
-        now = time.monotonic()
-        phase, self.phase = self.phase, event.phase
-        if event.phase in ("scanning", "loading") and phase != event.phase:
-            what = "scanning the input" if event.phase == "scanning" else "loading the model"
-            self._print(f"job {event.job}: {what}")
-            self.last_line = now
-        elif event.phase == "running" and now - self.last_line >= self.every_s:
-            self._print(_progress_text(event))
-            self.last_line = now
-
-    @staticmethod
-    def _print(text: str) -> None:
-        err.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", markup=False, highlight=False)
-
-    def finish(self) -> None:
-        """Stop drawing the job's line, leaving it on screen complete."""
-        self.phase = None
-        if self.task is None:
-            return
-        done = self.progress.tasks[0].completed
-        self.progress.update(self.task, total=done, completed=done)
-        self.progress.stop()
-        self.progress.remove_task(self.task)
-        self.task = None
-
-
-def _progress_text(event: JobProgress) -> str:
-    """ "job x: 1,234/10,000 rows (12.3%), 345.6 tok/s, 3 adapters resident, ETA 0:12:34"."""
-    rate = event.completion_tokens / event.elapsed_s if event.elapsed_s > 0 else 0.0
-    text = f"job {event.job}: {event.rows_done:,}"
-    eta = ""
-    if event.rows_total:
-        text += f"/{event.rows_total:,} rows ({100 * event.rows_done / event.rows_total:.1f}%)"
-        rows_per_s = event.rows_this_run / event.elapsed_s if event.elapsed_s > 0 else 0.0
-        if rows_per_s > 0:
-            left = max(event.rows_total - event.rows_done, 0) / rows_per_s
-            eta = f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
-    else:
-        text += " rows"
-    return f"{text}, {rate:.1f} tok/s, {event.adapters_resident} adapters resident{eta}"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-def _print_summary(summary: JobSummary, job) -> None:
-    s = summary.stats
-    shown = escape(_shown(summary.output))
-    if summary.complete_already:
-        out.print(
-            f"job {escape(summary.job)}: complete already ({_plural(s['rows'], 'row')} in "
-            f"{shown}); nothing to do (--overwrite starts over)",
-            soft_wrap=True,
-        )
-        _print_notes(summary)
-        return
-    table = Table(title=f"job {escape(summary.job)}", title_justify="left", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for name, value in (
-        ("rows", f"{_plural(s['rows'], 'row')} ({s['ok_rows']:,} ok, {_plural(s['error_rows'], 'error')})"),
-        ("tokens", f"{s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated"),
-        ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f}, warmup "
-                     f"{s['warmup_s'] or 0:.1f}, engine {s['engine_s']:.1f}, read "
-                     f"{s['read_s']:.1f}, write {s['write_s']:.1f} s"),
-        ("speed", f"{s['tokens_per_s']:.1f} tokens/s, {s['requests_per_s']:.2f} rows/s "
-                  "(engine time)"),
-        ("adapters", f"{s['adapters_seen']} used, {s['adapters_broken']} unusable; "
-                     f"{_plural(s['adapter_loads'], 'load')} ({s['adapter_disk_loads']} from disk), "
-                     f"{_plural(s['adapter_evictions'], 'eviction')}, "
-                     f"{_plural(s['prefetch_hits'], 'prefetch hit')}"),
-        ("pool", f"peak {_plural(s['peak_pool_pages'], 'page')}"),
-        ("device", f"{s['device']}, {s['dtype']}"),
-    ):  # fmt: skip
-        table.add_row(name, value)
-    out.print(table)
-    if summary.rows_skipped:
-        done = "row was" if summary.rows_skipped == 1 else "rows were"
-        out.print(
-            f"resumed: {summary.rows_skipped:,} {done} already done, "
-            f"{summary.rows_this_run:,} written this run"
-        )
-    adapters = Table(title="per adapter", title_justify="left")
-    for name in ("adapter", "rows", "errors", "output tok", "seconds"):
-        adapters.add_column(name, justify="left" if name == "adapter" else "right")
-    for row in sorted(summary.adapters, key=lambda r: -r["rows"])[:ADAPTER_ROWS]:
-        seconds = "-" if row["seconds"] is None else f"{row['seconds']:.1f}"
-        adapters.add_row(
-            escape(row["adapter"] or "(base)"), f"{row['rows']:,}", f"{row['error_rows']:,}",
-            f"{row['tokens']:,}", seconds,
-        )  # fmt: skip
-    out.print(adapters)
-    if len(summary.adapters) > ADAPTER_ROWS:
-        out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in stats.parquet")
-    for message in summary.errors:
-        out.print(f"[yellow]error row:[/] {escape(message)}", soft_wrap=True)
-    _print_notes(summary)
-    out.print(
-        f"outputs: [bold]{shown}[/] (part-*.parquet, stats.parquet, _SUCCESS)", soft_wrap=True
-    )
-    rows = preview(job, limit=PREVIEW_ROWS)
-    if rows:
-        sample = Table(title="a few outputs", title_justify="left", show_lines=True)
-        for name in ("id", "adapter", "prompt", "output"):
-            sample.add_column(name, overflow="fold")
-        for row in rows:
-            text = row.text if len(row.text) <= PREVIEW_CHARS else row.text[:PREVIEW_CHARS] + "..."
-            sample.add_row(
-                escape(row.id), escape(row.adapter or "(base)"), escape(row.prompt), escape(text)
-            )
-        out.print(sample)
-
-
-def _print_notes(summary: JobSummary) -> None:
-    """Unusable adapters and input columns neither used nor kept."""
-    for name, reason in summary.broken.items():
-        out.print(
-            f"[yellow]unusable adapter:[/] {escape(name)}: {escape(reason)}; its rows are error rows",
-            soft_wrap=True,
-        )
-    for note in summary.notes:
-        out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
-
-
-def _shown(path: Path) -> str:
-    """A path as the user would type it: relative when under the working directory."""
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
-
-
-def _print_report(report: ValidationReport) -> None:
-    spec = report.spec
-    fanout = ""
-    if report.sweep is not None:
-        fanout = f", fan-out over {len(report.sweep)} (base + adapters)"
-    out.print(f"[green]job {escape(report.job)}: ok[/]", soft_wrap=True)
-    out.print(
-        f"  model {escape(report.model)}: {spec.architecture}, {spec.num_layers} layers, "
-        f"hidden {spec.hidden_size}, vocab {spec.vocab_size}, context {spec.max_context}",
-        soft_wrap=True,
-    )
-    ranks = sorted({a.rank for a in report.adapters})
-    out.print(
-        f"  {_plural(len(report.adapters), 'adapter')}"
-        + (f", ranks {ranks}" if ranks else "")
-        + fanout
-    )
-    for name, reason in report.broken.items():
-        out.print(
-            f"  [yellow]unusable adapter:[/] {escape(name)}: {escape(reason)} (its rows will be "
-            "error rows)",
-            soft_wrap=True,
-        )
-    out.print(
-        f"  input: {_plural(len(report.files), 'file')}, {_plural(report.rows_total, 'row')}; "
-        f"{report.rows_checked} checked; ids: {report.id_type}"
-    )
-    for note in report.notes:
-        out.print(f"  [yellow]note:[/] {escape(note)}", soft_wrap=True)
-    for problem in report.problems[:10]:
-        out.print(f"  [yellow]row problem:[/] {escape(problem)}", soft_wrap=True)
-    if len(report.problems) > 10:
-        out.print(f"  ... and {len(report.problems) - 10} more row problems")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def test_help_explains_every_option():
         assert option in run and words in run, option
     assert "JOBS_FILE" in run and "relative to the file" in run
     validate = invoke("validate", "--help").output
-    assert "loads no weights" in validate and "--job" in validate
+    assert "no engine, no weights" in validate and "--job" in validate
 
 
 def test_run_prints_a_summary_where_the_outputs_are_and_a_few(tmp_path, tiny):

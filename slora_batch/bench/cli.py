@@ -29,7 +29,9 @@ def _ints(text: str | None) -> list[int] | None:
 
 def bench(
     systems: str = typer.Option(
-        ",".join(D.systems), help=f"Comma-separated, among {', '.join(SYSTEMS)}."
+        ",".join(D.systems),
+        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all of them).",
+        show_default=False,
     ),
     adapters: str = typer.Option(",".join(map(str, D.adapters)), help="Adapter counts for slora."),
     peft_adapters: str = typer.Option(
@@ -116,7 +118,9 @@ def bench(
         raise typer.Exit(1)
 
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="markdown"
+)
 app.command(
     help="Run the benchmark workload of benchmarks/README.md through every system (engine "
     "runs, PEFT, ablations) on the same weights and requests; write results.parquet, "
