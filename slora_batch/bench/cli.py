@@ -118,9 +118,7 @@ def bench(
         raise typer.Exit(1)
 
 
-app = typer.Typer(
-    add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="markdown"
-)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="markdown")
 app.command(
     help="Run the benchmark workload of benchmarks/README.md through every system (engine "
     "runs, PEFT, ablations) on the same weights and requests; write results.parquet, "
