@@ -568,3 +568,45 @@ def test_keep_columns_all_takes_every_column_the_job_does_not_read(tmp_path, tin
     got = {r["id"]: r for r in table.to_pylist()}
     assert [got[r["id"]]["late"] for r in rows] == [None, None, 1.5, None]
     assert summary.notes == ["column 'text' is not kept: the output has its own 'text'"]
+
+
+# -- defect 1: a chat template that raises ------------------------------------------------------
+
+RAISING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_chat_template_that_raises_is_an_error_row_and_validate_reports_it(tmp_path, tiny):
+    """Defect 1 (c06029c): a template's ``raise_exception`` (Llama-2, Mistral and Gemma refuse a
+    system turn) escaped as jinja2's TemplateError: the job died at that row on every rerun and
+    validate called the job fine. Now the row is an error row naming its line and the
+    template's message; the other rows run; validate lists it."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny.model, model)
+    settings_path = model / "tokenizer_config.json"
+    settings = json.loads(settings_path.read_text())
+    settings["chat_template"] = RAISING_TEMPLATE
+    settings_path.write_text(json.dumps(settings))
+    (model / "chat_template.jinja").unlink(missing_ok=True)  # transformers 5 reads it first
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    write_lines(
+        tmp_path / "rows.jsonl",
+        [
+            {"id": 1, "messages": [{"role": "user", "content": "Hello there"}]},
+            {"id": 2, "messages": system},
+            {"id": 3, "prompt": "plain text"},
+        ],
+    )
+    job = load_job(tmp_path, tiny, model=str(model))
+    report = validate_job(job)
+    assert any("line 2" in p and "System role not supported" in p for p in report.problems)
+    run_job(job)
+    rows = {r["id"]: r for r in parts_table(tmp_path / "out").to_pylist()}
+    assert rows[2]["finish_reason"] == "error"
+    assert "line 2" in rows[2]["error"] and "System role not supported" in rows[2]["error"]
+    assert rows[1]["error"] is None and rows[3]["error"] is None
+    assert read_success(tmp_path / "out")["rows"] == 3
