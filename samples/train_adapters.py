@@ -498,10 +498,11 @@ def verify(model_dir: Path, adapters_dir: Path, prompts_path: Path, args, device
     print(f"{'adapter':8} {'adapter rows':>12} {'base rows':>10}  (of {len(questions)})")
     for spec in SPECS:
         check = CHECKS[spec.name]
-        own = sum(map(check, answers[spec.name])) / len(questions)
-        base_rate = sum(map(check, answers["base"])) / len(questions)
-        ok &= own >= 0.9 and base_rate <= 0.1
-        print(f"{spec.name:8} {own:12.0%} {base_rate:10.0%}")
+        own = sum(map(check, answers[spec.name]))
+        base_rows = sum(map(check, answers["base"]))
+        # The samples' bar (issue 15): 45 of 48 rows show the behaviour, base rows hardly ever.
+        ok &= own >= len(questions) * 45 / 48 and base_rows <= len(questions) * 0.1
+        print(f"{spec.name:8} {own:9d}/{len(questions)} {base_rows:7d}/{len(questions)}")
     if args.report:
         with open(args.report, "w") as handle:
             for name, texts in answers.items():
