@@ -3,6 +3,8 @@
 request.py    Request, Result: what goes in and what comes out
 config.py     EngineConfig, SamplingConfig: every engine and sampling default, validated
 engine.py     Engine: the public iterator over the continuous-batching loop
+data_parallel.py  DataParallelEngine: Engine's surface over worker processes, one device each
+dp_worker.py  a data-parallel worker: its device, its engine, its pipes to the driver
 prepare.py    a request becomes a sequence, or an error result saying why
 scheduler.py  owns a sequence's life: admit, chunked prefill, finish, hold, release, preempt
 sequence.py   one admitted row: tokens, pages, how far its KV is computed

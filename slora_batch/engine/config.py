@@ -100,6 +100,9 @@ class EngineConfig:
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
     overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
     # N+1 takes step N's sampled tokens on the device (False: one step at a time)
+    data_parallel: int = 1  # engine worker processes, one GPU each (cpu: processes sharing
+    # the cores); > 1 runs ``data_parallel.DataParallelEngine``
+    gpus: str | None = None  # "all": data_parallel = the number of visible CUDA devices
 
     def __post_init__(self) -> None:
         check(
@@ -148,6 +151,27 @@ class EngineConfig:
             and not isinstance(self.cpu_threads, bool)
             and self.cpu_threads >= 1,
             f"cpu_threads must be an integer >= 1 or null, got {self.cpu_threads!r}",
+        )
+        check(
+            isinstance(self.data_parallel, int)
+            and not isinstance(self.data_parallel, bool)
+            and self.data_parallel >= 1,
+            f"data_parallel must be an integer >= 1, got {self.data_parallel!r}",
+        )
+        check(self.gpus in (None, "all"), f"gpus must be all or null, got {self.gpus!r}")
+        check(
+            self.gpus is None or self.data_parallel == 1,
+            f"gpus: all picks data_parallel from the visible CUDA devices; do not also set "
+            f"data_parallel ({self.data_parallel})",
+        )
+        check(
+            self.gpus is None or self.device != "cpu",
+            "gpus: all needs CUDA devices, but device is cpu",
+        )
+        check(
+            not (self.device.startswith("cuda:") and (self.data_parallel > 1 or self.gpus)),
+            f"device {self.device} names one GPU; data parallelism gives each worker its own: "
+            "use device auto or cuda",
         )
         check(
             self.max_model_len is None or self.max_model_len >= 2,

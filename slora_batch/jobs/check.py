@@ -66,6 +66,10 @@ def check_job(job: JobConfig) -> JobPlan:
 
             if not torch.cuda.is_available():
                 raise ConfigError(f"engine.device is {device!r} but no CUDA device is available")
+        if job.engine.data_parallel > 1 or job.engine.gpus:
+            from slora_batch.engine.data_parallel import worker_slots
+
+            worker_slots(job.engine)  # enough devices for the workers
         model_path = resolve_model(job.model)
         spec = read_spec(model_path)
         adapters, broken = check_adapters(spec, job.adapters)

@@ -106,10 +106,11 @@ def run_job(
 
 
 def _build_engine(plan: JobPlan):
-    from slora_batch.engine.engine import Engine  # imports torch and the model code
+    """An ``Engine``, or a ``DataParallelEngine`` of ``engine.data_parallel`` workers."""
+    from slora_batch.engine.data_parallel import open_engine  # imports torch and the model code
 
     job = plan.job
-    return Engine(plan.model_path, adapters=job.adapters, config=job.engine, sampling=job.sampling)
+    return open_engine(plan.model_path, job.adapters, job.engine, job.sampling)
 
 
 def run_plan(

@@ -1,0 +1,175 @@
+"""Data-parallel workers: their devices (``worker_slots``), and the worker process: one
+``Engine`` on one device, fed rows by the driver (``data_parallel.DataParallelEngine``) through
+a pipe, its results sent back through another.
+
+Messages in: ``("rows", stream, [Request])``, ``("end", stream)`` (no more rows: finish what is
+held), ``("abort", stream)`` (the driver abandoned the stream: drop its rows). Messages out:
+``("ready", info)``, ``("result", stream, Result, counters or None)``, ``("done", stream,
+counters)``, ``("failed", text, exception or None)`` before the process exits with status 1, and
+``("log", record)``: the worker's log records, logged by the driver through its own handlers.
+A reader thread drains the driver's pipe, so the driver never blocks on a send, and ends the
+process as soon as the driver is gone (its pipe closed, or this process re-parented).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from slora_batch.engine.config import ConfigError, EngineConfig
+from slora_batch.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+COUNTERS_EVERY_S = 0.5  # a worker sends its counters with a result at most this often
+Send = Callable[[tuple], None]
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    index: int
+    device: str  # "cuda:1" in the driver's numbering, or "cpu"
+    visible: str | None  # the worker's CUDA_VISIBLE_DEVICES; None on cpu
+
+
+def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
+    """One slot per worker: ``data_parallel`` of them, or one per visible GPU for ``gpus: all``.
+    On cpu, ``data_parallel`` processes share the cores; ``gpus: all`` there is an error."""
+    import torch
+
+    cuda = config.device != "cpu" and torch.cuda.is_available()
+    if config.device.startswith("cuda") and not cuda:
+        raise ConfigError(f"engine.device is {config.device!r} but no CUDA device is available")
+    if not cuda:
+        if config.gpus:
+            raise ConfigError("engine.gpus is 'all' but no CUDA device is visible")
+        return [WorkerSlot(i, "cpu", None) for i in range(config.data_parallel)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else []
+    ids = (ids or [str(i) for i in range(torch.cuda.device_count())])[: torch.cuda.device_count()]
+    count = len(ids) if config.gpus else config.data_parallel
+    if count > len(ids):
+        raise ConfigError(
+            f"engine.data_parallel is {count} but {len(ids)} CUDA devices are visible"
+        )
+    return [WorkerSlot(i, f"cuda:{i}", ids[i]) for i in range(count)]
+
+
+def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox) -> None:
+    """A worker process: its device first (before torch touches CUDA), then its engine."""
+    if slot.visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = slot.visible
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: the driver stops us
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:  # the engine's loader thread logs too
+            outbox.send(message)
+
+    root = logging.getLogger()
+    root.setLevel(level)
+    root.handlers[:] = [_Forward(send)]  # the driver's handlers, wherever they write
+    messages: queue.SimpleQueue = queue.SimpleQueue()
+    aborted = [0]  # the latest stream the driver abandoned
+    threading.Thread(target=_read, args=(inbox, messages, aborted), daemon=True).start()
+    try:
+        from slora_batch.engine.engine import Engine
+
+        engine = Engine(model, adapters=adapters, config=config, sampling=sampling)
+    except Exception as exc:
+        _fail(send, exc, exc)
+    info = {"device": str(engine.device), "dtype": str(engine.dtype), "counters": engine.counters,
+            "adapters": engine.adapter_names, "lookahead": config.lookahead}  # fmt: skip
+    send(("ready", info))
+    while True:
+        first = messages.get()
+        if first[0] == "abort" or first[1] <= aborted[0]:
+            continue  # what was left of an abandoned stream
+        try:
+            _stream(engine, first, messages, aborted, send)
+        except Exception as exc:  # a CUDA error, say: the driver reports it with our exit status
+            log.error("worker %d failed", slot.index, exc_info=True)
+            _fail(send, exc, None)
+
+
+def _stream(engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int], send: Send):
+    """One ``generate`` over the stream that ``first`` opens, until its "end" (or "abort")."""
+    stream, pending = first[1], [first]
+
+    def requests() -> Iterator[Request]:
+        while True:
+            kind, at, *rows = pending.pop() if pending else messages.get()
+            if at < stream:
+                continue  # rows of an abandoned stream still on their way
+            if kind != "rows":  # "end", or "abort"
+                return
+            yield from rows[0]
+
+    sent = time.monotonic()
+    with contextlib.closing(engine.generate(requests())) as results:
+        for result in results:
+            if aborted[0] >= stream:
+                return
+            now = time.monotonic()
+            counters = engine.counters if now - sent > COUNTERS_EVERY_S else None
+            sent = sent if counters is None else now
+            send(("result", stream, result, counters))
+    send(("done", stream, engine.counters))
+
+
+def _fail(send: Send, exc: Exception, error: Exception | None) -> None:
+    """Tells the driver why (``error``, the exception itself, when it pickles), then exits at
+    once: no thread of the engine's may hold the process (and its pipe) open."""
+    text = f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(Exception):
+        try:
+            send(("failed", text, error))
+        except Exception:  # an exception that does not pickle: its text only
+            send(("failed", text, None))
+    os._exit(1)
+
+
+def _read(inbox: Connection, messages: queue.SimpleQueue, aborted: list[int]) -> None:
+    """Drains the driver's pipe into ``messages``; the driver gone, the process ends at once."""
+    parent = os.getppid()
+    with contextlib.suppress(EOFError, OSError):
+        while os.getppid() == parent:
+            if inbox.poll(1.0):
+                message = inbox.recv()
+                if message[0] == "abort":
+                    aborted[0] = max(aborted[0], message[1])
+                messages.put(message)
+    os._exit(0)
+
+
+class _Forward(logging.Handler):
+    """A worker's log records, sent to the driver."""
+
+    def __init__(self, send: Send) -> None:
+        super().__init__()
+        self.send_message = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(OSError):
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            fields = {"name": record.name, "levelno": record.levelno, "levelname": record.levelname}
+            self.send_message(("log", {**fields, "msg": text}))
+
+
+def relog(index: int, record: dict[str, Any]) -> None:
+    """In the driver: a worker's record, through the driver's logger of the same name."""
+    logger = logging.getLogger(record["name"])
+    if logger.isEnabledFor(record["levelno"]):
+        record["msg"] = f"worker {index}: {record['msg']}"
+        logger.handle(logging.makeLogRecord(record))
