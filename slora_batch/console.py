@@ -34,6 +34,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays o
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 160
 ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in stats.parquet
+ETA_MIN_ROWS = 16  # rows of this run done before a progress line gives an ETA
 
 
 def setup_logging(quiet: bool, verbose: bool) -> None:
@@ -162,7 +163,11 @@ def _progress_text(event: JobProgress) -> str:
     if event.rows_total:
         text += f"/{event.rows_total:,} rows ({100 * event.rows_done / event.rows_total:.1f}%)"
         rows_per_s = event.rows_this_run / event.elapsed_s if event.elapsed_s > 0 else 0.0
-        if rows_per_s > 0:
+        # The first rows finish at the pace of the first prefills, not the batch's: an ETA from
+        # them is hours off. Say one once a few rows of this run (or a tenth of them) are done.
+        left_at_start = event.rows_total - event.rows_done + event.rows_this_run
+        enough = min(ETA_MIN_ROWS, max(1, left_at_start // 10))
+        if rows_per_s > 0 and event.rows_this_run >= enough:
             left = max(event.rows_total - event.rows_done, 0) / rows_per_s
             eta = f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
     else:
