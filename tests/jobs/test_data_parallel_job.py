@@ -1,0 +1,147 @@
+"""Jobs over two data-parallel workers (issue 16): the rows of one engine, and exactly-once
+resume after a worker is killed or the driver is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_jobrun import (
+    build_tiny,
+    generated,
+    load_job,
+    make_rows,
+    one_thread,  # noqa: F401 -- an autouse fixture: these tests run on one thread too
+    outputs,
+    write_job,
+    write_jsonl,
+)
+
+from slora_batch.engine.data_parallel import WorkerDied
+from slora_batch.jobs import run as jobrun
+from slora_batch.jobs.outdir import part_files, read_success
+from slora_batch.jobs.run import run_job
+
+ROWS = 36
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+ENGINE = {
+    "device": "cpu",
+    "dtype": "float32",
+    "num_pages": 16384,
+    "max_num_seqs": 4,
+    "lookahead": 16,
+}  # fmt: skip chunks of 2 rows: both workers get rows of 36
+KEYS = dict(part_rows=4, part_seconds=0.05, sampling={"max_new_tokens": 8}, engine=ENGINE)
+DP2 = {**KEYS, "engine": {**ENGINE, "data_parallel": 2}}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, sample_model_dir):
+    return build_tiny(tmp_path_factory.getbasetemp() / "tiny-llm", sample_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny) -> dict:
+    """The outputs of an uninterrupted run on one engine."""
+    directory = tmp_path_factory.mktemp("reference")
+    write_jsonl(directory / "rows.jsonl", make_rows(ROWS))
+    run_job(load_job(directory, tiny, **KEYS))
+    return generated(outputs(directory / "out"))
+
+
+def committed(out: Path) -> dict:
+    """The committed rows by key; raises when a row is there twice."""
+    return generated(outputs(out)) if part_files(out) else {}
+
+
+def test_two_workers_write_the_rows_of_one_engine(tmp_path, tiny, reference):
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
+    summary = run_job(load_job(tmp_path, tiny, **DP2))
+    assert summary.rows_this_run == summary.stats["rows"] == ROWS
+    assert summary.stats["device"] == "cpu x2" and summary.stats["dtype"] == "float32"
+    assert committed(tmp_path / "out") == reference
+
+
+def test_a_killed_worker_fails_the_run_and_a_rerun_resumes_its_rows(
+    tmp_path, tiny, reference, monkeypatch
+):
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
+    engines = []
+    build = jobrun._build_engine
+    monkeypatch.setattr(
+        jobrun, "_build_engine", lambda plan: engines.append(build(plan)) or engines[-1]
+    )
+
+    def kill_worker_1(update) -> None:
+        if update.phase == "running" and update.rows_this_run == 8 and len(engines) == 1:
+            os.kill(engines[0].pids[1], signal.SIGKILL)
+
+    with pytest.raises(WorkerDied) as died:
+        run_job(load_job(tmp_path, tiny, **DP2), progress=kill_worker_1)
+    pid = engines[0].pids[1]
+    assert f"worker 1 (cpu, pid {pid}) died with exit code -9 (SIGKILL)" in str(died.value)
+    out = tmp_path / "out"
+    now = committed(out)
+    assert 8 <= len(now) < ROWS and read_success(out) is None
+    assert all(reference[key] == value for key, value in now.items())  # whole rows only
+    engines.append("rerun")  # no kill in the re-run
+    summary = run_job(load_job(tmp_path, tiny, **DP2))
+    assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
+    assert committed(out) == reference and read_success(out)["rows"] == ROWS
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and parent_and_state(int(entry.name))[0] == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def parent_and_state(pid: int) -> tuple[int | None, str]:
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None, "gone"
+    return int(fields[1]), fields[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny, reference, sig):
+    """A killed driver's workers exit on their own (their pipe from it closes); a terminated
+    one stops them before it exits with 143."""
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
+    job_file = write_job(tmp_path, tiny, **DP2)
+    command = [sys.executable, "-m", "cli", "run", str(job_file), "--progress-every", "0"]
+    driver = subprocess.Popen(command, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:  # progress lines: "... job tiny: 6/36 rows (16.7%), ..."
+        line = driver.stderr.readline()
+        assert line and time.monotonic() < deadline, driver.communicate()
+        if f"/{ROWS} rows" in line and int(line.split("job tiny: ")[1].split("/")[0]) >= 6:
+            break
+    workers = children(driver.pid)
+    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    driver.send_signal(sig)
+    driver.communicate(timeout=30)
+    assert driver.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    left = workers
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [pid for pid in workers if parent_and_state(pid)[1] not in ("gone", "Z")]
+    assert not left, f"worker processes still running after the driver was killed: {left}"
+    out = tmp_path / "out"
+    now = committed(out)
+    assert read_success(out) is None  # killed mid-job
+    assert all(reference[key] == value for key, value in now.items())
+    summary = run_job(load_job(tmp_path, tiny, **DP2))
+    assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
+    assert committed(out) == reference and read_success(out)["rows"] == ROWS
