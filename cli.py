@@ -95,6 +95,17 @@ def run(
         help="Seconds between progress lines when stderr is not a terminal (logs of unattended "
         "runs); a terminal shows live bars instead.",
     ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray",
+        metavar="ADDRESS",
+        help="Run on a Ray cluster (needs the 'ray' extra): 'local' starts one on this machine, "
+        "'auto' joins the cluster this machine is in, else the cluster's address.",
+    ),
+    replicas: int = typer.Option(2, "--replicas", min=1, help="With --ray: engine actors."),
+    gpus_per_replica: float = typer.Option(
+        0.0, "--gpus-per-replica", min=0.0, help="With --ray: GPUs per engine actor (0: CPU)."
+    ),
 ) -> None:
     """Run the jobs of JOBS_FILE.
 
@@ -110,7 +121,14 @@ def run(
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with display:
-            for outcome in run_jobs(jobs, overwrite=overwrite, progress=display.update):
+            if ray_address is not None:  # ray and the cluster code load only here
+                from slora_batch.ray.job import RaySettings, run_ray_jobs
+
+                settings = RaySettings(ray_address, replicas, gpus_per_replica)
+                outcomes = run_ray_jobs(jobs, settings, overwrite=overwrite)
+            else:
+                outcomes = run_jobs(jobs, overwrite=overwrite, progress=display.update)
+            for outcome in outcomes:
                 display.finish()
                 if isinstance(outcome, JobFailure):
                     failures.append(outcome)

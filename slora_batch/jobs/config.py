@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig,
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
 COLUMN_KEYS = ("id", "adapter", "prompt", "messages")
+URI_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+://")  # a path with a scheme, kept as given
 NESTED = {"sampling": SamplingConfig, "engine": EngineConfig}
 
 
@@ -293,5 +295,7 @@ def _looks_like_path(model: str, base_dir: Path) -> bool:
 def _resolve(value: Any, base_dir: Path, key: str, where: str) -> str:
     if not isinstance(value, str) or value == "":
         raise ConfigError(f"{where}: {key} must be a non-empty string path, got {value!r}")
+    if URI_RE.match(value):  # file://, s3://, gs://: for the Ray runner, which reads them
+        return value
     path = Path(value).expanduser()
     return str(path if path.is_absolute() else base_dir / path)

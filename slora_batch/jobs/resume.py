@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from slora_batch.engine.request import Request, Result
 from slora_batch.jobs.check import JobPlan
 from slora_batch.jobs.outdir import OutputError, part_files
-from slora_batch.jobs.reader import input_root, read_rows
+from slora_batch.jobs.reader import InputRow, input_root, read_rows
 from slora_batch.jobs.rows import identity, row_key, to_request
 from slora_batch.jobs.scan import InputScan
 
@@ -38,10 +38,23 @@ def done_keys(out_dir: str | Path) -> set[str]:
 def pending_items(plan: JobPlan, scan: InputScan, done: set[str]) -> Iterator[Request | Result]:
     """The job's requests and bad-row results not yet in the output, in input order. A done
     row is skipped before it is turned into a request (only its id and adapter are read)."""
+    return (item for _, item in pending_rows(plan, scan, done))
+
+
+def pending_rows(
+    plan: JobPlan,
+    scan: InputScan,
+    done: set[str],
+    files: list[Path] | None = None,
+    root: Path | None = None,
+) -> Iterator[tuple[InputRow, Request | Result]]:
+    """``pending_items`` with the input row each item comes from (a fanned-out row once per
+    adapter), over ``files`` (default: the job's) named relative to ``root`` (default: the
+    folder that holds every input file of the job)."""
     job = plan.job
     fanout = plan.sweep is not None
-    root = input_root(plan.files)
-    for row in read_rows(plan.files, job.columns, keep=list(scan.keep), root=root):
+    root = root or input_root(plan.files)
+    for row in read_rows(files or plan.files, job.columns, keep=list(scan.keep), root=root):
         id_, adapter, _ = identity(row, fanout)
         adapters = plan.sweep if fanout else [adapter]
         todo = [a for a in adapters if row_key(id_, a) not in done] if done else adapters
@@ -49,7 +62,7 @@ def pending_items(plan: JobPlan, scan: InputScan, done: set[str]) -> Iterator[Re
             continue
         item = to_request(row, job.sampling, fanout)
         if not fanout:
-            yield item
+            yield row, item
             continue
         for name in todo:
-            yield dataclasses.replace(item, adapter=name or None)
+            yield row, dataclasses.replace(item, adapter=name or None)

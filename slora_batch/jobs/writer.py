@@ -60,9 +60,7 @@ class OutputWriter:
         self.part_seconds = part_seconds
         self.schema = schema
         self.clock = clock
-        self._int_ids = schema.field("id").type == pa.int64()
-        self._kept = [f.name for f in schema][len(OUTPUT_COLUMNS) :]
-        self._json = {f.name for f in schema if f.metadata == JSON_TEXT}
+        self._parts = PartRows(schema)
         self._own_lock = lock is None
         self._lock = OutputLock(self.out_dir) if lock is None else lock
         if overwrite:
@@ -90,7 +88,7 @@ class OutputWriter:
             raise ValueError(
                 f"row {result.id!r}: finish_reason {result.finish_reason!r} is not stop, length or error"
             )
-        self._rows.append(self._row(result))
+        self._rows.append(self._parts.row(result))
         if self._oldest is None:
             self._oldest = self.clock()
         self.write_s += time.perf_counter() - started
@@ -105,8 +103,51 @@ class OutputWriter:
         if due and self.clock() - self._oldest >= self.part_seconds:
             self.flush()
 
-    def _row(self, result: Result) -> list[Any]:
-        """The output row's values in schema order; see the class docstring for what is fixed."""
+    def flush(self) -> None:
+        """Commit the buffered rows as the next part (nothing when the buffer is empty)."""
+        rows = self.buffered
+        if rows == 0:
+            return
+        started = time.perf_counter()
+        table = self._parts.table(self._rows)
+        path = self.out_dir / f"part-{self.next_part:05d}.parquet"
+        commit_file(path, lambda handle: pq.write_table(table, handle))
+        # The buffer empties before the part number moves on: an exception (a signal) between
+        # the two leaves nothing to commit twice; one before both (during commit_file, after the
+        # rename) makes close() write the same rows to the same part name again.
+        self._rows = []
+        self.next_part += 1
+        self._oldest = None
+        self.rows_written += rows
+        logger.debug("committed %s (%d rows)", path, rows)
+        self.write_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self._own_lock:
+                self._lock.release()
+
+    def __enter__(self) -> OutputWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # buffered rows are finished results: keep them even when the job failed
+
+
+class PartRows:
+    """Results into rows of a part ``schema`` (lists of values in schema order), and rows into
+    a table of it: the checks ``OutputWriter`` makes on every row (its docstring says which)."""
+
+    def __init__(self, schema: pa.Schema = PART_SCHEMA) -> None:
+        self.schema = schema
+        self._int_ids = schema.field("id").type == pa.int64()
+        self._kept = [f.name for f in schema][len(OUTPUT_COLUMNS) :]
+        self._json = {f.name for f in schema if f.metadata == JSON_TEXT}
+
+    def row(self, result: Result) -> list[Any]:
+        """The output row's values in schema order; ``OutputWriter``'s docstring says what is fixed."""
         extra = result.extra or {}
         source = extra.get("source")
         id_, problem = result.id, None
@@ -159,30 +200,11 @@ class OutputWriter:
             return clean(value)
         return value
 
-    def flush(self) -> None:
-        """Commit the buffered rows as the next part (nothing when the buffer is empty)."""
-        rows = self.buffered
-        if rows == 0:
-            return
-        started = time.perf_counter()
-        table = self._table()
-        path = self.out_dir / f"part-{self.next_part:05d}.parquet"
-        commit_file(path, lambda handle: pq.write_table(table, handle))
-        # The buffer empties before the part number moves on: an exception (a signal) between
-        # the two leaves nothing to commit twice; one before both (during commit_file, after the
-        # rename) makes close() write the same rows to the same part name again.
-        self._rows = []
-        self.next_part += 1
-        self._oldest = None
-        self.rows_written += rows
-        logger.debug("committed %s (%d rows)", path, rows)
-        self.write_s += time.perf_counter() - started
-
-    def _table(self) -> pa.Table:
+    def table(self, rows: list[list[Any]]) -> pa.Table:
         """The buffer as a table. A kept value that does not fit its column's type (the input
         changed its mind about a column's type) is stored as null and logged, rather than
         failing the part and every finished row in it."""
-        columns = [list(values) for values in zip(*self._rows, strict=True)]
+        columns = [list(values) for values in zip(*rows, strict=True)]
         try:
             return pa.Table.from_arrays(
                 [pa.array(v, type=f.type) for v, f in zip(columns, self.schema, strict=True)],
@@ -215,19 +237,6 @@ class OutputWriter:
                     fixed.append(None)
             arrays.append(pa.array(fixed, type=field.type))
         return pa.Table.from_arrays(arrays, schema=self.schema)
-
-    def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            if self._own_lock:
-                self._lock.release()
-
-    def __enter__(self) -> OutputWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()  # buffered rows are finished results: keep them even when the job failed
 
 
 def _json_text(value: Any) -> str:

@@ -1,0 +1,20 @@
+"""The same jobs past one machine, on a Ray cluster (optional extra: ``pip install -e ".[ray]"``).
+
+stage.py  generate(ds, ...): a Ray Data stage of engine actors; EngineActor, unit part names
+job.py    run_ray_jobs: a job file on Ray into the job tool's output directory, exactly once
+fs.py     paths and URIs through pyarrow.fs; a part committed atomically
+
+Nothing here is imported by the single-machine tool; ``ray`` is imported on first use.
+"""
+
+
+def __getattr__(name: str):
+    if name == "generate":
+        from slora_batch.ray.stage import generate
+
+        return generate
+    if name in ("run_ray_jobs", "run_ray_job", "RaySettings"):
+        from slora_batch.ray import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'slora_batch.ray' has no attribute {name!r}")

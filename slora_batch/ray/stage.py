@@ -1,0 +1,221 @@
+"""The Ray Data stage: rows through engine actors, one ``Engine`` each, grouped by adapter.
+
+``generate(ds, model, adapters, ...)`` sorts a dataset of input rows (``id``, ``adapter``,
+``prompt`` or ``messages``, per-row sampling overrides) by adapter and maps its batches through a
+pool of ``EngineActor``s: each batch holds a few adapters, so an actor's pool swaps few. Every
+row comes back as one output row with the job tool's columns (``jobs/schema.py``); a bad row or
+an adapter the engine does not know is an error row, never a failed block.
+
+``EngineActor`` also serves the job runner (``job.py``): there a call gets one *unit* (the
+pending rows of one input block and one adapter bucket, already turned into requests by the
+job tool's ``rows.py``), commits them as one part under a name derived from the unit
+(``part_name``), so a retried call replaces its own part, and returns a one-row summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.request import Request, Result
+from slora_batch.jobs.ordering import sort_key
+from slora_batch.jobs.rows import to_request
+from slora_batch.jobs.schema import part_schema
+from slora_batch.jobs.writer import PartRows
+from slora_batch.ray.fs import commit_table
+
+logger = logging.getLogger(__name__)
+
+UNIT, ITEM = "_slora_unit", "_slora_item"  # the job runner's columns: unit key, pickled item
+SORT = "_slora_adapter"  # generate's sort column: the adapter, "" for the base model
+COLUMNS = {key: key for key in ("id", "adapter", "prompt", "messages")}
+COUNTERS = ("adapter_loads", "disk_loads", "adapter_evictions", "prefetch_hits", "peak_pages")
+SUMMARY_SCHEMA = pa.schema(
+    [
+        ("unit", pa.string()),
+        ("part", pa.string()),  # the part's file name ("" when the stage returns rows)
+        ("actor", pa.string()),  # "host:pid" of the actor's process
+        ("rows", pa.int64()),
+        ("tokens", pa.int64()),  # completion tokens
+        ("error_rows", pa.int64()),
+        ("errors", pa.list_(pa.string())),  # a few error messages
+        ("adapters", pa.list_(pa.string())),  # distinct adapters of the unit ("" = base model)
+        ("engine_s", pa.float64()),  # this call's generation time
+        ("load_s", pa.float64()),  # the actor's engine build time
+        ("device", pa.string()),
+        ("dtype", pa.string()),
+        *((name, pa.int64()) for name in COUNTERS),  # the actor's engine counters so far
+    ]
+)
+ERROR_EXAMPLES = 3
+
+
+def adapter_bucket(adapter: str | None, buckets: int) -> int:
+    """A stable bucket of an adapter (the same in every process, unlike ``hash``)."""
+    return zlib.crc32((adapter or "").encode("utf-8", "surrogatepass")) % buckets
+
+
+def part_name(unit: str) -> str:
+    """The part a unit is committed as: ``part-<15 digits of its key's SHA-1>.parquet``, a name
+    ``outdir.PART_RE`` reads like any part, the same for every retry of the unit."""
+    return f"part-{int(hashlib.sha1(unit.encode()).hexdigest()[:12], 16):015d}.parquet"
+
+
+@dataclass
+class DatasetRow:
+    """A dataset row as ``rows.to_request`` reads an input row (``reader.InputRow``'s fields)."""
+
+    values: dict[str, Any]
+    where: str  # "source" column when given, else "dataset row <id>"
+    columns: dict[str, str] = field(default_factory=lambda: dict(COLUMNS))
+    kept: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class EngineActor:
+    """One ``Engine`` in a Ray actor; ``__call__`` maps a batch (a pyarrow table) to its output
+    rows, or in the job runner (``output`` given) to a one-row summary after committing the
+    unit's part. Adapters are read from paths every node sees (a shared filesystem)."""
+
+    def __init__(
+        self,
+        model: str,
+        adapters: str | dict[str, str] | None,
+        engine: EngineConfig,
+        sampling: SamplingConfig,
+        schema: pa.Schema,
+        output: str | None = None,
+    ) -> None:
+        from slora_batch.engine.engine import Engine  # torch: only in the actor's process
+
+        started = time.perf_counter()
+        self.engine = Engine(model, adapters=adapters, config=engine, sampling=sampling)
+        self.load_s = time.perf_counter() - started
+        self.sampling, self.output = sampling, output
+        self.parts = PartRows(schema)
+        self.kept = [f.name for f in schema][len(part_schema()) :]
+        self.actor = f"{os.uname().nodename}:{os.getpid()}"
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if ITEM in batch.column_names:
+            items = [pickle.loads(b) for b in batch.column(ITEM).to_pylist()]
+            unit = batch.column(UNIT)[0].as_py()
+        else:
+            items, unit = [self._request(row) for row in batch.to_pylist()], ""
+        started = time.perf_counter()
+        results = self._generate(items)
+        engine_s = time.perf_counter() - started
+        table = self.parts.table([self.parts.row(r) for r in results])
+        if self.output is None:
+            return table
+        name = part_name(unit)
+        commit_table(self.output, name, table)
+        logger.debug(
+            "actor %s committed %s (%d rows, unit %s)", self.actor, name, len(results), unit
+        )
+        return self._summary(unit, name, results, engine_s)
+
+    def _request(self, row: dict[str, Any]) -> Request | Result:
+        values = {k: v for k, v in row.items() if v is not None and k not in self.kept}
+        kept = {k: row[k] for k in self.kept if row.get(k) is not None}
+        where = row.get("source") or f"dataset row {row.get('id')!r}"
+        return to_request(DatasetRow(values, str(where), kept=kept), self.sampling)
+
+    def _generate(self, items: list[Request | Result]) -> list[Result]:
+        """Bad rows' results as they are, then the engine's in the order it finishes them."""
+        requests = sorted((i for i in items if isinstance(i, Request)), key=sort_key)
+        results = [i for i in items if isinstance(i, Result)]
+        if requests:
+            results.extend(self.engine.generate(requests))
+        return results
+
+    def _summary(self, unit: str, name: str, results: list[Result], engine_s: float) -> pa.Table:
+        counters = self.engine.counters
+        errors = [r.error for r in results if r.finish_reason == "error"]
+        row = {
+            "unit": unit,
+            "part": name,
+            "actor": self.actor,
+            "rows": len(results),
+            "tokens": sum(r.completion_tokens for r in results),
+            "error_rows": len(errors),
+            "errors": [e or "" for e in errors[:ERROR_EXAMPLES]],
+            "adapters": sorted({r.adapter or "" for r in results}),
+            "engine_s": engine_s,
+            "load_s": self.load_s,
+            "device": str(self.engine.device),
+            "dtype": str(self.engine.dtype).removeprefix("torch."),
+            **{name: int(getattr(counters, name, 0)) for name in COUNTERS},
+        }
+        return pa.Table.from_pylist([row], schema=SUMMARY_SCHEMA)
+
+
+def generate(
+    ds,
+    model: str,
+    adapters: str | dict[str, str] | None = None,
+    *,
+    engine: EngineConfig | dict | None = None,
+    sampling: SamplingConfig | dict | None = None,
+    replicas: int = 1,
+    gpus_per_replica: float = 0.0,
+    batch_rows: int = 256,
+    keep_columns: list[str] | tuple[str, ...] = (),
+):
+    """A Ray ``Dataset`` of the output rows of ``ds``'s rows (the job tool's columns, then the
+    ``keep_columns``), made by ``replicas`` engine actors of ``gpus_per_replica`` GPUs each.
+
+    ``ds`` has the columns ``id``, ``adapter``, ``prompt`` or ``messages``, optional per-row
+    sampling overrides and an optional ``source`` naming each row in error messages. Rows are
+    sorted by adapter first, so each batch of ``batch_rows`` holds few adapters. ``id`` is int64
+    in the output when ``ds``'s ``id`` column is an integer column, else string. Lazy, like any
+    Ray Dataset: nothing runs until it is consumed (``write_parquet``, ``take_all``, ...)."""
+    engine = _config(EngineConfig, engine)
+    sampling = _config(SamplingConfig, sampling)
+    names = ds.schema().names
+    types = dict(zip(names, ds.schema().types, strict=True))
+    missing = [c for c in keep_columns if c not in names]
+    if missing:
+        raise ValueError(f"keep_columns: the dataset has no column {missing[0]!r}")
+    id_type = "int64" if "id" in types and pa.types.is_integer(types["id"]) else "string"
+    schema = part_schema(id_type, {name: types[name] for name in keep_columns})
+    keyed = ds.map_batches(_with_sort_key, batch_format="pyarrow")
+    return keyed.sort(SORT).map_batches(
+        EngineActor,
+        fn_constructor_kwargs={
+            "model": str(model),
+            "adapters": adapters,
+            "engine": engine,
+            "sampling": sampling,
+            "schema": schema,
+        },
+        batch_size=batch_rows,
+        batch_format="pyarrow",
+        concurrency=replicas,
+        num_gpus=gpus_per_replica or None,
+    )
+
+
+def _with_sort_key(batch: pa.Table) -> pa.Table:
+    if "adapter" in batch.column_names:
+        adapters = [a if isinstance(a, str) else "" for a in batch.column("adapter").to_pylist()]
+    else:
+        adapters = [""] * batch.num_rows
+    return batch.append_column(SORT, pa.array(adapters, pa.string()))
+
+
+def _config(cls, value):
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return cls(**value)
+    return value

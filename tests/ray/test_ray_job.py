@@ -1,0 +1,201 @@
+"""The job tool on a local Ray instance (2 engine actors, the tiny model, 50 adapters): the same
+rows as the single-process run, exactly once across a killed actor and a killed driver; and the
+``generate`` Ray Data stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from factory import make_adapter  # noqa: E402
+from test_jobrun import build_tiny, outputs, write_job  # noqa: E402
+
+from slora_batch.jobs.config import load_jobs  # noqa: E402
+from slora_batch.jobs.outdir import part_files, read_success  # noqa: E402
+from slora_batch.jobs.run import run_job  # noqa: E402
+from slora_batch.ray import RaySettings, generate, run_ray_job  # noqa: E402
+
+ADAPTERS = 50
+ROWS = 150
+WORDS = ["the", "a", "dog", "fox", "seven", "hex"]
+SETTINGS = dict(replicas=2, buckets=4, block_rows=10)  # 15 blocks x 4 buckets: many small parts
+KEYS = dict(sampling={"max_new_tokens": 3}, part_rows=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, sample_model_dir):
+    """The tiny model with 50 adapters of rank 2 (built once)."""
+    tiny = build_tiny(tmp_path_factory.getbasetemp() / "tiny-llm", sample_model_dir)
+    adapters = tmp_path_factory.getbasetemp() / "fifty"
+    if not adapters.exists():
+        for i in range(ADAPTERS):
+            make_adapter(
+                tiny.model, adapters / f"ad{i:02d}", 2, ["q_proj", "v_proj"], 4, False, seed=i
+            )
+    tiny.adapters = adapters
+    return tiny
+
+
+def write_rows(directory: Path) -> None:
+    """150 one-word rows over 50 adapters and the base model, an unknown adapter, bad rows."""
+    lines = []
+    for i in range(ROWS):
+        adapter = None if i % 51 == 50 else f"ad{i % 51:02d}"
+        lines.append(json.dumps({"id": i, "adapter": adapter, "prompt": WORDS[i % len(WORDS)]}))
+    lines[7] = json.dumps({"id": 7, "adapter": "no-such-adapter", "prompt": "the"})
+    lines[20] = '{"id": 20, "prompt": '  # malformed JSON
+    lines[33] = json.dumps({"id": 33, "adapter": "ad01", "prompt": ""})
+    (directory / "rows.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def job_dir(directory: Path, tiny) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    write_rows(directory)
+    write_job(directory, tiny, **KEYS)
+    return directory
+
+
+def rows_of(out: Path) -> dict[tuple, tuple]:
+    """Output rows by (id, adapter, source); fails when one is there twice."""
+    rows = outputs(out)
+    keyed = {(r["id"], r["adapter"], r["source"]): r for r in rows}
+    assert len(keyed) == len(rows), "an output row appears twice"
+    return {
+        k: (r["token_ids"], r["text"], r["finish_reason"], r["error"]) for k, r in keyed.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny) -> dict:
+    directory = job_dir(tmp_path_factory.mktemp("reference"), tiny)
+    (job,) = load_jobs(directory / "jobs.yaml")
+    run_job(job)
+    return rows_of(directory / "out")
+
+
+def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, reference):
+    (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
+    summary = run_ray_job(job, RaySettings(**SETTINGS))
+    out = tmp_path / "out"
+    assert rows_of(out) == reference
+    assert len(reference) == ROWS and summary.stats["rows"] == ROWS
+    errors = {k[0]: v[3] for k, v in reference.items() if v[2] == "error"}
+    assert set(errors) == {7, None, 33}  # unknown adapter, malformed line (no id), empty prompt
+    assert "unknown adapter 'no-such-adapter'" in errors[7]
+    assert read_success(out)["rows"] == ROWS
+    assert {"_job.json", "stats.parquet", "_ray.json"} <= {p.name for p in out.iterdir()}
+    actors = json.loads((out / "_ray.json").read_text())["actors"]
+    assert sum(a["rows"] for a in actors) == ROWS and all(a["adapters"] >= 1 for a in actors)
+    again = run_ray_job(job, RaySettings(**SETTINGS))  # complete: nothing runs
+    assert again.complete_already and again.rows_this_run == 0
+
+
+def test_a_killed_actor_is_restarted_and_no_row_is_written_twice(tmp_path, tiny, reference):
+    (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
+    out, killed = tmp_path / "out", []
+
+    def kill_one_actor():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not part_files(out):
+            time.sleep(0.05)
+        for actor in ray._private.state.actors().values():
+            name = actor["ActorClassName"]
+            if ("MapWorker" in name or "EngineActor" in name) and actor["State"] == "ALIVE":
+                os.kill(actor["Pid"], signal.SIGKILL)
+                killed.append(actor["Pid"])
+                return
+
+    killer = threading.Thread(target=kill_one_actor)
+    killer.start()
+    summary = run_ray_job(job, RaySettings(**SETTINGS))
+    killer.join()
+    assert killed, "no engine actor was alive to kill"
+    assert summary.stats["rows"] == ROWS
+    assert rows_of(out) == reference
+
+
+DRIVER = """
+import sys
+from slora_batch.jobs.config import load_jobs
+from slora_batch.ray import RaySettings, run_ray_job
+import ray
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+(job,) = load_jobs(sys.argv[1])
+run_ray_job(job, RaySettings(replicas=1, buckets=4, block_rows=10))
+"""
+
+
+def test_a_killed_driver_rerun_resumes_from_the_committed_parts(tmp_path, tiny, reference):
+    directory = job_dir(tmp_path, tiny)
+    out = directory / "out"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(directory / "jobs.yaml")],
+        start_new_session=True,  # the driver and the Ray processes it started: one group
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(part_files(out)) < 3 and driver.poll() is None:
+            time.sleep(0.05)
+        assert driver.poll() is None, "the driver finished before it could be killed"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    committed = rows_of(out)
+    assert 0 < len(committed) < ROWS and read_success(out) is None
+    (job,) = load_jobs(directory / "jobs.yaml")
+    summary = run_ray_job(job, RaySettings(**SETTINGS))
+    assert summary.rows_skipped == len(committed)
+    assert summary.rows_this_run == ROWS - len(committed)
+    assert rows_of(out) == reference
+
+
+def test_generate_stage_gives_the_job_tool_rows_with_file_uris(tmp_path, tiny, reference):
+    lines = (job_dir(tmp_path, tiny) / "rows.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for i, line in enumerate(lines) if i != 20]
+    for row in rows:
+        row["source"] = f"rows.jsonl line {row['id'] + 1}"
+    ds = ray.data.from_items([{"adapter": None, **r} for r in rows])
+    result = generate(
+        ds,
+        str(tiny.model),
+        str(tiny.adapters),
+        engine={"device": "cpu", "dtype": "float32", "num_pages": 16384},
+        sampling={"max_new_tokens": 3},
+        replicas=2,
+        batch_rows=16,
+    )
+    result.write_parquet(f"file://{tmp_path}/stage")
+    got = rows_of_files(sorted((tmp_path / "stage").glob("*.parquet")))
+    want = {k: v for k, v in reference.items() if k[0] != 20 and k[0] is not None}
+    assert got == want
+
+
+def rows_of_files(files: list[Path]) -> dict[tuple, tuple]:
+    import pyarrow.parquet as pq
+
+    rows = [r for f in files for r in pq.read_table(f).to_pylist()]
+    keyed = {(r["id"], r["adapter"], r["source"]): r for r in rows}
+    assert len(keyed) == len(rows)
+    return {
+        k: (r["token_ids"], r["text"], r["finish_reason"], r["error"]) for k, r in keyed.items()
+    }
