@@ -92,6 +92,7 @@ class _Worker:
     adapters: set = field(default_factory=set)  # distinct adapters sent, all streams
     last_adapter: Any = ()  # the adapter the last chunk ended with (() before any)
     done: bool = False  # the worker finished the current stream
+    closed: bool = False  # a send failed: no more rows for it
     alive: bool = True
     failure: str | None = None  # the exception a failing worker reported
 
@@ -99,7 +100,7 @@ class _Worker:
         try:
             self.inbox.send(message)
         except OSError:  # dying: its exit shows on the outbox and the sentinel
-            self.done = True
+            self.closed = True
 
     def describe(self) -> str:
         return f"worker {self.slot.index} ({self.slot.device}, pid {self.process.pid})"
@@ -277,8 +278,8 @@ class DataParallelEngine:
                         elif message[0] == "done":
                             worker.counters, worker.done = message[2], True
                             self._combine()
-                    if not worker.alive and died is None:
-                        died = worker
+                    if not worker.alive:
+                        died = died or worker
                         log.error("%s", worker.death())
             finished = True
         finally:
@@ -297,7 +298,7 @@ class DataParallelEngine:
             w
             for w in self.workers
             if w.alive
-            and not w.done
+            and not (w.done or w.closed)
             and (w.outstanding + len(chunk) <= w.bound or not w.outstanding)
         ]
         if not room:
