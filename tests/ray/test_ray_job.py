@@ -164,8 +164,9 @@ def test_a_killed_driver_rerun_resumes_from_the_committed_parts(tmp_path, tiny, 
     assert 0 < len(committed) < ROWS and read_success(out) is None
     (job,) = load_jobs(directory / "jobs.yaml")
     summary = run_ray_job(job, RaySettings(**SETTINGS))
-    assert summary.rows_skipped == len(committed)
-    assert summary.rows_this_run == ROWS - len(committed)
+    # an actor of the killed driver may still commit a whole part before it notices: more skipped
+    assert summary.rows_skipped >= len(committed)
+    assert summary.rows_skipped + summary.rows_this_run == ROWS
     assert rows_of(out) == reference
 
 
