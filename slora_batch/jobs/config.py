@@ -23,7 +23,7 @@ import yaml
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
-COLUMN_KEYS = ("id", "adapter", "prompt", "messages")
+COLUMN_KEYS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")
 URI_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+://")  # a path with a scheme, kept as given
 NESTED = {"sampling": SamplingConfig, "engine": EngineConfig}
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slora_batch.engine.request import SAMPLING_FIELDS
+from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.text import type_name
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -88,7 +89,7 @@ class InputRow:
 
 def _pairs(columns: dict[str, str]) -> list[tuple[str, str]]:
     """(logical name, input column) of the mapped columns and the overrides (never renamed)."""
-    pairs = [(key, columns.get(key, key)) for key in ("id", "adapter", "prompt", "messages")]
+    pairs = [(key, columns.get(key, key)) for key in COLUMN_KEYS]
     return pairs + [(name, name) for name in SAMPLING_FIELDS]
 
 

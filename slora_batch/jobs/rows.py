@@ -111,12 +111,18 @@ def to_request(
     if problem is not None:
         return failed(problem)
     prompt, messages = values.get("prompt"), values.get("messages")
-    if prompt is not None and messages is not None:
+    token_ids = values.get("prompt_token_ids")
+    given = [
+        key for key in ("prompt", "messages", "prompt_token_ids") if values.get(key) is not None
+    ]
+    if len(given) > 1:
+        names = " and ".join(repr(columns[key]) for key in given)
+        return failed(f"give one of the prompt columns, not {names}")
+    if not given:
         return failed(
-            f"give either column {columns['prompt']!r} or {columns['messages']!r}, not both"
+            f"row has none of the columns {columns['prompt']!r}, {columns['messages']!r}, "
+            f"{columns['prompt_token_ids']!r}"
         )
-    if prompt is None and messages is None:
-        return failed(f"row has neither column {columns['prompt']!r} nor {columns['messages']!r}")
     if prompt is not None and not isinstance(prompt, str):
         return failed(f"column {columns['prompt']!r} must be a string, got {describe(prompt)}")
     if prompt == "":
@@ -127,6 +133,15 @@ def to_request(
         messages, problem = _check_messages(messages, columns["messages"])
         if problem:
             return failed(problem)
+    if token_ids is not None and not (
+        isinstance(token_ids, list)
+        and token_ids
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)
+    ):
+        return failed(
+            f"column {columns['prompt_token_ids']!r} must be a non-empty list of token ids "
+            f"(integers >= 0), got {describe(token_ids)}"
+        )
     overrides = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
     if overrides:
         try:  # SamplingConfig is the one place these are validated (and stop normalized)
@@ -139,6 +154,7 @@ def to_request(
         adapter=adapter,
         prompt=prompt,
         messages=messages,
+        prompt_token_ids=token_ids,
         extra=extra,
         source=row.where,
         **overrides,

@@ -27,6 +27,7 @@ import pyarrow as pa
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.request import Request, Result
+from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.ordering import sort_key
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.schema import part_schema
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 UNIT, ITEM = "_slora_unit", "_slora_item"  # the job runner's columns: unit key, pickled item
 SORT = "_slora_adapter"  # generate's sort column: the adapter, "" for the base model
-COLUMNS = {key: key for key in ("id", "adapter", "prompt", "messages")}
+COLUMNS = {key: key for key in COLUMN_KEYS}
 COUNTERS = ("adapter_loads", "disk_loads", "adapter_evictions", "prefetch_hits", "peak_pages")
 SUMMARY_SCHEMA = pa.schema(
     [
