@@ -54,10 +54,11 @@ case "$mode" in
     cat "$out/kernels.md" "$out/vector-sweep.md" "$out/tiled-sweep.md"
     ;;
   now)
-    # stop 13 (issues 14, 15): the acceptance run at 20 s a run after the lifecycle and layout
-    # changes (the tests mode ran first)
-    bench h200 470 "${ACCEPTANCE[@]}" --systems base,slora,peft,bmm,no-unified,arrival \
-      --adapters 1,10,100,1000,2000 --ablation-adapters 1000 --max-seconds 20 --total-seconds 440
+    # stop 13 (issue 16's job system): 4000 rows at 1000 adapters through the real job path
+    # (model and adapter directories on disk, Parquet in and out) beside the in-process engine
+    # on the same requests, both uncut
+    bench job 580 --requests 4000 --systems slora,job --adapters 1000 --max-seconds 0 \
+      --total-seconds 0
     ;;
   *)
     echo "unknown mode $mode (tests, bench, profile, kernels, now)" >&2

@@ -33,14 +33,16 @@ from slora_batch.engine.config import check
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("base", "slora", "peft", *ABLATIONS)  # the ablations last
+# the ablations, then the job tool's own path (bench/job_run.py: not in the default list)
+SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job")
+DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
 @dataclass
 class BenchConfig:
     """Every bench setting and its default; the CLI fills this and nothing else."""
 
-    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     adapters: list[int] = field(default_factory=lambda: [1, 10, 100, 1000, 2000])  # slora
     peft_adapters: list[int] | None = None  # None: the `adapters` counts up to 100
     ablation_adapters: list[int] | None = None  # the ABLATIONS' counts; None: `adapters`
@@ -114,6 +116,7 @@ class BenchConfig:
             or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],
         }
         counts.update(dict.fromkeys(ABLATIONS, self.ablation_adapters or self.adapters))
+        counts["job"] = self.ablation_adapters or self.adapters
         return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
 
 
@@ -186,6 +189,10 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             from slora_batch.bench.peft_run import run_peft
 
             row = run_peft(ctx, n)
+        elif system == "job":
+            from slora_batch.bench.job_run import run_job_system
+
+            row = run_job_system(ctx, n)
         else:
             row = run_engine(ctx, system, n)
     except Exception as exc:  # one broken system must not cost the others their run

@@ -30,7 +30,7 @@ def _ints(text: str | None) -> list[int] | None:
 def bench(
     systems: str = typer.Option(
         ",".join(D.systems),
-        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all of them).",
+        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job).",
         show_default=False,
     ),
     adapters: str = typer.Option(",".join(map(str, D.adapters)), help="Adapter counts for slora."),

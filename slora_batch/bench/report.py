@@ -214,10 +214,18 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- roofline {r['system']}@{r['adapters']} = {r['roofline_fraction']:.3f} "
                 f"(need >= 0.30): {'pass' if r['roofline_fraction'] >= 0.30 else 'FAIL'}"
             )
-        if r["system"] in ABLATIONS and tok("slora", r["adapters"]):
+        if r["system"] in (*ABLATIONS, "job") and tok("slora", r["adapters"]):
             lines.append(
                 f"- {r['system']}@{r['adapters']} / slora@{r['adapters']} = "
                 f"{r['output_tokens_per_s'] / tok('slora', r['adapters']):.2f}"
+            )
+        if r["system"] == "job":
+            lines.append(
+                f"- job@{r['adapters']}: {r['output_tokens_per_s']:.0f} tok/s over engine time, "
+                f"{r['end_to_end_tokens_per_s']:.0f} end to end; wall {r['job_wall_s']:.1f} s = "
+                f"load {r['job_load_s'] or 0:.1f} + warmup {r['job_warmup_s'] or 0:.1f} + engine "
+                f"{r['wall_s']:.1f} + read {r['job_read_s']:.1f} + write {r['job_write_s']:.1f} s "
+                f"and the rest (scan, stats); files written in {r['job_files_s']:.1f} s"
             )
         if r["system"] == "slora" and not math.isnan(r["decode_host_share"]):
             lines.append(

@@ -319,3 +319,22 @@ def test_outputs_are_written_for_a_failed_first_run(tmp_path):
     assert pq.read_table(tmp_path / "results.parquet").num_rows == 1
     assert "failed: boom" in markdown(rows, meta)
     assert json.loads((tmp_path / "summary.json").read_text()) == {}
+
+
+def test_the_job_system_runs_the_job_tool_on_the_same_requests(tmp_path):
+    """``job``: the model, one adapter directory per id and a Parquet input on disk, a real job
+    run; its rows are the workload's, with the tokens the in-process engine makes."""
+    config = BenchConfig(
+        systems=["slora", "job"], adapters=[6], requests=24, max_seconds=0,
+        out=tmp_path / "out", **TINY,
+    )  # fmt: skip
+    rows, _ = run_bench(config)
+    slora, job = ({r["system"]: r for r in rows}[s] for s in ("slora", "job"))
+    assert job["error"] is None and job["finished"] == job["requests"] == 24
+    assert job["length_mismatches"] == 0 and job["error_rows"] == 0
+    assert (job["output_tokens"], job["prompt_tokens"]) == (
+        slora["output_tokens"],
+        slora["prompt_tokens"],
+    )
+    assert job["adapter_disk_loads"] == 6  # six ids, six directories read, though 4 weight sets
+    assert job["job_wall_s"] >= job["wall_s"] > 0 and job["end_to_end_tokens_per_s"] > 0
