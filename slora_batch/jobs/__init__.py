@@ -9,6 +9,7 @@ text.py      UTF-8 checks and repair, short descriptions of values for messages
 ordering.py  bounded windows sorted by adapter and prompt length, fan-out
 schema.py    the output parts' schema: id type, core columns, kept columns
 outdir.py    the output directory's files: atomic commit, parts, _SUCCESS, clearing
+fsio.py      input files and output directories on other pyarrow.fs filesystems (Ray runner)
 lock.py      OutputLock: one run per output directory
 writer.py    OutputWriter: buffered rows committed as parts by rows and by time
 manifest.py  _job.json: the fingerprint of what decides the rows, and the resume check

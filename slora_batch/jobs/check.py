@@ -6,17 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from slora_batch.engine.adapter_files import AdapterError, AdapterInfo, check_adapters
 from slora_batch.engine.config import ConfigError
 from slora_batch.engine.sample_model import ModelNotFoundError, resolve_model
 from slora_batch.engine.spec import ModelError, ModelSpec, read_spec
 from slora_batch.jobs.config import JobConfig, fanout_adapters
+from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OutputError
-from slora_batch.jobs.reader import InputError, iter_input_files
+from slora_batch.jobs.reader import InputError, iter_input_files, parquet_file
 
 
 class JobError(ValueError):
@@ -39,6 +40,7 @@ class JobPlan:
     files: list[Path]
     sweep: list[str | None] | None  # fan-out adapters (None = base), or None without fan-out
     rows_total: int | None = None  # input rows before fan-out, once the input is scanned
+    input_fs: Any = None  # the pyarrow filesystem ``files`` are on; None: the local disk
 
     @property
     def total(self) -> int | None:
@@ -56,9 +58,11 @@ def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:
     return chosen
 
 
-def check_job(job: JobConfig) -> JobPlan:
+def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None) -> JobPlan:
     """Everything that can fail a job, checked without loading weights or reading the input's
-    rows. An adapter the engine cannot run does not fail the job (its rows become error rows)."""
+    rows. An adapter the engine cannot run does not fail the job (its rows become error rows).
+    ``input_fs``: the filesystem ``job.input`` is a path on; ``output``: the output directory
+    when it is not on the local disk (the Ray runner; ``fsio``)."""
     try:
         device = job.engine.device
         if device.startswith("cuda"):
@@ -73,21 +77,23 @@ def check_job(job: JobConfig) -> JobPlan:
         model_path = resolve_model(job.model)
         spec = read_spec(model_path)
         adapters, broken = check_adapters(spec, job.adapters)
-        files = iter_input_files(job.input)
+        files = iter_input_files(job.input, input_fs)
         for file in files:  # every Parquet footer: an unreadable file fails here
             if file.suffix.lower() == ".parquet":
                 try:
-                    pq.ParquetFile(file).metadata  # noqa: B018
+                    parquet_file(file, input_fs).metadata  # noqa: B018
                 except (OSError, pa.ArrowException) as exc:
                     raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
         sweep = fanout_adapters(job)
-        output = Path(job.output)
-        if output.exists() and not output.is_dir():
-            raise OutputError(f"output {str(output)!r} exists and is not a directory")
+        if output is not None:
+            if not output.is_file_or_missing():
+                raise OutputError(f"output {str(output)!r} exists and is not a directory")
+        elif Path(job.output).exists() and not Path(job.output).is_dir():
+            raise OutputError(f"output {str(Path(job.output))!r} exists and is not a directory")
     except JOB_ERRORS as exc:
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
-    return JobPlan(job, model_path, spec, adapters, reasons, files, sweep)
+    return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs)
 
 
 def job_error(job: JobConfig, exc: Exception) -> JobError:

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from slora_batch.engine.adapter_files import resolve_sources
+from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
+from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
     OutputError,
-    commit_file,
+    commit,
     part_files,
     read_success,
 )
@@ -30,21 +32,27 @@ MANIFEST_VERSION = 1
 CHANGES_SHOWN = 6  # fingerprint differences named in a refusal
 
 
-def write_manifest(out_dir: str | Path, manifest: dict[str, Any]) -> Path:
+def write_manifest(out_dir: str | Path | FsDir, manifest: dict[str, Any]) -> Path:
     """Write ``MANIFEST_FILE`` (JSON) atomically."""
-    path = Path(out_dir) / MANIFEST_FILE
     text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False)
-    commit_file(path, lambda handle: handle.write(text.encode() + b"\n"))
-    return path
+    return commit(out_dir, MANIFEST_FILE, lambda handle: handle.write(text.encode() + b"\n"))
 
 
-def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+def read_manifest(out_dir: str | Path | FsDir) -> dict[str, Any] | None:
     """The manifest, or None when there is none; ``OutputError`` when it is not one."""
-    path = Path(out_dir) / MANIFEST_FILE
-    if not path.is_file():
-        return None
+    if isinstance(out_dir, FsDir):
+        path = out_dir.child(MANIFEST_FILE)
+        read = lambda: out_dir.read(MANIFEST_FILE)  # noqa: E731
+    else:
+        path = Path(out_dir) / MANIFEST_FILE
+        if not path.is_file():
+            return None
+        read = path.read_text
     try:
-        manifest = json.loads(path.read_text())
+        text = read()
+        if text is None:
+            return None
+        manifest = json.loads(text)
     except (OSError, ValueError) as exc:
         raise OutputError(f"{path}: unreadable job manifest: {exc}") from exc
     if not isinstance(manifest, dict):
@@ -52,11 +60,14 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
-def resumable_manifest(plan: JobPlan, current: dict[str, Any]) -> dict[str, Any] | None:
+def resumable_manifest(
+    plan: JobPlan, current: dict[str, Any], out: FsDir | None = None
+) -> dict[str, Any] | None:
     """The output's manifest when it describes this job as it is now; None when there is none
     or it is stale but no row was committed under it. Refuses (``JobError``) an output that holds
-    rows of other inputs or settings, or rows without a manifest."""
-    job, out = plan.job, Path(plan.job.output)
+    rows of other inputs or settings, or rows without a manifest. ``out``: the output directory
+    when it is not on the local disk."""
+    job, out = plan.job, (Path(plan.job.output) if out is None else out)
     manifest = read_manifest(out)
     has_rows = bool(part_files(out)) or read_success(out) is not None
     if manifest is None:
@@ -90,10 +101,11 @@ def fingerprint(plan: JobPlan) -> dict[str, Any]:
     files, the model's and every adapter's files, the sampling and the job keys that change
     outputs (columns, fanout, keep_columns, max_model_len, dtype). JSON-ready."""
     job = plan.job
-    root = input_root(plan.files)
+    root = input_root(plan.files, plan.input_fs)
     sources = resolve_sources(job.adapters)
+    stat = _stat if plan.input_fs is None else lambda f: fsio.stat(plan.input_fs, str(f))
     taken = {
-        "input": {relative_name(f, root): _stat(f) for f in plan.files},
+        "input": {relative_name(f, root): stat(f) for f in plan.files},
         "model": {"model": job.model, "files": _dir_stats(plan.model_path)},
         "adapters": {name: _dir_stats(path) for name, path in sorted(sources.items())},
         "sampling": dataclasses.asdict(job.sampling),

@@ -3,7 +3,9 @@
 A job writes ``part-NNNNN.parquet`` parts, ``stats.parquet``, the manifest ``_job.json`` and,
 last, the completion marker ``_SUCCESS``; ``.lock`` exists while a run holds the directory
 (``lock.py``). ``commit_file`` writes each to a hidden temp name in the same directory, fsyncs
-it and ``os.replace``s it, so a committed file is always whole, also after kill -9.
+it and ``os.replace``s it, so a committed file is always whole, also after kill -9. An output
+on another filesystem (``fsio.FsDir``, the Ray runner's) is read and written through it, each
+file committed in one upload.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+
+from slora_batch.jobs.fsio import FsDir
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,23 @@ def commit_file(path: Path, write: Callable[[Any], Any]) -> None:
         os.close(directory)
 
 
-def part_files(out_dir: str | Path) -> list[tuple[int, Path]]:
-    """(number, path) of the committed parts, by number; [] when the directory does not exist."""
+def commit(out_dir: str | Path | FsDir, name: str, write: Callable[[Any], Any]) -> Path:
+    """Commit file ``name`` of an output directory: ``commit_file`` on the local disk, one
+    upload on a ``FsDir`` (``fsio``); the file's path (on its filesystem)."""
+    if isinstance(out_dir, FsDir):
+        out_dir.commit(name, write)
+        return Path(out_dir.child(name))
+    path = Path(out_dir) / name
+    commit_file(path, write)
+    return path
+
+
+def part_files(out_dir: str | Path | FsDir) -> list[tuple[int, Path]]:
+    """(number, path) of the committed parts, by number; [] when the directory does not exist.
+    On a ``FsDir`` the paths are paths on its filesystem."""
+    if isinstance(out_dir, FsDir):
+        found = ((PART_RE.match(name), name) for name in out_dir.names())
+        return sorted((int(m.group(1)), Path(out_dir.child(name))) for m, name in found if m)
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
@@ -67,8 +86,14 @@ def iter_output_rows(out_dir: str | Path, columns: list[str]) -> Iterator[dict[s
         yield from pq.read_table(path, columns=columns).to_pylist()
 
 
-def clear_output(out_dir: str | Path) -> None:
+def clear_output(out_dir: str | Path | FsDir) -> None:
     """Remove what a job wrote (parts, stats, manifest, marker, temp files); other files stay."""
+    if isinstance(out_dir, FsDir):
+        for name in out_dir.names():
+            if _ours(name):
+                logger.info("removing %s", out_dir.child(name))
+                out_dir.remove(name)
+        return
     for path in Path(out_dir).iterdir():
         if _ours(path.name) or (path.name.startswith(".") and TMP_MARK in path.name):
             logger.info("removing %s", path)
@@ -79,15 +104,17 @@ def _ours(name: str) -> bool:
     return bool(PART_RE.match(name)) or name in (STATS_FILE, SUCCESS_FILE, MANIFEST_FILE)
 
 
-def write_success(out_dir: str | Path, job: str, rows: int) -> Path:
+def write_success(out_dir: str | Path | FsDir, job: str, rows: int) -> Path:
     """Write the completion marker (last, after parts and stats): JSON with job, rows, time."""
     marker = {"job": job, "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = Path(out_dir) / SUCCESS_FILE
-    commit_file(path, lambda handle: handle.write(json.dumps(marker).encode() + b"\n"))
-    return path
+    text = json.dumps(marker).encode() + b"\n"
+    return commit(out_dir, SUCCESS_FILE, lambda handle: handle.write(text))
 
 
-def read_success(out_dir: str | Path) -> dict[str, Any] | None:
+def read_success(out_dir: str | Path | FsDir) -> dict[str, Any] | None:
     """The completion marker's contents, or None when the job has not completed."""
+    if isinstance(out_dir, FsDir):
+        data = out_dir.read(SUCCESS_FILE)
+        return None if data is None else json.loads(data)
     path = Path(out_dir) / SUCCESS_FILE
     return json.loads(path.read_text()) if path.is_file() else None

@@ -11,6 +11,7 @@ named relative to the folder that holds them all (``input_root``). Rows into req
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slora_batch.engine.request import SAMPLING_FIELDS
+from slora_batch.jobs import fsio
 from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.text import type_name
 
@@ -33,9 +35,12 @@ class InputError(ValueError):
     """The input spec matches nothing readable; the message names the spec or file."""
 
 
-def iter_input_files(spec: str) -> list[Path]:
+def iter_input_files(spec: str, fs=None) -> list[Path]:
     """A .jsonl/.parquet file, a directory (its .jsonl/.parquet files, sorted by name, hidden
-    and "_" files skipped, not recursive) or a glob (``**`` recurses), sorted."""
+    and "_" files skipped, not recursive) or a glob (``**`` recurses), sorted. ``fs``: a
+    ``pyarrow.fs`` filesystem ``spec`` is a path on (None: the local disk)."""
+    if fs is not None:
+        return _fs_input_files(spec, fs)
     path = Path(spec)
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
@@ -57,12 +62,32 @@ def iter_input_files(spec: str) -> list[Path]:
     raise InputError(f"input {spec!r} does not exist")
 
 
+def _fs_input_files(spec: str, fs) -> list[Path]:
+    kind, found = fsio.list_files(fs, spec)
+    files = [Path(p) for p in found]
+    if kind == "file" and files[0].suffix.lower() not in SUFFIXES:
+        raise InputError(
+            f"input {spec!r}: unsupported file type {files[0].suffix!r} (use .jsonl or .parquet)"
+        )
+    if kind == "missing":
+        raise InputError(f"input {spec!r} does not exist")
+    files = files if kind == "file" else [p for p in files if _is_input(p)]
+    if not files:
+        if kind == "dir":
+            raise InputError(f"input {spec!r}: directory holds no .jsonl or .parquet files")
+        raise InputError(f"input {spec!r}: no .jsonl or .parquet files match")
+    return files
+
+
 def _is_input(path: Path) -> bool:
     return path.suffix.lower() in SUFFIXES and not path.name.startswith((".", "_"))
 
 
-def input_root(files: list[Path]) -> Path:
-    """The folder that holds every input file: rows name their file relative to it."""
+def input_root(files: list[Path], fs=None) -> Path:
+    """The folder that holds every input file: rows name their file relative to it. On another
+    filesystem (``fs``) paths are compared as written: "bucket/key" has no working directory."""
+    if fs is not None:
+        return Path(fsio.common_folder([str(f) for f in files]))
     return Path(os.path.commonpath([os.path.abspath(f.parent) for f in files]))
 
 
@@ -103,18 +128,19 @@ def read_rows(
     columns: dict[str, str],
     keep: Iterable[str] = (),
     root: Path | None = None,
+    fs=None,
 ) -> Iterator[InputRow]:
-    """Stream every row of ``files`` in order, with the ``keep`` columns each row has. Raises
-    only when a file cannot be opened or read."""
+    """Stream every row of ``files`` (on ``fs``; None: the local disk) in order, with the
+    ``keep`` columns each row has. Raises only when a file cannot be opened or read."""
     files = list(files)
-    root = root or (input_root(files) if files else Path("."))
+    root = root or (input_root(files, fs) if files else Path("."))
     logical = {column: key for key, column in reversed(_pairs(columns))}  # column -> name
     keep = list(keep)
     wanted = list(logical) + keep
     position = 0
     for file in files:
         name = relative_name(file, root)
-        for number, record, error in file_records(file, wanted):
+        for number, record, error in file_records(file, wanted, fs):
             values, kept = {}, {}
             if record is not None:  # a record has a few keys: walk them, not every name
                 values = {logical[c]: v for c, v in record.items() if c in logical}
@@ -125,6 +151,11 @@ def read_rows(
 
 
 def relative_name(file: Path, root: Path) -> str:
+    if not Path(root).is_absolute():  # "bucket/key" paths: as written (input_root with fs)
+        try:
+            return str(Path(file).relative_to(root))
+        except ValueError:
+            return str(file)
     try:
         return str(Path(os.path.abspath(file)).relative_to(root))
     except ValueError:
@@ -132,17 +163,28 @@ def relative_name(file: Path, root: Path) -> str:
 
 
 def file_records(
-    file: Path, columns: list[str] | None
+    file: Path, columns: list[str] | None, fs=None
 ) -> Iterator[tuple[int, dict | None, str | None]]:
     """(number, record, error) of every row; Parquet reads only ``columns`` (None: all)."""
     if file.suffix.lower() == ".jsonl":
-        return _jsonl_records(file)
-    return _parquet_records(file, columns)
+        return _jsonl_records(file, fs)
+    return _parquet_records(file, columns, fs)
 
 
-def _jsonl_records(file: Path) -> Iterator[tuple[int, dict | None, str | None]]:
+def parquet_file(file: Path, fs=None) -> pq.ParquetFile:
+    """A Parquet file on the local disk (``fs`` None) or on ``fs``."""
+    if fs is None:
+        return pq.ParquetFile(file)
+    return pq.ParquetFile(fs.open_input_file(str(file)))
+
+
+def _jsonl_records(file: Path, fs=None) -> Iterator[tuple[int, dict | None, str | None]]:
     try:
-        with open(file, "rb") as handle:
+        if fs is None:
+            opened = open(file, "rb")  # noqa: SIM115
+        else:  # a pyarrow stream reads but has no readline: buffered, it iterates lines
+            opened = io.BufferedReader(fs.open_input_stream(str(file)))
+        with opened as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -155,16 +197,16 @@ def _jsonl_records(file: Path) -> Iterator[tuple[int, dict | None, str | None]]:
                     yield number, record, None
                 else:
                     yield number, None, f"expected a JSON object, got {type_name(record)}"
-    except OSError as exc:
-        raise InputError(f"{file}: cannot read: {exc.strerror or exc}") from exc
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{file}: cannot read: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def _parquet_records(
-    file: Path, columns: list[str] | None
+    file: Path, columns: list[str] | None, fs=None
 ) -> Iterator[tuple[int, dict | None, str | None]]:
     number = 0
     try:
-        parquet = pq.ParquetFile(file)
+        parquet = parquet_file(file, fs)
         names = parquet.schema_arrow.names
         wanted = names if columns is None else [c for c in dict.fromkeys(columns) if c in names]
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):

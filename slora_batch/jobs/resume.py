@@ -12,20 +12,24 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.request import Request, Result
 from slora_batch.jobs.check import JobPlan
+from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OutputError, part_files
 from slora_batch.jobs.reader import InputRow, input_root, read_rows
 from slora_batch.jobs.rows import identity, row_key, to_request
 from slora_batch.jobs.scan import InputScan
 
 
-def done_keys(out_dir: str | Path) -> set[str]:
+def done_keys(out_dir: str | Path | FsDir) -> set[str]:
     """``row_key``s of the rows in committed parts; temp files are never read."""
     keys: set[str] = set()
-    for _, path in part_files(Path(out_dir)):
+    fs = out_dir.fs if isinstance(out_dir, FsDir) else None
+    for _, path in part_files(out_dir if fs else Path(out_dir)):
         try:
-            names = pq.read_schema(path).names
+            names = pq.read_schema(str(path), filesystem=fs).names
             table = pq.read_table(
-                path, columns=[c for c in ("id", "adapter", "source") if c in names]
+                str(path),
+                columns=[c for c in ("id", "adapter", "source") if c in names],
+                filesystem=fs,
             )
         except (OSError, pa.ArrowException) as exc:
             raise OutputError(f"{path}: committed part is unreadable: {exc}") from exc
@@ -53,8 +57,11 @@ def pending_rows(
     folder that holds every input file of the job)."""
     job = plan.job
     fanout = plan.sweep is not None
-    root = root or input_root(plan.files)
-    for row in read_rows(files or plan.files, job.columns, keep=list(scan.keep), root=root):
+    root = root or input_root(plan.files, plan.input_fs)
+    rows = read_rows(
+        files or plan.files, job.columns, keep=list(scan.keep), root=root, fs=plan.input_fs
+    )
+    for row in rows:
         id_, adapter, _ = identity(row, fanout)
         adapters = plan.sweep if fanout else [adapter]
         todo = [a for a in adapters if row_key(id_, a) not in done] if done else adapters

@@ -20,6 +20,7 @@ from slora_batch.jobs.reader import (
     InputRow,
     file_records,
     input_root,
+    parquet_file,
     read_rows,
     relative_name,
     used_columns,
@@ -143,6 +144,7 @@ def scan_input(
     keep: list[str] | str | None,
     fanout: bool,
     reserved: Iterable[str] = (),
+    fs=None,
 ) -> InputScan:
     """One pass over every row: the id column's type, the kept columns' types (Parquet: the
     files' schemas; JSONL: inferred from the values), columns neither used nor kept, and rows
@@ -150,7 +152,8 @@ def scan_input(
     key per row (duplicates are found by a set of them), freed when the scan ends.
 
     ``keep`` is a list of column names, "all" (every column not used) or None; ``reserved``
-    names the output's own columns, which "all" does not take."""
+    names the output's own columns, which "all" does not take. ``fs``: the filesystem the files
+    are on (None: the local disk)."""
     used = set(used_columns(columns))
     keep_all = keep == "all"
     wanted = [] if keep_all or not keep else list(keep)
@@ -160,7 +163,7 @@ def scan_input(
     all_ints = True
     seen: set[str] = set()
     repeats: list[tuple[str, str]] = []  # (key, where) of the first few repeated rows
-    root = input_root(files)
+    root = input_root(files, fs)
 
     def take(name: str) -> _TypeOf | None:
         """The type tracker of a column the row has, or None when it is neither kept nor used."""
@@ -177,8 +180,8 @@ def scan_input(
 
     for file in files:
         if file.suffix.lower() == ".parquet":
-            schema = _parquet_schema(file)
-            rows = pq.ParquetFile(file).metadata.num_rows
+            schema = _parquet_schema(file, fs)
+            rows = parquet_file(file, fs).metadata.num_rows
             for name in schema.names:
                 tracker = take(name)
                 if tracker is not None:
@@ -192,7 +195,7 @@ def scan_input(
         else:
             parquet_wanted = None
         name_ = relative_name(file, root)
-        for number, record, error in file_records(file, parquet_wanted):
+        for number, record, error in file_records(file, parquet_wanted, fs):
             scan.rows += 1
             if record is None:
                 continue
@@ -229,7 +232,7 @@ def scan_input(
             scan.json_text.append(name)
         scan.keep[name] = pa.string() if tracker.json else (tracker.type or pa.null())
     if repeats:
-        firsts = _first_rows(files, columns, fanout, {key for key, _ in repeats})
+        firsts = _first_rows(files, columns, fanout, {key for key, _ in repeats}, fs)
         scan.duplicate_examples = [
             f"{where} repeats {firsts.get(key, '?')}" for key, where in repeats
         ]
@@ -237,11 +240,11 @@ def scan_input(
 
 
 def _first_rows(
-    files: list[Path], columns: dict[str, str], fanout: bool, keys: set[str]
+    files: list[Path], columns: dict[str, str], fanout: bool, keys: set[str], fs=None
 ) -> dict[str, str]:
     """Where each of ``keys`` first occurs (a second pass, stopping when all are found)."""
     found: dict[str, str] = {}
-    for row in read_rows(files, columns, root=input_root(files)):
+    for row in read_rows(files, columns, root=input_root(files, fs), fs=fs):
         id_, adapter, problem = identity(row, fanout)
         if problem is None and not isinstance(id_, RowSource):
             key = row_key(id_, adapter)
@@ -254,8 +257,8 @@ def _first_rows(
     return found
 
 
-def _parquet_schema(file: Path) -> pa.Schema:
+def _parquet_schema(file: Path, fs=None) -> pa.Schema:
     try:
-        return pq.read_schema(file)
+        return pq.read_schema(file) if fs is None else parquet_file(file, fs).schema_arrow
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 
 from slora_batch.jobs.check import JobPlan
 from slora_batch.jobs.feed import RunRecord
-from slora_batch.jobs.outdir import STATS_FILE, commit_file, part_files
+from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.outdir import STATS_FILE, commit, part_files
 
 STATS_SCHEMA = pa.schema(
     [
@@ -57,13 +58,16 @@ STATS_SCHEMA = pa.schema(
 COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
 
 
-def output_counts(out_dir: str | Path) -> dict[str | None, dict[str, int]]:
+def output_counts(out_dir: str | Path | FsDir) -> dict[str | None, dict[str, int]]:
     """Rows, ok and error rows, prompt and completion tokens per adapter over every committed
     part (None = base model)."""
     counts: dict[str | None, dict[str, int]] = {}
+    fs = out_dir.fs if isinstance(out_dir, FsDir) else None
     for _, path in part_files(out_dir):
         table = pq.read_table(
-            path, columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"]
+            str(path),
+            columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"],
+            filesystem=fs,
         )
         grouped = table.group_by(["adapter", "finish_reason"]).aggregate(
             [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
@@ -78,7 +82,7 @@ def output_counts(out_dir: str | Path) -> dict[str | None, dict[str, int]]:
 
 
 def write_stats(
-    out_dir: str | Path, job_row: dict[str, Any], adapter_rows: list[dict[str, Any]]
+    out_dir: str | Path | FsDir, job_row: dict[str, Any], adapter_rows: list[dict[str, Any]]
 ) -> Path:
     """Write ``stats.parquet``: one row kind="job", then one kind="adapter" per adapter.
     Keys must be ``STATS_SCHEMA`` names; missing ones are null."""
@@ -88,17 +92,20 @@ def write_stats(
         if unknown:
             raise ValueError(f"stats {row['kind']} row: unknown column {unknown[0]!r}")
     table = pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
-    path = Path(out_dir) / STATS_FILE
-    commit_file(path, lambda handle: pq.write_table(table, handle))
-    return path
+    return commit(out_dir, STATS_FILE, lambda handle: pq.write_table(table, handle))
 
 
-def read_stats(out_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+def read_stats(out_dir: str | Path | FsDir) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """The job row and the adapter rows of ``stats.parquet``, or None when there is none."""
-    path = Path(out_dir) / STATS_FILE
-    if not path.is_file():
-        return None
-    rows = pq.read_table(path).to_pylist()
+    if isinstance(out_dir, FsDir):
+        if not out_dir.exists(STATS_FILE):
+            return None
+        rows = pq.read_table(out_dir.child(STATS_FILE), filesystem=out_dir.fs).to_pylist()
+    else:
+        path = Path(out_dir) / STATS_FILE
+        if not path.is_file():
+            return None
+        rows = pq.read_table(path).to_pylist()
     job = [r for r in rows if r["kind"] == "job"]
     if not job:
         return None
@@ -107,7 +114,7 @@ def read_stats(out_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
 
 
 def stats_rows(
-    out_dir: Path, plan: JobPlan, run: RunRecord, wall_s: float
+    out_dir: Path | FsDir, plan: JobPlan, run: RunRecord, wall_s: float
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The job row and the per-adapter rows of ``stats.parquet`` (see the module docstring)."""
     per_adapter = output_counts(out_dir)
@@ -151,7 +158,7 @@ def stats_rows(
     return job_row, adapter_rows
 
 
-def _previous_stats(out_dir: Path) -> dict[str, Any]:
+def _previous_stats(out_dir: Path | FsDir) -> dict[str, Any]:
     try:
         stats = read_stats(out_dir)
     except (OSError, pa.ArrowException):

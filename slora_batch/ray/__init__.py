@@ -2,7 +2,7 @@
 
 stage.py  generate(ds, ...): a Ray Data stage of engine actors; EngineActor, unit part names
 job.py    run_ray_jobs: a job file on Ray into the job tool's output directory, exactly once
-fs.py     paths and URIs through pyarrow.fs; a part committed atomically
+fs.py     input and output through pyarrow.fs (s3://, gs://, ...); the lock; a part committed
 
 Nothing here is imported by the single-machine tool; ``ray`` is imported on first use.
 """

@@ -23,40 +23,32 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
 
-from slora_batch.engine.config import ConfigError, check
+from slora_batch.engine.config import check
 from slora_batch.jobs.check import JOB_ERRORS, JobError, JobPlan, check_job, job_error
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
-from slora_batch.jobs.lock import OutputLock
+from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.manifest import (
     MANIFEST_VERSION,
     fingerprint,
     resumable_manifest,
     write_manifest,
 )
-from slora_batch.jobs.outdir import (
-    SUCCESS_FILE,
-    TMP_MARK,
-    OutputError,
-    clear_output,
-    commit_file,
-    read_success,
-    write_success,
-)
+from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
 from slora_batch.jobs.reader import input_root
 from slora_batch.jobs.resume import done_keys, pending_rows
 from slora_batch.jobs.run import JobFailure, JobSummary
 from slora_batch.jobs.scan import InputScan, scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
 from slora_batch.jobs.stats import read_stats, stats_rows, write_stats
-from slora_batch.ray.fs import local_path
+from slora_batch.ray.fs import output_lock, remove_leftovers, resolved, shown
 from slora_batch.ray.stage import COUNTERS, ITEM, UNIT, EngineActor, adapter_bucket
 
 logger = logging.getLogger(__name__)
@@ -99,13 +91,13 @@ def connect(address: str | None) -> None:
 
 
 def run_ray_jobs(
-    jobs: list[JobConfig], settings: RaySettings, overwrite: bool = False
+    jobs: list[JobConfig], settings: RaySettings, overwrite: bool = False, filesystem=None
 ) -> Iterator[JobSummary | JobFailure]:
     """``run_jobs`` on Ray: each job's summary or failure; a failed job does not stop the next."""
     connect(settings.address)
     for job in jobs:
         try:
-            yield run_ray_job(job, settings, overwrite=overwrite)
+            yield run_ray_job(job, settings, overwrite=overwrite, filesystem=filesystem)
         except JobError as exc:
             yield JobFailure(job.name, str(exc))
         except Exception as exc:  # the cluster or the disk: this job is lost, the next may run
@@ -113,14 +105,22 @@ def run_ray_jobs(
             yield JobFailure(job.name, f"job {job.name!r} failed: {type(exc).__name__}: {exc}")
 
 
-def run_ray_job(job: JobConfig, settings: RaySettings, overwrite: bool = False) -> JobSummary:
-    """Run one job on Ray (``connect`` first) into the single-process tool's output contract."""
+def run_ray_job(
+    job: JobConfig, settings: RaySettings, overwrite: bool = False, filesystem=None
+) -> JobSummary:
+    """Run one job on Ray (``connect`` first) into the single-process tool's output contract.
+
+    Input and output are local paths or URIs of any filesystem ``pyarrow.fs`` resolves
+    (``file://``, ``s3://``, ``gs://``, ...); ``filesystem`` (a ``pyarrow.fs.FileSystem``) makes
+    both paths on it instead, for filesystems no URI names (an fsspec filesystem wrapped in
+    ``pyarrow.fs.PyFileSystem``). Off the local disk the output is not locked: one run at a
+    time per output is the caller's to ensure (``fs.output_lock``)."""
     started = time.perf_counter()
-    job = _localized(job)
-    plan = check_job(job)
-    out = Path(job.output)
+    job, input_fs, remote = resolved(job, filesystem)
+    plan = check_job(job, input_fs=input_fs, output=remote)
+    out: Path | FsDir = Path(job.output) if remote is None else remote
     try:
-        lock = OutputLock(out)
+        lock = output_lock(out)
     except OutputError as exc:
         raise job_error(job, exc) from exc
     with lock:
@@ -128,9 +128,9 @@ def run_ray_job(job: JobConfig, settings: RaySettings, overwrite: bool = False) 
             if overwrite:
                 clear_output(out)
             current = fingerprint(plan)
-            manifest = resumable_manifest(plan, current)
+            manifest = resumable_manifest(plan, current, out=remote)
             if manifest is not None and read_success(out) is not None:
-                complete = _complete(plan, manifest)
+                complete = _complete(plan, manifest, out)
                 if complete is not None:
                     return complete
             if manifest is None:
@@ -142,14 +142,14 @@ def run_ray_job(job: JobConfig, settings: RaySettings, overwrite: bool = False) 
             done = done_keys(out)
         except JOB_ERRORS as exc:
             raise job_error(job, exc) from exc
-        _remove_leftovers(out)
+        remove_leftovers(out)
         run = RunRecord(job.name, len(done), plan.total, lambda update: None)
         summaries: list[dict[str, Any]] = []
         if len(done) < (plan.total or 0):
             ran = time.perf_counter()
-            summaries = _execute(plan, scan, done, settings)
+            summaries = _execute(plan, scan, done, settings, out)
             run.engine_s = time.perf_counter() - ran
-        _remove_leftovers(out)  # temp files of actors that died mid-commit
+        remove_leftovers(out)  # temp files of actors that died mid-commit
         _account(run, summaries, settings)
         job_row, adapter_rows = stats_rows(out, plan, run, time.perf_counter() - started)
         write_stats(out, job_row, adapter_rows)
@@ -164,7 +164,7 @@ def run_ray_job(job: JobConfig, settings: RaySettings, overwrite: bool = False) 
     )
     return JobSummary(
         job=job.name,
-        output=out.resolve(),
+        output=shown(out),
         stats=job_row,
         adapters=adapter_rows,
         rows_skipped=len(done),
@@ -176,7 +176,7 @@ def run_ray_job(job: JobConfig, settings: RaySettings, overwrite: bool = False) 
 
 
 def _execute(
-    plan: JobPlan, scan: InputScan, done: set[str], settings: RaySettings
+    plan: JobPlan, scan: InputScan, done: set[str], settings: RaySettings, out: Path | FsDir
 ) -> list[dict[str, Any]]:
     """Read, group into units and generate on Ray; one summary per committed part."""
     import ray.data
@@ -187,7 +187,7 @@ def _execute(
         "plan": plan,
         "scan": scan,
         "done": done,
-        "root": input_root(plan.files),
+        "root": input_root(plan.files, plan.input_fs),
         "block_rows": settings.block_rows or job.part_rows,
         "buckets": settings.buckets,
     }
@@ -200,7 +200,7 @@ def _execute(
         "engine": job.engine,
         "sampling": job.sampling,
         "schema": part_schema(scan.id_type, scan.keep, scan.json_text),
-        "output": str(Path(job.output)),
+        "output": out if isinstance(out, FsDir) else str(out),
     }
     parts = units.groupby(UNIT, num_partitions=max(settings.replicas * 2, 2)).map_groups(
         EngineActor,
@@ -257,7 +257,7 @@ def _account(run: RunRecord, summaries: list[dict[str, Any]], settings: RaySetti
 
 
 def _write_ray_file(
-    out: Path, summaries: list[dict[str, Any]], settings: RaySettings
+    out: Path | FsDir, summaries: list[dict[str, Any]], settings: RaySettings
 ) -> list[dict[str, Any]]:
     """``_ray.json``: the settings and, per actor, its parts, rows and distinct adapters."""
     per_actor: dict[str, dict[str, Any]] = defaultdict(
@@ -282,50 +282,29 @@ def _write_ray_file(
         "actors": actors,
     }
     text = json.dumps(record, indent=1).encode() + b"\n"
-    commit_file(out / RAY_FILE, lambda handle: handle.write(text))
+    commit(out, RAY_FILE, lambda handle: handle.write(text))
     return actors
-
-
-def _localized(job: JobConfig) -> JobConfig:
-    """The job with ``file://`` input and output as local paths; the driver reads the input
-    (scan, fingerprint) and holds the output's lock, so other filesystems are refused."""
-    paths = {}
-    for key in ("input", "output"):
-        value = getattr(job, key)
-        local = local_path(value)
-        if local is None:
-            raise JobError(
-                f"job {job.name!r}: {key} {value!r}: the Ray runner reads and writes local or "
-                "file:// paths only (shared by every node); read other filesystems with "
-                "slora_batch.ray.generate"
-            )
-        paths[key] = str(local)
-    try:
-        return replace(job, **paths)
-    except ConfigError as exc:
-        raise JobError(f"job {job.name!r}: {exc}") from exc
 
 
 def _scan(plan: JobPlan) -> InputScan:
     job = plan.job
     scan = scan_input(
-        plan.files, job.columns, job.keep_columns, plan.sweep is not None, reserved=OUTPUT_COLUMNS
+        plan.files,
+        job.columns,
+        job.keep_columns,
+        plan.sweep is not None,
+        reserved=OUTPUT_COLUMNS,
+        fs=plan.input_fs,
     )
     if scan.duplicates:
         raise JobError(f"job {job.name!r}: {scan.duplicates_message()}; nothing was run")
     return scan
 
 
-def _remove_leftovers(out: Path) -> None:
-    for path in out.iterdir():
-        if (path.name.startswith(".") and TMP_MARK in path.name) or path.name == SUCCESS_FILE:
-            path.unlink(missing_ok=True)
-
-
-def _complete(plan: JobPlan, manifest: dict[str, Any]) -> JobSummary | None:
+def _complete(plan: JobPlan, manifest: dict[str, Any], out: Path | FsDir) -> JobSummary | None:
     job = plan.job
     try:
-        stats = read_stats(job.output)
+        stats = read_stats(out)
     except (OSError, pa.ArrowException):
         return None
     if stats is None:
@@ -335,7 +314,7 @@ def _complete(plan: JobPlan, manifest: dict[str, Any]) -> JobSummary | None:
     logger.info("job %s: complete already (%d rows); nothing to do", job.name, job_row["rows"])
     return JobSummary(
         job=job.name,
-        output=Path(job.output).resolve(),
+        output=shown(out),
         stats=job_row,
         adapters=adapter_rows,
         rows_skipped=job_row["rows"],

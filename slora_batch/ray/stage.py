@@ -28,6 +28,7 @@ import pyarrow as pa
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.request import Request, Result
 from slora_batch.jobs.config import COLUMN_KEYS
+from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.schema import part_schema
@@ -94,7 +95,7 @@ class EngineActor:
         engine: EngineConfig,
         sampling: SamplingConfig,
         schema: pa.Schema,
-        output: str | None = None,
+        output: str | FsDir | None = None,  # a local directory or one on another filesystem
     ) -> None:
         from slora_batch.engine.engine import Engine  # torch: only in the actor's process
 
