@@ -121,7 +121,7 @@ def to_request(
     if not given:
         return failed(
             f"row has none of the columns {columns['prompt']!r}, {columns['messages']!r}, "
-            f"{columns['prompt_token_ids']!r}"
+            f"{columns.get('prompt_token_ids', 'prompt_token_ids')!r}"
         )
     if prompt is not None and not isinstance(prompt, str):
         return failed(f"column {columns['prompt']!r} must be a string, got {describe(prompt)}")
@@ -139,7 +139,7 @@ def to_request(
         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)
     ):
         return failed(
-            f"column {columns['prompt_token_ids']!r} must be a non-empty list of token ids "
+            f"column {columns.get('prompt_token_ids', 'prompt_token_ids')!r} must be a non-empty list of token ids "
             f"(integers >= 0), got {describe(token_ids)}"
         )
     overrides = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}

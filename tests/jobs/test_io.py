@@ -162,8 +162,8 @@ def test_bad_rows_become_error_results(tmp_path):
         "rows.jsonl line 6: column 'messages' must be a non-empty list",
         "rows.jsonl line 7: messages[0].role must be a non-empty string, got int 1",
         "rows.jsonl line 8: messages[0] has unsupported key 'name'",
-        "rows.jsonl line 9: give either column 'prompt' or 'messages', not both",
-        "rows.jsonl line 10: row has neither column 'prompt' nor 'messages'",
+        "rows.jsonl line 9: give one of the prompt columns, not 'prompt' and 'messages'",
+        "rows.jsonl line 10: row has none of the columns 'prompt', 'messages', 'prompt_token_ids'",
         "rows.jsonl line 11: column 'id' must be a non-empty string or an integer, got float 1.5",
         "rows.jsonl line 12: column 'adapter' must be a string or null, got int 3",
         "rows.jsonl line 13: per-row override: temperature must be >= 0",
@@ -199,7 +199,7 @@ def test_unreadable_parquet_names_the_file_and_missing_columns_are_row_errors(tm
         RowSource("other.parquet row 0"),
         RowSource("other.parquet row 1"),
     ]
-    assert "other.parquet row 1: row has neither column 'prompt' nor 'messages'" in out[1].error
+    assert "other.parquet row 1: row has none of the columns 'prompt', 'messages'" in out[1].error
 
 
 def test_parquet_messages_struct_with_null_fields(tmp_path):

@@ -37,6 +37,7 @@ def test_minimal_job_defaults(tmp_path):
         "adapter": "adapter",
         "prompt": "prompt",
         "messages": "messages",
+        "prompt_token_ids": "prompt_token_ids",
     }
     assert (job.fanout, job.window, job.part_rows) == (None, 8192, 4096)
 
