@@ -110,7 +110,9 @@ def fingerprint(plan: JobPlan) -> dict[str, Any]:
         "adapters": {name: _dir_stats(path) for name, path in sorted(sources.items())},
         "sampling": dataclasses.asdict(job.sampling),
         "job": {
-            "columns": job.columns,
+            # renamed columns only: a column key a later version adds (mapped to itself) must
+            # not make every earlier output look stale
+            "columns": {key: name for key, name in job.columns.items() if key != name},
             "fanout": job.fanout,
             "keep_columns": job.keep_columns,
             "max_model_len": job.engine.max_model_len,
