@@ -131,7 +131,7 @@ def run_plan(
             current = fingerprint(plan)
             manifest = resumable_manifest(plan, current)
             if manifest is not None and read_success(out) is not None:
-                complete = _complete_summary(plan, manifest)
+                complete = complete_summary(plan, manifest)
                 if complete is not None:
                     notify(
                         JobProgress(job.name, "done", complete.stats["rows"], plan.total, 0, 0.0, 0)
@@ -139,7 +139,7 @@ def run_plan(
                     return complete
             if manifest is None:
                 notify(JobProgress(job.name, "scanning", 0, None, 0, 0.0, 0))
-                scan = _scan(plan)
+                scan = scan_for_run(plan)
                 manifest = {
                     "version": MANIFEST_VERSION,
                     "job": job.name,
@@ -206,22 +206,32 @@ def run_plan(
     )
 
 
-def _scan(plan: JobPlan) -> InputScan:
+def scan_for_run(plan: JobPlan) -> InputScan:
+    """The job's input scan (on the input's filesystem); duplicate rows fail the job."""
     job = plan.job
     logger.info("job %s: scanning %s", job.name, _count(len(plan.files), "input file"))
     scan = scan_input(
-        plan.files, job.columns, job.keep_columns, plan.sweep is not None, reserved=OUTPUT_COLUMNS
+        plan.files,
+        job.columns,
+        job.keep_columns,
+        plan.sweep is not None,
+        reserved=OUTPUT_COLUMNS,
+        fs=plan.input_fs,
     )
     if scan.duplicates:
         raise JobError(f"job {job.name!r}: {scan.duplicates_message()}; nothing was run")
     return scan
 
 
-def _complete_summary(plan: JobPlan, manifest: dict[str, Any]) -> JobSummary | None:
-    """The summary of a complete job from its stats, or None when they cannot be read."""
+def complete_summary(
+    plan: JobPlan, manifest: dict[str, Any], out=None, output: Path | str | None = None
+) -> JobSummary | None:
+    """The summary of a complete job from its stats, or None when they cannot be read. ``out``:
+    the output directory when it is not ``job.output`` on the local disk (an ``FsDir``), and
+    ``output`` the name to show for it."""
     job = plan.job
     try:
-        stats = read_stats(job.output)
+        stats = read_stats(out if out is not None else job.output)
     except (OSError, pa.ArrowException):
         stats = None
     if stats is None:
@@ -236,7 +246,7 @@ def _complete_summary(plan: JobPlan, manifest: dict[str, Any]) -> JobSummary | N
     )
     return JobSummary(
         job=job.name,
-        output=Path(job.output).resolve(),
+        output=output if output is not None else Path(job.output).resolve(),
         stats=job_row,
         adapters=adapter_rows,
         rows_skipped=job_row["rows"],

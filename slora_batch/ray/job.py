@@ -44,10 +44,10 @@ from slora_batch.jobs.manifest import (
 from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
 from slora_batch.jobs.reader import input_root
 from slora_batch.jobs.resume import done_keys, pending_rows
-from slora_batch.jobs.run import JobFailure, JobSummary
-from slora_batch.jobs.scan import InputScan, scan_input
-from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
-from slora_batch.jobs.stats import read_stats, stats_rows, write_stats
+from slora_batch.jobs.run import JobFailure, JobSummary, complete_summary, scan_for_run
+from slora_batch.jobs.scan import InputScan
+from slora_batch.jobs.schema import part_schema
+from slora_batch.jobs.stats import stats_rows, write_stats
 from slora_batch.ray.fs import output_lock, remove_leftovers, resolved, shown
 from slora_batch.ray.stage import COUNTERS, ITEM, UNIT, EngineActor, adapter_bucket
 
@@ -130,12 +130,12 @@ def run_ray_job(
             current = fingerprint(plan)
             manifest = resumable_manifest(plan, current, out=remote)
             if manifest is not None and read_success(out) is not None:
-                complete = _complete(plan, manifest, out)
+                complete = complete_summary(plan, manifest, out, shown(out))
                 if complete is not None:
                     return complete
             if manifest is None:
                 manifest = {"version": MANIFEST_VERSION, "job": job.name, "fingerprint": current}
-                manifest["scan"] = _scan(plan).to_json()
+                manifest["scan"] = scan_for_run(plan).to_json()
                 write_manifest(out, manifest)
             scan = InputScan.from_json(manifest["scan"])
             plan.rows_total = scan.rows
@@ -284,42 +284,3 @@ def _write_ray_file(
     text = json.dumps(record, indent=1).encode() + b"\n"
     commit(out, RAY_FILE, lambda handle: handle.write(text))
     return actors
-
-
-def _scan(plan: JobPlan) -> InputScan:
-    job = plan.job
-    scan = scan_input(
-        plan.files,
-        job.columns,
-        job.keep_columns,
-        plan.sweep is not None,
-        reserved=OUTPUT_COLUMNS,
-        fs=plan.input_fs,
-    )
-    if scan.duplicates:
-        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}; nothing was run")
-    return scan
-
-
-def _complete(plan: JobPlan, manifest: dict[str, Any], out: Path | FsDir) -> JobSummary | None:
-    job = plan.job
-    try:
-        stats = read_stats(out)
-    except (OSError, pa.ArrowException):
-        return None
-    if stats is None:
-        return None
-    job_row, adapter_rows = stats
-    plan.rows_total = manifest["scan"]["rows"]
-    logger.info("job %s: complete already (%d rows); nothing to do", job.name, job_row["rows"])
-    return JobSummary(
-        job=job.name,
-        output=shown(out),
-        stats=job_row,
-        adapters=adapter_rows,
-        rows_skipped=job_row["rows"],
-        rows_this_run=0,
-        notes=InputScan.from_json(manifest["scan"]).notes(job.columns),
-        broken=plan.broken,
-        complete_already=True,
-    )
