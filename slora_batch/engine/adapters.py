@@ -25,6 +25,7 @@ from slora_batch.engine.adapter_files import (
     WEIGHTS_FILE,
     AdapterError,
     AdapterInfo,
+    check_adapters,
     parse_adapter,
     resolve_sources,
 )
@@ -172,20 +173,13 @@ class AdapterStore:
             self._infos[name] = parse_adapter(name, self.sources[name], self.spec)
         return self._infos[name]
 
-    def validate_all(self) -> list[AdapterInfo]:
-        """Parse every adapter; the first incompatible one raises ``AdapterError``."""
-        return [self.info(name) for name in self.names]
-
     def check_all(self) -> tuple[list[AdapterInfo], dict[str, AdapterError]]:
-        """Parse every adapter: the usable ones, and why each broken one cannot be used. The
-        broken ones leave the store (their rows become error rows; the others run)."""
-        infos, broken = [], {}
-        for name in self.names:
-            try:
-                infos.append(self.info(name))
-            except AdapterError as exc:
-                broken[name] = exc
-                del self.sources[name]
+        """``check_adapters`` over the store: the usable ones stay parsed, the broken ones
+        leave it (their rows become error rows; the others run)."""
+        infos, broken = check_adapters(self.spec, self.sources)
+        self._infos.update((info.name, info) for info in infos)
+        for name in broken:
+            del self.sources[name]
         return infos, broken
 
     def nearest(self, name: str, n: int = 3) -> list[str]:

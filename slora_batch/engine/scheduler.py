@@ -103,7 +103,7 @@ class Scheduler:
             if seq.finish_reason is not None:  # finished a step earlier: a wasted row
                 continue
             seq.output_ids.append(token)
-            stopped = seq.detok is not None and seq.stop and seq.detok.add([token])
+            stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
             if stopped or (token in self.eos_token_ids and not seq.ignore_eos):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.max_new_tokens:

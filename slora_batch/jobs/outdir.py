@@ -15,11 +15,9 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import pyarrow.parquet as pq
 
 from slora_batch.jobs.fsio import FsDir
 
@@ -78,12 +76,6 @@ def part_files(out_dir: str | Path | FsDir) -> list[tuple[int, Path]]:
         return []
     found = ((PART_RE.match(p.name), p) for p in out_dir.iterdir())
     return sorted((int(m.group(1)), p) for m, p in found if m)
-
-
-def iter_output_rows(out_dir: str | Path, columns: list[str]) -> Iterator[dict[str, Any]]:
-    """Rows of the committed parts, part by part, with the given columns."""
-    for _, path in part_files(out_dir):
-        yield from pq.read_table(path, columns=columns).to_pylist()
 
 
 def clear_output(out_dir: str | Path | FsDir) -> None:

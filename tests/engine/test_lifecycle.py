@@ -111,3 +111,24 @@ def test_abandoned_generate_releases_everything(tiny, how):
     fresh = Engine(model_dir, adapters=adapters, config=config)
     assert again == {r.id: r.token_ids for r in fresh.generate(requests)}
     assert_idle(engine)
+
+
+def test_a_stop_string_finishes_the_row_at_the_step_that_completes_it(sample_model_dir):
+    """Through the scheduler's read-back: a row whose output holds a stop string ends there,
+    with ``stop`` and the text cut before it; the same row without stops runs to its length."""
+    config = EngineConfig(device="cpu", num_pages=4000)
+    engine = Engine(sample_model_dir, config=config)
+    question = [{"role": "user", "content": "Name three colours, one per line."}]
+    (free,) = engine.generate(
+        [Request(id=0, messages=question, max_new_tokens=24, ignore_eos=True)]
+    )
+    assert free.finish_reason == "length" and len(free.text) > 12
+    stop = free.text[6:9]
+    cut = free.text.index(stop)
+    (stopped,) = engine.generate(
+        [Request(id=0, messages=question, max_new_tokens=24, ignore_eos=True, stop=[stop])]
+    )
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[:cut]
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    assert len(stopped.token_ids) < len(free.token_ids)
+    assert_idle(engine)
