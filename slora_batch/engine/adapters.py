@@ -143,8 +143,14 @@ class AdapterStore:
         cache_bytes: int = 8 << 30,
         pin: bool = False,
         dtype: torch.dtype = torch.float32,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
-        self.spec = spec
+        self.spec = spec  # the whole model's: adapter files are checked against it
+        # (rank, size) under tensor parallelism: this store holds rank's shard of every adapter
+        # (``tp.shard_adapter``), laid out in the pages of the shard's spec.
+        self.shard = shard
+        self.page_spec = spec.shard(shard[1])
+        self.ahead_log: list[str] | None = None  # names queued by load_ahead (rank 0 of TP)
         self.sources = resolve_sources(sources)
         self.cache_bytes = cache_bytes
         self.pin = pin
@@ -188,12 +194,12 @@ class AdapterStore:
 
     def pages(self, name: str) -> int:
         info = self.info(name)
-        return self.spec.adapter_pages(info.rank, info.targets)
+        return self.page_spec.adapter_pages(info.rank, info.targets)
 
     def nbytes(self, name: str) -> int:
         """Host bytes of an adapter in page layout (known before reading it)."""
         elt = torch.finfo(self.dtype).bits // 8
-        return self.pages(name) * self.spec.num_layers * self.spec.page_size * elt
+        return self.pages(name) * self.spec.num_layers * self.page_spec.page_size * elt
 
     def ready(self, name: str) -> bool:
         """Whether ``paged(name)`` returns without reading the disk or waiting for the loader."""
@@ -207,6 +213,8 @@ class AdapterStore:
         ``paged`` may hold at most half the cache's bytes: returns False (nothing queued) when
         this one would pass that, so the caller stops asking for later ones."""
         key = self._key(name)
+        if self.ahead_log is not None:
+            self.ahead_log.append(name)
         if key in self._paged or key in self._reading:
             return True
         size = self.nbytes(name)
@@ -261,4 +269,8 @@ class AdapterStore:
 
     def _read(self, info: AdapterInfo) -> PagedAdapter:
         weights = load_weights(info, self.spec)
-        return to_pages(info, weights, self.spec.page_size, self.dtype, self.pin)
+        if self.shard[1] > 1:
+            from slora_batch.engine.tp import shard_adapter
+
+            weights = shard_adapter(weights, *self.shard)
+        return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)

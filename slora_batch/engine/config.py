@@ -103,6 +103,9 @@ class EngineConfig:
     data_parallel: int = 1  # engine worker processes, one GPU each (cpu: processes sharing
     # the cores); > 1 runs ``data_parallel.DataParallelEngine``
     gpus: str | None = None  # "all": data_parallel = the number of visible CUDA devices
+    # divided by tensor_parallel
+    tensor_parallel: int = 1  # devices per engine (S-LoRA tensor parallelism, ``tp``): rank 0
+    # schedules, every rank holds 1/N of the weights, of the KV cache and of each adapter
 
     def __post_init__(self) -> None:
         check(
@@ -157,6 +160,17 @@ class EngineConfig:
             and not isinstance(self.data_parallel, bool)
             and self.data_parallel >= 1,
             f"data_parallel must be an integer >= 1, got {self.data_parallel!r}",
+        )
+        check(
+            isinstance(self.tensor_parallel, int)
+            and not isinstance(self.tensor_parallel, bool)
+            and self.tensor_parallel >= 1,
+            f"tensor_parallel must be an integer >= 1, got {self.tensor_parallel!r}",
+        )
+        check(
+            not (self.device.startswith("cuda:") and self.tensor_parallel > 1),
+            f"device {self.device} names one GPU; tensor parallelism takes cuda:0 to "
+            f"cuda:{self.tensor_parallel - 1} of the visible devices: use device auto or cuda",
         )
         check(self.gpus in (None, "all"), f"gpus must be all or null, got {self.gpus!r}")
         check(

@@ -104,21 +104,13 @@ class Engine:
         if self.device.type == "cpu":
             set_cpu_threads(config.cpu_threads)
         self.ops = ops or pick_backend(config.backend, self.device)
-        self.store = AdapterStore(
-            spec, adapters, config.host_cache_bytes, self.device.type == "cuda", self.dtype
-        )
-        # A broken adapter among many costs only its own rows (error rows that say why).
-        _, self.broken = self.store.check_all()
-        for exc in self.broken.values():
-            log.warning("%s; its rows become error rows", exc)
         self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
-        self.model = load_model(spec, self.dtype, self.device, self.max_model_len, weights)
+        self.tp = None
+        if config.tensor_parallel > 1:
+            self._build_tensor_parallel(adapters, weights)
+        else:
+            self._build(adapters, weights, pools)
         self.tokenizer = load_tokenizer(self.model_path)
-        pages = num_pages(config, spec, self.dtype, self.device, self.max_model_len)
-        self.pool, self.lora_pool = pools(pages, spec, self.dtype, self.device)
-        self.residency = AdapterResidency(
-            self.lora_pool, self.store, config.max_resident_adapters, self.device
-        )
         self.scheduler = Scheduler(config, self.pool, self.residency, spec.eos_token_ids)
         self.prepare = RequestPreparer(
             spec,
@@ -130,17 +122,18 @@ class Engine:
             self.scheduler,
         )
         warmup = time.perf_counter()
-        self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.lora_pool,
-            self.residency,
-            self.ops,
-            self.device,
-            config.max_num_seqs,
-            self.max_model_len,
-            use_graphs=config.cuda_graphs and getattr(self.ops, "CUDA_GRAPHS", False),
-        )
+        if self.tp is None:
+            self.runner = ModelRunner(
+                self.model,
+                self.pool,
+                self.lora_pool,
+                self.residency,
+                self.ops,
+                self.device,
+                config.max_num_seqs,
+                self.max_model_len,
+                use_graphs=config.cuda_graphs and getattr(self.ops, "CUDA_GRAPHS", False),
+            )
         warmup_s = time.perf_counter() - warmup
         stream = None
         if config.prefetch and self.device.type == "cuda":
@@ -154,13 +147,14 @@ class Engine:
         self.counters = EngineCounters()
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
-        size = page_bytes(spec, self.dtype)
+        size = page_bytes(self.pool_spec, self.dtype)
         log.info(
-            "engine: %s on %s/%s, pool %d pages of %d B (%.2f GiB, %d tokens of KV), "
+            "engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of KV), "
             "%d adapters (%d unusable)",
             spec.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            f" x{self.tp.size} (tensor parallel; pool per rank)" if self.tp else "",
             self.pool.num_pages,
             size,
             self.pool.num_pages * size / 2**30,
@@ -168,6 +162,47 @@ class Engine:
             len(self.store.names),
             len(self.broken),
         )
+
+    def _build(self, adapters, weights, pools: PoolFactory) -> None:
+        """One device: the store, its check, the model, the pool(s) and the residency."""
+        config, spec = self.config, self.spec
+        self.pool_spec = spec
+        self.store = AdapterStore(
+            spec, adapters, config.host_cache_bytes, self.device.type == "cuda", self.dtype
+        )
+        # A broken adapter among many costs only its own rows (error rows that say why).
+        _, self.broken = self.store.check_all()
+        for exc in self.broken.values():
+            log.warning("%s; its rows become error rows", exc)
+        self.model = load_model(spec, self.dtype, self.device, self.max_model_len, weights)
+        pages = num_pages(config, spec, self.dtype, self.device, self.max_model_len)
+        self.pool, self.lora_pool = pools(pages, spec, self.dtype, self.device)
+        self.residency = AdapterResidency(
+            self.lora_pool, self.store, config.max_resident_adapters, self.device
+        )
+
+    def _build_tensor_parallel(self, adapters, weights) -> None:
+        """Rank 0 of ``tensor_parallel`` ranks: starts the others, builds its shard alongside
+        theirs (``tp.build_shard``); its runner sends them each step's plan."""
+        from slora_batch.engine import tp
+
+        self.spec.shard(self.config.tensor_parallel)  # a model that does not divide: say so now
+        self.tp = tp.launch(self.model_path, adapters, self.config, weights)
+        try:
+            parts = tp.build_shard(
+                self.model_path, adapters, self.config, self.tp, weights, self.ops
+            )
+        except BaseException:
+            self.tp.close()
+            raise
+        self.device = self.tp.device
+        self.pool_spec = self.spec.shard(self.tp.size)
+        self.store, self.broken, self.model = parts["store"], parts["broken"], parts["model"]
+        self.pool, self.lora_pool = parts["pool"], parts["lora_pool"]
+        self.residency = parts["residency"]
+        for exc in self.broken.values():
+            log.warning("%s; its rows become error rows", exc)
+        self.runner = tp.TensorParallelRunner(parts["runner"], self.tp)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -184,6 +219,9 @@ class Engine:
             self.__dict__.pop(name, None)
         self.prefetcher = None
         self.store.close()
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

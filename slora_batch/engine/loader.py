@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from slora_batch.engine.model import LayerWeights, LlamaModel
 from slora_batch.engine.spec import ModelError, ModelSpec
+from slora_batch.engine.tp import TensorParallel, vocab_shard
 
 log = logging.getLogger(__name__)
 
@@ -38,42 +39,51 @@ def load_model(
     device: torch.device,
     max_pos: int,
     weights: dict[str, torch.Tensor] | None = None,
+    tp: TensorParallel | None = None,
 ) -> LlamaModel:
     """Builds the model on ``device`` in ``dtype`` from the safetensors of ``spec.path``, or from
-    ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict."""
+    ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict. Under
+    tensor parallelism (``tp``) only this rank's shard reaches the device: q/k/v, gate and up
+    by output rows, o and down by input columns, the LM head by vocabulary rows."""
     raw = dict(weights) if weights is not None else load_tensors(Path(spec.path))
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
 
-    def take(name: str, required: bool = True) -> torch.Tensor | None:
+    def take(name: str, required: bool = True, dim: int | None = None) -> torch.Tensor | None:
         tensor = raw.pop(name, None)
         if tensor is None:
             if required:
                 raise ModelError(f"model {spec.path!r}: missing tensor {name!r}")
             return None
+        if dim is not None and size > 1:
+            tensor = tensor.chunk(size, dim)[rank].contiguous()
         return tensor.to(device=device, dtype=dtype)
 
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        qkv = [take(p + f"self_attn.{t}_proj.weight") for t in "qkv"]
-        biases = [take(p + f"self_attn.{t}_proj.bias", spec.attention_bias) for t in "qkv"]
+        qkv = [take(p + f"self_attn.{t}_proj.weight", dim=0) for t in "qkv"]
+        biases = [take(p + f"self_attn.{t}_proj.bias", spec.attention_bias, 0) for t in "qkv"]
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=torch.cat(qkv).contiguous(),
                 qkv_bias=torch.cat(biases).contiguous() if spec.attention_bias else None,
-                o=take(p + "self_attn.o_proj.weight"),
+                o=take(p + "self_attn.o_proj.weight", dim=1),
                 o_bias=take(p + "self_attn.o_proj.bias", spec.o_bias),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=torch.cat(
-                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                    [take(p + "mlp.gate_proj.weight", dim=0), take(p + "mlp.up_proj.weight", dim=0)]
                 ).contiguous(),
-                down=take(p + "mlp.down_proj.weight"),
+                down=take(p + "mlp.down_proj.weight", dim=1).contiguous(),
             )
         )
     embed = take("model.embed_tokens.weight")
     head = take("lm_head.weight", required=not spec.tie_word_embeddings)
+    head = head if head is not None else embed
+    if size > 1:
+        head = vocab_shard(head, rank, size)
     model = LlamaModel(
-        spec, embed, layers, take("model.norm.weight"), head if head is not None else embed, max_pos
+        spec.shard(size), embed, layers, take("model.norm.weight"), head, max_pos, tp
     )
     leftover = [k for k in raw if "rotary_emb" not in k]
     if leftover:

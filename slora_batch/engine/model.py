@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels.meta import AttnMeta, LoraMeta
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.spec import TARGETS, ModelSpec
+from slora_batch.engine.tp import TensorParallel
 
 TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 
@@ -92,8 +93,10 @@ class LlamaModel:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         max_pos: int,
+        tp: TensorParallel | None = None,
     ) -> None:
-        self.spec = spec
+        self.spec = spec  # under tensor parallelism, this rank's shard of the model (spec.shard)
+        self.tp = tp
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.cos_sin = rope_cos_sin(spec, max_pos, embed.device)
         self.scale = spec.head_dim**-0.5
@@ -102,6 +105,11 @@ class LlamaModel:
         self.qkv_cols = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         inter = spec.intermediate_size
         self.gate_up_cols = {"gate": (0, inter), "up": (inter, 2 * inter)}
+        # The rank's columns of the hidden size: the input slice its column-parallel LoRA
+        # shrinks read, the output slice its row-parallel LoRA expands write.
+        hidden = spec.hidden_size // spec.tp_size
+        rank = tp.rank if tp is not None else 0
+        self.hidden_cols = (rank * hidden, (rank + 1) * hidden)
 
     def forward(
         self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
@@ -118,11 +126,13 @@ class LlamaModel:
             lora_buf = torch.zeros(  # fp32 [T, 3 * max_rank]: a group of up to 3 targets
                 x.shape[0], 3 * step.lora.max_rank, dtype=torch.float32, device=x.device
             )
+        tp = self.tp
+        row_cols = self.hidden_cols  # where a row-parallel projection's LoRA output goes
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             h, residual = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps, residual)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            self._lora(h, qkv, self.qkv_cols, lora_layer, step.lora, lora_buf, ops)
+            self._lora(h, qkv, self.qkv_cols, lora_layer, step.lora, lora_buf, ops, cut=True)
             q, k, v = (qkv[:, lo:hi] for lo, hi in self.qkv_cols.values())
             q = q.reshape(-1, spec.num_heads, spec.head_dim)
             k = k.reshape(-1, spec.num_kv_heads, spec.head_dim)
@@ -130,21 +140,32 @@ class LlamaModel:
             ops.rope(q, k, step.positions, self.cos_sin)
             ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
             attn = self._attend(q, pool_layer, step, ops).view(-1, spec.q_dim)
-            o = F.linear(attn, layer.o, layer.o_bias)
-            self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
+            if tp is None:
+                o = F.linear(attn, layer.o, layer.o_bias)
+                self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
+            else:  # row-parallel: partial sums, the LoRA shard's columns in them, one all-reduce
+                o = F.linear(attn, layer.o)
+                self._lora(attn, o, {"o": row_cols}, lora_layer, step.lora, lora_buf, ops)
+                tp.all_reduce(o)
+                if layer.o_bias is not None:
+                    o += layer.o_bias
             h, residual = ops.rms_norm(o, layer.post_norm, spec.rms_norm_eps, residual)
             gate_up = F.linear(h, layer.gate_up)
-            self._lora(h, gate_up, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops)
+            self._lora(
+                h, gate_up, self.gate_up_cols, lora_layer, step.lora, lora_buf, ops, cut=True
+            )
             act = ops.silu_mul(gate_up)
             down = F.linear(act, layer.down)
-            self._lora(
-                act, down, {"down": (0, down.shape[1])}, lora_layer, step.lora, lora_buf, ops
-            )
+            cols = {"down": row_cols if tp is not None else (0, down.shape[1])}
+            self._lora(act, down, cols, lora_layer, step.lora, lora_buf, ops)
+            if tp is not None:
+                tp.all_reduce(down)
             x = down
         h, _ = ops.rms_norm(
             x[step.logits_index], self.final_norm, spec.rms_norm_eps, residual[step.logits_index]
         )
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head).float()
+        return logits if tp is None else tp.gather_vocab(logits, spec.vocab_size)
 
     def _attend(
         self, q: torch.Tensor, pool_layer: torch.Tensor, step: StepInput, ops: ModuleType
@@ -161,8 +182,8 @@ class LlamaModel:
         out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, self.scale)
         return out
 
-    @staticmethod
     def _lora(
+        self,
         x: torch.Tensor,
         out: torch.Tensor,
         cols: dict[str, tuple[int, int]],
@@ -170,17 +191,27 @@ class LlamaModel:
         meta: LoraMeta | None,
         buf: torch.Tensor | None,
         ops: ModuleType,
+        cut: bool = False,
     ) -> None:
         """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
         column ranges of the fused output, in place: one shrink and one expand launch for the
         targets of the group that some adapter of the step has."""
         if buf is None:
             return
+        tp = self.tp
         group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
         group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
         if not group:
             return  # no adapter of the step has a target of this group: no launch
         targets = tuple(index for index, _ in group)
-        v = buf[:, : len(group) * meta.max_rank]
+        if cut and tp is not None:  # column-parallel: the rank's slice of the input's columns
+            x = x[:, self.hidden_cols[0] : self.hidden_cols[1]].contiguous()
+        width = len(group) * meta.max_rank
+        if tp is None:
+            v = buf[:, :width]
+        else:  # contiguous, for the all-reduce
+            v = buf.view(-1)[: buf.shape[0] * width].view(buf.shape[0], width)
         ops.lora_shrink(x, pool_layer, meta, targets, v)
+        if tp is not None:  # the shards' partial x A summed: tokens x rank, small
+            tp.all_reduce(v)
         ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))

@@ -61,6 +61,9 @@ class AdapterResidency:
         # wait behind a step in flight; its copy waits for this point first, or the late "-1"
         # row would land over the new adapter's row.
         self._evicted: torch.cuda.Event | None = None
+        # Under tensor parallelism rank 0 decides and its workers repeat: every load ("load",
+        # name, slot, pages) and eviction ("evict", slot), in order, goes here (None: off).
+        self.journal: list[tuple] | None = None
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
@@ -131,7 +134,7 @@ class AdapterResidency:
 
     def _load(self, name: str, stream: torch.cuda.Stream | None = None) -> Resident:
         info = self.store.info(name)
-        need = self.spec.adapter_pages(info.rank, info.targets)
+        need = self.store.pages(name)
         if not self._free_slots:
             idle = [n for n, r in self._resident.items() if r.refcount == 0]
             if not idle:
@@ -139,13 +142,27 @@ class AdapterResidency:
             self._evict(idle[0])
         if not self.make_room(need):
             raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
-        paged = self.store.paged(name)
+        self.store.paged(name)  # read first: a file that fails raises before pages are taken
         pages = self.pool.alloc(need, f"adapter {name!r}")
         slot = self._free_slots.pop()
+        self.install(name, slot, pages, stream)
+        log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
+        if self.journal is not None:
+            self.journal.append(("load", name, slot, pages))
+        entry = Resident(slot=slot, pages=pages)
+        self._resident[name] = entry
+        return entry
+
+    def install(
+        self, name: str, slot: int, pages: np.ndarray, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copies an adapter's pages into the pool at ``pages`` and fills its slot's tables. A
+        tensor-parallel worker calls it with the slot and pages rank 0 chose (its own shard)."""
+        info, paged = self.store.info(name), self.store.paged(name)
         self.slot_rank[slot] = info.rank
         self.slot_scale[slot] = info.scale
         self.slot_pages[slot] = -1
-        self.slot_pages[slot, :need] = pages
+        self.slot_pages[slot, : pages.size] = pages
         self.slot_offsets[slot] = paged.offsets.numpy()
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             if stream is not None and self._evicted is not None:
@@ -155,25 +172,27 @@ class AdapterResidency:
             self._sync_slot(slot)
         self.loads += 1
         self.bytes_copied += paged.nbytes
-        log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
-        entry = Resident(slot=slot, pages=pages)
-        self._resident[name] = entry
-        return entry
 
     def _evict(self, name: str) -> None:
         entry = self._resident.pop(name)
         if entry.copying is not None:  # its pages go back to the pool: the copy must land first
             torch.cuda.current_stream(self.device).wait_event(entry.copying)
         self.pool.free(entry.pages)
-        self.slot_rank[entry.slot] = 0
-        self.slot_pages[entry.slot] = -1
-        self.slot_offsets[entry.slot] = -1
-        self._sync_slot(entry.slot)
+        self.uninstall(entry.slot)
+        if self.journal is not None:
+            self.journal.append(("evict", entry.slot))
         if self.device.type == "cuda":
             self._evicted = torch.cuda.current_stream(self.device).record_event()
         self._free_slots.append(entry.slot)
         self.evictions += 1
         log.debug("evicted adapter %r from slot %d", name, entry.slot)
+
+    def uninstall(self, slot: int) -> None:
+        """Empties a slot's tables (its pages go back to the pool's owner)."""
+        self.slot_rank[slot] = 0
+        self.slot_pages[slot] = -1
+        self.slot_offsets[slot] = -1
+        self._sync_slot(slot)
 
     def _sync_slot(self, slot: int) -> None:
         self.dev_rank[slot] = int(self.slot_rank[slot])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -53,6 +53,9 @@ class ModelSpec:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Tensor parallelism: a spec with tp_size N describes one rank's shard (``shard``): its
+    # heads, KV heads and intermediate size are 1/N of the model's, its hidden size is whole.
+    tp_size: int = 1
 
     @property
     def q_dim(self) -> int:
@@ -75,8 +78,9 @@ class ModelSpec:
         return self.max_position_embeddings
 
     def target_dims(self, target: str) -> tuple[int, int]:
-        """(d_in, d_out) of a LoRA target's base projection."""
-        h, i = self.hidden_size, self.intermediate_size
+        """(d_in, d_out) of a LoRA target's base projection; of a shard's factors under tensor
+        parallelism, where both sides are 1/N (``tp.shard_adapter`` says how they are cut)."""
+        h, i = self.hidden_size // self.tp_size, self.intermediate_size
         return {
             "q": (h, self.q_dim),
             "k": (h, self.kv_dim),
@@ -86,6 +90,31 @@ class ModelSpec:
             "up": (h, i),
             "down": (i, h),
         }[target]
+
+    def shard(self, size: int) -> ModelSpec:
+        """One rank's spec under ``size``-way tensor parallelism (Megatron cuts: heads, KV
+        heads and the intermediate size by ``size``); raises ``ModelError`` with the numbers
+        when the model does not divide."""
+        if size == 1:
+            return self
+        dims = {
+            "attention heads": self.num_heads,
+            "KV heads": self.num_kv_heads,
+            "intermediate size": self.intermediate_size,
+            "hidden size": self.hidden_size,
+        }
+        bad = [f"{what} {n}" for what, n in dims.items() if n % size]
+        if bad:
+            raise ModelError(
+                f"model {self.path!r}: tensor_parallel {size} must divide the {', '.join(bad)}"
+            )
+        return replace(
+            self,
+            num_heads=self.num_heads // size,
+            num_kv_heads=self.num_kv_heads // size,
+            intermediate_size=self.intermediate_size // size,
+            tp_size=size,
+        )
 
     def pages_per_row(self, width: int) -> int:
         return math.ceil(width / self.page_size)

@@ -1,0 +1,303 @@
+"""S-LoRA tensor parallelism: one model over N devices, one scheduler (rank 0), N page pools.
+
+The base model is cut the Megatron way (``loader.load_model``): q/k/v, gate and up by output
+rows (column-parallel: whole heads, KV heads included), o and down by input columns
+(row-parallel: partial sums joined by one all-reduce), the LM head by vocabulary rows (logits
+all-gathered). The adapters are cut to match, so that no adapter weight sits on every device
+(``shard_adapter``); with ``x`` the projection's input and rank r's slices written ``[r]``:
+
+- column-parallel (q, k, v, gate, up): A by its input rows, B by its output columns.
+  ``x[r] A[r]`` is a partial sum of ``x A``: an all-reduce of tokens x rank values makes it
+  whole, then ``(x A) B[r]`` adds into the rank's output columns. (The S-LoRA paper cuts A by
+  its rank columns and all-gathers; summing instead needs no padding of a rank to a multiple of
+  N and no per-adapter interleaving of the gathered columns, for the same small tensor.)
+- row-parallel (o, down): A by its input rows (the input is already cut), B by its output
+  columns: ``x[r] A[r]`` all-reduced as above, ``(x A) B[r]`` added into the rank's columns of
+  the partial output before the base model's own all-reduce, which carries it to every rank.
+
+Every factor is cut on both sides, so each rank's pool holds 1/N of every resident adapter in
+the pages of the shard's spec (``ModelSpec.shard``), as it holds 1/N of every token's KV.
+
+Rank 0 is the engine: it schedules, samples and decides every page and adapter slot. Before
+each step it sends the step's plan (``HostStep``) and the adapter loads and evictions since
+the last one (``AdapterResidency.journal``) to the other ranks, worker processes it started
+(``worker_main``), which repeat them on their own pools and run the same forward; the previous
+step's drawn tokens reach them by a broadcast on the device. Collectives run through
+``torch.distributed``: NCCL on GPUs, gloo on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Collectives wait this long for a rank before they fail (a rank that died mid-step).
+TIMEOUT_S = 600
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel group and its collectives."""
+
+    rank: int
+    size: int
+    device: torch.device
+    group: Any = None  # torch.distributed's group (the default one)
+    # On rank 0: the workers' processes and the pipes that carry plans to them.
+    processes: list[Any] = field(default_factory=list)
+    pipes: list[Any] = field(default_factory=list)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        torch.distributed.all_reduce(tensor, group=self.group)
+
+    def gather_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Every rank's logits over its vocabulary rows, side by side: [S, vocab]."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, :vocab]
+
+    def min_over_ranks(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        torch.distributed.broadcast(tensor, src=0, group=self.group)
+
+    def send(self, message: tuple) -> None:
+        """Rank 0: a message to every worker; a worker that reported a failure raises here."""
+        self.check()
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def check(self) -> None:
+        for rank, (pipe, process) in enumerate(zip(self.pipes, self.processes, strict=True), 1):
+            failure = None
+            with contextlib.suppress(EOFError, OSError):
+                if pipe.poll():
+                    failure = pipe.recv()[1]
+            if failure is not None or not process.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} (pid {process.pid}) "
+                    + (f"failed: {failure}" if failure else f"exited with {process.exitcode}")
+                )
+
+    def close(self) -> None:
+        """Rank 0: stops the workers, then leaves the group (every rank, in any order)."""
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(("stop",))
+        for process in self.processes:
+            process.join(30)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+        self.pipes.clear()
+        self.processes.clear()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def vocab_shard(head: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The rank's rows of the LM head; the vocabulary padded with zero rows to a multiple of
+    ``size`` (their logits are cut off after the gather)."""
+    per = -(-head.shape[0] // size)
+    rows = head[rank * per : (rank + 1) * per]
+    if rows.shape[0] < per:
+        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], head.shape[1])])
+    return rows.contiguous()
+
+
+def shard_adapter(weights, rank: int, size: int):
+    """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
+    [L, r, d_out] cut along d_out, for every target (the module docstring says why both)."""
+    from slora_batch.engine.adapters import AdapterWeights
+
+    def cut(rows: torch.Tensor) -> torch.Tensor:
+        return rows.chunk(size, dim=2)[rank].contiguous()
+
+    return AdapterWeights(
+        a={t: cut(a) for t, a in weights.a.items()}, b_t={t: cut(b) for t, b in weights.b_t.items()}
+    )
+
+
+def device_of(config, rank: int) -> torch.device:
+    """Rank r's device: ``cuda:r`` of the visible devices, or the CPU."""
+    from slora_batch.engine.memory import pick_device
+
+    device = pick_device(config.device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join(rank: int, size: int, address: str, device: torch.device) -> None:
+    if torch.distributed.is_initialized():
+        raise RuntimeError(
+            "tensor parallelism starts its own process group, but this process already has "
+            "one (torchrun?): run the engine outside it"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(
+        backend,
+        init_method=address,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+
+
+def launch(model, adapters, config, weights=None) -> TensorParallel:
+    """Rank 0: starts ranks 1..N-1 as worker processes and joins the group with them."""
+    size = config.tensor_parallel
+    device = device_of(config, 0)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        from slora_batch.engine.config import ConfigError
+
+        raise ConfigError(
+            f"engine.tensor_parallel is {size} but {torch.cuda.device_count()} CUDA devices "
+            "are visible"
+        )
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    context = mp.get_context("spawn")
+    tp = TensorParallel(0, size, device)
+    level = logging.getLogger().getEffectiveLevel()
+    for rank in range(1, size):
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=worker_main,
+            args=(rank, size, address, model, adapters, config, weights, level, theirs),
+            name=f"slora-tp-{rank}",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        tp.processes.append(process)
+        tp.pipes.append(ours)
+    log.info("tensor parallel: %d ranks on %s, workers %s", size, device.type,
+             [p.pid for p in tp.processes])  # fmt: skip
+    _join(0, size, address, device)
+    return tp
+
+
+class TensorParallelRunner:
+    """Rank 0's ``ModelRunner``: each forward first sends the plan to the other ranks."""
+
+    def __init__(self, runner, tp: TensorParallel) -> None:
+        self.runner, self.tp = runner, tp
+        residency = runner.residency
+        residency.journal = []
+        residency.store.ahead_log = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def forward(self, host, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        residency = self.runner.residency
+        journal, residency.journal = residency.journal, []
+        ahead, residency.store.ahead_log = residency.store.ahead_log, []
+        shared = host.prev_rows is not None
+        count = int(prev_tokens.numel()) if shared else 0
+        self.tp.send(("step", host, journal, ahead, count))
+        if shared:
+            self.tp.broadcast(prev_tokens)
+        return self.runner.forward(host, prev_tokens)
+
+
+def build_shard(model, adapters, config, tp: TensorParallel, weights=None, ops=None) -> dict:
+    """What every rank builds alike, collectives in the same order on each: the adapter store
+    (its shard), the model shard, the pool (the smallest rank's page count), the residency and
+    the runner (which captures its graphs with the others)."""
+    from slora_batch.engine.adapters import AdapterStore
+    from slora_batch.engine.engine import pick_backend
+    from slora_batch.engine.loader import load_model
+    from slora_batch.engine.memory import num_pages, pick_dtype, unified_pool
+    from slora_batch.engine.residency import AdapterResidency
+    from slora_batch.engine.runner import ModelRunner
+    from slora_batch.engine.spec import read_spec
+
+    spec = read_spec(model)
+    shard_spec = spec.shard(tp.size)
+    dtype = pick_dtype(config.dtype, tp.device)
+    ops = ops or pick_backend(config.backend, tp.device)
+    cuda = tp.device.type == "cuda"
+    store = AdapterStore(spec, adapters, config.host_cache_bytes, cuda, dtype, (tp.rank, tp.size))
+    _, broken = store.check_all()
+    max_len = min(config.max_model_len or spec.max_context, spec.max_context)
+    model_shard = load_model(spec, dtype, tp.device, max_len, weights, tp)
+    pages = tp.min_over_ranks(num_pages(config, shard_spec, dtype, tp.device, max_len))
+    pool, lora_pool = unified_pool(pages, shard_spec, dtype, tp.device)
+    residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, tp.device)
+    runner = ModelRunner(
+        model_shard, pool, lora_pool, residency, ops, tp.device, config.max_num_seqs, max_len,
+        use_graphs=config.cuda_graphs and getattr(ops, "CUDA_GRAPHS", False),
+    )  # fmt: skip
+    return {"spec": spec, "dtype": dtype, "ops": ops, "store": store, "broken": broken,
+            "model": model_shard, "pool": pool, "lora_pool": lora_pool, "residency": residency,
+            "runner": runner, "max_model_len": max_len}  # fmt: skip
+
+
+def worker_main(rank, size, address, model, adapters, config, weights, level, pipe) -> None:
+    """Ranks 1..N-1: build the shard, then repeat rank 0's steps until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: rank 0 stops us
+    logging.basicConfig(level=level, format=f"%(levelname)s tp rank {rank}: %(message)s")
+    try:
+        device = device_of(config, rank)
+        if device.type == "cpu":
+            from slora_batch.engine.memory import set_cpu_threads
+
+            set_cpu_threads(config.cpu_threads)
+        tp = TensorParallel(rank, size, device)
+        _join(rank, size, address, device)
+        parts = build_shard(model, adapters, config, tp, weights)
+        _serve(parts, tp, pipe)
+    except Exception as exc:
+        log.error("tensor-parallel rank %d failed", rank, exc_info=True)
+        with contextlib.suppress(Exception):
+            pipe.send(("failed", f"{type(exc).__name__}: {exc}"))
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(parts: dict, tp: TensorParallel, pipe) -> None:
+    runner, residency, store = parts["runner"], parts["residency"], parts["store"]
+    while True:
+        try:
+            message = pipe.recv()
+        except EOFError:  # rank 0 is gone
+            return
+        if message[0] == "stop":
+            return
+        _, host, journal, ahead, count = message
+        for name in ahead:
+            store.load_ahead(name)
+        for entry in journal:
+            if entry[0] == "load":
+                _, name, slot, pages = entry
+                residency.install(name, slot, np.asarray(pages))
+            else:
+                residency.uninstall(entry[1])
+        prev = None
+        if host.prev_rows is not None:
+            prev = torch.empty(count, dtype=torch.int64, device=tp.device)
+            tp.broadcast(prev)
+        with torch.inference_mode():
+            runner.forward(host, prev)

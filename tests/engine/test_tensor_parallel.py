@@ -1,0 +1,131 @@
+"""S-LoRA tensor parallelism on cpu (gloo, 2 processes): the greedy tokens of transformers + PEFT
+and of one device, on MHA, GQA and Qwen2 with mixed ranks and MLP targets; under a pool small
+enough to evict adapters and preempt rows; each rank holding half of every adapter; a rank that
+dies named by the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from factory import make_adapters, make_model, make_rows, reference, tiny_spec
+
+from slora_batch import Engine, EngineConfig, Request
+from slora_batch.engine.adapters import AdapterStore, load_weights
+from slora_batch.engine.config import ConfigError
+from slora_batch.engine.spec import ModelError
+from slora_batch.engine.tp import shard_adapter, vocab_shard
+
+ROWS = 24
+VOCAB = 300
+KNOBS = dict(device="cpu", dtype="float32", max_num_batched_tokens=64, cpu_threads=1)
+
+
+def generate(model_dir, adapters, rows, **knobs) -> tuple[dict, Engine]:
+    config = EngineConfig(**{**KNOBS, **knobs})
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
+    assert not [r.error for r in results.values() if r.error]
+    return {i: r.token_ids for i, r in results.items()}, engine
+
+
+@pytest.fixture(scope="module", params=("mha", "gqa", "qwen2"))
+def case(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"tp-{request.param}")
+    model_dir = make_model(root, request.param)
+    adapters = make_adapters(model_dir, root / "adapters")
+    rows = make_rows(ROWS, VOCAB, list(adapters), seed=7)
+    return request.param, model_dir, adapters, rows, reference(model_dir, adapters, rows)
+
+
+def test_tp2_matches_peft_and_one_device(case):
+    kind, model_dir, adapters, rows, expected = case
+    tokens, engine = generate(model_dir, adapters, rows, tensor_parallel=2, num_pages=4000)
+    try:
+        assert engine.tp is not None and engine.tp.size == 2
+        wrong = {i: (tokens[i], want) for i, want in expected.items() if tokens[i] != want}
+        assert not wrong, f"{kind}: {len(wrong)} rows differ from transformers + PEFT: {wrong}"
+        # The pool is the shard's: a page holds half of a token's K (or V).
+        assert engine.pool.page_size == engine.spec.kv_dim // 2
+    finally:
+        engine.close()
+    if kind == "gqa":  # the one-device engine on the same rows, side by side
+        single, one = generate(model_dir, adapters, rows, num_pages=4000)
+        one.close()
+        assert single == tokens
+
+
+def test_tp2_evicts_and_preempts_like_one_device(case):
+    """A pool that fits the rank-64 adapter and a few rows: rank 0's evictions, reloads and
+    preemptions reach the other rank in order, and the tokens stay those of PEFT."""
+    kind, model_dir, adapters, rows, expected = case
+    if kind != "qwen2":
+        pytest.skip("one model is enough for the pressure test")
+    knobs = dict(tensor_parallel=2, num_pages=1400, max_num_batched_tokens=48,
+                 max_adapters_per_batch=3)  # fmt: skip
+    tokens, engine = generate(model_dir, adapters, rows, **knobs)
+    try:
+        counters = engine.counters
+        assert counters.adapter_evictions > 0, "the pool never evicted an adapter"
+        assert counters.preemptions > 0, "no row was preempted"
+        wrong = {i: (tokens[i], want) for i, want in expected.items() if tokens[i] != want}
+        assert not wrong, f"{len(wrong)} rows differ under pressure: {wrong}"
+    finally:
+        engine.close()
+
+
+def test_each_rank_holds_half_of_every_adapter(case, tmp_path):
+    kind, model_dir, adapters, _, _ = case
+    if kind != "mha":
+        pytest.skip("one model is enough")
+    from slora_batch.engine.spec import read_spec
+
+    spec = read_spec(model_dir)
+    whole = AdapterStore(spec, adapters)
+    halves = [AdapterStore(spec, adapters, shard=(rank, 2)) for rank in (0, 1)]
+    for name in adapters:
+        full, parts = whole.paged(name), [h.paged(name) for h in halves]
+        assert all(p.nbytes * 2 == full.nbytes for p in parts), name
+        # The two shards put together are the adapter: A's input rows, B's output columns.
+        info = whole.info(name)
+        weights = load_weights(info, spec)
+        cuts = [shard_adapter(weights, rank, 2) for rank in (0, 1)]
+        for target in info.targets:
+            a = torch.cat([c.a[target] for c in cuts], dim=2)
+            b = torch.cat([c.b_t[target] for c in cuts], dim=2)
+            assert torch.equal(a, weights.a[target]) and torch.equal(b, weights.b_t[target])
+
+
+def test_vocab_shard_pads_to_a_multiple():
+    head = torch.arange(10.0).view(5, 2)
+    parts = [vocab_shard(head, rank, 2) for rank in (0, 1)]
+    assert [p.shape[0] for p in parts] == [3, 3]
+    assert torch.equal(torch.cat(parts)[:5], head) and not parts[1][2].any()
+
+
+def test_a_model_that_does_not_divide_is_refused_with_numbers():
+    with pytest.raises(ModelError, match="tensor_parallel 4 must divide the KV heads 2"):
+        tiny_spec().shard(4)
+    with pytest.raises(ConfigError, match="tensor_parallel must be an integer >= 1"):
+        EngineConfig(tensor_parallel=0)
+    with pytest.raises(ConfigError, match="names one GPU"):
+        EngineConfig(device="cuda:1", tensor_parallel=2)
+
+
+def test_a_dead_rank_is_named(tmp_path):
+    model_dir = make_model(tmp_path, "gqa")
+    adapters = make_adapters(model_dir, tmp_path / "adapters")
+    rows = make_rows(4, VOCAB, list(adapters), seed=3)
+    config = EngineConfig(**KNOBS, num_pages=2000, tensor_parallel=2)
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    try:
+        assert len(list(engine.generate(Request(**row) for row in rows))) == 4
+        worker = engine.tp.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited"):
+            list(engine.generate(Request(**row) for row in rows))
+    finally:
+        engine.close()
