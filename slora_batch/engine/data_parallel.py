@@ -162,7 +162,8 @@ class DataParallelEngine:
                     target=worker_main,
                     args=(*args, inbox_reader, outbox_writer),
                     name=f"slora-dp-{slot.index}",
-                    daemon=True,
+                    # a tensor-parallel worker starts its own ranks: daemons cannot
+                    daemon=config.tensor_parallel == 1,
                 )
                 process.start()
                 inbox_reader.close()  # the worker's ends: only it may hold them, so that

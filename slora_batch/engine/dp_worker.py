@@ -37,13 +37,14 @@ Send = Callable[[tuple], None]
 @dataclass(frozen=True)
 class WorkerSlot:
     index: int
-    device: str  # "cuda:1" in the driver's numbering, or "cpu"
+    device: str  # "cuda:1" (or "cuda:2-3" for a tensor-parallel group) in the driver's numbering
     visible: str | None  # the worker's CUDA_VISIBLE_DEVICES; None on cpu
 
 
 def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
-    """One slot per worker: ``data_parallel`` of them, or one per visible GPU for ``gpus: all``.
-    On cpu, ``data_parallel`` processes share the cores; ``gpus: all`` there is an error."""
+    """One slot per worker: ``data_parallel`` of them, or for ``gpus: all`` as many as the
+    visible GPUs hold groups of ``tensor_parallel``. Each slot gets its own ``tensor_parallel``
+    devices. On cpu, ``data_parallel`` processes share the cores; ``gpus: all`` is an error."""
     import torch
 
     cuda = config.device != "cpu" and torch.cuda.is_available()
@@ -56,12 +57,21 @@ def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [v.strip() for v in visible.split(",")] if visible else []
     ids = (ids or [str(i) for i in range(torch.cuda.device_count())])[: torch.cuda.device_count()]
-    count = len(ids) if config.gpus else config.data_parallel
-    if count > len(ids):
+    per = config.tensor_parallel
+    count = len(ids) // per if config.gpus else config.data_parallel
+    if count < 1 or count * per > len(ids):
         raise ConfigError(
-            f"engine.data_parallel is {count} but {len(ids)} CUDA devices are visible"
+            f"engine.data_parallel {max(count, 1)} x tensor_parallel {per} needs "
+            f"{max(count, 1) * per} CUDA devices, {len(ids)} are visible"
         )
-    return [WorkerSlot(i, f"cuda:{i}", ids[i]) for i in range(count)]
+
+    def name(i: int) -> str:
+        first, last = i * per, (i + 1) * per - 1
+        return f"cuda:{first}" if per == 1 else f"cuda:{first}-{last}"
+
+    return [
+        WorkerSlot(i, name(i), ",".join(ids[i * per : (i + 1) * per])) for i in range(count)
+    ]
 
 
 def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox) -> None:

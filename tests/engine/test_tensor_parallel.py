@@ -129,3 +129,32 @@ def test_a_dead_rank_is_named(tmp_path):
             list(engine.generate(Request(**row) for row in rows))
     finally:
         engine.close()
+
+
+def test_two_data_parallel_groups_of_two_ranks(case):
+    """data_parallel 2 x tensor_parallel 2: four processes, the tokens of PEFT."""
+    kind, model_dir, adapters, rows, expected = case
+    if kind != "gqa":
+        pytest.skip("one model is enough")
+    from slora_batch.engine.data_parallel import DataParallelEngine
+
+    config = EngineConfig(**KNOBS, num_pages=3000, data_parallel=2, tensor_parallel=2,
+                          lookahead=16)  # fmt: skip
+    with DataParallelEngine(model_dir, adapters, config) as engine:
+        results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
+        assert not [r.error for r in results.values() if r.error]
+        tokens = {i: r.token_ids for i, r in results.items()}
+        assert tokens == expected
+        assert all(w.rows > 0 for w in engine.workers), "a group got no rows"
+
+
+def test_worker_slots_group_devices(monkeypatch):
+    from slora_batch.engine import dp_worker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    slots = dp_worker.worker_slots(EngineConfig(gpus="all", tensor_parallel=2))
+    assert [(s.device, s.visible) for s in slots] == [("cuda:0-1", "4,5"), ("cuda:2-3", "6,7")]
+    with pytest.raises(ConfigError, match="data_parallel 3 x tensor_parallel 2 needs 6 CUDA"):
+        dp_worker.worker_slots(EngineConfig(data_parallel=3, tensor_parallel=2))
