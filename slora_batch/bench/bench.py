@@ -34,7 +34,9 @@ from slora_batch.engine.config import check
 log = logging.getLogger(__name__)
 
 # the ablations, then the job tool's own path (bench/job_run.py: not in the default list)
-SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job")
+# base and slora again at --tensor-parallel x --data-parallel (the default when that is > 1)
+PARALLEL = ("base-par", "slora-par")
+SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -63,9 +65,21 @@ class BenchConfig:
     total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit
     warmup_requests: int = 32  # short requests through each engine before its timed run
     out: Path = Path("benchmarks/results")
+    tensor_parallel: int = 1  # the layout of the -par systems: devices per engine
+    data_parallel: int = 1  # ... and engines (workers)
+    systems_given: bool = False  # the CLI's --systems was set (else -par joins when parallel)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        for name in ("tensor_parallel", "data_parallel"):
+            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        parallel = self.tensor_parallel * self.data_parallel > 1
+        if parallel and not self.systems_given:
+            self.systems = ["base", "slora", *PARALLEL]
+        check(
+            parallel or not set(PARALLEL) & set(self.systems),
+            f"systems {', '.join(PARALLEL)} need --tensor-parallel or --data-parallel above 1",
+        )
         unknown = sorted(set(self.systems) - set(SYSTEMS))
         check(
             not unknown and bool(self.systems),
@@ -116,6 +130,7 @@ class BenchConfig:
             or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],
         }
         counts.update(dict.fromkeys(ABLATIONS, self.ablation_adapters or self.adapters))
+        counts.update({"base-par": [0], "slora-par": self.adapters})
         counts["job"] = self.ablation_adapters or self.adapters
         return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
 
@@ -146,7 +161,10 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
     log.info("bench: %d runs on %s: %s", len(runs), device, ", ".join(f"{s}@{n}" for s, n in runs))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="slora-bench-") as tmp:
-        model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed)
+        # transformers' model only where PEFT runs: the engines make RandomWeights themselves
+        # (the same values on one device, per tensor-parallel rank and per worker)
+        hf = "peft" in config.systems
+        model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed, hf)
         rank_dirs = model.write_adapters(Path(tmp) / "adapters", config.seed)
         rates = measure_rates(device, dtype)
         log.info(

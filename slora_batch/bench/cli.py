@@ -30,7 +30,8 @@ def _ints(text: str | None) -> list[int] | None:
 def bench(
     systems: str = typer.Option(
         ",".join(D.systems),
-        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job).",
+        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job and the -par "
+        "ones; with --tensor-parallel or --data-parallel above 1: base, slora and the -par ones).",
         show_default=False,
     ),
     adapters: str = typer.Option(",".join(map(str, D.adapters)), help="Adapter counts for slora."),
@@ -54,7 +55,7 @@ def bench(
     min_output: int = typer.Option(D.min_output, help="Shortest output, tokens."),
     max_output: int = typer.Option(D.max_output, help="Longest output, tokens."),
     seed: int = typer.Option(D.seed, help="Seed of the workload and the random weights."),
-    model_preset: str = typer.Option(D.model_preset, help="Model shapes: llama2-7b or tiny."),
+    model_preset: str = typer.Option(D.model_preset, help="Model shapes: llama2-7b, llama2-70b (GQA) or tiny."),
     device: str = typer.Option(D.device, help="auto, cpu or cuda[:N]."),
     backend: str = typer.Option(D.backend, help="Engine kernels: auto, torch or triton."),
     max_seconds: float = typer.Option(
@@ -71,6 +72,12 @@ def bench(
         D.warmup_requests, help="Short warm-up requests per engine run."
     ),
     out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
+    tensor_parallel: int = typer.Option(
+        D.tensor_parallel, help="Devices per engine of the base-par and slora-par systems."
+    ),
+    data_parallel: int = typer.Option(
+        D.data_parallel, help="Engines (workers) of the base-par and slora-par systems."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
     """Benchmark slora against the base model, transformers + PEFT and the ablations (benchmarks/README.md)."""
@@ -103,6 +110,9 @@ def bench(
             total_seconds=total_seconds,
             warmup_requests=warmup_requests,
             out=Path(out),
+            tensor_parallel=tensor_parallel,
+            data_parallel=data_parallel,
+            systems_given=systems != ",".join(D.systems),
         )
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -18,8 +18,10 @@ import torch
 
 from kernels.builds import BuildLog
 from slora_batch.bench.roofline import Work
-from slora_batch.bench.workload import adapter_sources
+from slora_batch.bench.workload import RandomWeights, adapter_sources
+from slora_batch.engine.adapters import AdapterStore
 from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.data_parallel import open_engine
 from slora_batch.engine.engine import Engine, pick_backend
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.request import Request
@@ -97,23 +99,37 @@ def run_engine(ctx, system: str, n: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     start = time.perf_counter()
-    engine = Engine(
-        model.model_dir,
-        adapters=adapter_sources(n, ctx.rank_dirs) if n else {},
-        config=EngineConfig(
-            device=str(model.device),
+    sources = adapter_sources(n, ctx.rank_dirs) if n else {}
+    dtype = str(model.dtype).removeprefix("torch.")
+    parallel = system.endswith("-par")
+    if parallel:  # the -par systems: base or slora at the configured layout
+        config = EngineConfig(
+            device="cuda" if cuda else "cpu",
             backend=cfg.backend,
-            dtype=str(model.dtype).removeprefix("torch."),
-        ),
-        sampling=SamplingConfig(ignore_eos=True),
-        weights=model.weights,
-        **engine_parts(system, cfg.backend, model.device),
-    )
-    requests = ctx.workload.requests(0 if system == "base" else n)
+            dtype=dtype,
+            tensor_parallel=cfg.tensor_parallel,
+            data_parallel=cfg.data_parallel,
+        )
+        weights = model.weights
+        if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
+            weights = RandomWeights(model.spec, cfg.seed, model.dtype)
+        engine = open_engine(model.model_dir, sources, config, SamplingConfig(ignore_eos=True),
+                             weights)  # fmt: skip
+    else:
+        engine = Engine(
+            model.model_dir,
+            adapters=sources,
+            config=EngineConfig(device=str(model.device), backend=cfg.backend, dtype=dtype),
+            sampling=SamplingConfig(ignore_eos=True),
+            weights=model.weights,
+            **engine_parts(system, cfg.backend, model.device),
+        )
+    requests = ctx.workload.requests(0 if system.startswith("base") else n)
     if system not in ARRIVAL_ORDER:
         requests = group_by_adapter(requests)
+    store = AdapterStore(model.spec, sources)  # the adapters' ranks, for the warm-up groups
     with BuildLog() as warmup_builds:
-        for group, whole in warmup_groups(requests, engine.store, cfg.warmup_requests):
+        for group, whole in warmup_groups(requests, store, cfg.warmup_requests):
             for _ in engine.generate(_warmup(group, whole)):
                 pass
         _sync(model.device)
@@ -146,6 +162,8 @@ def run_engine(ctx, system: str, n: int) -> dict:
         work.add(prompt, generated)
     results.close()
     delta = {k: after - before[k] for k, after in _counters(engine).items()}
+    if parallel:
+        engine.close()
     del engine, results
     row = dict(
         system=system,
@@ -158,8 +176,11 @@ def run_engine(ctx, system: str, n: int) -> dict:
         truncated=stopped or fed[0] < len(requests),
         setup_s=setup_s,
         peak_mem_gib=_peak_gib(model.device),
+        tensor_parallel=cfg.tensor_parallel if parallel else 1,
+        data_parallel=cfg.data_parallel if parallel else 1,
     )
-    row.update(figures(ctx, work, finished, wall_s))
+    devices = row["tensor_parallel"] * row["data_parallel"] if cuda else 1
+    row.update(figures(ctx, work, finished, wall_s, devices))
     row.update(delta)
     row["host_share"] = _share(delta["host_s"], delta["step_s"])
     row["decode_host_share"] = _share(delta["decode_host_s"], delta["decode_step_s"])
@@ -173,10 +194,11 @@ def run_engine(ctx, system: str, n: int) -> dict:
     return row
 
 
-def figures(ctx, work: Work, finished: int, wall_s: float) -> dict:
-    """The rates and the roofline fraction of a run that did ``work`` in ``wall_s`` seconds."""
+def figures(ctx, work: Work, finished: int, wall_s: float, devices: int = 1) -> dict:
+    """The rates and the roofline fraction of a run that did ``work`` in ``wall_s`` seconds
+    (on ``devices`` cards like the one measured: their floor is 1/devices of one card's)."""
     model = ctx.model
-    floor_s = work.floor_seconds(model.num_params, model.kv_bytes_per_token, ctx.rates)
+    floor_s = work.floor_seconds(model.num_params, model.kv_bytes_per_token, ctx.rates) / devices
     return dict(
         prompt_tokens=work.prompt_tokens,
         output_tokens=work.output_tokens,

@@ -227,6 +227,20 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"{r['wall_s']:.1f} + read {r['job_read_s']:.1f} + write {r['job_write_s']:.1f} s "
                 f"and the rest (scan, stats); files written in {r['job_files_s']:.1f} s"
             )
+        if r["system"] in ("base-par", "slora-par"):
+            one = r["system"].removesuffix("-par")
+            layout = f"tp {r['tensor_parallel']} x dp {r['data_parallel']}"
+            ratio = tok(one, r["adapters"])
+            lines.append(
+                f"- {r['system']}@{r['adapters']} ({layout}) = {r['output_tokens_per_s']:.0f} "
+                f"tok/s" + (f", {r['output_tokens_per_s'] / ratio:.2f}x {one}@{r['adapters']}"
+                            if ratio else f"; {one}@{r['adapters']} not measured")
+            )  # fmt: skip
+            if r["system"] == "slora-par" and tok("base-par", 0):
+                lines.append(
+                    f"- slora-par@{r['adapters']} / base-par ({layout}) = "
+                    f"{r['output_tokens_per_s'] / tok('base-par', 0):.2f}"
+                )
         if r["system"] == "slora" and not math.isnan(r["decode_host_share"]):
             lines.append(
                 f"- decode host share slora@{r['adapters']} = {_pct(r['decode_host_share'])}"

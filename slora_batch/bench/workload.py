@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,16 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
     ),
+    "llama2-70b": dict(  # GQA: 8 KV heads; built as RandomWeights only (one card cannot hold it)
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    ),
     "tiny": dict(
         vocab_size=300,
         hidden_size=64,
@@ -55,12 +67,81 @@ def adapter_sources(n: int, rank_dirs: dict[int, Path]) -> dict[str, Path]:
     return {adapter_name(i): rank_dirs[RANKS[i % len(RANKS)]] for i in range(n)}
 
 
+@dataclass(frozen=True)
+class RandomWeights:
+    """A model's weights made on demand, one tensor at a time, by name (Hugging Face names):
+    normal(0, 0.02), norms 1. A tensor's values depend on the seed and its name alone, so a
+    tensor-parallel rank makes the same tensor as one device does and keeps its shard, and
+    a data-parallel worker the same model, each from this small picklable object, on its own
+    device (the current CUDA device, else the CPU). ``pop`` and ``keys`` are what
+    ``engine.loader.load_model`` reads; ``items`` makes every tensor (for a directory)."""
+
+    spec: ModelSpec
+    seed: int
+    dtype: torch.dtype
+
+    def names(self) -> list[str]:
+        s = self.spec
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                     *(f"self_attn.{t}_proj.weight" for t in "qkvo"),
+                     *(f"mlp.{t}_proj.weight" for t in ("gate", "up", "down"))]  # fmt: skip
+        if s.attention_bias:
+            per_layer += [f"self_attn.{t}_proj.bias" for t in "qkv"]
+        names = [f"model.layers.{i}.{n}" for i in range(s.num_layers) for n in per_layer]
+        names += ["model.embed_tokens.weight", "model.norm.weight"]
+        return names + ([] if s.tie_word_embeddings else ["lm_head.weight"])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        s = self.spec
+        h, q, kv, i = s.hidden_size, s.q_dim, s.kv_dim, s.intermediate_size
+        last = name.split(".")[-2]
+        if name.endswith("norm.weight") or last.endswith("layernorm"):
+            return (h,)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return (s.vocab_size, h)
+        out_in = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                  "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[last]  # fmt: skip
+        return out_in[:1] if name.endswith(".bias") else out_in
+
+    def pop(self, name: str, default=None) -> torch.Tensor | None:
+        if name not in self._known:
+            return default
+        shape = self.shape(name)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")  # fmt: skip
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=device)
+        gen = torch.Generator(device=device).manual_seed(
+            self.seed * 1_000_003 + zlib.crc32(name.encode())
+        )
+        values = torch.empty(shape, dtype=torch.float32, device=device)
+        return values.normal_(0.0, 0.02, generator=gen).to(self.dtype)
+
+    def keys(self) -> list[str]:
+        return []  # nothing is left over: every name is made when asked
+
+    def items(self):
+        return ((name, self.pop(name)) for name in self.names())
+
+    @property
+    def _known(self) -> set[str]:
+        known = self.__dict__.get("_names")
+        if known is None:
+            known = set(self.names())
+            object.__setattr__(self, "_names", known)
+        return known
+
+    def num_params(self) -> int:
+        return sum(math.prod(self.shape(n)) for n in self.names())
+
+
 @dataclass
 class BenchModel:
     """The transformers model every system runs, and what the engine and the roofline need."""
 
-    hf_model: torch.nn.Module
-    weights: dict[str, torch.Tensor]  # its state dict, taken before PEFT wraps any module
+    hf_model: torch.nn.Module | None  # None: not built (no peft run; a model past one card)
+    # its state dict, taken before PEFT wraps any module; or RandomWeights when not built
+    weights: dict[str, torch.Tensor] | RandomWeights
     model_dir: Path  # config.json only: the engine reads the shapes there, the weights above
     spec: ModelSpec
     device: torch.device
@@ -112,10 +193,12 @@ def _peft_config(rank: int) -> dict:
 
 
 def build_model(
-    preset: str, device: torch.device, dtype: torch.dtype, root: Path, seed: int
+    preset: str, device: torch.device, dtype: torch.dtype, root: Path, seed: int, hf: bool = True
 ) -> BenchModel:
     """A random ``LlamaForCausalLM`` of the preset's shapes, initialized on ``device`` in ``dtype``;
-    its config.json (nothing else) goes to ``root / "model"`` for the engine."""
+    its config.json (nothing else) goes to ``root / "model"`` for the engine. Without ``hf`` no
+    transformers model is built: the engine runs take ``RandomWeights`` (every rank or worker
+    makes its own), and PEFT cannot run."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     start = time.perf_counter()
@@ -127,6 +210,16 @@ def build_model(
         pad_token_id=0,
         architectures=["LlamaForCausalLM"],
     )
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True)
+    config.to_json_file(str(model_dir / "config.json"))
+    spec = read_spec(model_dir)
+    if not hf:
+        weights = RandomWeights(spec, seed, dtype)
+        num_params = weights.num_params()
+        log.info("model %s: %.2fB parameters, made on demand by each engine", preset,
+                 num_params / 1e9)  # fmt: skip
+        return BenchModel(None, weights, model_dir, spec, device, dtype, num_params)
     torch.manual_seed(seed)
     with torch.device(device):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -136,9 +229,6 @@ def build_model(
         hf_model.to(device)
     hf_model.eval()
     hf_model.generation_config.eos_token_id = None  # EOS ignored (PEFT's generate as well)
-    model_dir = root / "model"
-    model_dir.mkdir(parents=True)
-    config.to_json_file(str(model_dir / "config.json"))
     num_params = sum(p.numel() for p in hf_model.parameters())
     log.info(
         "model %s: %.2fB parameters, %s on %s, built in %.1f s",
@@ -152,7 +242,7 @@ def build_model(
         hf_model=hf_model,
         weights=dict(hf_model.state_dict()),
         model_dir=model_dir,
-        spec=read_spec(model_dir),
+        spec=spec,
         device=device,
         dtype=dtype,
         num_params=num_params,

@@ -47,16 +47,19 @@ class WorkerDied(RuntimeError):
     """A worker process ended while it held rows; they were never yielded (a re-run redoes them)."""
 
 
-def open_engine(model, adapters=None, config: EngineConfig | None = None, sampling=None):
-    """An ``Engine``, or a ``DataParallelEngine`` when the config asks for more than one worker."""
+def open_engine(
+    model, adapters=None, config: EngineConfig | None = None, sampling=None, weights=None
+):
+    """An ``Engine``, or a ``DataParallelEngine`` when the config asks for more than one worker.
+    ``weights`` as ``Engine``'s (each worker gets a copy: tensors made on demand suit best)."""
     config = config or EngineConfig()
     if config.data_parallel > 1 or config.gpus:
         slots = worker_slots(config)
         if len(slots) > 1:
-            return DataParallelEngine(model, adapters, config, sampling, slots=slots)
+            return DataParallelEngine(model, adapters, config, sampling, slots, weights=weights)
     from slora_batch.engine.engine import Engine
 
-    return Engine(model, adapters=adapters, config=config, sampling=sampling)
+    return Engine(model, adapters=adapters, config=config, sampling=sampling, weights=weights)
 
 
 def chunks(requests: Iterable[Request], rows: int) -> Iterator[list[Request]]:
@@ -133,6 +136,7 @@ class DataParallelEngine:
         sampling: SamplingConfig | None = None,
         slots: list[WorkerSlot] | None = None,
         chunk_rows: int | None = None,
+        weights=None,
     ) -> None:
         began = time.perf_counter()
         self.config = config = config or EngineConfig()
@@ -160,7 +164,7 @@ class DataParallelEngine:
                 args = (slot, model, adapters, worker_config, sampling, level)
                 process = context.Process(
                     target=worker_main,
-                    args=(*args, inbox_reader, outbox_writer),
+                    args=(*args, inbox_reader, outbox_writer, weights),
                     name=f"slora-dp-{slot.index}",
                     # a tensor-parallel worker starts its own ranks: daemons cannot
                     daemon=config.tensor_parallel == 1,

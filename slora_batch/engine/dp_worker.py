@@ -74,7 +74,8 @@ def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
     ]
 
 
-def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox) -> None:
+def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox,
+                weights=None) -> None:  # fmt: skip
     """A worker process: its device first (before torch touches CUDA), then its engine."""
     if slot.visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = slot.visible
@@ -94,7 +95,7 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
     try:
         from slora_batch.engine.engine import Engine
 
-        engine = Engine(model, adapters=adapters, config=config, sampling=sampling)
+        engine = Engine(model, adapters=adapters, config=config, sampling=sampling, weights=weights)
     except Exception as exc:
         _fail(send, exc, exc)
     info = {"device": str(engine.device), "dtype": str(engine.dtype), "counters": engine.counters,

@@ -45,7 +45,10 @@ def load_model(
     ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict. Under
     tensor parallelism (``tp``) only this rank's shard reaches the device: q/k/v, gate and up
     by output rows, o and down by input columns, the LM head by vocabulary rows."""
-    raw = dict(weights) if weights is not None else load_tensors(Path(spec.path))
+    if weights is None:
+        raw = load_tensors(Path(spec.path))
+    else:  # a dict, or tensors made on demand (``pop``/``keys``: the bench's RandomWeights)
+        raw = dict(weights) if isinstance(weights, dict) else weights
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
 
     def take(name: str, required: bool = True, dim: int | None = None) -> torch.Tensor | None:
@@ -85,7 +88,7 @@ def load_model(
     model = LlamaModel(
         spec.shard(size), embed, layers, take("model.norm.weight"), head, max_pos, tp
     )
-    leftover = [k for k in raw if "rotary_emb" not in k]
+    leftover = [k for k in raw.keys() if "rotary_emb" not in k]  # noqa: SIM118
     if leftover:
         log.warning("model %s: %d unused tensors, e.g. %s", spec.path, len(leftover), leftover[:3])
     return model
