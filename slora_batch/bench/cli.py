@@ -55,7 +55,9 @@ def bench(
     min_output: int = typer.Option(D.min_output, help="Shortest output, tokens."),
     max_output: int = typer.Option(D.max_output, help="Longest output, tokens."),
     seed: int = typer.Option(D.seed, help="Seed of the workload and the random weights."),
-    model_preset: str = typer.Option(D.model_preset, help="Model shapes: llama2-7b, llama2-70b (GQA) or tiny."),
+    model_preset: str = typer.Option(
+        D.model_preset, help="Model shapes: llama2-7b, llama2-70b (GQA) or tiny."
+    ),
     device: str = typer.Option(D.device, help="auto, cpu or cuda[:N]."),
     backend: str = typer.Option(D.backend, help="Engine kernels: auto, torch or triton."),
     max_seconds: float = typer.Option(

@@ -4,7 +4,9 @@ request.py    Request, Result: what goes in and what comes out
 config.py     EngineConfig, SamplingConfig: every engine and sampling default, validated
 engine.py     Engine: the public iterator over the continuous-batching loop
 data_parallel.py  DataParallelEngine: Engine's surface over worker processes, one device each
-dp_worker.py  a data-parallel worker: its device, its engine, its pipes to the driver
+dp_worker.py  a data-parallel worker: its device(s), its engine, its pipes to the driver
+tp.py         S-LoRA tensor parallelism: the cuts, rank 0's plan to the other ranks, a rank's loop
+parts.py      what an engine builds on its device (store, model, pool, residency, runner)
 prepare.py    a request becomes a sequence, or an error result saying why
 scheduler.py  owns a sequence's life: admit, chunked prefill, finish, hold, release, preempt
 sequence.py   one admitted row: tokens, pages, how far its KV is computed

@@ -69,9 +69,7 @@ def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
         first, last = i * per, (i + 1) * per - 1
         return f"cuda:{first}" if per == 1 else f"cuda:{first}-{last}"
 
-    return [
-        WorkerSlot(i, name(i), ",".join(ids[i * per : (i + 1) * per])) for i in range(count)
-    ]
+    return [WorkerSlot(i, name(i), ",".join(ids[i * per : (i + 1) * per])) for i in range(count)]
 
 
 def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox,

@@ -20,25 +20,21 @@ from types import ModuleType
 
 import torch
 
-from slora_batch.engine.adapters import AdapterStore
 from slora_batch.engine.batch import plan_step
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.loader import load_model
 from slora_batch.engine.memory import (
     PoolFactory,
-    num_pages,
     page_bytes,
     pick_device,
     pick_dtype,
     set_cpu_threads,
     unified_pool,
 )
+from slora_batch.engine.parts import build_parts, make_runner
 from slora_batch.engine.prefetch import AdapterPrefetcher
 from slora_batch.engine.prepare import RequestPreparer
 from slora_batch.engine.request import Request, Result
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.runner import ModelRunner
 from slora_batch.engine.sample_model import resolve_model
 from slora_batch.engine.sampling import SamplingBatch, sample
 from slora_batch.engine.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
@@ -106,10 +102,29 @@ class Engine:
         self.ops = ops or pick_backend(config.backend, self.device)
         self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
         self.tp = None
-        if config.tensor_parallel > 1:
-            self._build_tensor_parallel(adapters, weights)
-        else:
-            self._build(adapters, weights, pools)
+        if config.tensor_parallel > 1:  # rank 0 of N: the others start and build alongside
+            from slora_batch.engine import tp
+
+            spec.shard(config.tensor_parallel)  # a model that does not divide: say so first
+            self.tp = tp.launch(self.model_path, adapters, config, weights)
+            self.device = self.tp.device
+        try:
+            parts = build_parts(spec, adapters, config, self.device, self.dtype,
+                                self.max_model_len, weights, pools, self.tp)  # fmt: skip
+            warmup = time.perf_counter()
+            self.runner = make_runner(parts, self.ops, self.device, config, self.max_model_len)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        if self.tp is not None:
+            self.runner = tp.TensorParallelRunner(self.runner, self.tp)
+        self.store, self.broken, self.model = parts.store, parts.broken, parts.model
+        self.pool, self.lora_pool, self.pool_spec = parts.pool, parts.lora_pool, parts.pool_spec
+        self.residency = parts.residency
+        # A broken adapter among many costs only its own rows (error rows that say why).
+        for exc in self.broken.values():
+            log.warning("%s; its rows become error rows", exc)
         self.tokenizer = load_tokenizer(self.model_path)
         self.scheduler = Scheduler(config, self.pool, self.residency, spec.eos_token_ids)
         self.prepare = RequestPreparer(
@@ -121,19 +136,6 @@ class Engine:
             self.max_model_len,
             self.scheduler,
         )
-        warmup = time.perf_counter()
-        if self.tp is None:
-            self.runner = ModelRunner(
-                self.model,
-                self.pool,
-                self.lora_pool,
-                self.residency,
-                self.ops,
-                self.device,
-                config.max_num_seqs,
-                self.max_model_len,
-                use_graphs=config.cuda_graphs and getattr(self.ops, "CUDA_GRAPHS", False),
-            )
         warmup_s = time.perf_counter() - warmup
         stream = None
         if config.prefetch and self.device.type == "cuda":
@@ -162,47 +164,6 @@ class Engine:
             len(self.store.names),
             len(self.broken),
         )
-
-    def _build(self, adapters, weights, pools: PoolFactory) -> None:
-        """One device: the store, its check, the model, the pool(s) and the residency."""
-        config, spec = self.config, self.spec
-        self.pool_spec = spec
-        self.store = AdapterStore(
-            spec, adapters, config.host_cache_bytes, self.device.type == "cuda", self.dtype
-        )
-        # A broken adapter among many costs only its own rows (error rows that say why).
-        _, self.broken = self.store.check_all()
-        for exc in self.broken.values():
-            log.warning("%s; its rows become error rows", exc)
-        self.model = load_model(spec, self.dtype, self.device, self.max_model_len, weights)
-        pages = num_pages(config, spec, self.dtype, self.device, self.max_model_len)
-        self.pool, self.lora_pool = pools(pages, spec, self.dtype, self.device)
-        self.residency = AdapterResidency(
-            self.lora_pool, self.store, config.max_resident_adapters, self.device
-        )
-
-    def _build_tensor_parallel(self, adapters, weights) -> None:
-        """Rank 0 of ``tensor_parallel`` ranks: starts the others, builds its shard alongside
-        theirs (``tp.build_shard``); its runner sends them each step's plan."""
-        from slora_batch.engine import tp
-
-        self.spec.shard(self.config.tensor_parallel)  # a model that does not divide: say so now
-        self.tp = tp.launch(self.model_path, adapters, self.config, weights)
-        try:
-            parts = tp.build_shard(
-                self.model_path, adapters, self.config, self.tp, weights, self.ops
-            )
-        except BaseException:
-            self.tp.close()
-            raise
-        self.device = self.tp.device
-        self.pool_spec = self.spec.shard(self.tp.size)
-        self.store, self.broken, self.model = parts["store"], parts["broken"], parts["model"]
-        self.pool, self.lora_pool = parts["pool"], parts["lora_pool"]
-        self.residency = parts["residency"]
-        for exc in self.broken.values():
-            log.warning("%s; its rows become error rows", exc)
-        self.runner = tp.TensorParallelRunner(parts["runner"], self.tp)
 
     @property
     def adapter_names(self) -> list[str]:

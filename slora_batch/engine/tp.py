@@ -222,37 +222,21 @@ class TensorParallelRunner:
         return self.runner.forward(host, prev_tokens)
 
 
-def build_shard(model, adapters, config, tp: TensorParallel, weights=None, ops=None) -> dict:
-    """What every rank builds alike, collectives in the same order on each: the adapter store
-    (its shard), the model shard, the pool (the smallest rank's page count), the residency and
-    the runner (which captures its graphs with the others)."""
-    from slora_batch.engine.adapters import AdapterStore
+def build_shard(model, adapters, config, tp: TensorParallel, weights=None):
+    """A worker rank's engine parts, built in the order rank 0 builds its own (``Engine``), so
+    that their collectives meet: the shard's store, model, pool and residency, then the runner
+    (which captures its graphs with the others)."""
     from slora_batch.engine.engine import pick_backend
-    from slora_batch.engine.loader import load_model
-    from slora_batch.engine.memory import num_pages, pick_dtype, unified_pool
-    from slora_batch.engine.residency import AdapterResidency
-    from slora_batch.engine.runner import ModelRunner
+    from slora_batch.engine.memory import pick_dtype
+    from slora_batch.engine.parts import build_parts, make_runner
     from slora_batch.engine.spec import read_spec
 
     spec = read_spec(model)
-    shard_spec = spec.shard(tp.size)
     dtype = pick_dtype(config.dtype, tp.device)
-    ops = ops or pick_backend(config.backend, tp.device)
-    cuda = tp.device.type == "cuda"
-    store = AdapterStore(spec, adapters, config.host_cache_bytes, cuda, dtype, (tp.rank, tp.size))
-    _, broken = store.check_all()
     max_len = min(config.max_model_len or spec.max_context, spec.max_context)
-    model_shard = load_model(spec, dtype, tp.device, max_len, weights, tp)
-    pages = tp.min_over_ranks(num_pages(config, shard_spec, dtype, tp.device, max_len))
-    pool, lora_pool = unified_pool(pages, shard_spec, dtype, tp.device)
-    residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, tp.device)
-    runner = ModelRunner(
-        model_shard, pool, lora_pool, residency, ops, tp.device, config.max_num_seqs, max_len,
-        use_graphs=config.cuda_graphs and getattr(ops, "CUDA_GRAPHS", False),
-    )  # fmt: skip
-    return {"spec": spec, "dtype": dtype, "ops": ops, "store": store, "broken": broken,
-            "model": model_shard, "pool": pool, "lora_pool": lora_pool, "residency": residency,
-            "runner": runner, "max_model_len": max_len}  # fmt: skip
+    parts = build_parts(spec, adapters, config, tp.device, dtype, max_len, weights, tp=tp)
+    ops = pick_backend(config.backend, tp.device)
+    return parts, make_runner(parts, ops, tp.device, config, max_len)
 
 
 def worker_main(rank, size, address, model, adapters, config, weights, level, pipe) -> None:
@@ -267,8 +251,8 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
             set_cpu_threads(config.cpu_threads)
         tp = TensorParallel(rank, size, device)
         _join(rank, size, address, device)
-        parts = build_shard(model, adapters, config, tp, weights)
-        _serve(parts, tp, pipe)
+        parts, runner = build_shard(model, adapters, config, tp, weights)
+        _serve(parts, runner, tp, pipe)
     except Exception as exc:
         log.error("tensor-parallel rank %d failed", rank, exc_info=True)
         with contextlib.suppress(Exception):
@@ -277,8 +261,8 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
     os._exit(0)
 
 
-def _serve(parts: dict, tp: TensorParallel, pipe) -> None:
-    runner, residency, store = parts["runner"], parts["residency"], parts["store"]
+def _serve(parts, runner, tp: TensorParallel, pipe) -> None:
+    residency, store = parts.residency, parts.store
     while True:
         try:
             message = pipe.recv()

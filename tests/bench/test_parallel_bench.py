@@ -45,7 +45,9 @@ def test_random_weights_depend_on_name_and_seed_only(tmp_path):
     spec = read_spec(tmp_path)
     weights = RandomWeights(spec, seed=3, dtype=torch.float32)
     q = weights.pop("model.layers.0.self_attn.q_proj.weight")
-    assert q.shape == (16, 16) and torch.equal(q, weights.pop("model.layers.0.self_attn.q_proj.weight"))
+    assert q.shape == (16, 16) and torch.equal(
+        q, weights.pop("model.layers.0.self_attn.q_proj.weight")
+    )
     assert not torch.equal(q, RandomWeights(spec, 4, torch.float32).pop(
         "model.layers.0.self_attn.q_proj.weight"))  # fmt: skip
     assert weights.pop("model.layers.0.self_attn.k_proj.weight").shape == (8, 16)
