@@ -5,16 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "error"]
+FinishReason = Literal["stop", "length", "error", "score"]
 
 
 @dataclass
 class Request:
-    """One row to generate.
+    """One row to generate, or to score.
 
     Exactly one of ``prompt`` (raw text, tokenized with the tokenizer's BOS rule), ``messages``
     (chat turns, the model's chat template applied) or ``prompt_token_ids`` is given. ``adapter``
     None or "" means the base model. Sampling fields left None take the engine's defaults.
+
+    A row with ``continuation`` (or ``choices``, a list) is scored instead of generated: the
+    log-probability of each continuation after the prompt, nothing sampled. Pre-tokenized rows
+    give ``continuation_token_ids`` / ``choices_token_ids`` instead. ``answer`` (a choice's index
+    or its text) adds ``Result.correct``. ``logprobs`` (0-20) on a generated row returns, per
+    generated token, its log-probability and the ``logprobs`` most likely alternatives.
     """
 
     id: Any
@@ -31,14 +37,39 @@ class Request:
     ignore_eos: bool | None = None
     extra: dict[str, Any] | None = None  # carried unchanged to ``Result.extra`` (kept columns)
     source: str | None = None  # where the row came from ("in.jsonl line 7"), for error messages
+    continuation: str | None = None
+    choices: list[str] | None = None
+    continuation_token_ids: list[int] | None = None
+    choices_token_ids: list[list[int]] | None = None
+    answer: int | str | None = None
+    logprobs: int | None = None
+
+    @property
+    def scored(self) -> bool:
+        """Whether the row is scored (it names a continuation or choices) rather than generated."""
+        return any(
+            getattr(self, name) is not None
+            for name in ("continuation", "choices", "continuation_token_ids", "choices_token_ids")
+        )
 
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SCORING_FIELDS = ("continuation", "choices", "continuation_token_ids", "choices_token_ids", "answer")
 
 
 @dataclass
 class Result:
-    """One finished row. ``finish_reason`` is "stop", "length" or "error" (then ``error`` says why)."""
+    """One finished row. ``finish_reason`` is "stop", "length", "score" (a scored row) or
+    "error" (then ``error`` says why).
+
+    A scored row with ``continuation`` sets ``logprob`` (the sum over its tokens),
+    ``token_logprobs``, ``is_greedy`` (every token was the most likely one) and
+    ``continuation_tokens`` (how many); one with ``choices`` sets the ``choice_*`` lists, one
+    entry per choice, ``best_choice`` (highest sum) and ``best_choice_norm`` (highest mean per
+    token); with an ``answer``, ``correct``. A generated row asked for ``logprobs`` gets, per
+    generated token, ``{"token_id", "text", "logprob", "top": [{"token_id", "text",
+    "logprob"}, ...]}``.
+    """
 
     id: Any
     adapter: str | None
@@ -49,6 +80,17 @@ class Result:
     finish_reason: FinishReason = "stop"
     error: str | None = None
     extra: dict[str, Any] | None = None  # the request's ``extra``, unchanged
+    logprob: float | None = None
+    token_logprobs: list[float] | None = None
+    is_greedy: bool | None = None
+    continuation_tokens: int | None = None
+    choice_logprobs: list[float] | None = None
+    choice_tokens: list[int] | None = None
+    choice_greedy: list[bool] | None = None
+    best_choice: int | None = None
+    best_choice_norm: int | None = None
+    correct: bool | None = None
+    logprobs: list[dict[str, Any]] | None = None
 
     @classmethod
     def failed(cls, request: Request, message: str, prompt_tokens: int = 0) -> Result:
