@@ -41,6 +41,13 @@ class HostStep:
     # Overlapped steps: per token, the row of the previous step's drawn tokens (still on the
     # device) that is its input id, -1 where input_ids holds it; None when no token needs one.
     prev_rows: np.ndarray | None = None
+    # Scored sequences: the tokens whose next-token log-probability is read (after the drawn
+    # rows in logits_index), the token each must predict, and where the value goes: the
+    # sequence's index in the step and the continuation token's index. None: no scored token.
+    score_index: np.ndarray | None = None  # [E] int64
+    score_targets: np.ndarray | None = None  # [E] int64
+    score_owner: np.ndarray | None = None  # [E] int64
+    score_pos: np.ndarray | None = None  # [E] int64
 
     @property
     def decode_only(self) -> bool:
@@ -48,12 +55,17 @@ class HostStep:
 
 
 def plan_step(step: ScheduledStep) -> HostStep:
-    if max(step.num_new) == 1:
+    if max(step.num_new) == 1 and all(seq.draws for seq in step.seqs):
         return _plan_decode(step)
     ids, positions, slots, out_pages, prev = [], [], [], [], []
     b1_start, seq_lens, logit_rows, logits_index = [0], [], [], []
-    for seq, n in zip(step.seqs, step.num_new, strict=True):
+    scored: list[tuple[int, int, int, int]] = []  # (token index, target, owner, position)
+    for b, (seq, n) in enumerate(zip(step.seqs, step.num_new, strict=True)):
         start = seq.num_computed
+        if not seq.draws:  # positions that predict a continuation token: p -> token p + 1
+            first = seq.scores.start
+            for p in range(max(start, first - 1), min(start + n, seq.num_tokens - 1)):
+                scored.append((b1_start[-1] + p - start, seq.prompt_ids[p + 1], b, p + 1 - first))
         positions.append(np.arange(start, start + n))
         if seq.pending:  # its one new token is the previous step's draw, still on the device
             assert n == 1 and seq.pending == 1, (n, seq.pending)
@@ -70,7 +82,7 @@ def plan_step(step: ScheduledStep) -> HostStep:
         slots.append(np.full(n, seq.slot, dtype=np.int64))
         b1_start.append(b1_start[-1] + n)
         seq_lens.append(start + n)
-        if start + n == seq.num_tokens:  # the chunk reaches the end: a token is drawn
+        if start + n == seq.num_tokens and seq.draws:  # the chunk ends it: a token is drawn
             logit_rows.append(len(logits_index))
             logits_index.append(b1_start[-1] - 1)
         else:
@@ -82,6 +94,9 @@ def plan_step(step: ScheduledStep) -> HostStep:
     table = np.full((len(step.seqs), width, 2), -1, dtype=np.int32)
     for b, seq in enumerate(step.seqs):
         table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
+    score = np.asarray(scored, dtype=np.int64).reshape(-1, 4).T if scored else None
+    if score is not None:
+        logits_index.extend(score[0].tolist())
     return HostStep(
         input_ids=np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64),
         positions=np.concatenate(positions),
@@ -95,6 +110,16 @@ def plan_step(step: ScheduledStep) -> HostStep:
         max_new=max(step.num_new),
         decode_rows=_leading_ones(step.num_new),
         prev_rows=_prev_rows(np.asarray(prev, dtype=np.int64)),
+        **(
+            dict(
+                score_index=score[0],
+                score_targets=score[1],
+                score_owner=score[2],
+                score_pos=score[3],
+            )
+            if score is not None
+            else {}
+        ),  # fmt: skip
     )
 
 

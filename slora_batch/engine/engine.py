@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from slora_batch.engine.batch import plan_step
+from slora_batch.engine.batch import HostStep, plan_step
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
 from slora_batch.engine.memory import (
@@ -38,6 +38,14 @@ from slora_batch.engine.request import Request, Result
 from slora_batch.engine.sample_model import resolve_model
 from slora_batch.engine.sampling import SamplingBatch, sample
 from slora_batch.engine.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
+from slora_batch.engine.scoring import (
+    choices_result,
+    continuation_result,
+    score_tokens,
+    take_outputs,
+    token_logprobs,
+    top_logprobs,
+)
 from slora_batch.engine.sequence import Sequence
 from slora_batch.engine.spec import read_spec
 from slora_batch.engine.tokens import load_tokenizer
@@ -47,26 +55,29 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Inflight:
-    """A launched step whose drawn tokens have not been read back."""
+    """A launched step whose outputs (drawn tokens, scores, logprobs) are not read back yet."""
 
     number: int
     step: ScheduledStep
-    drawn: list[Sequence]  # the sequences that draw a token, in the order of ``tokens``
-    tokens: torch.Tensor | None  # [len(drawn)] int64 on the device
+    host: HostStep
+    drawn: list[Sequence]  # the sequences that draw a token, in the order of the tokens
+    outputs: dict[str, torch.Tensor]  # on the device: "tokens", "scores", "logprobs"
     started: float
     host_s: float
-    # On cuda: the tokens copied to pinned host memory, and the event after that copy. Reading
-    # them waits for this step alone, not for the step queued after it.
-    host_tokens: torch.Tensor | None = None
+    # On cuda: the outputs copied to pinned host memory, and the event after those copies.
+    # Reading them waits for this step alone, not for the step queued after it.
+    copies: dict[str, torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None
 
-    def read(self) -> list[int]:
-        if self.tokens is None:
-            return []
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return self.outputs.get("tokens")
+
+    def read(self) -> dict[str, torch.Tensor]:
         if self.ready is None:
-            return self.tokens.tolist()
+            return self.outputs
         self.ready.synchronize()
-        return self.host_tokens.tolist()
+        return self.copies
 
 
 class Engine:
@@ -230,8 +241,9 @@ class Engine:
                 if isinstance(prepared, Result):
                     self.counters.count_result(prepared)
                     yield prepared
-                else:
-                    sched.add(prepared)
+                else:  # a sequence, or a scored row's sequences
+                    for seq in prepared if isinstance(prepared, list) else [prepared]:
+                        sched.add(seq)
             if not sched.has_work() and self._inflight is None:
                 if exhausted:
                     return
@@ -263,29 +275,45 @@ class Engine:
             prepared = time.perf_counter()
             logits = self.runner.forward(host, prev.tokens if prev is not None else None)
             drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
-            tokens = None
+            outputs = {}
+            if host.score_index is not None:  # scored tokens follow the drawn rows' logits
+                outputs["scores"] = score_tokens(logits[len(drawn) :], host.score_targets)
+                logits = logits[: len(drawn)]
             if drawn and any(s.temperature > 0 for s in drawn):
                 params = SamplingBatch.build(
                     [(s.temperature, s.top_k, s.top_p, s.key, s.num_drawn) for s in drawn],
                     logits.device,
                 )
-                tokens = sample(logits, params)
+                outputs["tokens"] = sample(logits, params)
             elif drawn:  # all greedy: sample()'s argmax, without building its parameters
-                tokens = logits.argmax(dim=-1)
+                outputs["tokens"] = logits.argmax(dim=-1)
+            rows = [i for i, s in enumerate(drawn) if s.logprobs]
+            if rows:  # rows asked for logprobs: theirs only
+                index = torch.tensor(rows, device=logits.device)
+                temperatures = [drawn[i].temperature for i in rows]
+                k = max(drawn[i].logprobs for i in rows)
+                tokens = outputs["tokens"][index]
+                outputs["logprobs"] = top_logprobs(logits[index], tokens, temperatures, k)
             if not self.config.overlap:
                 self.prefetcher.prefetch()  # overlaps the step running on the GPU
         self.scheduler.launched(step, drawn, self._steps)
-        launched = _Inflight(self._steps, step, drawn, tokens, started, prepared - started)
-        if tokens is not None and tokens.device.type == "cuda":
-            launched.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            launched.host_tokens.copy_(tokens, non_blocking=True)
+        launched = _Inflight(self._steps, step, host, drawn, outputs, started, prepared - started)
+        if outputs and self.device.type == "cuda":
+            launched.copies = {
+                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                    t, non_blocking=True
+                )
+                for name, t in outputs.items()
+            }
             launched.ready = torch.cuda.Event()
             launched.ready.record()
         return launched
 
     def _complete(self, done: _Inflight, next_started: float | None) -> Iterator[Result]:
         """Reads a step's tokens back (waiting for the device) and yields the rows it finished."""
-        tokens = done.read()
+        outputs = done.read()
+        tokens = outputs["tokens"].tolist() if "tokens" in outputs else []
+        take_outputs(done.host, done.step.seqs, done.drawn, outputs, tokens)
         now = time.perf_counter()
         self.counters.count_step(
             done.step,
@@ -298,6 +326,8 @@ class Engine:
         )
         for seq in self.scheduler.postprocess(done.number, done.drawn, tokens):
             result = self._result(seq)
+            if result is None:  # a choice of a row whose other choices are still running
+                continue
             self.counters.count_result(result)
             yield result
         if self.config.overlap:
@@ -322,7 +352,12 @@ class Engine:
         self.scheduler.finish(seq)
         return logits[0].float()
 
-    def _result(self, seq: Sequence) -> Result:
+    def _result(self, seq: Sequence) -> Result | None:
+        if seq.group is not None:
+            complete = seq.group.add(seq.choice, seq.scores)
+            return choices_result(seq.group, seq.context_tokens) if complete else None
+        if seq.scores is not None:
+            return continuation_result(seq.request, seq.scores, seq.context_tokens)
         if seq.detok is not None:  # fed token by token for its stop strings: cut at the stop
             text = seq.detok.text
         elif self.tokenizer is not None:
@@ -338,6 +373,9 @@ class Engine:
             completion_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason,
             extra=seq.request.extra,
+            logprobs=token_logprobs(self.tokenizer, seq.logprob_entries, len(seq.output_ids))
+            if seq.logprobs
+            else None,
         )
 
 

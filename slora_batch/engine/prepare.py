@@ -1,8 +1,9 @@
 """A request becomes a ``Sequence`` the scheduler can run, or an error ``Result`` that says why.
 
 Checks, in order: the adapter (broken, or unknown with the nearest known names), the sampling
-overrides, tokenization (prompt, chat template, given ids), the prompt against the context,
-and the pages the row needs at the least against the pool. A bad request never raises.
+overrides and logprobs, tokenization (prompt, chat template, given ids; a scored row's
+continuations and answer), the prompt (and each continuation) against the context, and the
+pages the row needs at the least against the pool. A bad request never raises.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.engine.sampling import noise_key
 from slora_batch.engine.scheduler import Scheduler
+from slora_batch.engine.scoring import (
+    ChoiceGroup,
+    ScoreBuffer,
+    answer_index,
+    check_logprobs,
+    continuation_ids,
+)
 from slora_batch.engine.sequence import Sequence
 from slora_batch.engine.spec import ModelSpec
 from slora_batch.engine.tokens import Detokenizer, tokenize
@@ -50,12 +58,19 @@ class RequestPreparer:
             )
         try:
             params = self.sampling_for(request)
+            logprobs = check_logprobs(request)
             prompt_ids = tokenize(request, self.tokenizer, self.spec.vocab_size, self.spec.path)
+            if prompt_ids and request.scored:
+                vocab = self.spec.vocab_size
+                continuations = continuation_ids(request, prompt_ids, self.tokenizer, vocab)
+                answer_index(request, len(continuations))
         except (ConfigError, ValueError, TypeError) as exc:
             return Result.failed(request, str(exc))
         n = len(prompt_ids)
         if n == 0:
             return Result.failed(request, "empty prompt")
+        if request.scored:
+            return self._scored(request, prompt_ids, continuations)
         if n >= self.max_model_len:
             return Result.failed(
                 request,
@@ -79,11 +94,40 @@ class RequestPreparer:
             detok=Detokenizer(self.tokenizer, stop)
             if self.tokenizer is not None and stop
             else None,
+            logprobs=logprobs,
         )
         problem = self.scheduler.never_fits(seq)
         if problem:
             return Result.failed(request, problem, prompt_tokens=n)
         return seq
+
+    def _scored(self, request: Request, context: list[int], continuations: list[list[int]]):
+        """One prefill-only sequence per continuation (a row with choices: one per choice, in
+        a group that joins their scores), or an error result."""
+        n = len(context)
+        choices = request.choices is not None or request.choices_token_ids is not None
+        group = ChoiceGroup(request, len(continuations)) if choices else None
+        seqs = []
+        for index, ids in enumerate(continuations):
+            what = f"choice {index}" if choices else "continuation"
+            if n + len(ids) > self.max_model_len:
+                return Result.failed(
+                    request,
+                    f"context of {n} tokens + {what} of {len(ids)} tokens does not fit the "
+                    f"context of {self.max_model_len} tokens",
+                    prompt_tokens=n,
+                )
+            self.arrivals += 1
+            seq = Sequence(request=request, order=self.arrivals, adapter=request.adapter or None,
+                           prompt_ids=context + ids, max_new_tokens=0, temperature=0.0, top_k=0,
+                           top_p=1.0, key=0, stop=[], ignore_eos=True,
+                           scores=ScoreBuffer.empty(n, len(ids)), group=group, choice=index,
+                           context_tokens=n)  # fmt: skip
+            problem = self.scheduler.never_fits(seq)
+            if problem:
+                return Result.failed(request, f"{what}: {problem}", prompt_tokens=n)
+            seqs.append(seq)
+        return seqs
 
     def sampling_for(self, request: Request) -> SamplingConfig:
         """The engine's sampling with the request's own fields over it."""

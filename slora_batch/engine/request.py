@@ -54,7 +54,13 @@ class Request:
 
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
-SCORING_FIELDS = ("continuation", "choices", "continuation_token_ids", "choices_token_ids", "answer")
+SCORING_FIELDS = (
+    "continuation",
+    "choices",
+    "continuation_token_ids",
+    "choices_token_ids",
+    "answer",
+)
 
 
 @dataclass

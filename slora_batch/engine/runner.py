@@ -102,7 +102,8 @@ class ModelRunner:
         """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
         previous step's drawn tokens on the device, read where ``host.prev_rows`` points."""
         batch = len(host.b_seq_len)
-        if host.decode_only and self.buckets and batch <= self.buckets[-1]:
+        graphable = host.decode_only and host.score_index is None  # graphs draw every row
+        if graphable and self.buckets and batch <= self.buckets[-1]:
             bucket = min(b for b in self.buckets if b >= batch)
             tiled = self._tiled(host.b_slot)
             graph, static, logits = self.graphs[bucket, tiled]

@@ -78,9 +78,15 @@ class Scheduler:
     def launched(self, step: ScheduledStep, drawn: list[Sequence], number: int) -> None:
         """Step ``number`` is on the device: its K/V counts as computed, and ``drawn`` (its rows
         that draw a token) each have one token pending. A row whose pending token is its last
-        (``max_new_tokens``) leaves the running set now but keeps its pages until read back."""
+        (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
+        set now but keeps its pages until read back."""
         for seq, n in zip(step.seqs, step.num_new, strict=True):
             seq.num_computed += n
+            if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
+                seq.last_step = number
+                self.running.remove(seq)
+                seq.status = Status.RETIRED
+                self.retired.append(seq)
         for row, seq in enumerate(drawn):
             seq.pending += 1
             seq.last_row, seq.last_step = row, number
@@ -92,12 +98,17 @@ class Scheduler:
     def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
         string or their length, and release what no step in flight uses. Returns the rows
-        finished by this step, in ``drawn`` order."""
+        finished by this step: scored sequences whose last chunk it ran, then the drawn rows in
+        ``drawn`` order."""
         still = []
         for seq in self.held:  # held for a step up to this one: no step in flight uses it now
             (self._release if seq.last_step <= number else still.append)(seq)
         self.held = still
         finished = []
+        for seq in [s for s in self.retired if not s.draws and s.last_step <= number]:
+            seq.finish_reason = "score"  # its scores are read back with its last step
+            self.finish(seq)
+            finished.append(seq)
         for seq, token in zip(drawn, tokens, strict=True):
             seq.pending -= 1
             if seq.finish_reason is not None:  # finished a step earlier: a wasted row

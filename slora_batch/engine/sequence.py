@@ -8,6 +8,7 @@ from enum import Enum
 import numpy as np
 
 from slora_batch.engine.request import Request
+from slora_batch.engine.scoring import ChoiceGroup, ScoreBuffer
 from slora_batch.engine.tokens import Detokenizer
 
 
@@ -55,6 +56,21 @@ class Sequence:
     pending: int = 0
     last_row: int = -1
     last_step: int = -1
+    # A scored sequence (prefill only, nothing drawn): its continuation tokens' scores, and for
+    # a row with choices the group it belongs to and its index there.
+    scores: ScoreBuffer | None = None
+    group: ChoiceGroup | None = None
+    choice: int = 0
+    context_tokens: int = 0
+    # A generated row's logprobs: how many alternatives, and per drawn token (token id, its
+    # log-probability, top ids, their log-probabilities), appended as tokens are read back.
+    logprobs: int = 0
+    logprob_entries: list = field(default_factory=list)
+
+    @property
+    def draws(self) -> bool:
+        """Whether the sequence draws tokens (False for a scored one)."""
+        return self.scores is None
 
     @property
     def pages(self) -> np.ndarray:
