@@ -287,7 +287,7 @@ class Engine:
                 outputs["tokens"] = sample(logits, params)
             elif drawn:  # all greedy: sample()'s argmax, without building its parameters
                 outputs["tokens"] = logits.argmax(dim=-1)
-            rows = [i for i, s in enumerate(drawn) if s.logprobs]
+            rows = [i for i, s in enumerate(drawn) if s.logprobs is not None]
             if rows:  # rows asked for logprobs: theirs only
                 index = torch.tensor(rows, device=logits.device)
                 temperatures = [drawn[i].temperature for i in rows]
@@ -374,7 +374,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             extra=seq.request.extra,
             logprobs=token_logprobs(self.tokenizer, seq.logprob_entries, len(seq.output_ids))
-            if seq.logprobs
+            if seq.logprobs is not None
             else None,
         )
 

@@ -116,10 +116,11 @@ def answer_index(request: Request, count: int) -> int | None:
     return texts.index(answer)
 
 
-def check_logprobs(request: Request) -> int:
+def check_logprobs(request: Request) -> int | None:
+    """The row's logprobs: None when not asked, else the number of alternatives (0 to 20)."""
     k = request.logprobs
     if k is None:
-        return 0
+        return None
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
         raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {k!r}")
     if request.scored:
@@ -243,7 +244,7 @@ def take_outputs(host, seqs: list, drawn: list, outputs: dict, tokens: list[int]
     if "logprobs" in outputs:
         table = outputs["logprobs"].numpy()
         width = (table.shape[1] - 1) // 2
-        rows = [i for i, s in enumerate(drawn) if s.logprobs]
+        rows = [i for i, s in enumerate(drawn) if s.logprobs is not None]
         for values, row in zip(table, rows, strict=True):
             seq, k = drawn[row], drawn[row].logprobs
             ids = values[1 : 1 + k].astype(np.int64)

@@ -64,7 +64,7 @@ class Sequence:
     context_tokens: int = 0
     # A generated row's logprobs: how many alternatives, and per drawn token (token id, its
     # log-probability, top ids, their log-probabilities), appended as tokens are read back.
-    logprobs: int = 0
+    logprobs: int | None = None
     logprob_entries: list = field(default_factory=list)
 
     @property
