@@ -11,6 +11,8 @@ prepare.py    a request becomes a sequence, or an error result saying why
 scheduler.py  owns a sequence's life: admit, chunked prefill, finish, hold, release, preempt
 sequence.py   one admitted row: tokens, pages, how far its KV is computed
 batch.py      the one step planner: a scheduled step as flat arrays for the model and kernels
+outputs.py    a step's outputs on the device (tokens, scores, logprobs) until they are read back
+scoring.py    scored rows (continuations, choices), their tokenization and results; logprobs
 runner.py     runs a planned step: eager, or a replayed CUDA graph for decode steps
 model.py      the Llama family forward over the page pool, base and LoRA decomposed
 loader.py     weights from Hugging Face safetensors into the model

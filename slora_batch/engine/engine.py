@@ -14,13 +14,12 @@ import logging
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from slora_batch.engine.batch import HostStep, plan_step
+from slora_batch.engine.batch import plan_step
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
 from slora_batch.engine.memory import (
@@ -31,53 +30,19 @@ from slora_batch.engine.memory import (
     set_cpu_threads,
     unified_pool,
 )
+from slora_batch.engine.outputs import Inflight, step_outputs, take_outputs
 from slora_batch.engine.parts import build_parts, make_runner
 from slora_batch.engine.prefetch import AdapterPrefetcher
 from slora_batch.engine.prepare import RequestPreparer
 from slora_batch.engine.request import Request, Result
 from slora_batch.engine.sample_model import resolve_model
-from slora_batch.engine.sampling import SamplingBatch, sample
 from slora_batch.engine.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
-from slora_batch.engine.scoring import (
-    choices_result,
-    continuation_result,
-    score_tokens,
-    take_outputs,
-    token_logprobs,
-    top_logprobs,
-)
+from slora_batch.engine.scoring import choices_result, continuation_result, token_logprobs
 from slora_batch.engine.sequence import Sequence
 from slora_batch.engine.spec import read_spec
 from slora_batch.engine.tokens import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Inflight:
-    """A launched step whose outputs (drawn tokens, scores, logprobs) are not read back yet."""
-
-    number: int
-    step: ScheduledStep
-    host: HostStep
-    drawn: list[Sequence]  # the sequences that draw a token, in the order of the tokens
-    outputs: dict[str, torch.Tensor]  # on the device: "tokens", "scores", "logprobs"
-    started: float
-    host_s: float
-    # On cuda: the outputs copied to pinned host memory, and the event after those copies.
-    # Reading them waits for this step alone, not for the step queued after it.
-    copies: dict[str, torch.Tensor] | None = None
-    ready: torch.cuda.Event | None = None
-
-    @property
-    def tokens(self) -> torch.Tensor | None:
-        return self.outputs.get("tokens")
-
-    def read(self) -> dict[str, torch.Tensor]:
-        if self.ready is None:
-            return self.outputs
-        self.ready.synchronize()
-        return self.copies
 
 
 class Engine:
@@ -156,7 +121,7 @@ class Engine:
         )
         self._steps = 0  # steps launched
         self._active: weakref.ref | None = None  # the generate() iterator in use
-        self._inflight: _Inflight | None = None  # the launched step not read back yet
+        self._inflight: Inflight | None = None  # the launched step not read back yet
         self.counters = EngineCounters()
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
@@ -266,7 +231,7 @@ class Engine:
                 done, self._inflight = self._inflight, None
                 yield from self._complete(done, None)
 
-    def _launch(self, step: ScheduledStep, started: float, prev: _Inflight | None) -> _Inflight:
+    def _launch(self, step: ScheduledStep, started: float, prev: Inflight | None) -> Inflight:
         """Plans a step and queues its forward and sampling on the device; returns at once."""
         host = plan_step(step)
         self.prefetcher.order(self.device)
@@ -275,41 +240,16 @@ class Engine:
             prepared = time.perf_counter()
             logits = self.runner.forward(host, prev.tokens if prev is not None else None)
             drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
-            outputs = {}
-            if host.score_index is not None:  # scored tokens follow the drawn rows' logits
-                outputs["scores"] = score_tokens(logits[len(drawn) :], host.score_targets)
-                logits = logits[: len(drawn)]
-            if drawn and any(s.temperature > 0 for s in drawn):
-                params = SamplingBatch.build(
-                    [(s.temperature, s.top_k, s.top_p, s.key, s.num_drawn) for s in drawn],
-                    logits.device,
-                )
-                outputs["tokens"] = sample(logits, params)
-            elif drawn:  # all greedy: sample()'s argmax, without building its parameters
-                outputs["tokens"] = logits.argmax(dim=-1)
-            rows = [i for i, s in enumerate(drawn) if s.logprobs is not None]
-            if rows:  # rows asked for logprobs: theirs only
-                index = torch.tensor(rows, device=logits.device)
-                temperatures = [drawn[i].temperature for i in rows]
-                k = max(drawn[i].logprobs for i in rows)
-                tokens = outputs["tokens"][index]
-                outputs["logprobs"] = top_logprobs(logits[index], tokens, temperatures, k)
+            outputs = step_outputs(logits, host, drawn)
             if not self.config.overlap:
                 self.prefetcher.prefetch()  # overlaps the step running on the GPU
         self.scheduler.launched(step, drawn, self._steps)
-        launched = _Inflight(self._steps, step, host, drawn, outputs, started, prepared - started)
+        launched = Inflight(self._steps, step, host, drawn, outputs, started, prepared - started)
         if outputs and self.device.type == "cuda":
-            launched.copies = {
-                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                    t, non_blocking=True
-                )
-                for name, t in outputs.items()
-            }
-            launched.ready = torch.cuda.Event()
-            launched.ready.record()
+            launched.copy_to_host()
         return launched
 
-    def _complete(self, done: _Inflight, next_started: float | None) -> Iterator[Result]:
+    def _complete(self, done: Inflight, next_started: float | None) -> Iterator[Result]:
         """Reads a step's tokens back (waiting for the device) and yields the rows it finished."""
         outputs = done.read()
         tokens = outputs["tokens"].tolist() if "tokens" in outputs else []
