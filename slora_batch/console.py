@@ -24,6 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from slora_batch.jobs.preference import ChoicePreference, choice_preference
 from slora_batch.jobs.preview import preview
 from slora_batch.jobs.progress import JobProgress
 from slora_batch.jobs.run import JobSummary
@@ -228,6 +229,12 @@ def print_summary(summary: JobSummary, job) -> None:
     out.print(adapters)
     if len(summary.adapters) > ADAPTER_ROWS:
         out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in stats.parquet")
+    if s.get("scored_rows"):
+        accuracy = "" if s.get("accuracy") is None else f", accuracy {s['accuracy']:.1%}"
+        out.print(f"scored: {_plural(s['scored_rows'], 'row')}{accuracy}")
+        preference = choice_preference(summary.output)
+        if preference is not None:
+            _print_preference(preference)
     for message in summary.errors:
         out.print(f"[yellow]error row:[/] {escape(message)}", soft_wrap=True)
     _print_notes(summary)
@@ -245,6 +252,31 @@ def print_summary(summary: JobSummary, job) -> None:
                 escape(row.id), escape(row.adapter or "(base)"), escape(row.prompt), escape(text)
             )
         out.print(sample)
+
+
+def _print_preference(preference: ChoicePreference) -> None:
+    """Per adapter, the share of its choices rows whose best choice is each index."""
+    table = Table(title="choice preference per adapter", title_justify="left")
+    table.add_column("adapter")
+    table.add_column("rows", justify="right")
+    for index in range(preference.columns):
+        table.add_column(str(index), justify="right")
+    beyond = any(a.beyond for a in preference.adapters)
+    if beyond:
+        table.add_column(f"{preference.columns}+", justify="right")
+    if preference.answers:
+        table.add_column("accuracy", justify="right")
+    shown = preference.adapters[:ADAPTER_ROWS]
+    for row in shown:
+        cells = [f"{share:.1%}" for share in row.shares]
+        if beyond:
+            cells.append(f"{row.beyond:.1%}")
+        if preference.answers:
+            cells.append("-" if row.accuracy is None else f"{row.accuracy:.1%}")
+        table.add_row(escape(row.adapter or "(base)"), f"{row.rows:,}", *cells)
+    out.print(table)
+    if len(preference.adapters) > len(shown):
+        out.print(f"... and {len(preference.adapters) - len(shown)} more adapters")
 
 
 def _print_notes(summary: JobSummary) -> None:

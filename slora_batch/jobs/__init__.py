@@ -4,19 +4,21 @@ config.py    JobConfig and the YAML loader (unknown keys named, paths resolved)
 check.py     check_job -> JobPlan: everything that can fail a job, before any work; JobError
 reader.py    input files (JSONL, Parquet) and their rows, streamed
 rows.py      a row into a Request or an error Result; its identity (RowSource, row_key)
+scoring.py   a row's scoring columns (continuation, choices, answer) and logprobs, checked
 scan.py      the input scan: id type, kept columns' types, duplicates, unused columns
 text.py      UTF-8 checks and repair, short descriptions of values for messages
 ordering.py  bounded windows sorted by adapter and prompt length, fan-out
-schema.py    the output parts' schema: id type, core columns, kept columns
+schema.py    the output parts' schema: id type, core and scoring columns, kept columns
 outdir.py    the output directory's files: atomic commit, parts, _SUCCESS, clearing
 fsio.py      input files and output directories on other pyarrow.fs filesystems (Ray runner)
 lock.py      OutputLock: one run per output directory
 writer.py    OutputWriter: buffered rows committed as parts by rows and by time
-manifest.py  _job.json: the fingerprint of what decides the rows, and the resume check
+manifest.py  _job.json: the fingerprint of what decides the rows, the columns read, the resume check
 resume.py    keys of the rows already committed, and the input rows not yet among them
 progress.py  JobProgress: what a progress display is told
 feed.py      RunRecord: requests into the engine, results to the writer, this run's account
-stats.py     stats.parquet: its schema, the job and adapter rows, output counts
+stats.py     stats.parquet: its schema, the job and adapter rows, output counts, accuracy
+preference.py  which choice each adapter prefers, from the parts (for the run summary)
 run.py       running jobs: lock, fingerprint, scan, resume, feed the engine, summarize
 preview.py   a few finished outputs next to their prompts
 validate.py  every check a run makes, and a sample of rows, without running

@@ -21,9 +21,13 @@ from typing import Any
 import yaml
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
+from slora_batch.engine.request import SAMPLING_FIELDS
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
-COLUMN_KEYS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")
+SCORE_KEYS = ("continuation", "choices", "continuation_token_ids", "choices_token_ids")
+# input columns the ``columns`` mapping may rename; a key added later maps to itself by default
+COLUMN_KEYS = ("id", "adapter", "prompt", "messages", "prompt_token_ids", *SCORE_KEYS, "answer")
+ROW_OPTIONS = (*SAMPLING_FIELDS, "logprobs")  # per-row options, read under their own names
 URI_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+://")  # a path with a scheme, kept as given
 NESTED = {"sampling": SamplingConfig, "engine": EngineConfig}
 

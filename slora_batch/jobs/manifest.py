@@ -1,8 +1,12 @@
 """The job manifest (``_job.json``): what an output's rows were produced from. A job's first run
 writes it with the ``fingerprint`` (input files with sizes and mtimes, model and adapter files,
-sampling, the job keys that decide rows) and the input scan; every later run compares
-fingerprints and refuses a directory that holds rows of other inputs or settings, naming what
-changed."""
+sampling, the job keys that decide rows), the input scan and the input columns it reads
+(``reads``); every later run compares them and refuses a directory that holds rows of other
+inputs or settings, naming what changed.
+
+A later version may read more columns (the scoring columns, ``logprobs``): an output whose input
+has such a column was made without it, so it is refused too; one whose input has none stays
+valid. A manifest without ``reads`` was written before they existed (``FIRST_READS``)."""
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from slora_batch.engine.adapter_files import resolve_sources
+from slora_batch.engine.request import SAMPLING_FIELDS
 from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
+from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
@@ -24,12 +30,28 @@ from slora_batch.jobs.outdir import (
     part_files,
     read_success,
 )
-from slora_batch.jobs.reader import input_root, relative_name
+from slora_batch.jobs.reader import input_root, relative_name, used_columns
+from slora_batch.jobs.scan import InputScan
+from slora_batch.jobs.schema import OUTPUT_COLUMNS
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
 CHANGES_SHOWN = 6  # fingerprint differences named in a refusal
+FIRST_READS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")  # column keys read
+# by the versions whose manifests have no "reads" (besides the sampling overrides)
+
+
+def new_manifest(plan: JobPlan, current: dict[str, Any], scan: InputScan) -> dict[str, Any]:
+    """The manifest of a job's first run: its fingerprint ``current``, its input scan and the
+    input columns it reads."""
+    return {
+        "version": MANIFEST_VERSION,
+        "job": plan.job.name,
+        "fingerprint": current,
+        "scan": scan.to_json(),
+        "reads": used_columns(plan.job.columns),
+    }
 
 
 def write_manifest(out_dir: str | Path | FsDir, manifest: dict[str, Any]) -> Path:
@@ -82,6 +104,7 @@ def resumable_manifest(
         changes = [f"manifest version {manifest.get('version')!r} -> {MANIFEST_VERSION}"]
     else:
         changes = fingerprint_changes(manifest.get("fingerprint") or {}, current)
+        changes += column_changes(manifest, job)
     if not changes:
         return manifest
     if not has_rows:
@@ -120,6 +143,29 @@ def fingerprint(plan: JobPlan) -> dict[str, Any]:
         },
     }
     return json.loads(json.dumps(taken))  # tuples -> lists, as read back from the manifest
+
+
+def column_changes(manifest: dict[str, Any], job: JobConfig) -> list[str]:
+    """Input columns the manifest's rows were made without that this version reads (found in
+    the input by the manifest's scan), and kept columns whose names the output now has itself."""
+    scan = manifest["scan"]
+    read_then = manifest.get("reads")
+    if read_then is None:
+        read_then = [job.columns[key] for key in FIRST_READS] + list(SAMPLING_FIELDS)
+    present = {*scan.get("unused", {}), *scan.get("keep", {}), *scan.get("clashing", [])}
+    # an answer acts only on a scored row, whose scoring column is checked itself: a reference
+    # answer kept beside generated rows (GSM8K's "answer") changes none of them
+    changes = [
+        f"input column {name!r} is read now (scoring, logprobs) but was not when the rows were made"
+        for name in used_columns(job.columns)
+        if name not in read_then and name in present and name != job.columns["answer"]
+    ]
+    changes += [
+        f"kept column {name!r} is now one of the output's own columns"
+        for name in scan.get("keep", {})
+        if name in OUTPUT_COLUMNS
+    ]
+    return changes
 
 
 def _stat(path: Path) -> list[int]:

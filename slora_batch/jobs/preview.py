@@ -26,7 +26,8 @@ class PreviewRow:
 
 def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
     """A few finished outputs with their prompts, taken from the first ``scan`` input rows: with
-    fan-out one prompt across its adapters (base first), else the first outputs in input order."""
+    fan-out one prompt across its adapters (base first), else the first outputs in input order.
+    Scored rows generate no text: they are not shown."""
     parts = part_files(job.output)
     if not parts:
         return []
@@ -50,7 +51,7 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
         table = pq.read_table(
             path,
             columns=["id", "adapter", "text", "finish_reason"],
-            filters=[("id", "in", list(prompts)), ("finish_reason", "!=", "error")],
+            filters=[("id", "in", list(prompts)), ("finish_reason", "not in", ["error", "score"])],
         )
         for row in table.to_pylist():
             found.setdefault(row["id"], []).append(row)

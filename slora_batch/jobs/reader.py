@@ -22,9 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.engine.request import SAMPLING_FIELDS
 from slora_batch.jobs import fsio
-from slora_batch.jobs.config import COLUMN_KEYS
+from slora_batch.jobs.config import COLUMN_KEYS, ROW_OPTIONS
 from slora_batch.jobs.text import type_name
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -94,8 +93,8 @@ def input_root(files: list[Path], fs=None) -> Path:
 @dataclass(slots=True)
 class InputRow:
     """One input row: ``values`` holds the mapped columns under their logical names (id, adapter,
-    prompt, messages) plus per-row sampling overrides, ``kept`` the kept columns present in the
-    row; ``error`` is set when it could not be parsed."""
+    prompt, messages, the scoring columns, ...) plus the per-row options, ``kept`` the kept
+    columns present in the row; ``error`` is set when it could not be parsed."""
 
     position: int  # global 0-based index across files
     file: Path
@@ -113,13 +112,14 @@ class InputRow:
 
 
 def _pairs(columns: dict[str, str]) -> list[tuple[str, str]]:
-    """(logical name, input column) of the mapped columns and the overrides (never renamed)."""
+    """(logical name, input column) of the mapped columns and the per-row options (sampling
+    overrides and ``logprobs``, never renamed)."""
     pairs = [(key, columns.get(key, key)) for key in COLUMN_KEYS]
-    return pairs + [(name, name) for name in SAMPLING_FIELDS]
+    return pairs + [(name, name) for name in ROW_OPTIONS]
 
 
 def used_columns(columns: dict[str, str]) -> list[str]:
-    """Input column names a job reads: the mapped columns and the per-row overrides."""
+    """Input column names a job reads: the mapped columns and the per-row options."""
     return [column for _, column in _pairs(columns)]
 
 

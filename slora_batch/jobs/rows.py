@@ -16,6 +16,7 @@ from typing import Any
 from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.jobs.reader import InputRow
+from slora_batch.jobs.scoring import scoring_fields
 from slora_batch.jobs.text import describe, encodable, unencodable
 
 
@@ -92,8 +93,9 @@ def to_request(
     row: InputRow, sampling_defaults: SamplingConfig, fanout: bool = False
 ) -> Request | Result:
     """Validate one row into a ``Request``, or an error ``Result`` whose message names the file,
-    the row and the reason. Null override values mean "use the job's sampling". ``extra``
-    carries the output's extra columns: ``source`` and the kept columns."""
+    the row and the reason. Null override values mean "use the job's sampling". A row with a
+    scoring column is scored (``scoring.py`` checks those and ``logprobs``). ``extra`` carries
+    the output's extra columns: ``source`` and the kept columns."""
     values, columns = row.values, row.columns
     id_, adapter, problem = identity(row, fanout)
     extra = {"source": row.where, **row.kept}
@@ -142,6 +144,9 @@ def to_request(
             f"column {columns.get('prompt_token_ids', 'prompt_token_ids')!r} must be a non-empty list of token ids "
             f"(integers >= 0), got {describe(token_ids)}"
         )
+    scoring, problem = scoring_fields(values, columns)
+    if problem is not None:
+        return failed(problem)
     overrides = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
     if overrides:
         try:  # SamplingConfig is the one place these are validated (and stop normalized)
@@ -158,6 +163,7 @@ def to_request(
         extra=extra,
         source=row.where,
         **overrides,
+        **scoring,
     )
 
 

@@ -34,12 +34,7 @@ from slora_batch.jobs.check import JOB_ERRORS, JobError, JobPlan, check_job, job
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.lock import OutputLock
-from slora_batch.jobs.manifest import (
-    MANIFEST_VERSION,
-    fingerprint,
-    resumable_manifest,
-    write_manifest,
-)
+from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
 from slora_batch.jobs.ordering import sorted_windows
 from slora_batch.jobs.outdir import OutputError, clear_output, read_success, write_success
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
@@ -139,13 +134,7 @@ def run_plan(
                     return complete
             if manifest is None:
                 notify(JobProgress(job.name, "scanning", 0, None, 0, 0.0, 0))
-                scan = scan_for_run(plan)
-                manifest = {
-                    "version": MANIFEST_VERSION,
-                    "job": job.name,
-                    "fingerprint": current,
-                    "scan": scan.to_json(),
-                }
+                manifest = new_manifest(plan, current, scan_for_run(plan))
                 write_manifest(out, manifest)
             scan = InputScan.from_json(manifest["scan"])
             plan.rows_total = scan.rows

@@ -7,7 +7,9 @@ are this run's. ``tokens_per_s`` divides this run's tokens by ``engine_s``, the 
 loop's time without reading input and writing parts; model load (``load_s``), compile and
 capture (``warmup_s``), reading (``read_s``) and writing (``write_s``) are their own fields. An
 adapter's ``seconds`` is this run's span from its first row entering the engine to its last
-result.
+result. ``scored_rows`` counts rows scored rather than generated (finish_reason "score"), and
+``accuracy`` is the share of ``correct`` among the rows with an answer (null when none has one);
+parts written before those columns existed count as having neither.
 """
 
 from __future__ import annotations
@@ -51,34 +53,49 @@ STATS_SCHEMA = pa.schema(
         ("dtype", pa.string()),
         ("tokens", pa.int64()),  # adapter rows: completion tokens of the adapter's rows
         ("seconds", pa.float64()),  # adapter rows: time the adapter's rows were running
+        ("scored_rows", pa.int64()),  # rows scored (finish_reason "score"), not generated
+        ("accuracy", pa.float64()),  # share of correct rows among those with an answer
     ]
 )
 
 
-COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens")
+COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens", "scored_rows")
+ANSWER_KEYS = ("answered_rows", "correct_rows")  # rows with an answer, those right: accuracy
 
 
 def output_counts(out_dir: str | Path | FsDir) -> dict[str | None, dict[str, int]]:
-    """Rows, ok and error rows, prompt and completion tokens per adapter over every committed
-    part (None = base model)."""
+    """Rows, ok, error and scored rows, prompt and completion tokens, rows with an answer and
+    those answered right, per adapter over every committed part (None = base model)."""
     counts: dict[str | None, dict[str, int]] = {}
     fs = out_dir.fs if isinstance(out_dir, FsDir) else None
     for _, path in part_files(out_dir):
+        has_correct = "correct" in pq.read_schema(str(path), filesystem=fs).names
         table = pq.read_table(
             str(path),
-            columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"],
+            columns=["adapter", "finish_reason", "prompt_tokens", "completion_tokens"]
+            + (["correct"] if has_correct else []),
             filesystem=fs,
         )
-        grouped = table.group_by(["adapter", "finish_reason"]).aggregate(
-            [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
-        )
+        sums = [([], "count_all"), ("prompt_tokens", "sum"), ("completion_tokens", "sum")]
+        if has_correct:
+            sums += [("correct", "count"), ("correct", "sum")]
+        grouped = table.group_by(["adapter", "finish_reason"]).aggregate(sums)
         for row in grouped.to_pylist():
-            c = counts.setdefault(row["adapter"], dict.fromkeys(COUNT_KEYS, 0))
+            c = counts.setdefault(row["adapter"], dict.fromkeys(COUNT_KEYS + ANSWER_KEYS, 0))
             c["rows"] += row["count_all"]
             c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
+            c["scored_rows"] += row["count_all"] if row["finish_reason"] == "score" else 0
             c["prompt_tokens"] += row["prompt_tokens_sum"]
             c["completion_tokens"] += row["completion_tokens_sum"]
+            c["answered_rows"] += row.get("correct_count") or 0
+            c["correct_rows"] += row.get("correct_sum") or 0  # null: the group had no answer
     return counts
+
+
+def accuracy(counts: dict[str, int]) -> float | None:
+    """The share of correct rows among those with an answer; None when none has one."""
+    answered = counts["answered_rows"]
+    return counts["correct_rows"] / answered if answered else None
 
 
 def write_stats(
@@ -118,13 +135,14 @@ def stats_rows(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The job row and the per-adapter rows of ``stats.parquet`` (see the module docstring)."""
     per_adapter = output_counts(out_dir)
-    totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS}
+    totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS + ANSWER_KEYS}
     counters = run.counters
     engine_s = run.engine_s
     rate = 1.0 / engine_s if engine_s > 0 else 0.0
     previous = _previous_stats(out_dir)
     job_row = {
-        **totals,
+        **{key: totals[key] for key in COUNT_KEYS},
+        "accuracy": accuracy(totals),
         "wall_s": wall_s,
         "tokens_per_s": run.tokens * rate,
         "requests_per_s": run.rows * rate,
@@ -153,7 +171,13 @@ def stats_rows(
         if adapter in run.first_in and adapter in run.last_out:
             span = run.last_out[adapter] - run.first_in[adapter]
         adapter_rows.append(
-            {"adapter": adapter, **counts, "tokens": counts["completion_tokens"], "seconds": span}
+            {
+                "adapter": adapter,
+                **{key: counts[key] for key in COUNT_KEYS},
+                "accuracy": accuracy(counts),
+                "tokens": counts["completion_tokens"],
+                "seconds": span,
+            }
         )
     return job_row, adapter_rows
 

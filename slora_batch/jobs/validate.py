@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.adapter_files import AdapterInfo
 from slora_batch.engine.request import Request, Result
+from slora_batch.engine.scoring import continuation_ids
 from slora_batch.engine.spec import ModelSpec
 from slora_batch.engine.tokens import load_tokenizer, tokenize
 from slora_batch.jobs.check import JobError, check_job, job_error
@@ -95,6 +96,12 @@ _ARROW_TYPES = {  # accepted column types; an all-null column (type null) is alw
     "adapter": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
     "prompt": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
     "messages": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+    "prompt_token_ids": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+    "continuation": (pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
+    "choices": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+    "continuation_token_ids": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+    "choices_token_ids": (pa.types.is_list, pa.types.is_large_list, pa.types.is_null),
+    "answer": (pa.types.is_integer, pa.types.is_string, pa.types.is_large_string, pa.types.is_null),
 }
 
 
@@ -102,14 +109,13 @@ def _schema_problems(file: Path, columns: dict[str, str]) -> list[str]:
     if file.suffix.lower() != ".parquet":
         return []  # JSONL has no schema: the sample of rows covers it
     schema = pq.read_schema(file)
-    if columns["prompt"] not in schema.names and columns["messages"] not in schema.names:
-        return [
-            f"{file}: no column {columns['prompt']!r} or {columns['messages']!r}: "
-            "every row will be an error row"
-        ]
+    prompts = [columns.get(key, key) for key in ("prompt", "messages", "prompt_token_ids")]
+    if not any(name in schema.names for name in prompts):
+        names = ", ".join(map(repr, prompts))
+        return [f"{file}: none of the columns {names}: every row will be an error row"]
     problems = []
     for key, checks in _ARROW_TYPES.items():
-        name = columns[key]
+        name = columns.get(key, key)
         if name in schema.names and not any(ok(schema.field(name).type) for ok in checks):
             problems.append(
                 f"{file}: column {name!r} has type {schema.field(name).type}: "
@@ -131,12 +137,24 @@ def _request_problem(
         return f"adapter {request.adapter!r} cannot run: {broken[request.adapter]}"
     if known is not None and request.adapter is not None and request.adapter not in known:
         return f"unknown adapter {request.adapter!r} ({len(known) + len(broken)} adapters known)"
-    if tokenizer is None:
+    if tokenizer is None and request.prompt_token_ids is None:
         return "the model has no tokenizer, so prompt and messages cannot be tokenized"
     try:
-        n = len(tokenize(request, tokenizer, spec.vocab_size, spec.path))
+        context = tokenize(request, tokenizer, spec.vocab_size, spec.path)
+        continuations = []
+        if request.scored:
+            continuations = continuation_ids(request, context, tokenizer, spec.vocab_size)
     except Exception as exc:  # tokenizers and chat templates raise many types
         return f"cannot tokenize: {exc}"
+    n = len(context)
+    if continuations:  # prefill only: the context and its longest continuation must fit
+        longest = max(len(ids) for ids in continuations)
+        if n + longest > limit:
+            return (
+                f"context of {n} tokens + a continuation of {longest} tokens does not fit the "
+                f"context of {limit} tokens"
+            )
+        return None
     if n >= limit:
         return f"prompt of {n} tokens does not fit the context of {limit} tokens"
     return None

@@ -18,12 +18,14 @@ from slora_batch.engine.request import Result
 from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.outdir import SUCCESS_FILE, TMP_MARK, clear_output, commit_file, part_files
 from slora_batch.jobs.rows import RowSource
-from slora_batch.jobs.schema import JSON_TEXT, OUTPUT_COLUMNS, PART_SCHEMA
+from slora_batch.jobs.schema import JSON_TEXT, OUTPUT_COLUMNS, PART_SCHEMA, SCORE_FIELDS
 from slora_batch.jobs.text import clean, encodable
 
 logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FINISH_REASONS = ("stop", "length", "score", "error")
+SCORE_NAMES = tuple(f.name for f in SCORE_FIELDS)
 
 
 class OutputWriter:
@@ -84,9 +86,10 @@ class OutputWriter:
 
     def write(self, result: Result) -> None:
         started = time.perf_counter()
-        if result.finish_reason not in ("stop", "length", "error"):
+        if result.finish_reason not in FINISH_REASONS:
             raise ValueError(
-                f"row {result.id!r}: finish_reason {result.finish_reason!r} is not stop, length or error"
+                f"row {result.id!r}: finish_reason {result.finish_reason!r} is not one of "
+                f"{', '.join(FINISH_REASONS)}"
             )
         self._rows.append(self._parts.row(result))
         if self._oldest is None:
@@ -177,7 +180,12 @@ class PartRows:
             logger.warning("%s: %s; written as an error row without an id", source, problem)
             where = f"{source}: " if source else ""
             message = f"{where}row cannot be stored: {problem}"
-            return [None, None, "", [], result.prompt_tokens, 0, "error", message, source, *kept]
+            core = [None, None, "", [], result.prompt_tokens, 0, "error", message, source]
+            return [*core, *[None] * len(SCORE_NAMES), *kept]
+        logprobs = result.logprobs
+        if logprobs is not None:  # token texts are decoded pieces: lone surrogates too
+            logprobs = [_clean_entry(entry) for entry in logprobs]
+        scores = [logprobs if n == "logprobs" else getattr(result, n) for n in SCORE_NAMES]
         return [
             id_,
             adapter,
@@ -188,6 +196,7 @@ class PartRows:
             result.finish_reason,
             clean(result.error),
             source,
+            *scores,
             *kept,
         ]
 
@@ -237,6 +246,12 @@ class PartRows:
                     fixed.append(None)
             arrays.append(pa.array(fixed, type=field.type))
         return pa.Table.from_arrays(arrays, schema=self.schema)
+
+
+def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A ``logprobs`` entry with its texts (the token's and each alternative's) cleaned."""
+    top = [{**t, "text": clean(t.get("text"))} for t in entry.get("top") or ()]
+    return {**entry, "text": clean(entry.get("text")), "top": top}
 
 
 def _json_text(value: Any) -> str:

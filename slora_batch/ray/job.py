@@ -35,12 +35,7 @@ from slora_batch.jobs.check import JOB_ERRORS, JobError, JobPlan, check_job, job
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
-from slora_batch.jobs.manifest import (
-    MANIFEST_VERSION,
-    fingerprint,
-    resumable_manifest,
-    write_manifest,
-)
+from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
 from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
 from slora_batch.jobs.reader import input_root
 from slora_batch.jobs.resume import done_keys, pending_rows
@@ -134,8 +129,7 @@ def run_ray_job(
                 if complete is not None:
                     return complete
             if manifest is None:
-                manifest = {"version": MANIFEST_VERSION, "job": job.name, "fingerprint": current}
-                manifest["scan"] = scan_for_run(plan).to_json()
+                manifest = new_manifest(plan, current, scan_for_run(plan))
                 write_manifest(out, manifest)
             scan = InputScan.from_json(manifest["scan"])
             plan.rows_total = scan.rows

@@ -18,7 +18,7 @@ from slora_batch.jobs.outdir import LOCK_FILE, OutputError, read_success, write_
 from slora_batch.jobs.reader import InputError, iter_input_files, read_rows
 from slora_batch.jobs.resume import done_keys
 from slora_batch.jobs.rows import RowSource, row_key, to_request
-from slora_batch.jobs.schema import PART_SCHEMA
+from slora_batch.jobs.schema import PART_SCHEMA, SCORE_FIELDS
 from slora_batch.jobs.stats import STATS_SCHEMA, output_counts, write_stats
 from slora_batch.jobs.writer import OutputWriter
 
@@ -233,6 +233,7 @@ def test_writer_parts_schema_and_types(tmp_path):
     assert table.to_pylist()[1] == {
         "id": "1", "adapter": "a", "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
         "completion_tokens": 2, "finish_reason": "stop", "error": None, "source": None,
+        **{f.name: None for f in SCORE_FIELDS},  # a generated row: no scores, no logprobs
     }  # fmt: skip
     assert pq.read_table(tmp_path / "out" / "part-00000.parquet")["adapter"].to_pylist() == [
         None,
@@ -357,8 +358,11 @@ def test_output_counts_per_adapter_over_every_part(tmp_path):
         writer.write(result(1))
         writer.write(result(2, adapter="a", tokens=(5, 6, 7)))
         writer.write(result(3, adapter="a", reason="error", tokens=(), error="bad"))
+    no_scores = {"scored_rows": 0, "answered_rows": 0, "correct_rows": 0}
     assert output_counts(tmp_path) == {
-        None: {"rows": 1, "ok_rows": 1, "error_rows": 0, "prompt_tokens": 3, "completion_tokens": 2},
-        "a": {"rows": 2, "ok_rows": 1, "error_rows": 1, "prompt_tokens": 6, "completion_tokens": 3},
+        None: {"rows": 1, "ok_rows": 1, "error_rows": 0, "prompt_tokens": 3, "completion_tokens": 2,
+               **no_scores},
+        "a": {"rows": 2, "ok_rows": 1, "error_rows": 1, "prompt_tokens": 6, "completion_tokens": 3,
+              **no_scores},
     }  # fmt: skip
     assert output_counts(tmp_path / "missing") == {}

@@ -38,6 +38,11 @@ def test_minimal_job_defaults(tmp_path):
         "prompt": "prompt",
         "messages": "messages",
         "prompt_token_ids": "prompt_token_ids",
+        "continuation": "continuation",
+        "choices": "choices",
+        "continuation_token_ids": "continuation_token_ids",
+        "choices_token_ids": "choices_token_ids",
+        "answer": "answer",
     }
     assert (job.fanout, job.window, job.part_rows) == (None, 8192, 4096)
 

@@ -157,7 +157,7 @@ def test_resume_of_a_million_rows_starts_in_seconds_in_bounded_memory(tmp_path, 
     from slora_batch.jobs.outdir import read_success
     from slora_batch.jobs.resume import done_keys
     from slora_batch.jobs.scan import scan_input
-    from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
+    from slora_batch.jobs.schema import OUTPUT_COLUMNS, SCORE_FIELDS, part_schema
 
     adapters = ['"a"', '"b"', "null"]
     with open(tmp_path / "rows.jsonl", "w", buffering=1 << 20) as handle:
@@ -185,6 +185,7 @@ def test_resume_of_a_million_rows_starts_in_seconds_in_bounded_memory(tmp_path, 
             "prompt_tokens": [1] * len(rows), "completion_tokens": [1] * len(rows),
             "finish_reason": ["length"] * len(rows), "error": [None] * len(rows),
             "source": [f"rows.jsonl line {i + 1}" for i in rows],
+            **{f.name: pa.nulls(len(rows), f.type) for f in SCORE_FIELDS},
         }  # fmt: skip
         pq.write_table(pa.table(columns, schema=schema), out / f"part-{number:05d}.parquet")
 
