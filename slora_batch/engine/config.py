@@ -104,6 +104,8 @@ class EngineConfig:
     # the cores); > 1 runs ``data_parallel.DataParallelEngine``
     gpus: str | None = None  # "all": data_parallel = the number of visible CUDA devices
     # divided by tensor_parallel
+    prefix_caching: bool = True  # keep full blocks of prompt KV for later rows of the adapter
+    prefix_block_tokens: int = 16  # tokens per cached block
     tensor_parallel: int = 1  # devices per engine (S-LoRA tensor parallelism, ``tp``): rank 0
     # schedules, every rank holds 1/N of the weights, of the KV cache and of each adapter
 
@@ -129,6 +131,7 @@ class EngineConfig:
             f"memory_fraction must be in (0, 1], got {self.memory_fraction}",
         )
         for name in (
+            "prefix_block_tokens",
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_adapters_per_batch",

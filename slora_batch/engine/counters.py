@@ -27,6 +27,9 @@ class EngineCounters:
     decode_step_s: float = 0.0
     load_s: float = 0.0  # building the engine: weights, tokenizer, adapter headers, pool
     warmup_s: float = 0.0  # kernel compilation and CUDA-graph capture at start
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_blocks: int = 0  # prefix blocks in the pool now (in use or idle)
+    block_evictions: int = 0  # idle prefix blocks evicted for room
     disk_loads: int = 0  # adapter weight files read into the host cache
     loader_waits: int = 0  # admissions that waited for the loader thread's read
     rows: int = 0
@@ -60,6 +63,11 @@ class EngineCounters:
         self.adapter_bytes_copied = residency.bytes_copied
         self.disk_loads = residency.store.disk_loads
         self.loader_waits = residency.store.loader_waits
+        cache = scheduler.cache
+        if cache is not None:
+            self.prefix_hit_tokens = cache.hit_tokens
+            self.cached_blocks = len(cache.blocks)
+            self.block_evictions = cache.evictions
 
     def count_result(self, result) -> None:
         self.rows += 1

@@ -27,6 +27,7 @@ class Resident:
     slot: int
     pages: np.ndarray
     refcount: int = 0
+    last_used: int = 0  # the scheduler's step when it last became idle (LRU with cached blocks)
     prefetched: bool = False
     copying: torch.cuda.Event | None = None  # its prefetch copy, no device-stream wait yet
 
@@ -64,6 +65,8 @@ class AdapterResidency:
         # Under tensor parallelism rank 0 decides and its workers repeat: every load ("load",
         # name, slot, pages) and eviction ("evict", slot), in order, goes here (None: off).
         self.journal: list[tuple] | None = None
+        self.cache = None  # the scheduler's PrefixCache: make_room evicts its idle blocks too
+        self.clock = 0  # the scheduler's step number
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
@@ -85,18 +88,29 @@ class AdapterResidency:
         return self.store.pages(name)
 
     def make_room(self, need: int, pool: PagePool | None = None) -> bool:
-        """Evict idle adapters, least recently used first, until ``need`` pages are free in
-        ``pool`` (default: the adapters' own pool; evicting frees nothing in another pool)."""
+        """Evicts until ``need`` pages are free in ``pool`` (default: the adapters' own): idle
+        adapters (in the adapters' pool) and idle cached prefix blocks (in the KV pool), one at
+        a time, whichever became idle longest ago first."""
         pool = pool or self.pool
         if pool.num_free >= need:  # the common case, once per running sequence and step
             return True
-        if pool is not self.pool:
-            return False
-        for name in [n for n, r in self._resident.items() if r.refcount == 0]:
-            if self.pool.num_free >= need:
-                break
-            self._evict(name)
-        return self.pool.num_free >= need
+        cache = self.cache if self.cache is not None and self.cache.pool is pool else None
+        idle = (
+            [n for n, r in self._resident.items() if r.refcount == 0] if pool is self.pool else []
+        )
+        idle.sort(key=lambda n: self._resident[n].last_used)  # stable: load order among equals
+        while pool.num_free < need:
+            block = cache.oldest_idle() if cache is not None else None
+            name = idle[0] if idle else None
+            if block is None and name is None:
+                return False
+            if name is not None and (
+                block is None or self._resident[name].last_used <= block.last_used
+            ):
+                self._evict(idle.pop(0))
+            else:
+                cache.evict(block)
+        return True
 
     def acquire(self, name: str) -> int:
         """Pin an adapter for one request, loading it into pool pages first if needed."""
@@ -116,6 +130,8 @@ class AdapterResidency:
         if entry.refcount <= 0:
             raise ValueError(f"adapter {name!r} released more often than acquired")
         entry.refcount -= 1
+        if entry.refcount == 0:
+            entry.last_used = self.clock
 
     def prefetch(self, name: str, stream: torch.cuda.Stream | None = None) -> bool:
         """Loads an adapter ahead of need (idle, unpinned) if its pages are free right now; the
@@ -149,7 +165,7 @@ class AdapterResidency:
         log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
         if self.journal is not None:
             self.journal.append(("load", name, slot, pages))
-        entry = Resident(slot=slot, pages=pages)
+        entry = Resident(slot=slot, pages=pages, last_used=self.clock)
         self._resident[name] = entry
         return entry
 

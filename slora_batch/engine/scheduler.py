@@ -23,8 +23,11 @@ from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
+
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.pool import PagePool
+from slora_batch.engine.prefix_cache import Block, PrefixCache
 from slora_batch.engine.residency import AdapterResidency
 from slora_batch.engine.sequence import Sequence, Status
 
@@ -61,6 +64,10 @@ class Scheduler:
         self.pinned: Counter[str] = Counter()  # adapter -> sequences holding its slot
         self.preemptions = 0
         self.steps = 0
+        self.cache = None
+        if config.prefix_caching:
+            self.cache = PrefixCache(pool, config.prefix_block_tokens)
+        residency.cache = self.cache  # its make_room evicts idle blocks and adapters alike
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -82,6 +89,8 @@ class Scheduler:
         set now but keeps its pages until read back."""
         for seq, n in zip(step.seqs, step.num_new, strict=True):
             seq.num_computed += n
+            if self.cache is not None and not seq.cache_done:
+                self._cache_blocks(seq)
             if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
                 seq.last_step = number
                 self.running.remove(seq)
@@ -139,6 +148,8 @@ class Scheduler:
             self._release(seq)
         self.running, self.retired, self.held = [], [], []
         self.waiting.clear()
+        if self.cache is not None:  # an abandoned stream leaves the pool as it found it
+            self.cache.clear()
         return dropped
 
     def never_fits(self, seq: Sequence) -> str | None:
@@ -166,6 +177,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         self.steps += 1
+        self.residency.clock = self.steps
+        if self.cache is not None:
+            self.cache.clock = self.steps
         step = ScheduledStep([], [])
         budget = self.config.max_num_batched_tokens
         i = self._grow_decodes(step, budget)
@@ -185,8 +199,9 @@ class Scheduler:
             seq = self._pick()
             if seq is None:
                 break
-            n = min(seq.remaining, budget)
-            if not self._admit(seq, n):
+            hit = self._prefix(seq)
+            n = min(seq.remaining - len(hit) * self.config.prefix_block_tokens, budget)
+            if not self._admit(seq, n, hit):
                 break
             step.seqs.append(seq)
             step.num_new.append(n)
@@ -229,19 +244,36 @@ class Scheduler:
         self._take_pages(seq, n)
         return True
 
-    def _admit(self, seq: Sequence, n: int) -> bool:
+    def _prefix(self, seq: Sequence) -> list[Block]:
+        """The cached blocks a waiting sequence's prompt starts with (none on recompute of a
+        row that has generated tokens: its prompt's blocks are found all the same)."""
+        if self.cache is None or seq.num_computed:
+            return []
+        return self.cache.match(seq.adapter, seq.prompt_ids)
+
+    def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
         need = PAGES_PER_TOKEN * n
         adapter = seq.adapter
         evictable = self.residency.evictable_pages()
         if adapter and self.residency.is_resident(adapter) and adapter not in self.pinned:
             evictable -= self.residency.store.pages(adapter)  # it is about to be pinned
-        # Idle adapters can be evicted to make room in the pool that holds adapters.
-        room = {id(self.pool): self.pool.num_free}
-        room[id(self.residency.pool)] = self.residency.pool.num_free + evictable
+        # Idle adapters and idle cached blocks can be evicted to make room: adapters in the
+        # pool that holds adapters, blocks in the KV pool (one pool under unified paging).
+        cached = 0
+        if self.cache is not None:  # the blocks of the hit are about to be pinned
+            cached = self.cache.idle_pages - sum(b.pages.size for b in hit if b.refs == 0)
+        room = {id(self.pool): self.pool.num_free + cached}
+        lora_pool = self.residency.pool
+        room[id(lora_pool)] = room.get(id(lora_pool), lora_pool.num_free) + evictable
         demand = self._by_pool(need, self.residency.cost(adapter))
         if any(want > room[key] for key, (_, want) in demand.items()):
             return False
         self.waiting.remove(seq)
+        if hit:  # the cached prefix: its pages are the sequence's first, its KV computed
+            self.cache.acquire(hit)
+            seq.blocks = list(hit)
+            seq.add_pages(np.concatenate([block.pages for block in hit]))
+            seq.num_computed = len(hit) * self.config.prefix_block_tokens
         if adapter:
             seq.slot = self.residency.acquire(adapter)
             self.pinned[adapter] += 1
@@ -344,10 +376,30 @@ class Scheduler:
             self.pool.num_free,
         )
 
+    def _cache_blocks(self, seq: Sequence) -> None:
+        """Caches the full prompt blocks a sequence has computed and not cached yet."""
+        size = self.config.prefix_block_tokens
+        while len(seq.blocks) < min(seq.num_computed, len(seq.prompt_ids)) // size:
+            lo = len(seq.blocks) * size
+            parent = seq.blocks[-1] if seq.blocks else None
+            tokens = seq.prompt_ids[lo : lo + size]
+            block = self.cache.insert(parent, seq.adapter, tokens, seq.pages[lo : lo + size])
+            if block is None:  # cached by another sequence first: the rest stays its own
+                seq.cache_done = True
+                return
+            seq.blocks.append(block)
+
     def _release(self, seq: Sequence) -> None:
-        """A sequence's pages go back to the pool and its adapter is unpinned (idempotent: a
-        preempted row holds neither)."""
-        self.pool.free(seq.drop_pages())
+        """A sequence's pages go back to the pool (those of cached blocks stay, one reference
+        fewer) and its adapter is unpinned (idempotent: a preempted row holds neither)."""
+        pages = seq.drop_pages()
+        if seq.blocks:
+            shared = len(seq.blocks) * self.config.prefix_block_tokens * PAGES_PER_TOKEN
+            self.cache.release(seq.blocks)
+            pages = pages[shared:]
+            seq.blocks = []
+        seq.cache_done = False
+        self.pool.free(pages)
         if seq.adapter and seq.slot >= 0:
             self.residency.release(seq.adapter)
             self.pinned[seq.adapter] -= 1

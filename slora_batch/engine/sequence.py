@@ -66,6 +66,11 @@ class Sequence:
     # log-probability, top ids, their log-probabilities), appended as tokens are read back.
     logprobs: int | None = None
     logprob_entries: list = field(default_factory=list)
+    # Prefix caching: the cached blocks this sequence references, its prefix in order (their
+    # pages are the first of ``pages``), and whether it stopped adding its own (another
+    # sequence cached one of them first).
+    blocks: list = field(default_factory=list)
+    cache_done: bool = False
 
     @property
     def draws(self) -> bool:
