@@ -1,0 +1,78 @@
+"""Which choice each adapter prefers: over the rows scored with choices, per adapter, the share
+of rows whose ``best_choice`` is each index, and the accuracy of those with an answer. Plain
+data read from the committed parts, for the run summary (``console.py`` draws it).
+
+Running example: adapter "a" has four choices rows whose best choices are 0, 0, 1, 2, three of
+them with an answer and two of those right: shares [0.5, 0.25, 0.25] (three columns: the most
+choices a row had), accuracy 2/3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.outdir import part_files
+
+MAX_CHOICE_COLUMNS = 8  # choice indices shown; a later index counts in ``beyond``
+COLUMNS = ["adapter", "best_choice", "choice_tokens", "correct"]
+
+
+@dataclass
+class AdapterPreference:
+    adapter: str | None  # None = base model
+    rows: int  # the adapter's rows scored with choices
+    shares: list[float]  # per choice index 0..columns-1: share of ``rows`` it was best in
+    beyond: float  # share of ``rows`` whose best choice is past the last column
+    accuracy: float | None  # correct among its choices rows with an answer; None: no answer
+
+
+@dataclass
+class ChoicePreference:
+    columns: int  # choice indices shown: the most choices a row had, at most MAX_CHOICE_COLUMNS
+    most_choices: int  # the most choices a row had (more than ``columns`` when cut)
+    adapters: list[AdapterPreference]  # base model first, then by name
+    answers: bool  # whether any choices row had an answer (an accuracy column is worth showing)
+
+
+def choice_preference(out_dir: str | Path | FsDir) -> ChoicePreference | None:
+    """The choice preference of every adapter over the committed parts; None when no row was
+    scored with choices. Parts written before the scoring columns existed hold none."""
+    fs = out_dir.fs if isinstance(out_dir, FsDir) else None
+    picks: dict[str | None, dict[int, int]] = {}  # adapter -> best choice -> rows
+    answered: dict[str | None, list[int]] = {}  # adapter -> [rows with an answer, correct]
+    most = 0
+    for _, path in part_files(out_dir):
+        if "best_choice" not in pq.read_schema(str(path), filesystem=fs).names:
+            continue
+        table = pq.read_table(str(path), columns=COLUMNS, filesystem=fs)
+        table = table.filter(pc.is_valid(table["best_choice"]))
+        if table.num_rows == 0:
+            continue
+        most = max(most, pc.max(pc.list_value_length(table["choice_tokens"])).as_py() or 0)
+        counted = table.group_by(["adapter", "best_choice"]).aggregate([([], "count_all")])
+        for row in counted.to_pylist():
+            per = picks.setdefault(row["adapter"], {})
+            per[row["best_choice"]] = per.get(row["best_choice"], 0) + row["count_all"]
+        right = table.group_by(["adapter"]).aggregate([("correct", "count"), ("correct", "sum")])
+        for row in right.to_pylist():
+            pair = answered.setdefault(row["adapter"], [0, 0])
+            pair[0] += row["correct_count"]
+            pair[1] += row["correct_sum"] or 0
+    if not picks:
+        return None
+    columns = min(most, MAX_CHOICE_COLUMNS)
+    adapters = []
+    for adapter in sorted(picks, key=lambda a: (a is not None, a or "")):
+        per, rows = picks[adapter], sum(picks[adapter].values())
+        shares = [per.get(i, 0) / rows for i in range(columns)]
+        beyond = sum(n for i, n in per.items() if i >= columns) / rows
+        with_answer, right = answered.get(adapter, [0, 0])
+        accuracy = right / with_answer if with_answer else None
+        adapters.append(AdapterPreference(adapter, rows, shares, beyond, accuracy))
+    answers = any(a.accuracy is not None for a in adapters)
+    return ChoicePreference(columns, most, adapters, answers)
