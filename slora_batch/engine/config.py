@@ -32,6 +32,9 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str) -> T:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
+MAX_N = 256  # samples per row at most
+
+
 @dataclass
 class SamplingConfig:
     """How tokens are drawn. ``Request`` fields of the same names override these per row."""
@@ -43,6 +46,7 @@ class SamplingConfig:
     seed: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # samples per row: outputs sample_index 0 .. n-1, each seeded on its own
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +68,10 @@ class SamplingConfig:
             f"top_k must be an integer >= 0, got {self.top_k!r}",
         )
         check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        check(
+            isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+            f"n must be an integer from 1 to {MAX_N}, got {self.n!r}",
+        )
         check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             f"stop must be a list of non-empty strings, got {self.stop!r}",

@@ -313,6 +313,7 @@ class Engine:
             completion_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason,
             extra=seq.request.extra,
+            sample_index=seq.sample_index,
             logprobs=token_logprobs(self.tokenizer, seq.logprob_entries, len(seq.output_ids))
             if seq.logprobs is not None
             else None,

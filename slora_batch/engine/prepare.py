@@ -70,36 +70,53 @@ class RequestPreparer:
         if n == 0:
             return Result.failed(request, "empty prompt")
         if request.scored:
+            if params.n > 1 or request.sample_indices:
+                return Result.failed(request, "n is for generated rows, not scored ones")
             return self._scored(request, prompt_ids, continuations)
+        indices = request.sample_indices if request.sample_indices is not None else range(params.n)
+        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < params.n]  # fmt: skip
+        if bad or not indices:
+            return Result.failed(
+                request, f"sample_indices {list(indices)} are not in 0..{params.n - 1}"
+            )
         if n >= self.max_model_len:
             return Result.failed(
                 request,
                 f"prompt of {n} tokens does not fit the context of {self.max_model_len} tokens",
                 prompt_tokens=n,
             )
+        seqs = [self._generated(request, params, prompt_ids, logprobs, i) for i in indices]
+        problem = self.scheduler.never_fits(seqs[0])
+        if problem:
+            return Result.failed(request, problem, prompt_tokens=n)
+        seqs[0].followers = seqs[1:]  # queued when the first one's prompt is computed
+        return seqs[0]
+
+    def _generated(self, request, params, prompt_ids: list[int], logprobs, index: int):
+        n = len(prompt_ids)
         self.arrivals += 1
         stop = list(params.stop)
-        seq = Sequence(
+        # Sample 0's noise is the row's as it was before n existed; sample k's its own.
+        key = noise_key(params.seed, request.id if index == 0 else (request.id, index))
+        return Sequence(
             request=request,
             order=self.arrivals,
-            adapter=adapter,
+            adapter=request.adapter or None,
             prompt_ids=prompt_ids,
             max_new_tokens=min(params.max_new_tokens, self.max_model_len - n),
             temperature=float(params.temperature),
             top_k=params.top_k,
             top_p=float(params.top_p),
-            key=noise_key(params.seed, request.id),
+            key=key,
             stop=stop,
             ignore_eos=params.ignore_eos,
             detok=Detokenizer(self.tokenizer, stop)
             if self.tokenizer is not None and stop
             else None,
             logprobs=logprobs,
+            sample_index=index,
         )
-        problem = self.scheduler.never_fits(seq)
-        if problem:
-            return Result.failed(request, problem, prompt_tokens=n)
-        return seq
 
     def _scored(self, request: Request, context: list[int], continuations: list[list[int]]):
         """One prefill-only sequence per continuation (a row with choices: one per choice, in

@@ -43,6 +43,9 @@ class Request:
     choices_token_ids: list[list[int]] | None = None
     answer: int | str | None = None
     logprobs: int | None = None
+    n: int | None = None  # samples of a generated row (SamplingConfig.n when None)
+    # Which of the n samples to make (None: all): a resumed job asks for the missing ones.
+    sample_indices: list[int] | None = None
 
     @property
     def scored(self) -> bool:
@@ -53,7 +56,9 @@ class Request:
         )
 
 
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n"
+)  # fmt: skip
 SCORING_FIELDS = (
     "continuation",
     "choices",
@@ -97,6 +102,7 @@ class Result:
     best_choice_norm: int | None = None
     correct: bool | None = None
     logprobs: list[dict[str, Any]] | None = None
+    sample_index: int = 0  # which of the row's n samples this is
 
     @classmethod
     def failed(cls, request: Request, message: str, prompt_tokens: int = 0) -> Result:

@@ -91,6 +91,11 @@ class Scheduler:
             seq.num_computed += n
             if self.cache is not None and not seq.cache_done:
                 self._cache_blocks(seq)
+            if seq.followers and seq.num_computed >= len(seq.prompt_ids):
+                for follower in reversed(seq.followers):  # the row's other samples, next
+                    follower.status = Status.WAITING
+                    self.waiting.appendleft(follower)
+                seq.followers = []
             if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
                 seq.last_step = number
                 self.running.remove(seq)

@@ -71,6 +71,10 @@ class Sequence:
     # sequence cached one of them first).
     blocks: list = field(default_factory=list)
     cache_done: bool = False
+    # n samples of a row: which this is, and (on the first) the others, queued once its
+    # prompt is computed so that they find its blocks in the prefix cache.
+    sample_index: int = 0
+    followers: list = field(default_factory=list)
 
     @property
     def draws(self) -> bool:
