@@ -91,6 +91,7 @@ class RequestPreparer:
         if problem:
             return Result.failed(request, problem, prompt_tokens=n)
         seqs[0].followers = seqs[1:]  # queued when the first one's prompt is computed
+        seqs[0].context_tokens = n
         return seqs[0]
 
     def _generated(self, request, params, prompt_ids: list[int], logprobs, index: int):
@@ -120,7 +121,8 @@ class RequestPreparer:
 
     def _scored(self, request: Request, context: list[int], continuations: list[list[int]]):
         """One prefill-only sequence per continuation (a row with choices: one per choice, in
-        a group that joins their scores), or an error result."""
+        a group that joins their scores; the others follow the first, which computes the
+        context for the prefix cache), or an error result."""
         n = len(context)
         choices = request.choices is not None or request.choices_token_ids is not None
         group = ChoiceGroup(request, len(continuations)) if choices else None
@@ -144,7 +146,8 @@ class RequestPreparer:
             if problem:
                 return Result.failed(request, f"{what}: {problem}", prompt_tokens=n)
             seqs.append(seq)
-        return seqs
+        seqs[0].followers = seqs[1:]  # queued once the first has computed the context
+        return seqs[0]
 
     def sampling_for(self, request: Request) -> SamplingConfig:
         """The engine's sampling with the request's own fields over it."""

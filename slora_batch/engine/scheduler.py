@@ -91,8 +91,8 @@ class Scheduler:
             seq.num_computed += n
             if self.cache is not None and not seq.cache_done:
                 self._cache_blocks(seq)
-            if seq.followers and seq.num_computed >= len(seq.prompt_ids):
-                for follower in reversed(seq.followers):  # the row's other samples, next
+            if seq.followers and seq.num_computed >= seq.context_tokens:
+                for follower in reversed(seq.followers):  # the row's other samples or choices
                     follower.status = Status.WAITING
                     self.waiting.appendleft(follower)
                 seq.followers = []

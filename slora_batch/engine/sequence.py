@@ -71,8 +71,9 @@ class Sequence:
     # sequence cached one of them first).
     blocks: list = field(default_factory=list)
     cache_done: bool = False
-    # n samples of a row: which this is, and (on the first) the others, queued once its
-    # prompt is computed so that they find its blocks in the prefix cache.
+    # n samples of a row: which this is. The first sample (or choice) of a row holds the others,
+    # queued once it has computed the shared context_tokens (the prompt, or a scored row's
+    # context), so that they find its blocks in the prefix cache.
     sample_index: int = 0
     followers: list = field(default_factory=list)
 

@@ -119,6 +119,8 @@ def test_scores_match_peft_in_chunks_beside_generated_rows(case):
         means = [s / len(c) for s, c in zip(sums, row.choices_token_ids, strict=True)]
         assert got.best_choice_norm == max(range(len(means)), key=means.__getitem__)
         assert got.correct == (got.best_choice == row.answer)
+    # the choices of a row after the first start past its context's cached blocks
+    assert engine.counters.prefix_hit_tokens > 0
     for row in generated:  # greedy generation in the same batches
         logp_ids = row.prompt_token_ids
         tokens = results[row.id].token_ids
