@@ -5,6 +5,8 @@ cli.py         the ``bench`` command (Typer options)
 workload.py    the model (random weights), adapters and requests
 engine_run.py  one timed engine run; the ablations composed from engine parts
 peft_run.py    transformers + PEFT in padded static batches
+score_run.py   the scoring workload through the engine (``score``)
+peft_score_run.py  the scoring workload through transformers + PEFT (``peft-score``)
 report.py      results.parquet, results.md, summary.json, the plot
 roofline.py    the card's measured rates and each run's floor
 """

@@ -3,8 +3,10 @@
 One random-weight base model (a transformers ``LlamaForCausalLM`` built on the device) serves all
 systems: the engine takes its state dict, PEFT wraps the model itself. Adapters: ONE PEFT
 directory per distinct rank (8, 16, 32, 64), and adapter id i maps to the directory of rank
-RANKS[i % 4]; the engine still parses, loads, pages and evicts each id on its own. Results are
-rewritten after every run, so a run cut short keeps what finished (``bench_report``).
+RANKS[i % 4]; the engine still parses, loads, pages and evicts each id on its own. The scoring
+systems (``score``, ``peft-score``) run their own rows (``workload.ScoreWorkload``), made only
+when one of them is asked for. Results are rewritten after every run, so a run cut short keeps
+what finished (``bench_report``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from slora_batch.bench.workload import (
     PRESETS,
     RANKS,
     BenchModel,
+    ScoreWorkload,
     Workload,
     build_model,
 )
@@ -33,10 +36,14 @@ from slora_batch.engine.config import check
 
 log = logging.getLogger(__name__)
 
-# the ablations, then the job tool's own path (bench/job_run.py: not in the default list)
+# the ablations, then the job tool's own path (bench/job_run.py: not in the default list),
+# the scoring workload through the engine and through PEFT (bench/score_run.py,
+# peft_score_run.py: not in the default list either), then
 # base and slora again at --tensor-parallel x --data-parallel (the default when that is > 1)
 PARALLEL = ("base-par", "slora-par")
-SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *PARALLEL)
+SCORING = ("score", "peft-score")
+PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
+SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *SCORING, *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -64,6 +71,15 @@ class BenchConfig:
     peft_max_seconds: float = 0.0  # per peft run, the same; 0 = no limit
     total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit
     warmup_requests: int = 32  # short requests through each engine before its timed run
+    # the scoring workload (score, peft-score): rows of a context and choices, random ids
+    score_rows: int = 8000
+    score_min_context: int = 64
+    score_max_context: int = 1024
+    score_choices: int = 4
+    score_min_choice: int = 1
+    score_max_choice: int = 32
+    peft_score_rows: int = 256  # the first rows of the same workload
+    peft_score_batch: int = 8  # rows of one padded batch (x score_choices sequences)
     out: Path = Path("benchmarks/results")
     tensor_parallel: int = 1  # the layout of the -par systems: devices per engine
     data_parallel: int = 1  # ... and engines (workers)
@@ -104,7 +120,18 @@ class BenchConfig:
             1 <= self.min_output <= self.max_output,
             f"need 1 <= min_output <= max_output, got {self.min_output}, {self.max_output}",
         )
-        for name in ("requests", "peft_requests", "peft_batch"):
+        check(
+            1 <= self.score_min_context <= self.score_max_context,
+            "need 1 <= score_min_context <= score_max_context, got "
+            f"{self.score_min_context}, {self.score_max_context}",
+        )
+        check(
+            1 <= self.score_min_choice <= self.score_max_choice,
+            "need 1 <= score_min_choice <= score_max_choice, got "
+            f"{self.score_min_choice}, {self.score_max_choice}",
+        )
+        for name in ("requests", "peft_requests", "peft_batch", "score_rows", "score_choices",
+                     "peft_score_rows", "peft_score_batch"):  # fmt: skip
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(
             self.warmup_requests >= 0, f"warmup_requests must be >= 0, got {self.warmup_requests}"
@@ -132,6 +159,7 @@ class BenchConfig:
         counts.update(dict.fromkeys(ABLATIONS, self.ablation_adapters or self.adapters))
         counts.update({"base-par": [0], "slora-par": self.adapters})
         counts["job"] = self.ablation_adapters or self.adapters
+        counts.update({"score": self.adapters, "peft-score": counts["peft"]})
         return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
 
 
@@ -144,6 +172,7 @@ class BenchContext:
     rank_dirs: dict[int, Path]
     workload: Workload
     rates: Rates
+    score_workload: ScoreWorkload | None = None  # only when a scoring system runs
 
 
 def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
@@ -163,7 +192,7 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory(prefix="slora-bench-") as tmp:
         # transformers' model only where PEFT runs: the engines make RandomWeights themselves
         # (the same values on one device, per tensor-parallel rank and per worker)
-        hf = "peft" in config.systems
+        hf = bool(set(PEFT_SYSTEMS) & set(config.systems))
         model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed, hf)
         rank_dirs = model.write_adapters(Path(tmp) / "adapters", config.seed)
         rates = measure_rates(device, dtype)
@@ -173,9 +202,12 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
             rates.copy_bytes_per_s / 1e12,
         )
         workload = Workload.generate(config, model.spec.vocab_size)
+        scoring = None
+        if set(SCORING) & set(config.systems):
+            scoring = ScoreWorkload.generate(config, model.spec.vocab_size)
         meta = run_meta(device, dtype, rates, config, model, len(RANKS))
         log.info("setup took %.1f s", time.perf_counter() - started)
-        ctx = BenchContext(config, model, rank_dirs, workload, rates)
+        ctx = BenchContext(config, model, rank_dirs, workload, rates, scoring)
         for system, n in runs:
             if _over_budget(config, system, started):
                 log.warning(
@@ -195,7 +227,7 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
 def _over_budget(config: BenchConfig, system: str, started: float) -> bool:
     if not config.total_seconds:
         return False
-    limit = config.peft_max_seconds if system == "peft" else config.max_seconds
+    limit = config.peft_max_seconds if system in PEFT_SYSTEMS else config.max_seconds
     return time.perf_counter() - started + limit > config.total_seconds
 
 
@@ -211,6 +243,14 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             from slora_batch.bench.job_run import run_job_system
 
             row = run_job_system(ctx, n)
+        elif system == "score":
+            from slora_batch.bench.score_run import run_score
+
+            row = run_score(ctx, n)
+        elif system == "peft-score":
+            from slora_batch.bench.peft_score_run import run_peft_score
+
+            row = run_peft_score(ctx, n)
         else:
             row = run_engine(ctx, system, n)
     except Exception as exc:  # one broken system must not cost the others their run
@@ -237,6 +277,12 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
 def _brief(row: dict) -> str:
     if row.get("error"):
         return f"FAILED ({row['error']})"
+    if "rows_per_s" in row:  # a scoring run: no output tokens
+        return (
+            f"{row['rows_per_s']:.2f} rows/s, {row['scored_tokens_per_s']:.1f} scored tok/s, "
+            f"{row['wall_s']:.1f} s, roofline {row['roofline_fraction']:.3f}"
+            f"{' (cut at the time limit)' if row['truncated'] else ''}"
+        )
     return (
         f"{row['output_tokens_per_s']:.1f} output tok/s, {row['requests_per_s']:.2f} req/s, "
         f"{row['wall_s']:.1f} s, roofline {row['roofline_fraction']:.3f}"

@@ -30,13 +30,18 @@ def _ints(text: str | None) -> list[int] | None:
 def bench(
     systems: str = typer.Option(
         ",".join(D.systems),
-        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job and the -par "
-        "ones; with --tensor-parallel or --data-parallel above 1: base, slora and the -par ones).",
+        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job, score, "
+        "peft-score and the -par ones; with --tensor-parallel or --data-parallel above 1: base, "
+        "slora and the -par ones).",
         show_default=False,
     ),
-    adapters: str = typer.Option(",".join(map(str, D.adapters)), help="Adapter counts for slora."),
+    adapters: str = typer.Option(
+        ",".join(map(str, D.adapters)), help="Adapter counts for slora, score and job."
+    ),
     peft_adapters: str = typer.Option(
-        None, help="Adapter counts for peft, each <= 100 (none: the --adapters counts up to 100)."
+        None,
+        help="Adapter counts for peft and peft-score, each <= 100 (none: the --adapters counts "
+        "up to 100).",
     ),
     ablation_adapters: str = typer.Option(
         None,
@@ -73,6 +78,23 @@ def bench(
     warmup_requests: int = typer.Option(
         D.warmup_requests, help="Short warm-up requests per engine run."
     ),
+    score_rows: int = typer.Option(D.score_rows, help="Rows of the scoring workload."),
+    score_min_context: int = typer.Option(
+        D.score_min_context, help="Shortest scoring context, tokens."
+    ),
+    score_max_context: int = typer.Option(
+        D.score_max_context, help="Longest scoring context, tokens."
+    ),
+    score_choices: int = typer.Option(D.score_choices, help="Choices per scoring row."),
+    score_min_choice: int = typer.Option(D.score_min_choice, help="Shortest choice, tokens."),
+    score_max_choice: int = typer.Option(D.score_max_choice, help="Longest choice, tokens."),
+    peft_score_rows: int = typer.Option(
+        D.peft_score_rows, help="First scoring rows that peft-score runs."
+    ),
+    peft_score_batch: int = typer.Option(
+        D.peft_score_batch,
+        help="Rows per padded batch of peft-score (each row one sequence per choice).",
+    ),
     out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
     tensor_parallel: int = typer.Option(
         D.tensor_parallel, help="Devices per engine of the base-par and slora-par systems."
@@ -82,7 +104,8 @@ def bench(
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
-    """Benchmark slora against the base model, transformers + PEFT and the ablations (benchmarks/README.md)."""
+    """Benchmark slora against the base model, transformers + PEFT and the ablations; scoring
+    through the engine and through PEFT (benchmarks/README.md)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.DEBUG if verbose else logging.INFO,
@@ -111,6 +134,14 @@ def bench(
             peft_max_seconds=peft_max_seconds,
             total_seconds=total_seconds,
             warmup_requests=warmup_requests,
+            score_rows=score_rows,
+            score_min_context=score_min_context,
+            score_max_context=score_max_context,
+            score_choices=score_choices,
+            score_min_choice=score_min_choice,
+            score_max_choice=score_max_choice,
+            peft_score_rows=peft_score_rows,
+            peft_score_batch=peft_score_batch,
             out=Path(out),
             tensor_parallel=tensor_parallel,
             data_parallel=data_parallel,

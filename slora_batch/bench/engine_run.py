@@ -3,15 +3,20 @@
 
 The ablations are composed from engine parts handed to ``Engine`` (its ``ops`` and ``pools``
 seams), never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for the padded
-batched matmul of ``kernels.bmm``; ``no-unified`` gives adapters a pool of their own."""
+batched matmul of ``kernels.bmm``; ``no-unified`` gives adapters a pool of their own.
+
+``score`` (bench/score_run.py) runs the scoring workload through the same pieces: a fresh
+engine (``open_bench_engine``), the warm-up groups (``warm_up``), the clock (``timed_run``) and
+the row's common fields (``engine_row``, ``step_fields``, ``build_counts``)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -24,7 +29,7 @@ from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.data_parallel import open_engine
 from slora_batch.engine.engine import Engine, pick_backend
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.request import Request
+from slora_batch.engine.request import Request, Result
 from slora_batch.jobs.ordering import sort_key
 
 log = logging.getLogger(__name__)
@@ -94,6 +99,40 @@ def run_engine(ctx, system: str, n: int) -> dict:
     With ``max_seconds`` the run stops feeding requests and stops at the limit; the work counted
     is every token computed by then: finished requests plus the done part of running ones.
     """
+    engine, sources, setup = open_bench_engine(ctx, system, n)
+    requests = ctx.workload.requests(0 if system.startswith("base") else n)
+    if system not in ARRIVAL_ORDER:
+        requests = group_by_adapter(requests)
+    warmup_builds = warm_up(ctx, engine, requests, sources)
+    setup_s = time.perf_counter() - setup
+    asked = {r.id: r.max_new_tokens for r in requests}
+    work, finished, mismatches = Work(), 0, 0
+
+    def count(result: Result) -> None:
+        nonlocal finished, mismatches
+        finished += 1
+        mismatches += result.completion_tokens != asked[result.id]
+        work.add(result.prompt_tokens, result.completion_tokens)
+
+    timed = timed_run(ctx, engine, requests, f"{system}@{n}", count)
+    for prompt, generated in timed.partial:
+        work.add(prompt, generated)
+    if system.endswith("-par"):
+        engine.close()
+    del engine
+    row = engine_row(ctx, system, n, len(requests), finished, mismatches, setup_s, timed)
+    cuda = ctx.model.device.type == "cuda"
+    devices = row["tensor_parallel"] * row["data_parallel"] if cuda else 1
+    row.update(figures(ctx, work, finished, timed.wall_s, devices))
+    row.update(step_fields(timed))
+    row.update(build_counts(warmup_builds, timed.builds))
+    return row
+
+
+def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path], float]:
+    """A fresh engine on the shared weights for one run, its adapter sources and the time its
+    setup started (after resetting the peak-memory counter): the -par systems at the
+    configured layout (``open_engine``), the others on the bench's device with their parts."""
     cfg, model = ctx.config, ctx.model
     cuda = model.device.type == "cuda"
     if cuda:
@@ -101,8 +140,7 @@ def run_engine(ctx, system: str, n: int) -> dict:
     start = time.perf_counter()
     sources = adapter_sources(n, ctx.rank_dirs) if n else {}
     dtype = str(model.dtype).removeprefix("torch.")
-    parallel = system.endswith("-par")
-    if parallel:  # the -par systems: base or slora at the configured layout
+    if system.endswith("-par"):  # base or slora at the configured layout
         config = EngineConfig(
             device="cuda" if cuda else "cpu",
             backend=cfg.backend,
@@ -124,74 +162,101 @@ def run_engine(ctx, system: str, n: int) -> dict:
             weights=model.weights,
             **engine_parts(system, cfg.backend, model.device),
         )
-    requests = ctx.workload.requests(0 if system.startswith("base") else n)
-    if system not in ARRIVAL_ORDER:
-        requests = group_by_adapter(requests)
-    store = AdapterStore(model.spec, sources)  # the adapters' ranks, for the warm-up groups
-    with BuildLog() as warmup_builds:
-        for group, whole in warmup_groups(requests, store, cfg.warmup_requests):
+    return engine, sources, start
+
+
+def warm_up(ctx, engine: Engine, requests: list[Request], sources: dict[str, Path]) -> BuildLog:
+    """The untimed warm-up groups of ``requests`` through ``engine`` (see ``warmup_groups``);
+    returns the Triton builds it made."""
+    store = AdapterStore(ctx.model.spec, sources)  # the adapters' ranks, for the groups
+    with BuildLog() as builds:
+        for group, whole in warmup_groups(requests, store, ctx.config.warmup_requests):
             for _ in engine.generate(_warmup(group, whole)):
                 pass
-        _sync(model.device)
-    setup_s = time.perf_counter() - start
+        _sync(ctx.model.device)
+    return builds
+
+
+@dataclass
+class Timed:
+    """What ``timed_run`` measured, beside what its callback counted."""
+
+    wall_s: float
+    fed: int  # requests handed to the engine before the time limit
+    errors: int  # error results
+    stopped: bool  # cut at --max-seconds
+    partial: list[tuple[int, int]]  # (prompt tokens computed, generated) of unfinished rows
+    counters: dict[str, float]  # the engine's COUNTERS over the timed run
+    builds: BuildLog  # Triton builds inside it
+
+
+def timed_run(
+    ctx, engine: Engine, requests: list[Request], label: str, count: Callable[[Result], None]
+) -> Timed:
+    """Feeds ``requests`` through ``engine`` on the clock, handing every result that is not an
+    error to ``count``; with ``max_seconds`` stops feeding and stops there, and lists the work
+    done on the rows still in the engine (``Timed.partial``)."""
     before = _counters(engine)
-    asked = {r.id: r.max_new_tokens for r in requests}
-    deadline = None
-    work, finished, errors, mismatches, fed = Work(), 0, 0, 0, [0]
+    fed, errors, stopped = [0], 0, False
     start = time.perf_counter()
-    if cfg.max_seconds:
-        deadline = start + cfg.max_seconds
+    deadline = start + ctx.config.max_seconds if ctx.config.max_seconds else None
     results = engine.generate(_feed(requests, deadline, fed))
-    stopped = False
     with BuildLog() as builds:  # Triton builds inside the timed run, which they slow down
         for result in results:
             if result.finish_reason == "error":
                 errors += 1
                 if errors == 1:
-                    log.error("%s@%d: %s", system, n, result.error)
+                    log.error("%s: %s", label, result.error)
             else:
-                finished += 1
-                mismatches += result.completion_tokens != asked[result.id]
-                work.add(result.prompt_tokens, result.completion_tokens)
+                count(result)
             if deadline is not None and time.perf_counter() >= deadline:
                 stopped = True
                 break
-        _sync(model.device)
+        _sync(ctx.model.device)
         wall_s = time.perf_counter() - start
-    for prompt, generated in _partial(engine) if stopped else ():
-        work.add(prompt, generated)
+    partial = _partial(engine) if stopped else []
     results.close()
     delta = {k: after - before[k] for k, after in _counters(engine).items()}
-    if parallel:
-        engine.close()
-    del engine, results
-    row = dict(
-        system=system,
-        adapters=n,
-        requests=len(requests),
-        fed=fed[0],
-        finished=finished,
-        error_rows=errors,
-        length_mismatches=mismatches,
-        truncated=stopped or fed[0] < len(requests),
-        setup_s=setup_s,
-        peak_mem_gib=_peak_gib(model.device),
-        tensor_parallel=cfg.tensor_parallel if parallel else 1,
-        data_parallel=cfg.data_parallel if parallel else 1,
-    )
-    devices = row["tensor_parallel"] * row["data_parallel"] if cuda else 1
-    row.update(figures(ctx, work, finished, wall_s, devices))
-    row.update(delta)
-    row["host_share"] = _share(delta["host_s"], delta["step_s"])
-    row["decode_host_share"] = _share(delta["decode_host_s"], delta["decode_step_s"])
-    row["decode_batch"] = delta["decode_tokens"] / delta["steps"] if delta["steps"] else math.nan
-    row.update(_builds(warmup_builds, builds))
     if builds.count:
-        log.info("%s@%d: %d Triton builds in the timed run, %.1f s: %s", system, n, builds.count,
+        log.info("%s: %d Triton builds in the timed run, %.1f s: %s", label, builds.count,
                  builds.seconds, ", ".join(builds.names))  # fmt: skip
         for detail in builds.details:
             log.info("  built %s", detail)
-    return row
+    return Timed(wall_s, fed[0], errors, stopped, partial, delta, builds)
+
+
+def engine_row(
+    ctx, system: str, n: int, requests: int, finished: int, mismatches: int, setup_s: float,
+    timed: Timed,
+) -> dict:  # fmt: skip
+    """The first fields of every engine run's row, whatever its workload."""
+    cfg, parallel = ctx.config, system.endswith("-par")
+    return dict(
+        system=system,
+        adapters=n,
+        requests=requests,
+        fed=timed.fed,
+        finished=finished,
+        error_rows=timed.errors,
+        length_mismatches=mismatches,
+        truncated=timed.stopped or timed.fed < requests,
+        setup_s=setup_s,
+        peak_mem_gib=_peak_gib(ctx.model.device),
+        tensor_parallel=cfg.tensor_parallel if parallel else 1,
+        data_parallel=cfg.data_parallel if parallel else 1,
+    )
+
+
+def step_fields(timed: Timed) -> dict[str, float]:
+    """The engine's counters over the timed run, its host shares and mean decode batch."""
+    delta = timed.counters
+    steps = delta["steps"]
+    return dict(
+        delta,
+        host_share=_share(delta["host_s"], delta["step_s"]),
+        decode_host_share=_share(delta["decode_host_s"], delta["decode_step_s"]),
+        decode_batch=delta["decode_tokens"] / steps if steps else math.nan,
+    )
 
 
 def figures(ctx, work: Work, finished: int, wall_s: float, devices: int = 1) -> dict:
@@ -250,17 +315,18 @@ def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list
 
 
 def _warmup(requests: list[Request], whole: bool) -> list[Request]:
-    return [
-        Request(
-            id=f"warmup-{r.id}",
-            adapter=r.adapter,
-            prompt_token_ids=r.prompt_token_ids if whole else r.prompt_token_ids[:WARMUP_PROMPT],
-            max_new_tokens=WARMUP_NEW_TOKENS,
-            ignore_eos=True,
-            temperature=0.0,
-        )
-        for r in requests
-    ]
+    """Warm-up copies of ``requests``: a generated row makes WARMUP_NEW_TOKENS tokens, a scored
+    row stays scored (its choices whole); cut prompts keep their first WARMUP_PROMPT tokens."""
+    out = []
+    for r in requests:
+        prompt = r.prompt_token_ids if whole else r.prompt_token_ids[:WARMUP_PROMPT]
+        if r.scored:
+            out.append(replace(r, id=f"warmup-{r.id}", prompt_token_ids=prompt))
+            continue
+        out.append(Request(id=f"warmup-{r.id}", adapter=r.adapter, prompt_token_ids=prompt,
+                           max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True,
+                           temperature=0.0))  # fmt: skip
+    return out
 
 
 def _feed(requests: Iterable[Request], deadline: float | None, fed: list[int]) -> Iterator[Request]:
@@ -271,7 +337,7 @@ def _feed(requests: Iterable[Request], deadline: float | None, fed: list[int]) -
         yield request
 
 
-def _builds(warmup: BuildLog, timed: BuildLog) -> dict[str, float]:
+def build_counts(warmup: BuildLog, timed: BuildLog) -> dict[str, float]:
     """Triton builds in the warm-up and in the timed run (NaN where Triton has no JIT hooks)."""
     if not timed.available:
         return dict.fromkeys(("warmup_builds", "kernel_builds", "kernel_build_s"), math.nan)

@@ -13,6 +13,7 @@ import inspect
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,28 +26,37 @@ log = logging.getLogger(__name__)
 PAD_ID = 0
 
 
-def run_peft(ctx, n: int) -> dict:
+def load_peft(hf_model, sources: dict[str, Path]):
+    """One ``PeftModel`` over ``hf_model`` holding every adapter of ``sources`` (by name), in
+    eval mode. The caller calls ``unload()`` after, to give the base model its modules back."""
     from peft import PeftModel
 
-    cfg, model = ctx.config, ctx.model
-    device = model.device
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    sources = adapter_sources(n, ctx.rank_dirs)
     names = list(sources)
     # PEFT upcasts bf16 adapters to fp32 unless told not to: keep them in the model's dtype
     keep = {"autocast_adapter_dtype": False}
     if "autocast_adapter_dtype" not in inspect.signature(PeftModel.load_adapter).parameters:
         keep = {}
     peft_model = PeftModel.from_pretrained(
-        model.hf_model, sources[names[0]], adapter_name=names[0], **keep
+        hf_model, sources[names[0]], adapter_name=names[0], **keep
     )
     try:
         for name in names[1:]:
             peft_model.load_adapter(sources[name], adapter_name=name, **keep)
-        peft_model.eval()
+    except BaseException:
+        peft_model.unload()
+        raise
+    return peft_model.eval()
+
+
+def run_peft(ctx, n: int) -> dict:
+    cfg, model = ctx.config, ctx.model
+    device = model.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    peft_model = load_peft(model.hf_model, adapter_sources(n, ctx.rank_dirs))
+    try:
         rows = list(
             zip(
                 ctx.workload.prompts,

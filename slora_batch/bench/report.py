@@ -26,7 +26,10 @@ from slora_batch.bench.engine_run import ABLATIONS
 log = logging.getLogger(__name__)
 
 COMMIT_ENV = "SLORA_BATCH_COMMIT"  # where the tree travels without .git (the device machine)
-SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "roofline_fraction")
+# the scoring systems' rows have no output tokens (NaN) and two figures of their own
+SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "roofline_fraction", "rows_per_s",
+                "scored_tokens_per_s")  # fmt: skip
+SCORE_TARGET = 20.0  # score@N / peft-score best, rows/s (the issue's target)
 
 
 def run_meta(
@@ -103,7 +106,7 @@ def write_outputs(out: Path, rows: list[dict], meta: dict) -> None:
     for row in rows:
         if not row.get("error"):
             summary.setdefault(row["system"], {})[str(row["adapters"])] = {
-                k: row[k] for k in SUMMARY_KEYS
+                k: row[k] for k in SUMMARY_KEYS if not _missing(row.get(k))
             }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / "results.md").write_text(markdown(rows, meta))
@@ -132,6 +135,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"{_limit(meta['settings']['peft_max_seconds'])} (a run cut at its limit counts the work "
         "done by then: note *cut*)",
     ]
+    lines += _scoring_workload(meta["settings"])
     if meta["skipped"]:
         lines.append(f"- skipped for time: {', '.join(meta['skipped'])}")
     lines += [
@@ -164,12 +168,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     f"{r['error_rows']} error rows" if r["error_rows"] else "",
                     f"{r['length_mismatches']} length mismatches" if r["length_mismatches"] else "",
                     _builds_note(r),
+                    _score_note(r),
                 ],
             )
         )
         lines.append(
             f"| {r['system']} | {r['adapters']} | {r['finished']}/{r['requests']} | "
-            f"{r['requests_per_s']:.2f} | {tok:.0f} | {_num(vs_slora)} | {_num(vs_base)} | "
+            f"{r['requests_per_s']:.2f} | {_num(tok, 0)} | {_num(vs_slora)} | {_num(vs_base)} | "
             f"{r['wall_s']:.1f} | {r['setup_s']:.1f} | {_num(r['peak_mem_gib'], 1)} | "
             f"{r['roofline_fraction']:.3f} | {_pct(r['decode_host_share'])} | "
             f"{_num(r['decode_batch'], 0)} | {note} |"
@@ -208,6 +213,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- {name} = {num / den:.2f} (need >= {need}): "
                 f"{'pass' if num / den >= need else 'FAIL'}{extra}"
             )
+    lines += _score_acceptance(ok)
     for r in ok:
         if r["system"] in ("base", "slora"):
             lines.append(
@@ -250,6 +256,48 @@ def acceptance(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _score_acceptance(ok: list[dict]) -> list[str]:
+    """score@N / peft-score at its best, in rows/s, for every N that score ran at."""
+    scores = [r for r in ok if r["system"] == "score"]
+    peft = [r for r in ok if r["system"] == "peft-score"]
+    if not scores or not peft:
+        return [] if not scores and not peft else ["- score@N / peft-score best: not measured"]
+    best = max(peft, key=lambda r: r["rows_per_s"])
+    lines = []
+    for r in scores:
+        ratio = r["rows_per_s"] / best["rows_per_s"]
+        lines.append(
+            f"- score@{r['adapters']} / peft-score best = {ratio:.2f} (need >= {SCORE_TARGET:g}): "
+            f"{'pass' if ratio >= SCORE_TARGET else 'FAIL'}; {r['rows_per_s']:.2f} rows/s "
+            f"against {best['rows_per_s']:.2f} (peft-score best at {best['adapters']} adapters)"
+        )
+    return lines
+
+
+def _scoring_workload(settings: dict) -> list[str]:
+    """The scoring workload's line of the header, where a scoring system ran."""
+    if not {"score", "peft-score"} & set(settings.get("systems", ())):
+        return []
+    return [
+        f"- scoring workload: {settings['score_rows']} rows, context "
+        f"{settings['score_min_context']}-{settings['score_max_context']}, "
+        f"{settings['score_choices']} choices of {settings['score_min_choice']}-"
+        f"{settings['score_max_choice']} tokens; peft-score the first "
+        f"{settings['peft_score_rows']} rows in padded batches of {settings['peft_score_batch']} "
+        "rows, one adapter per batch; req/s is rows/s"
+    ]
+
+
+def _score_note(row: dict) -> str:
+    if _missing(row.get("scored_tokens_per_s")):
+        return ""
+    return f"{row['scored_tokens_per_s']:.0f} scored tok/s"
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
 def _limit(seconds: float) -> str:
     return f"{seconds:g} s" if seconds else "none"
 
@@ -279,28 +327,42 @@ def _pyplot():
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Output tokens/s against the number of adapters, one line per system (base: a level)."""
+    """Output tokens/s against the number of adapters, one line per system (base: a level);
+    beside it, where a scoring system ran, rows/s of score and peft-score the same way."""
     plt = _pyplot()
     if plt is None:
         return
     ok = [r for r in rows if not r.get("error")]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system in dict.fromkeys(r["system"] for r in ok):
-        points = sorted(
-            (r["adapters"], r["output_tokens_per_s"]) for r in ok if r["system"] == system
-        )
-        if system == "base":
-            ax.axhline(points[0][1], linestyle="--", color="gray", label="base (no adapters)")
-        else:
-            ax.plot(*zip(*points, strict=True), marker="o", label=system)
-    ax.set_xscale("log")
-    ax.set_yscale("log")  # peft sits one to two orders of magnitude below the engine
-    ax.set_xlabel("number of adapters")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("slora-batch bench: throughput against the number of adapters")
-    ax.grid(True, which="both", alpha=0.3)
-    if ok:
-        ax.legend()
+    scoring = any(not _missing(r.get("rows_per_s")) for r in ok)
+    panels = [("output_tokens_per_s", "output tokens / s", "throughput")]
+    if scoring and all(_missing(r.get("output_tokens_per_s")) for r in ok):
+        panels = []  # only scoring runs
+    if scoring:
+        panels.append(("rows_per_s", "scored rows / s", "scoring"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (key, label, title) in zip(axes[0], panels, strict=True):
+        drawn = False
+        for system in dict.fromkeys(r["system"] for r in ok):
+            points = sorted(
+                (r["adapters"], r[key])
+                for r in ok
+                if r["system"] == system and not _missing(r.get(key))
+            )  # a scoring row has no output tokens, a generation row no rows/s
+            if not points:
+                continue
+            drawn = True
+            if system == "base":
+                ax.axhline(points[0][1], linestyle="--", color="gray", label="base (no adapters)")
+            else:
+                ax.plot(*zip(*points, strict=True), marker="o", label=system)
+        ax.set_xscale("log")
+        ax.set_yscale("log")  # peft sits one to two orders of magnitude below the engine
+        ax.set_xlabel("number of adapters")
+        ax.set_ylabel(label)
+        ax.set_title(f"slora-batch bench: {title} against the number of adapters")
+        ax.grid(True, which="both", alpha=0.3)
+        if drawn:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -249,6 +249,13 @@ def build_model(
     )
 
 
+def drawn_adapters(draws: np.ndarray, n: int) -> list[str | None]:
+    """Row i's adapter among n: ``int(draws[i] * n)`` (None for every row when n == 0)."""
+    if n == 0:
+        return [None] * len(draws)
+    return [adapter_name(min(int(d * n), n - 1)) for d in draws]
+
+
 @dataclass
 class Workload:
     """The requests, fixed by the seed. Adapter counts only change which adapter a request names:
@@ -271,9 +278,7 @@ class Workload:
 
     def adapters(self, n: int) -> list[str | None]:
         """The adapter of every request when n adapters exist (None for all when n == 0)."""
-        if n == 0:
-            return [None] * len(self.prompts)
-        return [adapter_name(min(int(d * n), n - 1)) for d in self.draws]
+        return drawn_adapters(self.draws, n)
 
     def requests(self, n: int, count: int | None = None) -> list[Request]:
         count = len(self.prompts) if count is None else min(count, len(self.prompts))
@@ -287,5 +292,53 @@ class Workload:
                 ignore_eos=True,
                 temperature=0.0,
             )
+            for i in range(count)
+        ]
+
+
+@dataclass
+class ScoreWorkload:
+    """The scoring rows (``score`` and ``peft-score``), fixed by the seed: row i is a context of
+    U[score_min_context, score_max_context] random ids and ``score_choices`` choices of
+    U[score_min_choice, score_max_choice] random ids each, and names its adapter by the same
+    popularity rule as ``Workload`` (``drawn_adapters``)."""
+
+    contexts: list[list[int]]
+    choices: list[list[list[int]]]  # [rows][score_choices] token ids
+    draws: np.ndarray  # [rows] in [0, 1)
+
+    @classmethod
+    def generate(cls, config, vocab_size: int) -> ScoreWorkload:
+        rng = np.random.default_rng(config.seed)
+        count, k = config.score_rows, config.score_choices
+        context_lens = rng.integers(config.score_min_context, config.score_max_context + 1,
+                                    size=count)  # fmt: skip
+        choice_lens = rng.integers(config.score_min_choice, config.score_max_choice + 1,
+                                   size=(count, k))  # fmt: skip
+        draws = rng.power(0.1 if config.skewed else 1.0, size=count)
+        # ids 0-2 are pad, BOS and EOS, as in Workload
+        contexts = [rng.integers(3, vocab_size, size=int(n)).tolist() for n in context_lens]
+        choices = [[rng.integers(3, vocab_size, size=int(m)).tolist() for m in lens]
+                   for lens in choice_lens]  # fmt: skip
+        return cls(contexts=contexts, choices=choices, draws=draws)
+
+    def adapters(self, n: int) -> list[str | None]:
+        return drawn_adapters(self.draws, n)
+
+    def tokens(self, row: int) -> int:
+        """Tokens the row computes: its context once per choice, and every choice."""
+        choices = self.choices[row]
+        return len(choices) * len(self.contexts[row]) + sum(map(len, choices))
+
+    def requests(self, n: int, count: int | None = None) -> list[Request]:
+        count = len(self.contexts) if count is None else min(count, len(self.contexts))
+        names = self.adapters(n)
+        return [
+            Request(
+                id=i,
+                adapter=names[i],
+                prompt_token_ids=self.contexts[i],
+                choices_token_ids=self.choices[i],
+            )  # fmt: skip
             for i in range(count)
         ]

@@ -1,0 +1,68 @@
+"""The ``score`` system: the engine on the scoring workload (``workload.ScoreWorkload``).
+
+Each row is a context and its choices; the engine runs one prefill-only sequence per choice in
+its continuous batches and joins them into one result (``engine/scoring.py``). The run is
+``run_engine``'s: a fresh engine, the untimed warm-up groups on the first scoring rows (cut
+contexts, then whole), then the rows grouped by adapter on the clock.
+
+The figures: ``rows_per_s`` (= ``requests_per_s``), finished rows over wall seconds; and
+``scored_tokens_per_s``, tokens computed over wall seconds: per row its context once per
+choice and every choice, plus, in a run cut at ``max_seconds``, the computed part of the
+sequences still in the engine. The roofline floor counts those tokens' FLOPs (no decode, so no
+KV reads). No tokens are generated: ``output_tokens_per_s`` is NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from slora_batch.bench.engine_run import (
+    build_counts,
+    engine_row,
+    figures,
+    group_by_adapter,
+    open_bench_engine,
+    step_fields,
+    timed_run,
+    warm_up,
+)
+from slora_batch.bench.roofline import Work
+from slora_batch.engine.request import Result
+
+
+def run_score(ctx, n: int) -> dict:
+    engine, sources, setup = open_bench_engine(ctx, "score", n)
+    requests = group_by_adapter(ctx.score_workload.requests(n))
+    warmup_builds = warm_up(ctx, engine, requests, sources)
+    setup_s = time.perf_counter() - setup
+    work, finished = Work(), 0
+
+    def count(result: Result) -> None:
+        nonlocal finished
+        finished += 1
+        # a prefill-only row: its context again for every choice, then the choice
+        computed = len(result.choice_tokens) * result.prompt_tokens + sum(result.choice_tokens)
+        work.add(computed, 0)
+
+    timed = timed_run(ctx, engine, requests, f"score@{n}", count)
+    for computed, _ in timed.partial:  # generated is 0: nothing is drawn
+        work.add(computed, 0)
+    del engine
+    row = engine_row(ctx, "score", n, len(requests), finished, 0, setup_s, timed)
+    row.update(figures(ctx, work, finished, timed.wall_s))
+    row.update(
+        output_tokens_per_s=math.nan,
+        rows_per_s=row["requests_per_s"],
+        scored_tokens=work.prompt_tokens,
+        scored_tokens_per_s=work.prompt_tokens / timed.wall_s,
+    )
+    row.update(step_fields(timed))
+    steps = timed.counters["steps"]
+    tokens = timed.counters["prefill_tokens"] + timed.counters["decode_tokens"]
+    row.update(
+        decode_batch=math.nan,  # no decode: a one-token chunk of a choice is no decode step
+        step_tokens=tokens / steps if steps else math.nan,
+    )
+    row.update(build_counts(warmup_builds, timed.builds))
+    return row
