@@ -6,7 +6,8 @@ inputs or settings, naming what changed.
 
 A later version may read more columns (the scoring columns, ``logprobs``): an output whose input
 has such a column was made without it, so it is refused too; one whose input has none stays
-valid. A manifest without ``reads`` was written before they existed (``FIRST_READS``)."""
+valid. A manifest without ``reads`` was written before the scoring columns existed
+(``FIRST_READS``, ``FIRST_OPTIONS``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from slora_batch.engine.adapter_files import resolve_sources
-from slora_batch.engine.request import SAMPLING_FIELDS
+from slora_batch.engine.config import SamplingConfig
 from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
 from slora_batch.jobs.config import JobConfig
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
 CHANGES_SHOWN = 6  # fingerprint differences named in a refusal
-FIRST_READS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")  # column keys read
-# by the versions whose manifests have no "reads" (besides the sampling overrides)
+# What the versions whose manifests have no "reads" read: these column keys (as the job's
+# ``columns`` maps them) and these per-row options. Frozen: a later option is not among them.
+FIRST_READS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")
+FIRST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
 def new_manifest(plan: JobPlan, current: dict[str, Any], scan: InputScan) -> dict[str, Any]:
@@ -151,12 +154,12 @@ def column_changes(manifest: dict[str, Any], job: JobConfig) -> list[str]:
     scan = manifest["scan"]
     read_then = manifest.get("reads")
     if read_then is None:
-        read_then = [job.columns[key] for key in FIRST_READS] + list(SAMPLING_FIELDS)
+        read_then = [job.columns[key] for key in FIRST_READS] + list(FIRST_OPTIONS)
     present = {*scan.get("unused", {}), *scan.get("keep", {}), *scan.get("clashing", [])}
     # an answer acts only on a scored row, whose scoring column is checked itself: a reference
     # answer kept beside generated rows (GSM8K's "answer") changes none of them
     changes = [
-        f"input column {name!r} is read now (scoring, logprobs) but was not when the rows were made"
+        f"input column {name!r} is read now but was not when the rows were made"
         for name in used_columns(job.columns)
         if name not in read_then and name in present and name != job.columns["answer"]
     ]
@@ -207,11 +210,14 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             changes += _files_changes(
                 f"adapter {name!r} file", old_adapters[name], new_adapters[name]
             )
+    # a sampling setting a later version adds, at its default, makes the rows it made before
+    defaults = json.loads(json.dumps(dataclasses.asdict(SamplingConfig())))
     for section in ("sampling", "job"):
         before, after = old.get(section, {}), new[section]
         prefix = "sampling." if section == "sampling" else ""
+        missing = defaults if section == "sampling" else {}
         for key in sorted(set(before) | set(after)):
-            if before.get(key) != after.get(key):
+            if before.get(key, missing.get(key)) != after.get(key):
                 changes.append(f"{prefix}{key} {before.get(key)!r} -> {after.get(key)!r}")
     return changes
 

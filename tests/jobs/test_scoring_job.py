@@ -19,7 +19,12 @@ from slora_batch.engine.request import Request, Result
 from slora_batch.jobs import run as jobrun
 from slora_batch.jobs.check import JobError, check_job
 from slora_batch.jobs.config import load_jobs
-from slora_batch.jobs.manifest import MANIFEST_VERSION, fingerprint, write_manifest
+from slora_batch.jobs.manifest import (
+    MANIFEST_VERSION,
+    fingerprint,
+    fingerprint_changes,
+    write_manifest,
+)
 from slora_batch.jobs.preference import choice_preference
 from slora_batch.jobs.reader import read_rows
 from slora_batch.jobs.resume import done_keys
@@ -496,6 +501,19 @@ def test_an_older_output_whose_input_has_a_scoring_column_is_refused(tmp_path, m
     with pytest.raises(JobError, match="input column 'choices' is read now"):
         jobrun.run_job(job)
     assert len(list((tmp_path / "out").glob("part-*"))) == 1  # nothing was run
+
+
+def test_a_sampling_setting_added_later_at_its_default_keeps_older_outputs():
+    sampling = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": False}
+    new = {"input": {}, "model": {"model": "m", "files": {}}, "adapters": {},
+           "sampling": sampling, "job": {"columns": {}}}  # fmt: skip
+    older = {**new, "sampling": {"max_new_tokens": 8, "temperature": 0.0}}  # no ignore_eos yet
+    assert fingerprint_changes(older, new) == []
+    changed = {**new, "sampling": {**sampling, "ignore_eos": True}}
+    assert fingerprint_changes(older, changed) == ["sampling.ignore_eos None -> True"]
+    assert fingerprint_changes(new, {**new, "job": {"columns": {}, "fanout": "all"}}) == [
+        "fanout None -> 'all'"
+    ]
 
 
 def test_scored_rows_through_the_engine_match_the_engine_api(tmp_path):
