@@ -200,13 +200,14 @@ def print_summary(summary: JobSummary, job) -> None:
         ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f}, warmup "
                      f"{s['warmup_s'] or 0:.1f}, engine {s['engine_s']:.1f}, read "
                      f"{s['read_s']:.1f}, write {s['write_s']:.1f} s"),
-        ("speed", f"{s['tokens_per_s']:.1f} tokens/s, {s['requests_per_s']:.2f} rows/s "
-                  "(engine time)"),
+        ("speed", _speed(s)),
         ("adapters", f"{s['adapters_seen']} used, {s['adapters_broken']} unusable; "
                      f"{_plural(s['adapter_loads'], 'load')} ({s['adapter_disk_loads']} from disk), "
                      f"{_plural(s['adapter_evictions'], 'eviction')}, "
                      f"{_plural(s['prefetch_hits'], 'prefetch hit')}"),
-        ("pool", f"peak {_plural(s['peak_pool_pages'], 'page')}"),
+        ("pool", f"peak {_plural(s['peak_pool_pages'], 'page')}; prefix cache: "
+                 f"{s.get('prefix_hit_tokens') or 0:,} prompt tokens found, "
+                 f"{_plural(s.get('block_evictions') or 0, 'block eviction')}"),
         ("device", f"{s['device']}, {s['dtype']}"),
     ):  # fmt: skip
         table.add_row(name, value)
@@ -254,23 +255,36 @@ def print_summary(summary: JobSummary, job) -> None:
         out.print(sample)
 
 
+def _speed(s: dict) -> str:
+    """Generated tokens per second of engine time, or for a job that only scores, the prompt
+    tokens (contexts and continuations) it read per second."""
+    if s["completion_tokens"] == 0 and s.get("scored_rows"):
+        rate = s["prompt_tokens"] / s["engine_s"] if s["engine_s"] else 0.0
+        return f"{rate:.1f} context tokens/s scored, {s['requests_per_s']:.2f} rows/s (engine time)"
+    return f"{s['tokens_per_s']:.1f} tokens/s, {s['requests_per_s']:.2f} rows/s (engine time)"
+
+
 def _print_preference(preference: ChoicePreference) -> None:
-    """Per adapter, the share of its choices rows whose best choice is each index."""
-    table = Table(title="choice preference per adapter", title_justify="left")
+    """Per adapter, the share of its choices rows whose best choice is each index: by total
+    log-probability, then by mean per token."""
+    table = Table(
+        title="choice preference per adapter (by total log-probability / by mean per token)",
+        title_justify="left",
+    )
     table.add_column("adapter")
     table.add_column("rows", justify="right")
     for index in range(preference.columns):
         table.add_column(str(index), justify="right")
-    beyond = any(a.beyond for a in preference.adapters)
+    beyond = any(a.beyond or a.beyond_norm for a in preference.adapters)
     if beyond:
         table.add_column(f"{preference.columns}+", justify="right")
     if preference.answers:
         table.add_column("accuracy", justify="right")
     shown = preference.adapters[:ADAPTER_ROWS]
     for row in shown:
-        cells = [f"{share:.1%}" for share in row.shares]
+        cells = [f"{s:.0%} / {n:.0%}" for s, n in zip(row.shares, row.shares_norm, strict=True)]
         if beyond:
-            cells.append(f"{row.beyond:.1%}")
+            cells.append(f"{row.beyond:.0%} / {row.beyond_norm:.0%}")
         if preference.answers:
             cells.append("-" if row.accuracy is None else f"{row.accuracy:.1%}")
         table.add_row(escape(row.adapter or "(base)"), f"{row.rows:,}", *cells)

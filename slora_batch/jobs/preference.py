@@ -1,5 +1,7 @@
 """Which choice each adapter prefers: over the rows scored with choices, per adapter, the share
-of rows whose ``best_choice`` is each index, and the accuracy of those with an answer. Plain
+of rows whose ``best_choice`` (highest total log-probability) is each index, the same by
+``best_choice_norm`` (highest mean per token: choices of different lengths compare fairly), and
+the accuracy of those with an answer. Plain
 data read from the committed parts, for the run summary (``console.py`` draws it).
 
 Running example: adapter "a" has four choices rows whose best choices are 0, 0, 1, 2, three of
@@ -19,7 +21,7 @@ from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import part_files
 
 MAX_CHOICE_COLUMNS = 8  # choice indices shown; a later index counts in ``beyond``
-COLUMNS = ["adapter", "best_choice", "choice_tokens", "correct"]
+COLUMNS = ["adapter", "best_choice", "best_choice_norm", "choice_tokens", "correct"]
 
 
 @dataclass
@@ -28,6 +30,8 @@ class AdapterPreference:
     rows: int  # the adapter's rows scored with choices
     shares: list[float]  # per choice index 0..columns-1: share of ``rows`` it was best in
     beyond: float  # share of ``rows`` whose best choice is past the last column
+    shares_norm: list[float]  # the same two by best_choice_norm
+    beyond_norm: float
     accuracy: float | None  # correct among its choices rows with an answer; None: no answer
 
 
@@ -44,6 +48,7 @@ def choice_preference(out_dir: str | Path | FsDir) -> ChoicePreference | None:
     scored with choices. Parts written before the scoring columns existed hold none."""
     fs = out_dir.fs if isinstance(out_dir, FsDir) else None
     picks: dict[str | None, dict[int, int]] = {}  # adapter -> best choice -> rows
+    picks_norm: dict[str | None, dict[int, int]] = {}  # the same by best_choice_norm
     answered: dict[str | None, list[int]] = {}  # adapter -> [rows with an answer, correct]
     most = 0
     for _, path in part_files(out_dir):
@@ -54,10 +59,11 @@ def choice_preference(out_dir: str | Path | FsDir) -> ChoicePreference | None:
         if table.num_rows == 0:
             continue
         most = max(most, pc.max(pc.list_value_length(table["choice_tokens"])).as_py() or 0)
-        counted = table.group_by(["adapter", "best_choice"]).aggregate([([], "count_all")])
-        for row in counted.to_pylist():
-            per = picks.setdefault(row["adapter"], {})
-            per[row["best_choice"]] = per.get(row["best_choice"], 0) + row["count_all"]
+        for key, into in (("best_choice", picks), ("best_choice_norm", picks_norm)):
+            counted = table.group_by(["adapter", key]).aggregate([([], "count_all")])
+            for row in counted.to_pylist():
+                per = into.setdefault(row["adapter"], {})
+                per[row[key]] = per.get(row[key], 0) + row["count_all"]
         right = table.group_by(["adapter"]).aggregate([("correct", "count"), ("correct", "sum")])
         for row in right.to_pylist():
             pair = answered.setdefault(row["adapter"], [0, 0])
@@ -68,11 +74,17 @@ def choice_preference(out_dir: str | Path | FsDir) -> ChoicePreference | None:
     columns = min(most, MAX_CHOICE_COLUMNS)
     adapters = []
     for adapter in sorted(picks, key=lambda a: (a is not None, a or "")):
-        per, rows = picks[adapter], sum(picks[adapter].values())
-        shares = [per.get(i, 0) / rows for i in range(columns)]
-        beyond = sum(n for i, n in per.items() if i >= columns) / rows
+        rows = sum(picks[adapter].values())
+
+        def split(per: dict[int, int], rows: int = rows) -> tuple[list[float], float]:
+            shares = [per.get(i, 0) / rows for i in range(columns)]
+            return shares, sum(n for i, n in per.items() if i >= columns) / rows
+
+        shares, beyond = split(picks[adapter])
+        shares_norm, beyond_norm = split(picks_norm.get(adapter, {}))
         with_answer, right = answered.get(adapter, [0, 0])
         accuracy = right / with_answer if with_answer else None
-        adapters.append(AdapterPreference(adapter, rows, shares, beyond, accuracy))
+        adapters.append(AdapterPreference(adapter, rows, shares, beyond, shares_norm,
+                                          beyond_norm, accuracy))  # fmt: skip
     answers = any(a.accuracy is not None for a in adapters)
     return ChoicePreference(columns, most, adapters, answers)

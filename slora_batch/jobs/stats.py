@@ -49,6 +49,9 @@ STATS_SCHEMA = pa.schema(
         ("adapter_evictions", pa.int64()),
         ("prefetch_hits", pa.int64()),
         ("peak_pool_pages", pa.int64()),
+        ("prefix_hit_tokens", pa.int64()),  # prompt tokens whose KV came from the prefix cache
+        ("cached_blocks", pa.int64()),  # prefix blocks in the pool at the end
+        ("block_evictions", pa.int64()),  # idle prefix blocks evicted for room
         ("device", pa.string()),
         ("dtype", pa.string()),
         ("tokens", pa.int64()),  # adapter rows: completion tokens of the adapter's rows
@@ -158,6 +161,9 @@ def stats_rows(
         "adapter_evictions": getattr(counters, "adapter_evictions", 0),
         "prefetch_hits": getattr(counters, "prefetch_hits", 0),
         "peak_pool_pages": getattr(counters, "peak_pages", 0),
+        "prefix_hit_tokens": getattr(counters, "prefix_hit_tokens", 0),
+        "cached_blocks": getattr(counters, "cached_blocks", 0),
+        "block_evictions": getattr(counters, "block_evictions", 0),
         # no engine this run (every row was done): the device of the run that made them
         "device": previous.get("device") or plan.job.engine.device,
         "dtype": previous.get("dtype") or plan.job.engine.dtype,

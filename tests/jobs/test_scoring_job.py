@@ -439,6 +439,7 @@ def test_a_job_with_scored_rows_writes_scores_stats_and_the_preference(tmp_path,
         (None, 1, [0.0, 1.0, 0.0], 1.0),
         ("a", 3, [1 / 3, 2 / 3, 0.0], 0.5),
     ]
+    assert [a.shares_norm for a in preference.adapters] == [a.shares for a in preference.adapters]
     from slora_batch import console
 
     with console.out.capture() as captured:
@@ -447,8 +448,8 @@ def test_a_job_with_scored_rows_writes_scores_stats_and_the_preference(tmp_path,
     assert "scored: 5 rows, accuracy 66.7%" in text
     assert "choice preference per adapter" in text
     lines = [line for line in text.splitlines() if "(base)" in line or "│ a " in line]
-    assert any("(base)" in line and "100.0%" in line for line in lines)
-    assert any("33.3%" in line and "66.7%" in line and "50.0%" in line for line in lines)
+    assert any("(base)" in line and "100% / 100%" in line for line in lines)
+    assert any("33% / 33%" in line and "67% / 67%" in line and "50.0%" in line for line in lines)
 
 
 def legacy_output(root: Path, rows: list[dict], keep: list[str] | None, unused: dict) -> Path:
