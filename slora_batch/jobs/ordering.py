@@ -1,8 +1,10 @@
-"""Bounded windows sorted by (adapter, prompt length), and fan-out for evaluation sweeps.
+"""Bounded windows sorted by (adapter, prompt), and fan-out for evaluation sweeps.
 
 Sorting the whole input would need it all in memory; sorting ``window`` rows at a time keeps
-memory bounded and still hands the engine runs of rows that share an adapter and have similar
-lengths. Every item comes out exactly once.
+memory bounded and still hands the engine runs of rows that share an adapter, and within an
+adapter, rows in prompt order, so that rows with a shared prefix (a system prompt, few-shot
+examples) run close in time and find its blocks in the prefix cache. Every item comes out
+exactly once.
 
 Windows alternate their adapter order (a..z, then z..a, ...). With the same order in every
 window, adapter access is cyclic: a cache of adapters smaller than a window's set (the host
@@ -24,25 +26,29 @@ from slora_batch.engine.request import Request, Result
 T = TypeVar("T")
 
 
-def sort_key(item: Request | Result) -> tuple[int, int, str, int]:
-    """Error results first (they skip the engine), then base-model rows, then by adapter name and
-    prompt length in characters (a cheap proxy for tokens).
+def sort_key(item: Request | Result) -> tuple:
+    """Error results first (they skip the engine), then base-model rows, then by adapter name
+    and prompt (``prompt_order``: rows sharing a prefix become neighbours).
 
     Running example: [Request(adapter="b", prompt="xx"), Result(error), Request(adapter=None,
     prompt="xyz"), Request(adapter="a", prompt="x")] sorts to Result, None/"xyz", "a"/"x", "b"/"xx".
     """
     if isinstance(item, Result):
-        return (0, 0, "", 0)
+        return (0, 0, "", (0, ""))
     adapter = item.adapter or None
-    return (1, 0 if adapter is None else 1, adapter or "", prompt_length(item))
+    return (1, 0 if adapter is None else 1, adapter or "", prompt_order(item))
 
 
-def prompt_length(request: Request) -> int:
+def prompt_order(request: Request) -> tuple[int, Any]:
+    """A request's prompt as a sort key: its text (chat turns joined role by role), or its token
+    ids; text rows before token rows, so the two never compare. Example: "Translate: cat" and
+    "Translate: dog" sort next to each other, before "Write ..."."""
     if request.prompt is not None:
-        return len(request.prompt)
+        return (0, str(request.prompt))
     if request.messages is not None:
-        return sum(len(message.get("content") or "") for message in request.messages)
-    return len(request.prompt_token_ids or ())
+        turns = (f"{m.get('role')}\x00{m.get('content') or ''}" for m in request.messages)
+        return (0, "\x01".join(turns))
+    return (1, tuple(request.prompt_token_ids or ()))
 
 
 def adapter_group(item: Request | Result) -> tuple[int, str | None]:

@@ -41,7 +41,7 @@ def test_every_item_once_and_sorted_within_windows(count, window):
         chunk = out[start : start + window]
         assert [r.id for r in chunk] != [] or count == 0
         assert {r.id for r in chunk} == {r.id for r in items[start : start + window]}
-        # within an adapter's run by prompt length; runs by adapter, every second window reversed
+        # within an adapter's run by prompt; runs by adapter, every second window reversed
         groups = [adapter_group(r) for r in chunk]
         order = sorted(set(groups), key=lambda g: (g[0], g[1] is not None, g[1] or ""))
         if index % 2:
@@ -60,6 +60,19 @@ def test_sort_key_order():
         Request(id=5, adapter="a", prompt_token_ids=[1, 2, 3, 4]),
     ]
     assert [i.id for i in sorted_windows(items, window=10)] == [9, 4, 2, 3, 5, 1]
+
+
+def test_rows_sharing_a_prefix_become_neighbours():
+    system = "You are a careful translator. Translate to French: "
+    items = [
+        Request(id=1, adapter="a", prompt=system + "cat"),
+        Request(id=2, adapter="a", prompt="Write a poem"),
+        Request(id=3, adapter="a", prompt=system + "dog"),
+        Request(id=4, adapter="a", prompt_token_ids=[5, 6, 9]),
+        Request(id=5, adapter="a", prompt_token_ids=[5, 6, 7, 8]),
+        Request(id=6, adapter="a", prompt="Write a song"),
+    ]
+    assert [i.id for i in sorted_windows(items, window=10)] == [2, 6, 1, 3, 5, 4]
 
 
 def test_windows_alternate_adapter_order():
