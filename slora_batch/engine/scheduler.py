@@ -87,10 +87,15 @@ class Scheduler:
         that draw a token) each have one token pending. A row whose pending token is its last
         (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
         set now but keeps its pages until read back."""
+        cache, size = self.cache, self.config.prefix_block_tokens
         for seq, n in zip(step.seqs, step.num_new, strict=True):
             seq.num_computed += n
-            if self.cache is not None and not seq.cache_done:
-                self._cache_blocks(seq)
+            if (
+                cache is not None
+                and not seq.cache_done
+                and len(seq.blocks) < len(seq.prompt_ids) // size
+            ):
+                self._cache_blocks(seq)  # a prompt block not cached yet (never once decoding)
             if seq.followers and seq.num_computed >= seq.context_tokens:
                 for follower in reversed(seq.followers):  # the row's other samples or choices
                     follower.status = Status.WAITING
