@@ -48,6 +48,9 @@ class HostStep:
     score_targets: np.ndarray | None = None  # [E] int64
     score_owner: np.ndarray | None = None  # [E] int64
     score_pos: np.ndarray | None = None  # [E] int64
+    # Per sequence, a key that stays the same while its pages only grow: (arrival, preemptions).
+    # Tensor parallelism sends the other ranks only the page-table entries a key adds.
+    seq_keys: list[tuple[int, int]] | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -110,6 +113,7 @@ def plan_step(step: ScheduledStep) -> HostStep:
         max_new=max(step.num_new),
         decode_rows=_leading_ones(step.num_new),
         prev_rows=_prev_rows(np.asarray(prev, dtype=np.int64)),
+        seq_keys=[(seq.order, seq.preemptions) for seq in step.seqs],
         **(
             dict(
                 score_index=score[0],
@@ -163,6 +167,7 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
         logit_rows=rows.tolist(),
         max_new=1,
         prev_rows=_prev_rows(prev),
+        seq_keys=[(s.order, s.preemptions) for s in seqs],
     )
 
 

@@ -19,8 +19,9 @@ Every factor is cut on both sides, so each rank's pool holds 1/N of every reside
 the pages of the shard's spec (``ModelSpec.shard``), as it holds 1/N of every token's KV.
 
 Rank 0 is the engine: it schedules, samples and decides every page and adapter slot. Before
-each step it sends the step's plan (``HostStep``) and the adapter loads and evictions since
-the last one (``AdapterResidency.journal``) to the other ranks, worker processes it started
+each step it sends the step's plan (``HostStep``, its page table as the entries each sequence
+added since the last step: ``PageTableSender``) and the adapter loads and evictions since the
+last one (``AdapterResidency.journal``) to the other ranks, worker processes it started
 (``worker_main``), which repeat them on their own pools and run the same forward; the previous
 step's drawn tokens reach them by a broadcast on the device. Collectives run through
 ``torch.distributed``: NCCL on GPUs, gloo on the CPU (the tests).
@@ -35,7 +36,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -198,11 +199,68 @@ def launch(model, adapters, config, weights=None) -> TensorParallel:
     return tp
 
 
+class PageTableSender:
+    """Rank 0's side of the page tables: instead of a step's whole table ([rows, context, 2]:
+    megabytes at long contexts), the entries each sequence added since it was last sent, by the
+    sequence's key (``HostStep.seq_keys``: a preempted sequence gets a new one). A key unseen
+    for ``FORGET_STEPS`` steps is dropped on both sides (sent again whole if it comes back)."""
+
+    FORGET_STEPS = 64
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple, int] = {}  # key -> table entries the other ranks hold
+        self.seen: dict[tuple, int] = {}  # key -> the step it was last in
+        self.steps = 0
+
+    def encode(self, host) -> tuple:
+        """(host without its page table, table width, [(key, start, new entries)], dropped)."""
+        self.steps += 1
+        rows = []
+        for b, key in enumerate(host.seq_keys):
+            length, start = int(host.b_seq_len[b]), self.sent.get(key, 0)
+            if length > start:
+                rows.append((key, start, host.page_table[b, start:length].copy()))
+                self.sent[key] = length
+            self.seen[key] = self.steps
+        dropped = [k for k, step in self.seen.items() if step < self.steps - self.FORGET_STEPS]
+        for key in dropped:
+            del self.seen[key], self.sent[key]
+        return replace(host, page_table=None), host.page_table.shape[1], rows, dropped
+
+
+class PageTableReceiver:
+    """A worker rank's side: each key's entries, grown as they come; the step's table rebuilt."""
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple, np.ndarray] = {}
+
+    def decode(self, host, width: int, rows: list, dropped: list):
+        for key in dropped:
+            self.tables.pop(key, None)
+        for key, start, entries in rows:
+            table = self.tables.get(key)
+            end = start + entries.shape[0]
+            if table is None or start == 0:
+                table = np.empty((max(end, 16), 2), dtype=np.int32)
+            elif end > table.shape[0]:
+                grown = np.empty((max(end, 2 * table.shape[0]), 2), dtype=np.int32)
+                grown[:start] = table[:start]
+                table = grown
+            table[start:end] = entries
+            self.tables[key] = table
+        page_table = np.full((len(host.seq_keys), width, 2), -1, dtype=np.int32)
+        for b, key in enumerate(host.seq_keys):
+            length = int(host.b_seq_len[b])
+            page_table[b, :length] = self.tables[key][:length]
+        return replace(host, page_table=page_table)
+
+
 class TensorParallelRunner:
     """Rank 0's ``ModelRunner``: each forward first sends the plan to the other ranks."""
 
     def __init__(self, runner, tp: TensorParallel) -> None:
         self.runner, self.tp = runner, tp
+        self.tables = PageTableSender()
         residency = runner.residency
         residency.journal = []
         residency.store.ahead_log = []
@@ -216,7 +274,7 @@ class TensorParallelRunner:
         ahead, residency.store.ahead_log = residency.store.ahead_log, []
         shared = host.prev_rows is not None
         count = int(prev_tokens.numel()) if shared else 0
-        self.tp.send(("step", host, journal, ahead, count))
+        self.tp.send(("step", self.tables.encode(host), journal, ahead, count))
         if shared:
             self.tp.broadcast(prev_tokens)
         return self.runner.forward(host, prev_tokens)
@@ -263,6 +321,7 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
 
 def _serve(parts, runner, tp: TensorParallel, pipe) -> None:
     residency, store = parts.residency, parts.store
+    tables = PageTableReceiver()
     while True:
         try:
             message = pipe.recv()
@@ -270,7 +329,8 @@ def _serve(parts, runner, tp: TensorParallel, pipe) -> None:
             return
         if message[0] == "stop":
             return
-        _, host, journal, ahead, count = message
+        _, (host, width, rows, dropped), journal, ahead, count = message
+        host = tables.decode(host, width, rows, dropped)
         for name in ahead:
             store.load_ahead(name)
         for entry in journal:

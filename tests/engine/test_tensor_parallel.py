@@ -158,3 +158,46 @@ def test_worker_slots_group_devices(monkeypatch):
     assert [(s.device, s.visible) for s in slots] == [("cuda:0-1", "4,5"), ("cuda:2-3", "6,7")]
     with pytest.raises(ConfigError, match="data_parallel 3 x tensor_parallel 2 needs 6 CUDA"):
         dp_worker.worker_slots(EngineConfig(data_parallel=3, tensor_parallel=2))
+
+
+def test_page_tables_travel_as_the_entries_each_sequence_added():
+    """Rank 0 sends each sequence's new page-table entries; a worker rebuilds every step's table
+    exactly, through growth, a preemption (a new key) and a key forgotten and sent again."""
+    import dataclasses
+    import pickle
+
+    import numpy as np
+
+    from slora_batch.engine.batch import HostStep
+    from slora_batch.engine.tp import PageTableReceiver, PageTableSender
+
+    rng = np.random.default_rng(0)
+    sender, receiver = PageTableSender(), PageTableReceiver()
+    sender.FORGET_STEPS = 3
+    pages = {key: rng.integers(0, 10_000, size=(300, 2), dtype=np.int32) for key in range(6)}
+    lengths = dict.fromkeys(range(6), 0)
+    for step in range(40):
+        keys = [k for k in range(6) if (step + k) % 5 or step < 3]  # some skip some steps
+        if step == 20:  # key 2 preempted: a new key, its pages from scratch
+            pages[2 + 100] = rng.integers(0, 10_000, size=(300, 2), dtype=np.int32)
+            lengths[2 + 100] = 0
+        keys = [k + 100 if k == 2 and step >= 20 else k for k in keys]
+        for k in keys:
+            lengths[k] += 40 if lengths[k] == 0 else 1  # a prefill, then decodes
+        seq_lens = np.array([lengths[k] for k in keys], dtype=np.int32)
+        width = int(seq_lens.max()) + 1
+        table = np.full((len(keys), width, 2), -1, dtype=np.int32)
+        for b, k in enumerate(keys):
+            table[b, : lengths[k]] = pages[k][: lengths[k]]
+        host = HostStep(input_ids=np.zeros(len(keys), np.int64), positions=seq_lens - 1,
+                        out_pages=table[np.arange(len(keys)), seq_lens - 1],
+                        b1_start=np.arange(len(keys) + 1, dtype=np.int32), b_seq_len=seq_lens,
+                        page_table=table, b_slot=np.full(len(keys), -1), logits_index=np.arange(1),
+                        logit_rows=[0], max_new=1, seq_keys=[(k, 0) for k in keys])  # fmt: skip
+        message = pickle.loads(pickle.dumps(sender.encode(host)))
+        rebuilt = receiver.decode(*message)
+        np.testing.assert_array_equal(rebuilt.page_table, table)
+        assert dataclasses.replace(rebuilt, page_table=None).seq_keys == host.seq_keys
+        if step > 5:  # a decode step sends a page pair per sequence, not the table
+            assert sum(entries.shape[0] for _, _, entries in message[2]) <= len(keys) + 40
+    assert len(receiver.tables) <= 6
