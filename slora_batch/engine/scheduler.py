@@ -23,9 +23,8 @@ from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-import numpy as np
-
 from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.prefix_cache import Block, PrefixCache
 from slora_batch.engine.residency import AdapterResidency
@@ -33,7 +32,7 @@ from slora_batch.engine.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
 
-PAGES_PER_TOKEN = 2  # one K page and one V page
+__all__ = ["PAGES_PER_TOKEN", "ScheduledStep", "Scheduler"]
 
 
 @dataclass
@@ -67,7 +66,11 @@ class Scheduler:
         self.cache = None
         if config.prefix_caching:
             self.cache = PrefixCache(pool, config.prefix_block_tokens)
-        residency.cache = self.cache  # its make_room evicts idle blocks and adapters alike
+        self.pages = KVPages(pool, residency, self.cache)  # whether the pages are there
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why a sequence could never run, even alone (None: it can)."""
+        return self.pages.never_fits(seq)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -95,7 +98,7 @@ class Scheduler:
                 and not seq.cache_done
                 and len(seq.blocks) < len(seq.prompt_ids) // size
             ):
-                self._cache_blocks(seq)  # a prompt block not cached yet (never once decoding)
+                self.pages.cache_computed(seq)  # a prompt block not cached yet (never decoding)
             if seq.followers and seq.num_computed >= seq.context_tokens:
                 for follower in reversed(seq.followers):  # the row's other samples or choices
                     follower.status = Status.WAITING
@@ -162,29 +165,6 @@ class Scheduler:
             self.cache.clear()
         return dropped
 
-    def never_fits(self, seq: Sequence) -> str | None:
-        """Why a sequence could never run, even alone: its whole context's KV pages and its
-        adapter's pages against the pools that hold them (one pool for both when unified)."""
-        kv = PAGES_PER_TOKEN * (len(seq.prompt_ids) + seq.max_new_tokens)
-        adapter = self.residency.store.pages(seq.adapter) if seq.adapter else 0
-        demand = self._by_pool(kv, adapter)
-        for pool, need in demand.values():
-            if need > pool.num_pages:
-                return (
-                    f"needs {need} pages (prompt {len(seq.prompt_ids)} + {seq.max_new_tokens} "
-                    f"new tokens: {kv} KV pages, adapter {adapter}), the pool has {pool.num_pages}"
-                )
-        return None
-
-    def _by_pool(self, kv: int, adapter: int) -> dict[int, tuple[PagePool, int]]:
-        """Pages wanted per pool: KV pages from the KV pool, adapter pages from the adapters'
-        pool, summed when they are one pool (S-LoRA's unified paging)."""
-        demand = {id(self.pool): (self.pool, kv)}
-        lora_pool = self.residency.pool
-        _, have = demand.get(id(lora_pool), (lora_pool, 0))
-        demand[id(lora_pool)] = (lora_pool, have + adapter)
-        return demand
-
     def schedule(self) -> ScheduledStep:
         self.steps += 1
         self.residency.clock = self.steps
@@ -209,7 +189,7 @@ class Scheduler:
             seq = self._pick()
             if seq is None:
                 break
-            hit = self._prefix(seq)
+            hit = self.pages.prefix(seq)
             n = min(seq.remaining - len(hit) * self.config.prefix_block_tokens, budget)
             if not self._admit(seq, n, hit):
                 break
@@ -246,61 +226,33 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
         need = PAGES_PER_TOKEN * n
-        while not self._kv_room(need):
+        while not self.pages.room(need):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        self._take_pages(seq, n)
+        self.pages.take(seq, n)
         return True
 
-    def _prefix(self, seq: Sequence) -> list[Block]:
-        """The cached blocks a waiting sequence's prompt starts with (none on recompute of a
-        row that has generated tokens: its prompt's blocks are found all the same)."""
-        if self.cache is None or seq.num_computed:
-            return []
-        return self.cache.match(seq.adapter, seq.prompt_ids)
-
     def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
-        need = PAGES_PER_TOKEN * n
         adapter = seq.adapter
-        evictable = self.residency.evictable_pages()
-        if adapter and self.residency.is_resident(adapter) and adapter not in self.pinned:
-            evictable -= self.residency.store.pages(adapter)  # it is about to be pinned
-        # Idle adapters and idle cached blocks can be evicted to make room: adapters in the
-        # pool that holds adapters, blocks in the KV pool (one pool under unified paging).
-        cached = 0
-        if self.cache is not None:  # the blocks of the hit are about to be pinned
-            cached = self.cache.idle_pages - sum(b.pages.size for b in hit if b.refs == 0)
-        room = {id(self.pool): self.pool.num_free + cached}
-        lora_pool = self.residency.pool
-        room[id(lora_pool)] = room.get(id(lora_pool), lora_pool.num_free) + evictable
-        demand = self._by_pool(need, self.residency.cost(adapter))
-        if any(want > room[key] for key, (_, want) in demand.items()):
+        if not self.pages.admissible(seq, n, hit, pinned=adapter in self.pinned):
             return False
         self.waiting.remove(seq)
-        if hit:  # the cached prefix: its pages are the sequence's first, its KV computed
-            self.cache.acquire(hit)
-            seq.blocks = list(hit)
-            seq.add_pages(np.concatenate([block.pages for block in hit]))
-            seq.num_computed = len(hit) * self.config.prefix_block_tokens
+        self.pages.attach(seq, hit)
         if adapter:
             seq.slot = self.residency.acquire(adapter)
             self.pinned[adapter] += 1
-        if not self._kv_room(need):
+        need = PAGES_PER_TOKEN * n
+        if not self.pages.room(need):
             raise AssertionError(
                 f"admission counted {need} KV pages, {self.pool.num_free} free "
                 f"after loading {adapter!r}"
             )
-        self._take_pages(seq, n)
+        self.pages.take(seq, n)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
-
-    def _kv_room(self, need: int) -> bool:
-        """Whether ``need`` KV pages are free, evicting idle adapters first (which frees pages
-        only where they share the pool)."""
-        return self.residency.make_room(need, self.pool)
 
     def _pick(self) -> Sequence | None:
         """The next waiting sequence: preempted ones first, then clustering by adapter: a row
@@ -353,7 +305,7 @@ class Scheduler:
             return 0
         seqs = self.running[:count]
         short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
-        if not self._kv_room(PAGES_PER_TOKEN * len(short)):
+        if not self.pages.room(PAGES_PER_TOKEN * len(short)):
             return 0
         if short:
             pages = self.pool.alloc(PAGES_PER_TOKEN * len(short)).reshape(-1, PAGES_PER_TOKEN)
@@ -362,13 +314,6 @@ class Scheduler:
         step.seqs.extend(seqs)
         step.num_new.extend([1] * count)
         return count
-
-    def _take_pages(self, seq: Sequence, n: int) -> None:
-        start = seq.num_computed
-        have = seq.pages.shape[0]
-        if start + n > have:
-            new = self.pool.alloc(PAGES_PER_TOKEN * (start + n - have)).reshape(-1, PAGES_PER_TOKEN)
-            seq.add_pages(new)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
@@ -386,30 +331,10 @@ class Scheduler:
             self.pool.num_free,
         )
 
-    def _cache_blocks(self, seq: Sequence) -> None:
-        """Caches the full prompt blocks a sequence has computed and not cached yet."""
-        size = self.config.prefix_block_tokens
-        while len(seq.blocks) < min(seq.num_computed, len(seq.prompt_ids)) // size:
-            lo = len(seq.blocks) * size
-            parent = seq.blocks[-1] if seq.blocks else None
-            tokens = seq.prompt_ids[lo : lo + size]
-            block = self.cache.insert(parent, seq.adapter, tokens, seq.pages[lo : lo + size])
-            if block is None:  # cached by another sequence first: the rest stays its own
-                seq.cache_done = True
-                return
-            seq.blocks.append(block)
-
     def _release(self, seq: Sequence) -> None:
         """A sequence's pages go back to the pool (those of cached blocks stay, one reference
         fewer) and its adapter is unpinned (idempotent: a preempted row holds neither)."""
-        pages = seq.drop_pages()
-        if seq.blocks:
-            shared = len(seq.blocks) * self.config.prefix_block_tokens * PAGES_PER_TOKEN
-            self.cache.release(seq.blocks)
-            pages = pages[shared:]
-            seq.blocks = []
-        seq.cache_done = False
-        self.pool.free(pages)
+        self.pages.free(seq)
         if seq.adapter and seq.slot >= 0:
             self.residency.release(seq.adapter)
             self.pinned[seq.adapter] -= 1
