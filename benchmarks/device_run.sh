@@ -4,6 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
+#   bash benchmarks/device_run.sh prefix   # the prefix cache on and off, n samples (~8 minutes)
 #   bash benchmarks/device_run.sh now      # the current experiment (see below)
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
@@ -53,6 +54,16 @@ case "$mode" in
     timeout 200 python3 -m benchmarks.kernels --tiled-sweep > "$out/tiled-sweep.md" 2>&1
     cat "$out/kernels.md" "$out/vector-sweep.md" "$out/tiled-sweep.md"
     ;;
+  prefix)
+    # the prefix-cache issue, side by side at 50 adapters, 45 s cuts: slora and slora-off (the
+    # standard workload, no sharing); prefix and prefix-off (4000 rows, a 1024-token prefix per
+    # adapter, suffixes 32-128, 64 output tokens); samples (500 prompts, n = 8) and
+    # samples-separate (eight requests of each)
+    bench prefix 590 --systems slora,slora-off,prefix,prefix-off,samples,samples-separate \
+      --adapters 50 --requests 2000 --prefix-rows 4000 --prefix-tokens 1024 \
+      --prefix-min-suffix 32 --prefix-max-suffix 128 --prefix-output 64 --samples-prompts 500 \
+      --samples-n 8 --max-seconds 45 --total-seconds 560
+    ;;
   now)
     # stop 13 (issue 16's job system): 4000 rows at 1000 adapters through the real job path
     # (model and adapter directories on disk, Parquet in and out) beside the in-process engine
@@ -61,7 +72,7 @@ case "$mode" in
       --total-seconds 0
     ;;
   *)
-    echo "unknown mode $mode (tests, bench, profile, kernels, now)" >&2
+    echo "unknown mode $mode (tests, bench, profile, kernels, prefix, now)" >&2
     exit 2
     ;;
 esac

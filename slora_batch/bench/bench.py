@@ -4,8 +4,10 @@ One random-weight base model (a transformers ``LlamaForCausalLM`` built on the d
 systems: the engine takes its state dict, PEFT wraps the model itself. Adapters: ONE PEFT
 directory per distinct rank (8, 16, 32, 64), and adapter id i maps to the directory of rank
 RANKS[i % 4]; the engine still parses, loads, pages and evicts each id on its own. The scoring
-systems (``score``, ``peft-score``) run their own rows (``workload.ScoreWorkload``), made only
-when one of them is asked for. Results are rewritten after every run, so a run cut short keeps
+systems (``score``, ``peft-score``) run their own rows (``workload.ScoreWorkload``), and the
+prefix cache's (``prefix``, ``prefix-off``; ``samples``, ``samples-separate``) theirs
+(``workload.PrefixWorkload``; a ``Workload`` of ``samples_prompts``), each made only when one of
+them is asked for. Results are rewritten after every run, so a run cut short keeps
 what finished (``bench_report``).
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from slora_batch.bench.engine_run import ABLATIONS, run_engine
+from slora_batch.bench.prefix_run import PREFIX_ROWS, SAMPLES, run_prefix, run_samples
 from slora_batch.bench.report import run_meta, write_outputs
 from slora_batch.bench.roofline import Rates, measure_rates
 from slora_batch.bench.workload import (
@@ -28,22 +31,25 @@ from slora_batch.bench.workload import (
     PRESETS,
     RANKS,
     BenchModel,
+    PrefixWorkload,
     ScoreWorkload,
     Workload,
     build_model,
 )
-from slora_batch.engine.config import check
+from slora_batch.engine.config import MAX_N, check
 
 log = logging.getLogger(__name__)
 
 # the ablations, then the job tool's own path (bench/job_run.py: not in the default list),
 # the scoring workload through the engine and through PEFT (bench/score_run.py,
-# peft_score_run.py: not in the default list either), then
+# peft_score_run.py: not in the default list either), the prefix cache's systems
+# (bench/prefix_run.py; slora-off: slora with the cache off; not in the default list), then
 # base and slora again at --tensor-parallel x --data-parallel (the default when that is > 1)
 PARALLEL = ("base-par", "slora-par")
 SCORING = ("score", "peft-score")
+PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
-SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *SCORING, *PARALLEL)
+SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -80,6 +86,15 @@ class BenchConfig:
     score_max_choice: int = 32
     peft_score_rows: int = 256  # the first rows of the same workload
     peft_score_batch: int = 8  # rows of one padded batch (x score_choices sequences)
+    # the shared-prefix workload (prefix, prefix-off): one prefix per adapter, suffixes apart
+    prefix_rows: int = 4000
+    prefix_tokens: int = 1024
+    prefix_min_suffix: int = 32
+    prefix_max_suffix: int = 128
+    prefix_output: int = 64
+    # samples, samples-separate: prompts of the standard shapes, samples_n samples of each
+    samples_prompts: int = 500
+    samples_n: int = 8
     out: Path = Path("benchmarks/results")
     tensor_parallel: int = 1  # the layout of the -par systems: devices per engine
     data_parallel: int = 1  # ... and engines (workers)
@@ -130,8 +145,18 @@ class BenchConfig:
             "need 1 <= score_min_choice <= score_max_choice, got "
             f"{self.score_min_choice}, {self.score_max_choice}",
         )
+        check(
+            1 <= self.prefix_min_suffix <= self.prefix_max_suffix,
+            "need 1 <= prefix_min_suffix <= prefix_max_suffix, got "
+            f"{self.prefix_min_suffix}, {self.prefix_max_suffix}",
+        )
+        check(
+            1 <= self.samples_n <= MAX_N,
+            f"samples_n must be from 1 to {MAX_N}, got {self.samples_n}",
+        )
         for name in ("requests", "peft_requests", "peft_batch", "score_rows", "score_choices",
-                     "peft_score_rows", "peft_score_batch"):  # fmt: skip
+                     "peft_score_rows", "peft_score_batch", "prefix_rows", "prefix_tokens",
+                     "prefix_output", "samples_prompts"):  # fmt: skip
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(
             self.warmup_requests >= 0, f"warmup_requests must be >= 0, got {self.warmup_requests}"
@@ -160,6 +185,7 @@ class BenchConfig:
         counts.update({"base-par": [0], "slora-par": self.adapters})
         counts["job"] = self.ablation_adapters or self.adapters
         counts.update({"score": self.adapters, "peft-score": counts["peft"]})
+        counts.update(dict.fromkeys(PREFIX, self.adapters))
         return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
 
 
@@ -173,6 +199,8 @@ class BenchContext:
     workload: Workload
     rates: Rates
     score_workload: ScoreWorkload | None = None  # only when a scoring system runs
+    prefix_workload: PrefixWorkload | None = None  # only when prefix or prefix-off runs
+    samples_workload: Workload | None = None  # only when samples or samples-separate runs
 
 
 def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
@@ -205,9 +233,14 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
         scoring = None
         if set(SCORING) & set(config.systems):
             scoring = ScoreWorkload.generate(config, model.spec.vocab_size)
+        prefix = samples = None
+        if set(PREFIX_ROWS) & set(config.systems):
+            prefix = PrefixWorkload.generate(config, model.spec.vocab_size)
+        if set(SAMPLES) & set(config.systems):
+            samples = Workload.generate(config, model.spec.vocab_size, config.samples_prompts)
         meta = run_meta(device, dtype, rates, config, model, len(RANKS))
         log.info("setup took %.1f s", time.perf_counter() - started)
-        ctx = BenchContext(config, model, rank_dirs, workload, rates, scoring)
+        ctx = BenchContext(config, model, rank_dirs, workload, rates, scoring, prefix, samples)
         for system, n in runs:
             if _over_budget(config, system, started):
                 log.warning(
@@ -251,6 +284,10 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             from slora_batch.bench.peft_score_run import run_peft_score
 
             row = run_peft_score(ctx, n)
+        elif system in PREFIX_ROWS:
+            row = run_prefix(ctx, system, n)
+        elif system in SAMPLES:
+            row = run_samples(ctx, system, n)
         else:
             row = run_engine(ctx, system, n)
     except Exception as exc:  # one broken system must not cost the others their run

@@ -31,12 +31,14 @@ def bench(
     systems: str = typer.Option(
         ",".join(D.systems),
         help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job, score, "
-        "peft-score and the -par ones; with --tensor-parallel or --data-parallel above 1: base, "
-        "slora and the -par ones).",
+        "peft-score, the prefix cache's (slora-off, prefix, prefix-off, samples, "
+        "samples-separate) and the -par ones; with --tensor-parallel or --data-parallel above 1: "
+        "base, slora and the -par ones).",
         show_default=False,
     ),
     adapters: str = typer.Option(
-        ",".join(map(str, D.adapters)), help="Adapter counts for slora, score and job."
+        ",".join(map(str, D.adapters)),
+        help="Adapter counts for slora, score, job and the prefix cache's systems.",
     ),
     peft_adapters: str = typer.Option(
         None,
@@ -95,6 +97,25 @@ def bench(
         D.peft_score_batch,
         help="Rows per padded batch of peft-score (each row one sequence per choice).",
     ),
+    prefix_rows: int = typer.Option(D.prefix_rows, help="Rows of the shared-prefix workload."),
+    prefix_tokens: int = typer.Option(
+        D.prefix_tokens, help="Tokens of each adapter's shared prefix."
+    ),
+    prefix_min_suffix: int = typer.Option(
+        D.prefix_min_suffix, help="Shortest suffix after the shared prefix, tokens."
+    ),
+    prefix_max_suffix: int = typer.Option(
+        D.prefix_max_suffix, help="Longest suffix after the shared prefix, tokens."
+    ),
+    prefix_output: int = typer.Option(
+        D.prefix_output, help="Output tokens of every shared-prefix row."
+    ),
+    samples_prompts: int = typer.Option(
+        D.samples_prompts, help="Prompts of samples and samples-separate (standard shapes)."
+    ),
+    samples_n: int = typer.Option(
+        D.samples_n, help="Samples per prompt: n of one request (samples) or separate requests."
+    ),
     out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
     tensor_parallel: int = typer.Option(
         D.tensor_parallel, help="Devices per engine of the base-par and slora-par systems."
@@ -105,7 +126,7 @@ def bench(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:
     """Benchmark slora against the base model, transformers + PEFT and the ablations; scoring
-    through the engine and through PEFT (benchmarks/README.md)."""
+    through the engine and through PEFT; the prefix cache on and off (benchmarks/README.md)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.DEBUG if verbose else logging.INFO,
@@ -142,6 +163,13 @@ def bench(
             score_max_choice=score_max_choice,
             peft_score_rows=peft_score_rows,
             peft_score_batch=peft_score_batch,
+            prefix_rows=prefix_rows,
+            prefix_tokens=prefix_tokens,
+            prefix_min_suffix=prefix_min_suffix,
+            prefix_max_suffix=prefix_max_suffix,
+            prefix_output=prefix_output,
+            samples_prompts=samples_prompts,
+            samples_n=samples_n,
             out=Path(out),
             tensor_parallel=tensor_parallel,
             data_parallel=data_parallel,

@@ -1,5 +1,5 @@
-"""One timed engine run of the bench: ``slora``, ``base`` and the ablations ``bmm``,
-``no-unified`` and ``arrival``.
+"""One timed engine run of the bench: ``slora``, ``base``, the ablations ``bmm``,
+``no-unified`` and ``arrival``, and ``slora-off`` (``slora`` without the prefix cache).
 
 The ablations are composed from engine parts handed to ``Engine`` (its ``ops`` and ``pools``
 seams), never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for the padded
@@ -7,7 +7,8 @@ batched matmul of ``kernels.bmm``; ``no-unified`` gives adapters a pool of their
 
 ``score`` (bench/score_run.py) runs the scoring workload through the same pieces: a fresh
 engine (``open_bench_engine``), the warm-up groups (``warm_up``), the clock (``timed_run``) and
-the row's common fields (``engine_row``, ``step_fields``, ``build_counts``)."""
+the row's common fields (``engine_row``, ``step_fields``, ``build_counts``). The prefix
+cache's systems (bench/prefix_run.py) hand ``run_engine`` requests of their own."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ from slora_batch.jobs.ordering import sort_key
 
 log = logging.getLogger(__name__)
 
-ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival")  # base: no adapters at all
+ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival", "slora-off")  # base: no adapters
 ABLATIONS = ("bmm", "no-unified", "arrival")  # slora with one thing changed
 ADAPTER_POOL_FRACTION = 0.25  # no-unified: the adapters' share of the pages, KV the rest
+CACHE_OFF = ("slora-off", "prefix-off")  # EngineConfig(prefix_caching=False); others: on
 
 
 def bmm_ops(ops: ModuleType) -> ModuleType:
@@ -90,22 +92,32 @@ COUNTERS = (
     "step_s",
     "decode_host_s",
     "decode_step_s",
+    "prefix_hit_tokens",
+    "cached_blocks",
+    "block_evictions",
 )
+GAUGES = ("cached_blocks",)  # reported as their value at the end of the timed run, not a change
 
 
-def run_engine(ctx, system: str, n: int) -> dict:
-    """Builds an engine on the shared weights, warms it up, then times the workload through it.
+def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) -> dict:
+    """Builds an engine on the shared weights, warms it up, then times ``requests`` (in their
+    order) through it; None: the workload, grouped by adapter unless ``system`` keeps arrival
+    order. A request of n samples counts as n requests.
 
     With ``max_seconds`` the run stops feeding requests and stops at the limit; the work counted
-    is every token computed by then: finished requests plus the done part of running ones.
+    is every token computed by then: finished requests plus the done part of running ones. The
+    prompt tokens that came from the prefix cache count in the rows' prompt tokens and not in the
+    FLOPs of the roofline floor.
     """
     engine, sources, setup = open_bench_engine(ctx, system, n)
-    requests = ctx.workload.requests(0 if system.startswith("base") else n)
-    if system not in ARRIVAL_ORDER:
-        requests = group_by_adapter(requests)
+    if requests is None:
+        requests = ctx.workload.requests(0 if system.startswith("base") else n)
+        if system not in ARRIVAL_ORDER:
+            requests = group_by_adapter(requests)
     warmup_builds = warm_up(ctx, engine, requests, sources)
     setup_s = time.perf_counter() - setup
     asked = {r.id: r.max_new_tokens for r in requests}
+    outputs = sum(r.n or 1 for r in requests)
     work, finished, mismatches = Work(), 0, 0
 
     def count(result: Result) -> None:
@@ -117,10 +129,14 @@ def run_engine(ctx, system: str, n: int) -> dict:
     timed = timed_run(ctx, engine, requests, f"{system}@{n}", count)
     for prompt, generated in timed.partial:
         work.add(prompt, generated)
+    hits = timed.counters["prefix_hit_tokens"]
+    work.cached_tokens = 0 if math.isnan(hits) else int(hits)
     if system.endswith("-par"):
         engine.close()
     del engine
     row = engine_row(ctx, system, n, len(requests), finished, mismatches, setup_s, timed)
+    if outputs != len(requests):  # requests of n samples: a result per sample
+        row.update(prompts=len(requests), requests=outputs)
     cuda = ctx.model.device.type == "cuda"
     devices = row["tensor_parallel"] * row["data_parallel"] if cuda else 1
     row.update(figures(ctx, work, finished, timed.wall_s, devices))
@@ -140,6 +156,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
     start = time.perf_counter()
     sources = adapter_sources(n, ctx.rank_dirs) if n else {}
     dtype = str(model.dtype).removeprefix("torch.")
+    caching = system not in CACHE_OFF
     if system.endswith("-par"):  # base or slora at the configured layout
         config = EngineConfig(
             device="cuda" if cuda else "cpu",
@@ -147,6 +164,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
             dtype=dtype,
             tensor_parallel=cfg.tensor_parallel,
             data_parallel=cfg.data_parallel,
+            prefix_caching=caching,
         )
         weights = model.weights
         if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
@@ -157,7 +175,9 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
         engine = Engine(
             model.model_dir,
             adapters=sources,
-            config=EngineConfig(device=str(model.device), backend=cfg.backend, dtype=dtype),
+            config=EngineConfig(
+                device=str(model.device), backend=cfg.backend, dtype=dtype, prefix_caching=caching
+            ),
             sampling=SamplingConfig(ignore_eos=True),
             weights=model.weights,
             **engine_parts(system, cfg.backend, model.device),
@@ -196,7 +216,7 @@ def timed_run(
     """Feeds ``requests`` through ``engine`` on the clock, handing every result that is not an
     error to ``count``; with ``max_seconds`` stops feeding and stops there, and lists the work
     done on the rows still in the engine (``Timed.partial``)."""
-    before = _counters(engine)
+    before = _counters(engine, live=True)
     fed, errors, stopped = [0], 0, False
     start = time.perf_counter()
     deadline = start + ctx.config.max_seconds if ctx.config.max_seconds else None
@@ -216,7 +236,7 @@ def timed_run(
         wall_s = time.perf_counter() - start
     partial = _partial(engine) if stopped else []
     results.close()
-    delta = {k: after - before[k] for k, after in _counters(engine).items()}
+    delta = {k: after - (0 if k in GAUGES else before[k]) for k, after in _counters(engine).items()}
     if builds.count:
         log.info("%s: %d Triton builds in the timed run, %.1f s: %s", label, builds.count,
                  builds.seconds, ", ".join(builds.names))  # fmt: skip
@@ -315,8 +335,9 @@ def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list
 
 
 def _warmup(requests: list[Request], whole: bool) -> list[Request]:
-    """Warm-up copies of ``requests``: a generated row makes WARMUP_NEW_TOKENS tokens, a scored
-    row stays scored (its choices whole); cut prompts keep their first WARMUP_PROMPT tokens."""
+    """Warm-up copies of ``requests``: a generated row makes WARMUP_NEW_TOKENS tokens (its
+    samples and temperature kept), a scored row stays scored (its choices whole); cut prompts
+    keep their first WARMUP_PROMPT tokens."""
     out = []
     for r in requests:
         prompt = r.prompt_token_ids if whole else r.prompt_token_ids[:WARMUP_PROMPT]
@@ -325,7 +346,7 @@ def _warmup(requests: list[Request], whole: bool) -> list[Request]:
             continue
         out.append(Request(id=f"warmup-{r.id}", adapter=r.adapter, prompt_token_ids=prompt,
                            max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True,
-                           temperature=0.0))  # fmt: skip
+                           temperature=r.temperature or 0.0, n=r.n))  # fmt: skip
     return out
 
 
@@ -359,9 +380,18 @@ def _partial(engine: Engine) -> list[tuple[int, int]]:
     return out
 
 
-def _counters(engine: Engine) -> dict[str, float]:
-    """The counters the bench reads; host_s and step_s are NaN where the engine lacks them."""
+def _counters(engine: Engine, live: bool = False) -> dict[str, float]:
+    """The counters the bench reads; host_s and step_s are NaN where the engine lacks them.
+
+    ``live``: the prefix cache's own counts where the engine has one. The engine's copy catches
+    up at each step, so after a stream it lacks the blocks freed at the stream's end (the
+    warm-up's, read before the timed run), and keeps the blocks held at its last step (the
+    timed run's ``cached_blocks``, read after it)."""
     values = asdict(engine.counters)
+    cache = getattr(getattr(engine, "scheduler", None), "cache", None)
+    if live and cache is not None:
+        values.update(prefix_hit_tokens=cache.hit_tokens, cached_blocks=len(cache.blocks),
+                      block_evictions=cache.evictions)  # fmt: skip
     return {k: float(values.get(k, math.nan)) for k in COUNTERS}
 
 

@@ -30,6 +30,10 @@ COMMIT_ENV = "SLORA_BATCH_COMMIT"  # where the tree travels without .git (the de
 SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "roofline_fraction", "rows_per_s",
                 "scored_tokens_per_s")  # fmt: skip
 SCORE_TARGET = 20.0  # score@N / peft-score best, rows/s (the issue's target)
+# the prefix cache's issue: (system, the one it is measured against, need >= this), per count
+PREFIX_TARGETS = (("prefix", "prefix-off", 3.0), ("slora", "slora-off", 0.98),
+                  ("samples", "samples-separate", 4.0))  # fmt: skip
+OWN_WORKLOAD = ("prefix", "prefix-off", "samples", "samples-separate")  # not slora's requests
 
 
 def run_meta(
@@ -136,6 +140,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "done by then: note *cut*)",
     ]
     lines += _scoring_workload(meta["settings"])
+    lines += _prefix_workloads(meta["settings"])
     if meta["skipped"]:
         lines.append(f"- skipped for time: {', '.join(meta['skipped'])}")
     lines += [
@@ -154,12 +159,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
             )
             continue
         tok = r["output_tokens_per_s"]
+        own = r["system"] in OWN_WORKLOAD  # another workload: no ratio to slora or base
         vs_slora = (
             tok / slora[r["adapters"]]["output_tokens_per_s"]
-            if r["adapters"] in slora
+            if r["adapters"] in slora and not own
             else math.nan
         )
-        vs_base = tok / base["output_tokens_per_s"] if base else math.nan
+        vs_base = tok / base["output_tokens_per_s"] if base and not own else math.nan
         note = ", ".join(
             filter(
                 None,
@@ -169,6 +175,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     f"{r['length_mismatches']} length mismatches" if r["length_mismatches"] else "",
                     _builds_note(r),
                     _score_note(r),
+                    _prefix_note(r),
                 ],
             )
         )
@@ -214,6 +221,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"{'pass' if num / den >= need else 'FAIL'}{extra}"
             )
     lines += _score_acceptance(ok)
+    lines += _prefix_acceptance(ok)
     for r in ok:
         if r["system"] in ("base", "slora"):
             lines.append(
@@ -272,6 +280,54 @@ def _score_acceptance(ok: list[dict]) -> list[str]:
             f"against {best['rows_per_s']:.2f} (peft-score best at {best['adapters']} adapters)"
         )
     return lines
+
+
+def _prefix_acceptance(ok: list[dict]) -> list[str]:
+    """Each PREFIX_TARGETS ratio in output tok/s at every count where either system ran ("not
+    measured" where one is missing); slora, in the default list, only where slora-off ran."""
+    tok = {(r["system"], r["adapters"]): r["output_tokens_per_s"] for r in ok}
+    lines = []
+    for system, other, need in PREFIX_TARGETS:
+        ran = {n for s, n in tok if s == other or (s == system and system in OWN_WORKLOAD)}
+        for n in sorted(ran):
+            name = f"{system}@{n} / {other}@{n}"
+            num, den = tok.get((system, n)), tok.get((other, n))
+            if num is None or not den:
+                lines.append(f"- {name}: not measured")
+                continue
+            ratio = num / den
+            lines.append(
+                f"- {name} = {ratio:.2f} (need >= {need:g}): {'pass' if ratio >= need else 'FAIL'}"
+                f"; {num:.0f} against {den:.0f} output tok/s"
+            )
+    return lines
+
+
+def _prefix_workloads(settings: dict) -> list[str]:
+    """The header lines of the prefix cache's workloads, where one of their systems ran."""
+    systems = set(settings.get("systems", ()))
+    lines = []
+    if {"prefix", "prefix-off"} & systems:
+        lines.append(
+            f"- shared-prefix workload: {settings['prefix_rows']} rows, one "
+            f"{settings['prefix_tokens']}-token prefix per adapter then a suffix of "
+            f"{settings['prefix_min_suffix']}-{settings['prefix_max_suffix']} tokens, "
+            f"{settings['prefix_output']} output tokens; sorted by adapter, then prompt"
+        )
+    if {"samples", "samples-separate"} & systems:
+        lines.append(
+            f"- samples: {settings['samples_prompts']} prompts of the workload's shapes, "
+            f"n = {settings['samples_n']} at temperature 1 (samples-separate: "
+            f"{settings['samples_n']} requests of each); requests done and req/s count samples"
+        )
+    return lines
+
+
+def _prefix_note(row: dict) -> str:
+    hits = row.get("prefix_hit_tokens")
+    if _missing(hits) or not hits:
+        return ""
+    return f"{int(hits)} prefix hit tokens"
 
 
 def _scoring_workload(settings: dict) -> list[str]:

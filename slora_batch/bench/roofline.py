@@ -1,7 +1,7 @@
 """The roofline floor of a benchmark run: the card's measured peak rates and the run's work.
 
 floor = max(FLOPs / matmul rate, KV bytes read / copy bandwidth), with FLOPs = 2 x parameters x
-(prompt + output tokens) and KV bytes = the sum over decode steps of context length x 2 x layers
+(prompt + output tokens, less the prompt tokens found in the prefix cache) and KV bytes = the sum over decode steps of context length x 2 x layers
 x kv_dim x bytes per element (benchmarks/README.md). The roofline fraction is floor / measured time.
 """
 
@@ -87,6 +87,7 @@ class Work:
     prompt_tokens: int = 0
     output_tokens: int = 0
     kv_tokens: int = 0  # sum of kv_tokens_read
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV came from the prefix cache
 
     def add(self, prompt: int, generated: int) -> None:
         self.prompt_tokens += prompt
@@ -94,7 +95,7 @@ class Work:
         self.kv_tokens += kv_tokens_read(prompt, generated)
 
     def flops(self, num_params: int) -> float:
-        return 2.0 * num_params * (self.prompt_tokens + self.output_tokens)
+        return 2.0 * num_params * (self.prompt_tokens - self.cached_tokens + self.output_tokens)
 
     def kv_bytes(self, kv_bytes_per_token: int) -> float:
         return float(self.kv_tokens) * kv_bytes_per_token

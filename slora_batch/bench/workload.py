@@ -249,11 +249,16 @@ def build_model(
     )
 
 
+def drawn_indices(draws: np.ndarray, n: int) -> list[int]:
+    """Row i's adapter index among n >= 1: ``int(draws[i] * n)``."""
+    return [min(int(d * n), n - 1) for d in draws]
+
+
 def drawn_adapters(draws: np.ndarray, n: int) -> list[str | None]:
     """Row i's adapter among n: ``int(draws[i] * n)`` (None for every row when n == 0)."""
     if n == 0:
         return [None] * len(draws)
-    return [adapter_name(min(int(d * n), n - 1)) for d in draws]
+    return [adapter_name(i) for i in drawn_indices(draws, n)]
 
 
 @dataclass
@@ -266,9 +271,10 @@ class Workload:
     draws: np.ndarray  # [requests] in [0, 1)
 
     @classmethod
-    def generate(cls, config, vocab_size: int) -> Workload:
+    def generate(cls, config, vocab_size: int, count: int | None = None) -> Workload:
+        """``count`` requests (None: ``config.requests``) of the configured shapes."""
         rng = np.random.default_rng(config.seed)
-        count = config.requests
+        count = config.requests if count is None else count
         input_lens = rng.integers(config.min_input, config.max_input + 1, size=count)
         output_lens = rng.integers(config.min_output, config.max_output + 1, size=count)
         draws = rng.power(0.1 if config.skewed else 1.0, size=count)
@@ -341,4 +347,45 @@ class ScoreWorkload:
                 choices_token_ids=self.choices[i],
             )  # fmt: skip
             for i in range(count)
+        ]
+
+
+@dataclass
+class PrefixWorkload:
+    """The shared-prefix rows (``prefix``, ``prefix-off``), fixed by the seed: one prefix of
+    ``prefix_tokens`` random ids per adapter, and row i, of adapter ``int(draw[i] * n)`` (the
+    popularity rule of ``Workload``), is its adapter's prefix then a suffix of its own of
+    U[prefix_min_suffix, prefix_max_suffix] random ids, and asks for ``prefix_output`` tokens.
+    Prefix j is the same for every adapter count (drawn row-major after everything else)."""
+
+    prefixes: list[list[int]]  # [max adapters][prefix_tokens]
+    suffixes: list[list[int]]  # [rows][its length]
+    draws: np.ndarray  # [rows] in [0, 1)
+    output: int
+
+    @classmethod
+    def generate(cls, config, vocab_size: int) -> PrefixWorkload:
+        rng = np.random.default_rng(config.seed)
+        count = config.prefix_rows
+        suffix_lens = rng.integers(config.prefix_min_suffix, config.prefix_max_suffix + 1,
+                                   size=count)  # fmt: skip
+        draws = rng.power(0.1 if config.skewed else 1.0, size=count)
+        # ids 0-2 are pad, BOS and EOS, as in Workload
+        suffixes = [rng.integers(3, vocab_size, size=int(n)).tolist() for n in suffix_lens]
+        shape = (max(config.adapters), config.prefix_tokens)
+        prefixes = rng.integers(3, vocab_size, size=shape).tolist()
+        return cls(prefixes=prefixes, suffixes=suffixes, draws=draws, output=config.prefix_output)
+
+    def requests(self, n: int) -> list[Request]:
+        """The rows at n adapters (1 <= n <= len(prefixes)), in generated order."""
+        return [
+            Request(
+                id=i,
+                adapter=adapter_name(j),
+                prompt_token_ids=self.prefixes[j] + self.suffixes[i],
+                max_new_tokens=self.output,
+                ignore_eos=True,
+                temperature=0.0,
+            )
+            for i, j in enumerate(drawn_indices(self.draws, n))
         ]
