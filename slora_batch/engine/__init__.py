@@ -9,6 +9,7 @@ tp.py         S-LoRA tensor parallelism: the cuts, rank 0's plan to the other ra
 parts.py      what an engine builds on its device (store, model, pool, residency, runner)
 prepare.py    a request becomes a sequence, or an error result saying why
 scheduler.py  owns a sequence's life: admit, chunked prefill, finish, hold, release, preempt
+admission.py  how waiting rows join a step: clustering by adapter, room, prefix waits
 kv_pages.py   the pages of sequences: KV pages, cached prefix blocks, the room a row needs
 prefix_cache.py  full prompt blocks of KV kept and shared by rows of the same adapter
 sequence.py   one admitted row: tokens, pages, how far its KV is computed

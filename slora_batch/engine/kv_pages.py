@@ -55,6 +55,18 @@ class KVPages:
             return []
         return self.cache.match(seq.adapter, seq.prompt_ids)
 
+    def first_miss(self, seq: Sequence, hit: list[Block]) -> int | None:
+        """The key of the block a sequence computes first past its cached prefix ``hit``
+        (None when no full block is left before its last token)."""
+        if self.cache is None:
+            return None
+        size = self.block_tokens
+        lo = len(hit) * size
+        if lo + size >= len(seq.prompt_ids):
+            return None
+        parent = hit[-1].key if hit else None
+        return self.cache.key(parent, seq.adapter, tuple(seq.prompt_ids[lo : lo + size]))
+
     def admissible(self, seq: Sequence, n: int, hit: list[Block], pinned: bool) -> bool:
         """Whether a waiting sequence fits: ``n`` tokens of KV past its cached prefix ``hit``,
         and its adapter's pages unless resident. Idle adapters (in the adapters' pool) and idle
@@ -93,6 +105,18 @@ class KVPages:
         if start + n > have:
             new = self.pool.alloc(PAGES_PER_TOKEN * (start + n - have)).reshape(-1, PAGES_PER_TOKEN)
             seq.add_pages(new)
+
+    def take_one_each(self, seqs: list[Sequence]) -> bool:
+        """A page pair for the next token of each sequence that lacks one, in one ``alloc``;
+        False (nothing taken) when the pool has no room for all of them."""
+        short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
+        if not self.room(PAGES_PER_TOKEN * len(short)):
+            return False
+        if short:
+            pages = self.pool.alloc(PAGES_PER_TOKEN * len(short)).reshape(-1, PAGES_PER_TOKEN)
+            for seq, pair in zip(short, pages, strict=True):
+                seq.add_page(pair)
+        return True
 
     def cache_computed(self, seq: Sequence) -> None:
         """Caches the full prompt blocks a sequence has computed and not cached yet."""

@@ -13,7 +13,8 @@ getting pages for its new tokens -- evicting idle adapters, then preempting the 
 (recompute later) when the pool runs dry. Then, once enough seats are free (``admit_batch``),
 waiting sequences join while the token budget, the sequence cap, the adapter cap and the free
 pages (counting the pages of an adapter not yet resident) allow, preferring adapters already
-running, then adapters already resident.
+running, then adapters already resident (``admission.Admission``, this class's other half).
+Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from slora_batch.engine.admission import Admission
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.prefix_cache import Block, PrefixCache
+from slora_batch.engine.prefix_cache import PrefixCache
 from slora_batch.engine.residency import AdapterResidency
 from slora_batch.engine.sequence import Sequence, Status
 
@@ -44,7 +46,7 @@ class ScheduledStep:
         return bool(self.seqs)
 
 
-class Scheduler:
+class Scheduler(Admission):
     def __init__(
         self,
         config: EngineConfig,
@@ -67,6 +69,9 @@ class Scheduler:
         if config.prefix_caching:
             self.cache = PrefixCache(pool, config.prefix_block_tokens)
         self.pages = KVPages(pool, residency, self.cache)  # whether the pages are there
+        # The first uncached block of each running prompt -> the sequence computing it: a row
+        # that would compute the same block waits until it is cached (``_admit_waiting``).
+        self.computing: dict[int, Sequence] = {}
 
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a sequence could never run, even alone (None: it can)."""
@@ -99,6 +104,8 @@ class Scheduler:
                 and len(seq.blocks) < len(seq.prompt_ids) // size
             ):
                 self.pages.cache_computed(seq)  # a prompt block not cached yet (never decoding)
+            if seq.computing is not None and seq.num_computed >= len(seq.prompt_ids):
+                self._computed(seq)
             if seq.followers and seq.num_computed >= seq.context_tokens:
                 for follower in reversed(seq.followers):  # the row's other samples or choices
                     follower.status = Status.WAITING
@@ -183,29 +190,9 @@ class Scheduler:
             step.num_new.append(n)
             budget -= n
             i += 1
-        if not self._admitting():
-            return step
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self._pick()
-            if seq is None:
-                break
-            hit = self.pages.prefix(seq)
-            n = min(seq.remaining - len(hit) * self.config.prefix_block_tokens, budget)
-            if not self._admit(seq, n, hit):
-                break
-            step.seqs.append(seq)
-            step.num_new.append(n)
-            budget -= n
+        if self._admitting():
+            self._admit_waiting(step, budget)
         return step
-
-    def _admitting(self) -> bool:
-        """Whether waiting requests may join this step. A running batch takes newcomers only once
-        ``admit_seats`` seats are free (or all waiting ones fit): one prefill step for many new
-        requests instead of one mixed, graph-less step per finished request."""
-        if not self.running or not self.waiting:
-            return True
-        free = self.config.max_num_seqs - len(self.running)
-        return free >= min(self.config.admit_seats, len(self.waiting))
 
     def finish(self, seq: Sequence) -> None:
         """A sequence is done and no step in flight uses it: pages and adapter go back."""
@@ -223,6 +210,12 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
 
+    def _computed(self, seq: Sequence) -> None:
+        """A sequence no longer computes its first uncached block (done, preempted, released)."""
+        if self.computing.get(seq.computing) is seq:
+            del self.computing[seq.computing]
+        seq.computing = None
+
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
         need = PAGES_PER_TOKEN * n
@@ -233,63 +226,6 @@ class Scheduler:
                 return False
         self.pages.take(seq, n)
         return True
-
-    def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
-        adapter = seq.adapter
-        if not self.pages.admissible(seq, n, hit, pinned=adapter in self.pinned):
-            return False
-        self.waiting.remove(seq)
-        self.pages.attach(seq, hit)
-        if adapter:
-            seq.slot = self.residency.acquire(adapter)
-            self.pinned[adapter] += 1
-        need = PAGES_PER_TOKEN * n
-        if not self.pages.room(need):
-            raise AssertionError(
-                f"admission counted {need} KV pages, {self.pool.num_free} free "
-                f"after loading {adapter!r}"
-            )
-        self.pages.take(seq, n)
-        seq.status = Status.RUNNING
-        self.running.append(seq)
-        return True
-
-    def _pick(self) -> Sequence | None:
-        """The next waiting sequence: preempted ones first, then clustering by adapter: a row
-        whose adapter is pinned already, else one whose adapter is resident, else the first
-        whose adapter is in host memory. While rows run, a row whose adapter the loader thread
-        is still reading waits (the batch decodes meanwhile) rather than stall the step."""
-        if not self.waiting:
-            return None
-        head = self.waiting[0]
-        if head.preemptions:  # a token still on the device: recompute once it is read back
-            return head if not head.pending and self._adapter_allowed(head.adapter) else None
-        full = len(self.pinned) >= self.config.max_adapters_per_batch
-        store = self.residency.store
-        resident = ready = None
-        for seq in self.waiting:
-            if not seq.adapter or seq.adapter in self.pinned:
-                return seq
-            if full or resident is not None:
-                continue
-            if self.residency.is_resident(seq.adapter):
-                resident = seq
-            elif ready is None and store.ready(seq.adapter):
-                ready = seq
-        if full:
-            return None
-        if resident is not None or ready is not None:
-            return resident or ready
-        return None if self.running else head
-
-    def _adapter_allowed(self, adapter: str | None) -> bool:
-        """Adapters pinned by any of this scheduler's sequences count against the cap: running
-        rows, and retired or held ones whose slot a step in flight still reads."""
-        return (
-            not adapter
-            or adapter in self.pinned
-            or len(self.pinned) < self.config.max_adapters_per_batch
-        )
 
     def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
         """The common decode step in one allocation: the leading running sequences that bring one
@@ -304,13 +240,8 @@ class Scheduler:
         if count == 0:
             return 0
         seqs = self.running[:count]
-        short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
-        if not self.pages.room(PAGES_PER_TOKEN * len(short)):
+        if not self.pages.take_one_each(seqs):
             return 0
-        if short:
-            pages = self.pool.alloc(PAGES_PER_TOKEN * len(short)).reshape(-1, PAGES_PER_TOKEN)
-            for seq, pair in zip(short, pages, strict=True):
-                seq.add_page(pair)
         step.seqs.extend(seqs)
         step.num_new.extend([1] * count)
         return count
@@ -335,6 +266,8 @@ class Scheduler:
         """A sequence's pages go back to the pool (those of cached blocks stay, one reference
         fewer) and its adapter is unpinned (idempotent: a preempted row holds neither)."""
         self.pages.free(seq)
+        if seq.computing is not None:
+            self._computed(seq)
         if seq.adapter and seq.slot >= 0:
             self.residency.release(seq.adapter)
             self.pinned[seq.adapter] -= 1

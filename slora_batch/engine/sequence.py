@@ -71,6 +71,7 @@ class Sequence:
     # sequence cached one of them first).
     blocks: list = field(default_factory=list)
     cache_done: bool = False
+    computing: int | None = None  # the key of the first block it computes (Scheduler.computing)
     # n samples of a row: which this is. The first sample (or choice) of a row holds the others,
     # queued once it has computed the shared context_tokens (the prompt, or a scored row's
     # context), so that they find its blocks in the prefix cache.

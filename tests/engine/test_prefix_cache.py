@@ -118,3 +118,19 @@ def test_idle_blocks_leave_leaves_first_least_recently_used_first():
     cache.evict(a)
     assert pool.num_free == free + 8 and not cache.blocks
     np.testing.assert_array_equal(np.sort(pool.alloc(pool.num_free))[:4], np.arange(4))
+
+
+def test_rows_waiting_for_a_prefix_being_computed_find_it_cached(tiny):
+    """Rows that arrive together with one prefix: the first computes its blocks, the others
+    wait a step and start past them (without waiting, all would compute it in one step)."""
+    model_dir, adapters = tiny
+    names = list(adapters)
+    prefix = [(7 * j) % 290 + 3 for j in range(50)]  # 3 full blocks before the suffix
+    rows = [dict(id=i, adapter=names[i % 2], prompt_token_ids=prefix + [10 + i, 20 + i],
+                 max_new_tokens=3) for i in range(8)]  # fmt: skip
+    expected = reference(model_dir, adapters, rows)
+    tokens, engine = generate(model_dir, adapters, rows, num_pages=4000,
+                              max_num_batched_tokens=2048)  # fmt: skip
+    assert tokens == expected
+    # per adapter 4 rows: the first computes 3 blocks, the 3 others find them
+    assert engine.counters.prefix_hit_tokens == 2 * 3 * 48
