@@ -4,8 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh prefix   # the prefix cache on and off, n samples (~8 minutes)
-#   bash benchmarks/device_run.sh now      # the current experiment (see below)
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, prefix, score, tp
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
 set -uo pipefail
@@ -54,25 +53,53 @@ case "$mode" in
     timeout 200 python3 -m benchmarks.kernels --tiled-sweep > "$out/tiled-sweep.md" 2>&1
     cat "$out/kernels.md" "$out/vector-sweep.md" "$out/tiled-sweep.md"
     ;;
-  prefix)
-    # the prefix-cache issue, side by side at 50 adapters, 45 s cuts: slora and slora-off (the
-    # standard workload, no sharing); prefix and prefix-off (4000 rows, a 1024-token prefix per
-    # adapter, suffixes 32-128, 64 output tokens); samples (500 prompts, n = 8) and
-    # samples-separate (eight requests of each)
-    bench prefix 590 --systems slora,slora-off,prefix,prefix-off,samples,samples-separate \
-      --adapters 50 --requests 2000 --prefix-rows 4000 --prefix-tokens 1024 \
-      --prefix-min-suffix 32 --prefix-max-suffix 128 --prefix-output 64 --samples-prompts 500 \
-      --samples-n 8 --max-seconds 45 --total-seconds 560
-    ;;
   now)
-    # stop 13 (issue 16's job system): 4000 rows at 1000 adapters through the real job path
-    # (model and adapter directories on disk, Parquet in and out) beside the in-process engine
-    # on the same requests, both uncut
-    bench job 580 --requests 4000 --systems slora,job --adapters 1000 --max-seconds 0 \
-      --total-seconds 0
+    # the current experiments, one per call, each into $out/<its name>/
+    case "${2:-}" in
+      job)
+        # issue 16's job system: 4000 rows at 1000 adapters through the real job path (model
+        # and adapter directories on disk, Parquet in and out) beside the in-process engine on
+        # the same requests, both uncut
+        bench job 580 --requests 4000 --systems slora,job --adapters 1000 --max-seconds 0 \
+          --total-seconds 0
+        ;;
+      prefix)
+        # the prefix-cache issue, side by side at 50 adapters, 45 s cuts: slora and slora-off
+        # (the standard workload, no sharing); prefix and prefix-off (4000 rows, a 1024-token
+        # prefix per adapter, suffixes 32-128, 64 output tokens); samples (500 prompts, n = 8)
+        # and samples-separate (eight requests of each)
+        bench prefix 590 --systems slora,slora-off,prefix,prefix-off,samples,samples-separate \
+          --adapters 50 --requests 2000 --prefix-rows 4000 --prefix-tokens 1024 \
+          --prefix-min-suffix 32 --prefix-max-suffix 128 --prefix-output 64 \
+          --samples-prompts 500 --samples-n 8 --max-seconds 45 --total-seconds 560
+        ;;
+      score)
+        # the scoring issue: score at 1000 adapters against peft-score at 1 and 100, 120 s each
+        bench score 590 --systems score,peft-score --adapters 1000 --peft-adapters 1,100 \
+          --max-seconds 120 --peft-max-seconds 120 --total-seconds 560
+        ;;
+      tp)
+        # two GPUs: base and slora on one device beside base-par and slora-par at tensor
+        # parallel 2, then at data parallel 2 (7B, 1000 adapters, 15 s cuts); then the 70B
+        # preset at tensor parallel 2 (no card holds it alone), 100 adapters. The three
+        # share the call: 180 + 180 + 200 s at most
+        python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" \
+          || { echo "now tp needs two GPUs (the nvidia-h200-x2 kind)" >&2; exit 2; }
+        bench tp/tp2-7b 180 --tensor-parallel 2 --adapters 1000 --max-seconds 15 \
+          --total-seconds 160
+        bench tp/dp2-7b 180 --data-parallel 2 --adapters 1000 --max-seconds 15 \
+          --total-seconds 160
+        bench tp/tp2-70b 200 --model-preset llama2-70b --tensor-parallel 2 \
+          --systems base-par,slora-par --adapters 100 --max-seconds 20 --total-seconds 180
+        ;;
+      *)
+        echo "now needs an experiment: job, prefix, score or tp (got '${2:-}')" >&2
+        exit 2
+        ;;
+    esac
     ;;
   *)
-    echo "unknown mode $mode (tests, bench, profile, kernels, prefix, now)" >&2
+    echo "unknown mode $mode (tests, bench, profile, kernels, now)" >&2
     exit 2
     ;;
 esac

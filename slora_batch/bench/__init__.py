@@ -2,12 +2,21 @@
 
 bench.py       settings, the plan of runs, orchestration
 cli.py         the ``bench`` command (Typer options)
-workload.py    the model (random weights), adapters and requests
-engine_run.py  one timed engine run; the ablations composed from engine parts
+model.py       the random-weight model of a preset's shapes and its rank-cycling PEFT adapters
+workload.py    the requests (standard, scoring, shared-prefix), their adapters and order
+engine_run.py  one timed engine run: slora, base, the ablations composed from engine parts
+warmup.py      the untimed warm-up groups before an engine run's clock starts
+timed_run.py   the clock: requests fed until the time limit, the engine's counters over it
+row_fields.py  a run's results row: outcome, step counters, rates and roofline fraction, builds
 peft_run.py    transformers + PEFT in padded static batches
 score_run.py   the scoring workload through the engine (``score``)
 peft_score_run.py  the scoring workload through transformers + PEFT (``peft-score``)
 prefix_run.py  the prefix cache's workloads through the engine (``prefix``, ``samples``, ...)
-report.py      results.parquet, results.md, summary.json, the plot
+job_run.py     the real ``slora-batch run`` path on the bench's requests (``job``)
+report.py      results.parquet, results.md, summary.json
+acceptance.py  the acceptance lines that end results.md
+plot.py        throughput.png
+run_meta.py    the results header: date, card, commit, versions, measured rates, settings
+formatting.py  how a figure is written in results.md (blank or n/a where missing)
 roofline.py    the card's measured rates and each run's floor
 """

@@ -8,7 +8,7 @@ systems (``score``, ``peft-score``) run their own rows (``workload.ScoreWorkload
 prefix cache's (``prefix``, ``prefix-off``; ``samples``, ``samples-separate``) theirs
 (``workload.PrefixWorkload``; a ``Workload`` of ``samples_prompts``), each made only when one of
 them is asked for. Results are rewritten after every run, so a run cut short keeps
-what finished (``bench_report``).
+what finished (``report.write_outputs``).
 """
 
 from __future__ import annotations
@@ -23,19 +23,12 @@ from pathlib import Path
 import torch
 
 from slora_batch.bench.engine_run import ABLATIONS, run_engine
+from slora_batch.bench.model import PRESETS, RANKS, BenchModel, build_model
 from slora_batch.bench.prefix_run import PREFIX_ROWS, SAMPLES, run_prefix, run_samples
-from slora_batch.bench.report import run_meta, write_outputs
+from slora_batch.bench.report import write_outputs
 from slora_batch.bench.roofline import Rates, measure_rates
-from slora_batch.bench.workload import (
-    PEFT_MAX_ADAPTERS,
-    PRESETS,
-    RANKS,
-    BenchModel,
-    PrefixWorkload,
-    ScoreWorkload,
-    Workload,
-    build_model,
-)
+from slora_batch.bench.run_meta import run_meta
+from slora_batch.bench.workload import PrefixWorkload, ScoreWorkload, Workload
 from slora_batch.engine.config import MAX_N, check
 
 log = logging.getLogger(__name__)
@@ -49,6 +42,7 @@ PARALLEL = ("base-par", "slora-par")
 SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
+PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
 SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 

@@ -27,9 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from slora_batch.bench.engine_run import figures, group_by_adapter
+from slora_batch.bench.model import RANKS
 from slora_batch.bench.roofline import Work
-from slora_batch.bench.workload import RANKS, adapter_name
+from slora_batch.bench.row_fields import figures
+from slora_batch.bench.workload import adapter_name, group_by_adapter
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.run import run_job

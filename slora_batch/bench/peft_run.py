@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from slora_batch.bench.engine_run import COUNTERS, figures
 from slora_batch.bench.roofline import Work
+from slora_batch.bench.row_fields import figures
+from slora_batch.bench.timed_run import COUNTERS, sync
 from slora_batch.bench.workload import adapter_sources
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def run_peft(ctx, n: int) -> dict:
             )
         )[: cfg.peft_requests]
         _generate(peft_model, rows[:2], device, max_new=2, deadline=None)  # warm-up, not counted
-        _sync(device)
+        sync(device)
         setup_s = time.perf_counter() - start
         work, finished, batches, cut = Work(), 0, 0, False
         start = time.perf_counter()
@@ -92,7 +93,7 @@ def run_peft(ctx, n: int) -> dict:
                 finished += steps >= out
             if cut:
                 break
-        _sync(device)
+        sync(device)
         wall_s = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else math.nan
     finally:
@@ -149,8 +150,3 @@ def _generate(
     with torch.inference_mode():
         out = peft_model.generate(**kwargs)  # [B, width + steps]
     return out.shape[1] - width
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

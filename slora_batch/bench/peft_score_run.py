@@ -24,9 +24,10 @@ import time
 import numpy as np
 import torch
 
-from slora_batch.bench.engine_run import COUNTERS, figures
 from slora_batch.bench.peft_run import PAD_ID, load_peft
 from slora_batch.bench.roofline import Work
+from slora_batch.bench.row_fields import figures
+from slora_batch.bench.timed_run import COUNTERS, sync
 from slora_batch.bench.workload import ScoreWorkload, adapter_sources
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def run_peft_score(ctx, n: int) -> dict:
         adapter, ids = batches[0]  # warm-up, not counted: the first batch once
         peft_model.set_adapter(adapter)
         choice_sums(peft_model, _rows(workload, ids), device)
-        _sync(device)
+        sync(device)
         setup_s = time.perf_counter() - start
         work, finished, done, padded, cut = Work(), 0, 0, 0, False
         start = time.perf_counter()
@@ -63,7 +64,7 @@ def run_peft_score(ctx, n: int) -> dict:
             padded += sum(len(choices) for _, choices in batch) * _width(batch)
             for i in ids:
                 work.add(workload.tokens(i), 0)
-        _sync(device)
+        sync(device)
         wall_s = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else math.nan
     finally:
@@ -169,8 +170,3 @@ def _rows(workload: ScoreWorkload, ids: list[int]) -> list[tuple[list[int], list
 
 def _width(batch: list[tuple[list[int], list[list[int]]]]) -> int:
     return max(len(context) + len(choice) for context, choices in batch for choice in choices)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

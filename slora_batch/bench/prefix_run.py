@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from slora_batch.bench.engine_run import group_by_adapter, run_engine
+from slora_batch.bench.engine_run import run_engine
+from slora_batch.bench.workload import group_by_adapter
 from slora_batch.engine.request import Request
 from slora_batch.jobs.ordering import sort_key
 

@@ -17,17 +17,12 @@ from __future__ import annotations
 import math
 import time
 
-from slora_batch.bench.engine_run import (
-    build_counts,
-    engine_row,
-    figures,
-    group_by_adapter,
-    open_bench_engine,
-    step_fields,
-    timed_run,
-    warm_up,
-)
+from slora_batch.bench.engine_run import open_bench_engine
 from slora_batch.bench.roofline import Work
+from slora_batch.bench.row_fields import build_counts, engine_row, figures, step_fields
+from slora_batch.bench.timed_run import timed_run
+from slora_batch.bench.warmup import warm_up
+from slora_batch.bench.workload import group_by_adapter
 from slora_batch.engine.request import Result
 
 

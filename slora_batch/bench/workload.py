@@ -1,61 +1,17 @@
-"""The bench's inputs (benchmarks/README.md): a random-weight model, rank-cycling adapters, requests."""
+"""The bench's requests (benchmarks/README.md): the standard workload, the scoring rows and the
+shared-prefix rows, each fixed by the seed, and the adapter every row names."""
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
-from slora_batch.bench.roofline import kv_bytes_per_token
+from slora_batch.bench.model import RANKS
+from slora_batch.bench.model import build_model as build_model  # benchmarks/profile_engine.py
 from slora_batch.engine.request import Request
-from slora_batch.engine.spec import ModelSpec, read_spec
-
-log = logging.getLogger(__name__)
-
-RANKS = (8, 16, 32, 64)  # adapter id i has rank RANKS[i % 4]
-LORA_TARGETS = ("q", "k", "v", "o")
-PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
-
-PRESETS: dict[str, dict] = {
-    "llama2-7b": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "llama2-70b": dict(  # GQA: 8 KV heads; built as RandomWeights only (one card cannot hold it)
-        vocab_size=32000,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    ),
-    "tiny": dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-    ),
-}
+from slora_batch.jobs.ordering import sort_key
 
 
 def adapter_name(i: int) -> str:
@@ -65,188 +21,6 @@ def adapter_name(i: int) -> str:
 def adapter_sources(n: int, rank_dirs: dict[int, Path]) -> dict[str, Path]:
     """n adapter ids over the shared weight sets: id i -> the directory of rank RANKS[i % 4]."""
     return {adapter_name(i): rank_dirs[RANKS[i % len(RANKS)]] for i in range(n)}
-
-
-@dataclass(frozen=True)
-class RandomWeights:
-    """A model's weights made on demand, one tensor at a time, by name (Hugging Face names):
-    normal(0, 0.02), norms 1. A tensor's values depend on the seed and its name alone, so a
-    tensor-parallel rank makes the same tensor as one device does and keeps its shard, and
-    a data-parallel worker the same model, each from this small picklable object, on its own
-    device (the current CUDA device, else the CPU). ``pop`` and ``keys`` are what
-    ``engine.loader.load_model`` reads; ``items`` makes every tensor (for a directory)."""
-
-    spec: ModelSpec
-    seed: int
-    dtype: torch.dtype
-
-    def names(self) -> list[str]:
-        s = self.spec
-        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                     *(f"self_attn.{t}_proj.weight" for t in "qkvo"),
-                     *(f"mlp.{t}_proj.weight" for t in ("gate", "up", "down"))]  # fmt: skip
-        if s.attention_bias:
-            per_layer += [f"self_attn.{t}_proj.bias" for t in "qkv"]
-        names = [f"model.layers.{i}.{n}" for i in range(s.num_layers) for n in per_layer]
-        names += ["model.embed_tokens.weight", "model.norm.weight"]
-        return names + ([] if s.tie_word_embeddings else ["lm_head.weight"])
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        s = self.spec
-        h, q, kv, i = s.hidden_size, s.q_dim, s.kv_dim, s.intermediate_size
-        last = name.split(".")[-2]
-        if name.endswith("norm.weight") or last.endswith("layernorm"):
-            return (h,)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return (s.vocab_size, h)
-        out_in = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-                  "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[last]  # fmt: skip
-        return out_in[:1] if name.endswith(".bias") else out_in
-
-    def pop(self, name: str, default=None) -> torch.Tensor | None:
-        if name not in self._known:
-            return default
-        shape = self.shape(name)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")  # fmt: skip
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=self.dtype, device=device)
-        gen = torch.Generator(device=device).manual_seed(
-            self.seed * 1_000_003 + zlib.crc32(name.encode())
-        )
-        values = torch.empty(shape, dtype=torch.float32, device=device)
-        return values.normal_(0.0, 0.02, generator=gen).to(self.dtype)
-
-    def keys(self) -> list[str]:
-        return []  # nothing is left over: every name is made when asked
-
-    def items(self):
-        return ((name, self.pop(name)) for name in self.names())
-
-    @property
-    def _known(self) -> set[str]:
-        known = self.__dict__.get("_names")
-        if known is None:
-            known = set(self.names())
-            object.__setattr__(self, "_names", known)
-        return known
-
-    def num_params(self) -> int:
-        return sum(math.prod(self.shape(n)) for n in self.names())
-
-
-@dataclass
-class BenchModel:
-    """The transformers model every system runs, and what the engine and the roofline need."""
-
-    hf_model: torch.nn.Module | None  # None: not built (no peft run; a model past one card)
-    # its state dict, taken before PEFT wraps any module; or RandomWeights when not built
-    weights: dict[str, torch.Tensor] | RandomWeights
-    model_dir: Path  # config.json only: the engine reads the shapes there, the weights above
-    spec: ModelSpec
-    device: torch.device
-    dtype: torch.dtype
-    num_params: int
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.spec.num_layers, self.spec.kv_dim, self.dtype)
-
-    def write_adapters(self, root: Path, seed: int) -> dict[int, Path]:
-        """One PEFT LoRA directory per rank in RANKS, targets q/k/v/o, A and B random non-zero."""
-        dirs = {}
-        for rank in RANKS:
-            gen = torch.Generator().manual_seed(seed * 1000 + rank)
-            tensors = {}
-            for layer in range(self.spec.num_layers):
-                for target in LORA_TARGETS:
-                    d_in, d_out = self.spec.target_dims(target)
-                    key = f"base_model.model.model.layers.{layer}.self_attn.{target}_proj"
-                    a = torch.randn(rank, d_in, generator=gen) / d_in**0.5  # [r, d_in]
-                    b = torch.randn(d_out, rank, generator=gen) * 0.02  # [d_out, r]
-                    tensors[f"{key}.lora_A.weight"] = a.to(self.dtype)
-                    tensors[f"{key}.lora_B.weight"] = b.to(self.dtype)
-            out = root / f"rank{rank}"
-            out.mkdir(parents=True)
-            save_file(tensors, str(out / "adapter_model.safetensors"))
-            (out / "adapter_config.json").write_text(json.dumps(_peft_config(rank), indent=1))
-            dirs[rank] = out
-        return dirs
-
-
-def _peft_config(rank: int) -> dict:
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": rank,
-        "target_modules": [f"{t}_proj" for t in LORA_TARGETS],
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "base_model_name_or_path": None,
-    }
-
-
-def build_model(
-    preset: str, device: torch.device, dtype: torch.dtype, root: Path, seed: int, hf: bool = True
-) -> BenchModel:
-    """A random ``LlamaForCausalLM`` of the preset's shapes, initialized on ``device`` in ``dtype``;
-    its config.json (nothing else) goes to ``root / "model"`` for the engine. Without ``hf`` no
-    transformers model is built: the engine runs take ``RandomWeights`` (every rank or worker
-    makes its own), and PEFT cannot run."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    start = time.perf_counter()
-    config = LlamaConfig(
-        **PRESETS[preset],
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        architectures=["LlamaForCausalLM"],
-    )
-    model_dir = root / "model"
-    model_dir.mkdir(parents=True)
-    config.to_json_file(str(model_dir / "config.json"))
-    spec = read_spec(model_dir)
-    if not hf:
-        weights = RandomWeights(spec, seed, dtype)
-        num_params = weights.num_params()
-        log.info("model %s: %.2fB parameters, made on demand by each engine", preset,
-                 num_params / 1e9)  # fmt: skip
-        return BenchModel(None, weights, model_dir, spec, device, dtype, num_params)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    placed = next(hf_model.parameters()).device
-    if placed.type != device.type:
-        log.warning("transformers built the model on %s, not %s: moving it", placed, device)
-        hf_model.to(device)
-    hf_model.eval()
-    hf_model.generation_config.eos_token_id = None  # EOS ignored (PEFT's generate as well)
-    num_params = sum(p.numel() for p in hf_model.parameters())
-    log.info(
-        "model %s: %.2fB parameters, %s on %s, built in %.1f s",
-        preset,
-        num_params / 1e9,
-        str(dtype).removeprefix("torch."),
-        device,
-        time.perf_counter() - start,
-    )
-    return BenchModel(
-        hf_model=hf_model,
-        weights=dict(hf_model.state_dict()),
-        model_dir=model_dir,
-        spec=spec,
-        device=device,
-        dtype=dtype,
-        num_params=num_params,
-    )
 
 
 def drawn_indices(draws: np.ndarray, n: int) -> list[int]:
@@ -389,3 +163,11 @@ class PrefixWorkload:
             )
             for i, j in enumerate(drawn_indices(self.draws, n))
         ]
+
+
+def group_by_adapter(requests: list[Request]) -> list[Request]:
+    """The requests stably sorted by adapter (base-model rows first), arrival order within an
+    adapter: the job's sort without its second key, prompt length, so that a run cut at its time
+    limit still sees the workload's mix of lengths. Example: adapters [b, a, None, b] -> [None, a,
+    b, b], the two b rows in their order."""
+    return sorted(requests, key=lambda r: sort_key(r)[:3])  # (kind, has adapter, adapter)

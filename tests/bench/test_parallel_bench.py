@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slora_batch.bench.acceptance import acceptance
 from slora_batch.bench.bench import BenchConfig, run_bench
-from slora_batch.bench.report import acceptance
-from slora_batch.bench.workload import RandomWeights
+from slora_batch.bench.model import RandomWeights
 from slora_batch.engine.config import ConfigError
 from slora_batch.engine.spec import read_spec
 

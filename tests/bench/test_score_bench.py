@@ -15,10 +15,11 @@ from typer.testing import CliRunner
 
 from slora_batch.bench import cli as cli_module
 from slora_batch.bench.bench import DEFAULT_SYSTEMS, BenchConfig, run_bench
-from slora_batch.bench.engine_run import WARMUP_PROMPT, _warmup, group_by_adapter
+from slora_batch.bench.model import build_model
 from slora_batch.bench.peft_run import load_peft
 from slora_batch.bench.peft_score_run import choice_sums, score_batches
-from slora_batch.bench.workload import ScoreWorkload, adapter_sources, build_model
+from slora_batch.bench.warmup import WARMUP_PROMPT, _warmup
+from slora_batch.bench.workload import ScoreWorkload, adapter_sources, group_by_adapter
 from slora_batch.engine.config import ConfigError, EngineConfig
 from slora_batch.engine.engine import Engine
 

@@ -1,0 +1,128 @@
+"""The acceptance lines that end results.md: each issue's thresholds checked on the rows at
+hand (a check whose runs are missing says so), and the ratios of the other systems to slora."""
+
+from __future__ import annotations
+
+import math
+
+from slora_batch.bench.engine_run import ABLATIONS
+from slora_batch.bench.formatting import pct
+
+SCORE_TARGET = 20.0  # score@N / peft-score best, rows/s (the issue's target)
+# the prefix cache's issue: (system, the one it is measured against, need >= this), per count
+PREFIX_TARGETS = (("prefix", "prefix-off", 3.0), ("slora", "slora-off", 0.98),
+                  ("samples", "samples-separate", 4.0))  # fmt: skip
+OWN_WORKLOAD = ("prefix", "prefix-off", "samples", "samples-separate")  # not slora's requests
+
+
+def acceptance(rows: list[dict]) -> list[str]:
+    """The issue's thresholds on the rows at hand; a check whose runs are missing says so."""
+    ok = [r for r in rows if not r.get("error")]
+
+    def tok(system: str, n: int) -> float | None:
+        hit = [r["output_tokens_per_s"] for r in ok if r["system"] == system and r["adapters"] == n]
+        return hit[0] if hit else None
+
+    peft = [r for r in ok if r["system"] == "peft"]
+    best = max(peft, key=lambda r: r["output_tokens_per_s"]) if peft else None
+    checks = [
+        (
+            "slora@1000 / peft best",
+            tok("slora", 1000),
+            best and best["output_tokens_per_s"],
+            30.0,
+            f" (peft best at {best['adapters']} adapters)" if best else "",
+        ),
+        ("slora@1000 / base", tok("slora", 1000), tok("base", 0), 0.85, ""),
+        ("slora@2000 / slora@10", tok("slora", 2000), tok("slora", 10), 0.95, ""),
+    ]
+    lines = []
+    for name, num, den, need, extra in checks:
+        if num is None or not den:
+            lines.append(f"- {name}: not measured")
+        else:
+            lines.append(
+                f"- {name} = {num / den:.2f} (need >= {need}): "
+                f"{'pass' if num / den >= need else 'FAIL'}{extra}"
+            )
+    lines += _score_acceptance(ok)
+    lines += _prefix_acceptance(ok)
+    for r in ok:
+        if r["system"] in ("base", "slora"):
+            lines.append(
+                f"- roofline {r['system']}@{r['adapters']} = {r['roofline_fraction']:.3f} "
+                f"(need >= 0.30): {'pass' if r['roofline_fraction'] >= 0.30 else 'FAIL'}"
+            )
+        if r["system"] in (*ABLATIONS, "job") and tok("slora", r["adapters"]):
+            lines.append(
+                f"- {r['system']}@{r['adapters']} / slora@{r['adapters']} = "
+                f"{r['output_tokens_per_s'] / tok('slora', r['adapters']):.2f}"
+            )
+        if r["system"] == "job":
+            lines.append(
+                f"- job@{r['adapters']}: {r['output_tokens_per_s']:.0f} tok/s over engine time, "
+                f"{r['end_to_end_tokens_per_s']:.0f} end to end; wall {r['job_wall_s']:.1f} s = "
+                f"load {r['job_load_s'] or 0:.1f} + warmup {r['job_warmup_s'] or 0:.1f} + engine "
+                f"{r['wall_s']:.1f} + read {r['job_read_s']:.1f} + write {r['job_write_s']:.1f} s "
+                f"and the rest (scan, stats); files written in {r['job_files_s']:.1f} s"
+            )
+        if r["system"] in ("base-par", "slora-par"):
+            one = r["system"].removesuffix("-par")
+            layout = f"tp {r['tensor_parallel']} x dp {r['data_parallel']}"
+            ratio = tok(one, r["adapters"])
+            lines.append(
+                f"- {r['system']}@{r['adapters']} ({layout}) = {r['output_tokens_per_s']:.0f} "
+                f"tok/s" + (f", {r['output_tokens_per_s'] / ratio:.2f}x {one}@{r['adapters']}"
+                            if ratio else f"; {one}@{r['adapters']} not measured")
+            )  # fmt: skip
+            if r["system"] == "slora-par" and tok("base-par", 0):
+                lines.append(
+                    f"- slora-par@{r['adapters']} / base-par ({layout}) = "
+                    f"{r['output_tokens_per_s'] / tok('base-par', 0):.2f}"
+                )
+        if r["system"] == "slora" and not math.isnan(r["decode_host_share"]):
+            lines.append(
+                f"- decode host share slora@{r['adapters']} = {pct(r['decode_host_share'])}"
+                f" (all steps {pct(r['host_share'])}) at a mean decode batch of "
+                f"{r['decode_batch']:.0f} (need < 10% at >= 128)"
+            )
+    return lines
+
+
+def _score_acceptance(ok: list[dict]) -> list[str]:
+    """score@N / peft-score at its best, in rows/s, for every N that score ran at."""
+    scores = [r for r in ok if r["system"] == "score"]
+    peft = [r for r in ok if r["system"] == "peft-score"]
+    if not scores or not peft:
+        return [] if not scores and not peft else ["- score@N / peft-score best: not measured"]
+    best = max(peft, key=lambda r: r["rows_per_s"])
+    lines = []
+    for r in scores:
+        ratio = r["rows_per_s"] / best["rows_per_s"]
+        lines.append(
+            f"- score@{r['adapters']} / peft-score best = {ratio:.2f} (need >= {SCORE_TARGET:g}): "
+            f"{'pass' if ratio >= SCORE_TARGET else 'FAIL'}; {r['rows_per_s']:.2f} rows/s "
+            f"against {best['rows_per_s']:.2f} (peft-score best at {best['adapters']} adapters)"
+        )
+    return lines
+
+
+def _prefix_acceptance(ok: list[dict]) -> list[str]:
+    """Each PREFIX_TARGETS ratio in output tok/s at every count where either system ran ("not
+    measured" where one is missing); slora, in the default list, only where slora-off ran."""
+    tok = {(r["system"], r["adapters"]): r["output_tokens_per_s"] for r in ok}
+    lines = []
+    for system, other, need in PREFIX_TARGETS:
+        ran = {n for s, n in tok if s == other or (s == system and system in OWN_WORKLOAD)}
+        for n in sorted(ran):
+            name = f"{system}@{n} / {other}@{n}"
+            num, den = tok.get((system, n)), tok.get((other, n))
+            if num is None or not den:
+                lines.append(f"- {name}: not measured")
+                continue
+            ratio = num / den
+            lines.append(
+                f"- {name} = {ratio:.2f} (need >= {need:g}): {'pass' if ratio >= need else 'FAIL'}"
+                f"; {num:.0f} against {den:.0f} output tok/s"
+            )
+    return lines
