@@ -18,6 +18,7 @@ from slora_batch.jobs.config import JobConfig, fanout_adapters
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OutputError
 from slora_batch.jobs.reader import InputError, iter_input_files, parquet_file
+from slora_batch.jobs.scan import InputScan
 
 
 class JobError(ValueError):
@@ -39,13 +40,19 @@ class JobPlan:
     broken: dict[str, str]  # adapter -> why it cannot run (its rows become error rows)
     files: list[Path]
     sweep: list[str | None] | None  # fan-out adapters (None = base), or None without fan-out
-    rows_total: int | None = None  # input rows before fan-out, once the input is scanned
+    # output rows per adapter once the input is scanned: n samples per input row (``scan``)
+    rows_total: int | None = None
     input_fs: Any = None  # the pyarrow filesystem ``files`` are on; None: the local disk
 
     @property
     def total(self) -> int | None:
-        """Output rows the job will have when complete."""
+        """Output rows the job will have when complete (one sample of one input row for one
+        adapter each; a row that fails is one error row, so the run lowers its count)."""
         return None if self.rows_total is None else self.rows_total * len(self.sweep or [None])
+
+    def scanned(self, scan: InputScan) -> None:
+        """Take the output rows per adapter from the input's scan."""
+        self.rows_total = scan.samples(self.job.sampling.n)
 
 
 def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:

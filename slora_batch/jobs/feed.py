@@ -1,6 +1,9 @@
 """Feeding the engine: ``RunRecord`` hands one run's requests to the engine and writes every
 result as it comes, bad rows' too; it keeps the run's account as it goes: progress events,
-times, per-adapter spans and a few error messages."""
+times, per-adapter spans and a few error messages.
+
+Rows are output rows: one sample of one input row for one adapter (``samples.py``). A request
+of n samples is n rows; one that fails is one error row, and the total drops by the rest."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from collections.abc import Iterator
 
 from slora_batch.engine.request import Request, Result
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
+from slora_batch.jobs.samples import SamplesDue
 from slora_batch.jobs.writer import OutputWriter
 
 ERROR_EXAMPLES = 3  # error messages of a run kept for the summary
@@ -19,6 +23,7 @@ class RunRecord:
 
     def __init__(self, job: str, done: int, total: int | None, notify: ProgressCallback) -> None:
         self.job, self.done, self.total, self.notify = job, done, total, notify
+        self.due = SamplesDue()
         self.counters = None  # the engine's, once it runs
         self.device: str | None = None  # the engine's device and dtype, once it runs
         self.dtype: str | None = None
@@ -38,10 +43,13 @@ class RunRecord:
     def resident(self) -> int:
         return 0 if self.counters is None else self.counters.adapters_resident
 
-    def feed(self, engine, items: Iterator[Request | Result], writer: OutputWriter) -> None:
+    def feed(
+        self, engine, items: Iterator[tuple[Request | Result, int]], writer: OutputWriter
+    ) -> None:
         """Hand the requests to the engine and write every result as it comes: the engine's,
         and the bad rows' that never reach it (written as the engine pulls past them, so a long
-        run of bad rows is never held in memory)."""
+        run of bad rows is never held in memory). Each item comes with the rows it owes (the
+        samples it asks for; ``resume.pending_items``)."""
         self.counters = engine.counters
         self.device, self.dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
         self.started = time.perf_counter()
@@ -50,26 +58,31 @@ class RunRecord:
         def requests() -> Iterator[Request]:
             while True:
                 pulled = time.perf_counter()
-                item = next(items, None)
+                item, samples = next(items, (None, 0))
                 self.read_s += time.perf_counter() - pulled
                 if item is None:
                     return
                 if isinstance(item, Result):
-                    self._done(item, writer)
+                    self._done(item, writer, samples)
                 else:
+                    self.due.add(item, samples)
                     self.first_in.setdefault(item.adapter, time.perf_counter())
                     writer.tick()  # commits by time also while no row finishes
                     yield item
 
         for result in engine.generate(requests()):
             self.last_out[result.adapter] = time.perf_counter()
-            self._done(result, writer)
+            self._done(result, writer, self.due.finished(result))
         # the loop's time less what it spent reading input and writing parts
         loop_read, loop_write = self.read_s - read_s, writer.write_s - write_s
         self.engine_s = max(self.elapsed - loop_read - loop_write, 0.0)
 
-    def _done(self, result: Result, writer: OutputWriter) -> None:
+    def _done(self, result: Result, writer: OutputWriter, samples: int = 1) -> None:
+        """Write ``result``, which stands for ``samples`` rows of the total (an error row for
+        a row of n samples stands for n)."""
         writer.write(result)
+        if self.total is not None:
+            self.total -= samples - 1
         self.done += 1
         self.rows += 1
         self.tokens += result.completion_tokens

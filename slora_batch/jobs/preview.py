@@ -26,7 +26,8 @@ class PreviewRow:
 
 def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
     """A few finished outputs with their prompts, taken from the first ``scan`` input rows: with
-    fan-out one prompt across its adapters (base first), else the first outputs in input order.
+    fan-out one prompt across its adapters (base first), else the first outputs in input order;
+    of a row's n samples, the first (a part written before ``sample_index`` holds only those).
     Scored rows generate no text: they are not shown."""
     parts = part_files(job.output)
     if not parts:
@@ -48,10 +49,11 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
         return []
     found: dict[Any, list[dict[str, Any]]] = {}
     for _, path in parts:
+        filters = [("id", "in", list(prompts)), ("finish_reason", "not in", ["error", "score"])]
+        if "sample_index" in pq.read_schema(path).names:
+            filters.append(("sample_index", "=", 0))
         table = pq.read_table(
-            path,
-            columns=["id", "adapter", "text", "finish_reason"],
-            filters=[("id", "in", list(prompts)), ("finish_reason", "not in", ["error", "score"])],
+            path, columns=["id", "adapter", "text", "finish_reason"], filters=filters
         )
         for row in table.to_pylist():
             found.setdefault(row["id"], []).append(row)

@@ -1,4 +1,5 @@
-"""``JobProgress``: what a progress display is told as a job scans, loads, runs and ends."""
+"""``JobProgress``: what a progress display is told as a job scans, loads, runs and ends. Rows
+are output rows: one sample of one input row for one adapter (``samples.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class JobProgress:
     job: str
     phase: str  # "scanning" (the input), "loading" (model and adapters), "running", "done"
     rows_done: int  # rows in the output, earlier runs included
-    rows_total: int | None  # None until the input is scanned
+    rows_total: int | None  # None until the input is scanned; lowered as rows fail
     completion_tokens: int  # generated this run
     elapsed_s: float  # since this run's generation started
     adapters_resident: int

@@ -1,5 +1,6 @@
-"""Resuming a job: the ``row_key``s of the rows in committed parts, and the input rows not yet
-among them."""
+"""Resuming a job: the samples of each row in committed parts (``DoneSamples``), and the input
+rows not yet complete among them, asking for the missing samples of a row partly done (an output
+row is one sample of an input row for one adapter: ``samples.py``)."""
 
 from __future__ import annotations
 
@@ -16,42 +17,54 @@ from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OutputError, part_files
 from slora_batch.jobs.reader import InputRow, input_root, read_rows
 from slora_batch.jobs.rows import identity, row_key, to_request
+from slora_batch.jobs.samples import DoneSamples, resumed, row_samples
 from slora_batch.jobs.scan import InputScan
 
+COLUMNS = ("id", "adapter", "sample_index", "finish_reason", "source")
 
-def done_keys(out_dir: str | Path | FsDir) -> set[str]:
-    """``row_key``s of the rows in committed parts; temp files are never read."""
-    keys: set[str] = set()
+
+def done_samples(out_dir: str | Path | FsDir) -> DoneSamples:
+    """The samples in committed parts by ``row_key``; temp files are never read. A part written
+    before ``sample_index`` existed holds sample 0 of each row."""
+    done = DoneSamples()
     fs = out_dir.fs if isinstance(out_dir, FsDir) else None
     for _, path in part_files(out_dir if fs else Path(out_dir)):
         try:
             names = pq.read_schema(str(path), filesystem=fs).names
             table = pq.read_table(
-                str(path),
-                columns=[c for c in ("id", "adapter", "source") if c in names],
-                filesystem=fs,
+                str(path), columns=[c for c in COLUMNS if c in names], filesystem=fs
             )
         except (OSError, pa.ArrowException) as exc:
             raise OutputError(f"{path}: committed part is unreadable: {exc}") from exc
+        rows = table.num_rows
         ids, adapters = table["id"].to_pylist(), table["adapter"].to_pylist()
-        sources = table["source"].to_pylist() if "source" in names else [None] * len(ids)
-        keys.update(map(row_key, ids, adapters, sources))
-    return keys
+        sources = table["source"].to_pylist() if "source" in names else [None] * rows
+        indices = table["sample_index"].to_pylist() if "sample_index" in names else [0] * rows
+        errors = [reason == "error" for reason in table["finish_reason"].to_pylist()]
+        for key, index, error in zip(
+            map(row_key, ids, adapters, sources), indices, errors, strict=True
+        ):
+            done.add(key, index, error)
+    return done
 
 
-def pending_items(plan: JobPlan, scan: InputScan, done: set[str]) -> Iterator[Request | Result]:
-    """The job's requests and bad-row results not yet in the output, in input order. A done
-    row is skipped before it is turned into a request (only its id and adapter are read)."""
-    return (item for _, item in pending_rows(plan, scan, done))
+def pending_items(
+    plan: JobPlan, scan: InputScan, done: DoneSamples
+) -> Iterator[tuple[Request | Result, int]]:
+    """The job's requests and bad-row results not yet complete in the output, in input order,
+    each with the output rows it owes (the samples it asks for; a bad row's error row stands
+    for as many). A done row is skipped before it is turned into a request (only its id,
+    adapter and n are read)."""
+    return ((item, samples) for _, item, samples in pending_rows(plan, scan, done))
 
 
 def pending_rows(
     plan: JobPlan,
     scan: InputScan,
-    done: set[str],
+    done: DoneSamples,
     files: list[Path] | None = None,
     root: Path | None = None,
-) -> Iterator[tuple[InputRow, Request | Result]]:
+) -> Iterator[tuple[InputRow, Request | Result, int]]:
     """``pending_items`` with the input row each item comes from (a fanned-out row once per
     adapter), over ``files`` (default: the job's) named relative to ``root`` (default: the
     folder that holds every input file of the job)."""
@@ -62,14 +75,17 @@ def pending_rows(
         files or plan.files, job.columns, keep=list(scan.keep), root=root, fs=plan.input_fs
     )
     for row in rows:
-        id_, adapter, _ = identity(row, fanout)
+        id_, adapter, problem = identity(row, fanout)
         adapters = plan.sweep if fanout else [adapter]
-        todo = [a for a in adapters if row_key(id_, a) not in done] if done else adapters
+        n = 1 if problem else row_samples(row.values.get("n"), job.sampling)
+        if done:
+            todo = [(a, done.missing(row_key(id_, a), n)) for a in adapters]
+            todo = [(a, missing) for a, missing in todo if missing]
+        else:
+            todo = [(a, list(range(n))) for a in adapters]
         if not todo:
             continue
         item = to_request(row, job.sampling, fanout)
-        if not fanout:
-            yield row, item
-            continue
-        for name in todo:
-            yield row, dataclasses.replace(item, adapter=name or None)
+        for name, missing in todo:
+            one = dataclasses.replace(item, adapter=name or None) if fanout else item
+            yield row, resumed(one, missing, n), len(missing)

@@ -11,8 +11,12 @@ directory's lock and then:
 - returns at once when the job is complete (``_SUCCESS``): no engine, nothing written;
 - scans the input once (``scan.scan_input``: id type, kept columns, duplicates, unused columns)
   unless the manifest holds the scan, and refuses a job whose (id, adapter) rows repeat;
-- skips the rows already in committed parts (resume), builds the engine only when a row is left,
-  writes parts (by rows and by time) and ends with ``stats.parquet`` and the marker.
+- skips the rows already in committed parts (resume; a row of n samples is done when all n
+  are, and one partly done asks for the rest), builds the engine only when a row is left, writes
+  parts (by rows and by time) and ends with ``stats.parquet`` and the marker.
+
+A row is an output row: one sample of one input row for one adapter (``samples.py``); progress,
+stats and the summary count those.
 
 Stats are ``stats.py``'s; the fingerprint and the manifest ``manifest.py``'s.
 """
@@ -35,10 +39,10 @@ from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
-from slora_batch.jobs.ordering import sorted_windows
+from slora_batch.jobs.ordering import adapter_group, sort_key, sorted_windows
 from slora_batch.jobs.outdir import OutputError, clear_output, read_success, write_success
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
-from slora_batch.jobs.resume import done_keys, pending_items
+from slora_batch.jobs.resume import done_samples, pending_items
 from slora_batch.jobs.scan import InputScan, scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
 from slora_batch.jobs.stats import read_stats, stats_rows, write_stats
@@ -128,17 +132,16 @@ def run_plan(
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest)
                 if complete is not None:
-                    notify(
-                        JobProgress(job.name, "done", complete.stats["rows"], plan.total, 0, 0.0, 0)
-                    )
+                    rows = complete.stats["rows"]
+                    notify(JobProgress(job.name, "done", rows, rows, 0, 0.0, 0))
                     return complete
             if manifest is None:
                 notify(JobProgress(job.name, "scanning", 0, None, 0, 0.0, 0))
                 manifest = new_manifest(plan, current, scan_for_run(plan))
                 write_manifest(out, manifest)
             scan = InputScan.from_json(manifest["scan"])
-            plan.rows_total = scan.rows
-            done = done_keys(out)
+            plan.scanned(scan)
+            done = done_samples(out)
         except JOB_ERRORS as exc:
             raise job_error(job, exc) from exc
         total = plan.total
@@ -146,7 +149,12 @@ def run_plan(
             rows = _count(len(done), "row")
             logger.info("job %s: %s already in %s, skipping them", job.name, rows, out)
         schema = part_schema(scan.id_type, scan.keep, scan.json_text)
-        items = sorted_windows(pending_items(plan, scan, done), window=job.window)
+        items = sorted_windows(
+            pending_items(plan, scan, done),
+            window=job.window,
+            key=lambda pair: sort_key(pair[0]),
+            group=lambda pair: adapter_group(pair[0]),
+        )
         run = RunRecord(job.name, len(done), total, notify)
         with OutputWriter(
             out, job.part_rows, lock=lock, schema=schema, part_seconds=job.part_seconds
@@ -174,7 +182,7 @@ def run_plan(
                 job.name,
                 "done",
                 job_row["rows"],
-                total,
+                job_row["rows"],  # complete: what it holds (error rows stand for their samples)
                 run.tokens,
                 run.elapsed,
                 run.resident,
@@ -226,7 +234,7 @@ def complete_summary(
     if stats is None:
         return None
     job_row, adapter_rows = stats
-    plan.rows_total = manifest["scan"]["rows"]
+    plan.scanned(InputScan.from_json(manifest["scan"]))
     logger.info(
         "job %s: complete already (%s in %s); nothing to do",
         job.name,

@@ -1,7 +1,7 @@
 """The input scan: one pass over every row before a job's first run, for the output's id type,
-the kept columns' types, the columns neither used nor kept (with a did-you-mean) and the rows
-whose (id, adapter) repeat. ``InputScan`` is kept in the job manifest, so a resume does not read
-the input twice."""
+the kept columns' types, the columns neither used nor kept (with a did-you-mean), the rows
+whose (id, adapter) repeat and the output rows the job will make (n samples per row).
+``InputScan`` is kept in the job manifest, so a resume does not read the input twice."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from slora_batch.engine.config import SamplingConfig
 from slora_batch.jobs.reader import (
     InputError,
     InputRow,
@@ -26,6 +27,7 @@ from slora_batch.jobs.reader import (
     used_columns,
 )
 from slora_batch.jobs.rows import RowSource, identity, row_key
+from slora_batch.jobs.samples import row_samples
 
 INFER_ROWS = 4096  # JSONL values of a kept column typed together, then unified
 DUPLICATE_EXAMPLES = 5  # duplicates named in the scan's message
@@ -45,6 +47,18 @@ class InputScan:
     clashing: list[str] = field(default_factory=list)  # keep_columns all: names the output has
     duplicates: int = 0  # rows whose (id, adapter) an earlier row has
     duplicate_examples: list[str] = field(default_factory=list)
+    # rows whose output rows per adapter are not the job's n: those with an n column (their own
+    # n, or one error row when it is bad) and those that cannot be read (one error row)
+    own_n_rows: int = 0
+    own_n_samples: int = 0  # the output rows per adapter of those
+
+    def samples(self, n: int) -> int:
+        """Output rows per adapter of a job whose ``sampling.n`` is ``n``, when every row that
+        can be read makes its samples (one that fails makes one error row instead).
+
+        Running example: 10 rows, 2 of them with n 5 and one line unreadable, a job with n 3:
+        (10 - 3) * 3 + 5 + 5 + 1 = 32."""
+        return (self.rows - self.own_n_rows) * n + self.own_n_samples
 
     def notes(self, columns: dict[str, str]) -> list[str]:
         """What a user should hear about the input: columns neither used nor kept (with a
@@ -191,13 +205,15 @@ def scan_input(
                         name, [0, f"{relative_name(file, root)} (every row)"]
                     )
                     count[0] += rows
-            parquet_wanted = [columns["id"], columns["adapter"]]
+            parquet_wanted = [columns["id"], columns["adapter"], "n"]
         else:
             parquet_wanted = None
         name_ = relative_name(file, root)
         for number, record, error in file_records(file, parquet_wanted, fs):
             scan.rows += 1
             if record is None:
+                scan.own_n_rows += 1
+                scan.own_n_samples += 1
                 continue
             row = InputRow(0, file, name_, number, {}, columns, {}, error)
             if parquet_wanted is None:
@@ -213,6 +229,9 @@ def scan_input(
                 "adapter": record.get(columns["adapter"]),
             }
             id_, adapter, problem = identity(row, fanout)
+            if problem is not None or record.get("n") is not None:
+                scan.own_n_rows += 1
+                scan.own_n_samples += 1 if problem else row_samples(record["n"], SamplingConfig())
             if problem is not None or isinstance(id_, RowSource):
                 continue
             if isinstance(id_, str) or not INT64_MIN <= id_ <= INT64_MAX:

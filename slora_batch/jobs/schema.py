@@ -4,8 +4,10 @@ integer, else string: an int 7 is stored "7"), null for a row without a usable i
 logprobs columns (null where they do not apply), then the kept input columns (``JSON_TEXT`` ones
 hold each value as JSON text).
 
-Parts written before the scoring columns existed lack them; readers of an output directory
-(resume, stats, preview, ``preference``) read each part by its own schema."""
+An output row is one sample of one input row for one adapter: ``(id, adapter, sample_index)``
+is unique (``samples.py``). Parts written before the scoring columns or ``sample_index``
+existed lack them (such a part's rows are sample 0); readers of an output directory (resume,
+stats, preview, ``preference``) read each part by its own schema."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pyarrow as pa
 JSON_TEXT = {b"slora_batch": b"json"}  # field metadata: a kept column stored as JSON text
 CORE_FIELDS = [
     pa.field("adapter", pa.string()),  # null = base model
+    pa.field("sample_index", pa.int64(), nullable=False),  # which of the row's n samples
     pa.field("text", pa.string(), nullable=False),
     pa.field("token_ids", pa.list_(pa.int32()), nullable=False),  # generated ids only
     pa.field("prompt_tokens", pa.int32(), nullable=False),

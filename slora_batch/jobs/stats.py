@@ -1,6 +1,9 @@
 """``stats.parquet``: its schema, the job row and the per-adapter rows a run writes, reading them
 back, and the row and token counts of the committed parts.
 
+Rows are output rows: one sample of one input row for one adapter (``samples.py``), so a job
+with ``sampling: {n: 4}`` counts four per input row and adapter (one for a row that failed).
+
 Stats after a resume describe the whole output: row and token counts come from the committed
 parts; times, throughput and the engine counters (adapter loads, evictions, peak pool pages)
 are this run's. ``tokens_per_s`` divides this run's tokens by ``engine_s``, the generation

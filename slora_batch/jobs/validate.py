@@ -70,6 +70,9 @@ def validate_job(job: JobConfig) -> ValidationReport:
             if isinstance(item, Result):
                 problems.append(item.error)
                 continue
+            if item.scored and (item.n or job.sampling.n) > 1:  # the engine's rule
+                problems.append(f"{row.where}: n is for generated rows, not scored ones")
+                continue
             problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, limit)
             if problem:
                 problems.append(f"{row.where}: {problem}")

@@ -180,7 +180,8 @@ class PartRows:
             logger.warning("%s: %s; written as an error row without an id", source, problem)
             where = f"{source}: " if source else ""
             message = f"{where}row cannot be stored: {problem}"
-            core = [None, None, "", [], result.prompt_tokens, 0, "error", message, source]
+            index, prompt_tokens = result.sample_index, result.prompt_tokens
+            core = [None, None, index, "", [], prompt_tokens, 0, "error", message, source]
             return [*core, *[None] * len(SCORE_NAMES), *kept]
         logprobs = result.logprobs
         if logprobs is not None:  # token texts are decoded pieces: lone surrogates too
@@ -189,6 +190,7 @@ class PartRows:
         return [
             id_,
             adapter,
+            result.sample_index,
             clean(result.text),
             list(tokens),
             result.prompt_tokens,

@@ -31,6 +31,7 @@ from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key
 from slora_batch.jobs.rows import to_request
+from slora_batch.jobs.samples import SamplesDue
 from slora_batch.jobs.schema import part_schema
 from slora_batch.jobs.writer import PartRows
 from slora_batch.ray.fs import commit_table
@@ -133,11 +134,18 @@ class EngineActor:
         return to_request(DatasetRow(values, str(where), kept=kept), self.sampling)
 
     def _generate(self, items: list[Request | Result]) -> list[Result]:
-        """Bad rows' results as they are, then the engine's in the order it finishes them."""
+        """Bad rows' results as they are, then the engine's in the order it finishes them (a
+        failed request of a resumed row as the first sample it asked for: ``SamplesDue``)."""
         requests = sorted((i for i in items if isinstance(i, Request)), key=sort_key)
         results = [i for i in items if isinstance(i, Result)]
         if requests:
-            results.extend(self.engine.generate(requests))
+            due = SamplesDue()
+            for request in requests:
+                if request.sample_indices:
+                    due.add(request, len(request.sample_indices))
+            for result in self.engine.generate(requests):
+                due.finished(result)
+                results.append(result)
         return results
 
     def _summary(self, unit: str, name: str, results: list[Result], engine_s: float) -> pa.Table:

@@ -16,7 +16,7 @@ from slora_batch.engine.request import Request, Result
 from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.outdir import LOCK_FILE, OutputError, read_success, write_success
 from slora_batch.jobs.reader import InputError, iter_input_files, read_rows
-from slora_batch.jobs.resume import done_keys
+from slora_batch.jobs.resume import done_samples
 from slora_batch.jobs.rows import RowSource, row_key, to_request
 from slora_batch.jobs.schema import PART_SCHEMA, SCORE_FIELDS
 from slora_batch.jobs.stats import STATS_SCHEMA, output_counts, write_stats
@@ -59,7 +59,8 @@ def bare(items: list[Request | Result]) -> list[Request | Result]:
 
 def done_ids(out_dir: Path) -> set[str]:
     """The ids of the done keys ("<length>:<id><adapter>")."""
-    return {rest[: int(n)] for n, rest in (key.split(":", 1) for key in done_keys(out_dir))}
+    keys = done_samples(out_dir).keys()
+    return {rest[: int(n)] for n, rest in (key.split(":", 1) for key in keys)}
 
 
 def test_iter_input_files(tmp_path):
@@ -231,7 +232,7 @@ def test_writer_parts_schema_and_types(tmp_path):
     assert table.schema == PART_SCHEMA
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     assert table.to_pylist()[1] == {
-        "id": "1", "adapter": "a", "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
+        "id": "1", "adapter": "a", "sample_index": 0, "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
         "completion_tokens": 2, "finish_reason": "stop", "error": None, "source": None,
         **{f.name: None for f in SCORE_FIELDS},  # a generated row: no scores, no logprobs
     }  # fmt: skip
@@ -282,8 +283,9 @@ def test_resume_keys_with_fanout(tmp_path):
         for adapter in (None, "a", ""):
             writer.write(result(7, adapter=adapter))
         writer.write(result("8", adapter="b"))
-    assert done_keys(tmp_path) == {row_key("7", None), row_key("7", "a"), row_key("8", "b")}
-    assert row_key(7, "") in done_keys(tmp_path)
+    keys = done_samples(tmp_path).keys()
+    assert keys == {row_key("7", None), row_key("7", "a"), row_key("8", "b")}
+    assert row_key(7, "") in keys
     assert done_ids(tmp_path) == {"7", "8"}
     assert done_ids(tmp_path / "missing") == set()
 
@@ -322,7 +324,7 @@ def test_one_writer_per_directory(tmp_path):
 def test_unreadable_part_is_named(tmp_path):
     (tmp_path / "part-00000.parquet").write_bytes(b"not parquet")
     with pytest.raises(OutputError, match=r"part-00000.parquet: committed part is unreadable"):
-        done_keys(tmp_path)
+        done_samples(tmp_path)
 
 
 def test_stats_columns_and_types(tmp_path):

@@ -27,7 +27,7 @@ from slora_batch.jobs.manifest import (
 )
 from slora_batch.jobs.preference import choice_preference
 from slora_batch.jobs.reader import read_rows
-from slora_batch.jobs.resume import done_keys
+from slora_batch.jobs.resume import done_samples
 from slora_batch.jobs.rows import row_key, to_request
 from slora_batch.jobs.scan import scan_input
 from slora_batch.jobs.schema import CORE_FIELDS, OUTPUT_COLUMNS, part_schema
@@ -41,7 +41,8 @@ MODEL = {  # config.json only: enough for check_job, and no tokenizer
     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "max_position_embeddings": 64,
 }  # fmt: skip
-OLD_FIELDS = [pa.field("id", pa.int64()), *CORE_FIELDS]  # parts before the scoring columns
+# parts before the scoring columns and sample_index
+OLD_FIELDS = [pa.field("id", pa.int64()), *(f for f in CORE_FIELDS if f.name != "sample_index")]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -319,7 +320,7 @@ def test_old_and_new_parts_in_one_output_are_read_by_resume_stats_and_preference
         "part-00000.parquet",
         "part-00001.parquet",
     ]
-    assert done_keys(out) == {row_key(i, a) for i, a in
+    assert done_samples(out).keys() == {row_key(i, a) for i, a in
                               [(10, "a"), (11, None), (12, "a"), (1, "a"), (2, None), (3, "a"),
                                (4, "a"), (5, "a")]}  # fmt: skip
     counts = output_counts(out)

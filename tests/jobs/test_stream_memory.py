@@ -155,7 +155,7 @@ def test_resume_of_a_million_rows_starts_in_seconds_in_bounded_memory(tmp_path, 
     from slora_batch.jobs.config import load_jobs
     from slora_batch.jobs.manifest import MANIFEST_VERSION, fingerprint, write_manifest
     from slora_batch.jobs.outdir import read_success
-    from slora_batch.jobs.resume import done_keys
+    from slora_batch.jobs.resume import done_samples
     from slora_batch.jobs.scan import scan_input
     from slora_batch.jobs.schema import OUTPUT_COLUMNS, SCORE_FIELDS, part_schema
 
@@ -181,6 +181,7 @@ def test_resume_of_a_million_rows_starts_in_seconds_in_bounded_memory(tmp_path, 
         rows = range(start, min(start + 100_000, RESUMED))
         columns = {
             "id": [f"row-{i}" for i in rows], "adapter": [[ "a", "b", None][i % 3] for i in rows],
+            "sample_index": [0] * len(rows),
             "text": ["x"] * len(rows), "token_ids": [[1]] * len(rows),
             "prompt_tokens": [1] * len(rows), "completion_tokens": [1] * len(rows),
             "finish_reason": ["length"] * len(rows), "error": [None] * len(rows),
@@ -198,4 +199,4 @@ def test_resume_of_a_million_rows_starts_in_seconds_in_bounded_memory(tmp_path, 
     assert report["growth_kb"] < MAX_GROWTH_MB * 1024, report
     assert (report["skipped"], report["this_run"]) == (RESUMED, ROWS - RESUMED), report
     assert report["rows"] == read_success(out)["rows"] == ROWS
-    assert len(done_keys(out)) == ROWS  # every row once
+    assert len(done_samples(out)) == ROWS  # every row once
