@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 import typer
 from typer.testing import CliRunner
 
@@ -24,16 +23,6 @@ from slora_batch.bench.roofline import Work, kv_tokens_read
 from slora_batch.bench.warmup import WARMUP_PROMPT, _warmup, warmup_groups
 from slora_batch.bench.workload import Workload, adapter_sources, group_by_adapter
 from slora_batch.engine.config import ConfigError
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on a busy two-core runner make tiny matmuls 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 TINY = dict(
     model_preset="tiny",

@@ -28,15 +28,6 @@ from slora_batch.jobs.ordering import sort_key
 PREFIX_SYSTEMS = ["slora", "slora-off", "prefix", "prefix-off", "samples", "samples-separate"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on a busy two-core runner make tiny matmuls 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # A step takes at most 8192 tokens (EngineConfig.max_num_batched_tokens) and a row finds only
 # blocks cached by an earlier step: 24 rows of a 400-token prefix fill more than one step, so
 # the rows admitted in the second step find their adapter's prefix.

@@ -23,16 +23,6 @@ from slora_batch.bench.workload import ScoreWorkload, adapter_sources, group_by_
 from slora_batch.engine.config import ConfigError, EngineConfig
 from slora_batch.engine.engine import Engine
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on a busy two-core runner make tiny matmuls 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TINY = dict(
     model_preset="tiny",
     device="cpu",
