@@ -1,0 +1,45 @@
+"""The sample eval as the README runs it (``slora-batch run jobs/sample-eval.yaml``): every
+question of samples/eval.jsonl scored through the base model and every sample adapter, each
+preferring the choice written in its own style (by mean log-probability per token), and the
+run's summary printing the preference table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from slora_batch.jobs.outdir import part_files
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "jobs" / "sample-eval.yaml"
+OUT = ROOT / "out" / "sample-eval"
+STYLE = {None: 0, "shout": 1, "pirate": 2, "json": 3, "brief": 4}  # samples/make_eval.py
+MIN_OWN_SHARE = 0.8  # each adapter's own style first on at least 8 of the 10 questions
+
+
+@pytest.mark.slow
+def test_each_sample_adapter_prefers_its_own_style(tmp_path):
+    out = tmp_path / "out"
+    job = tmp_path / "eval.yaml"
+    job.write_text(
+        JOB.read_text()
+        .replace("../samples/", f"{ROOT / 'samples'}/")
+        .replace("../out/sample-eval", str(out))
+    )
+    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "cli", "run", str(job)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "choice preference per adapter" in done.stdout
+    rows = pq.read_table([p for _, p in part_files(out)]).to_pylist()
+    assert len(rows) == 10 * len(STYLE) and {r["finish_reason"] for r in rows} == {"score"}
+    for adapter, style in STYLE.items():
+        mine = [r for r in rows if r["adapter"] == adapter]
+        own = sum(r["best_choice_norm"] == style for r in mine) / len(mine)
+        assert own >= MIN_OWN_SHARE, f"{adapter or 'base'}: its own style first in {own:.0%}"
+        assert all(len(r["choice_logprobs"]) == 5 for r in mine)
