@@ -7,7 +7,7 @@ rows.py      a row into a Request or an error Result; its identity (RowSource, r
 scoring.py   a row's scoring columns (continuation, choices, answer) and logprobs, checked
 scan.py      the input scan: id type, kept columns' types, duplicates, unused columns
 text.py      UTF-8 checks and repair, short descriptions of values for messages
-ordering.py  bounded windows sorted by adapter and prompt length, fan-out
+ordering.py  bounded windows sorted by adapter and prompt, fan-out
 schema.py    the output parts' schema: id type, core and scoring columns, kept columns
 outdir.py    the output directory's files: atomic commit, parts, _SUCCESS, clearing
 fsio.py      input files and output directories on other pyarrow.fs filesystems (Ray runner)
@@ -15,6 +15,7 @@ lock.py      OutputLock: one run per output directory
 writer.py    OutputWriter: buffered rows committed as parts by rows and by time
 manifest.py  _job.json: the fingerprint of what decides the rows, the columns read, the resume check
 resume.py    keys of the rows already committed, and the input rows not yet among them
+samples.py   n samples per row: which of a row's samples are committed, which it still owes
 progress.py  JobProgress: what a progress display is told
 feed.py      RunRecord: requests into the engine, results to the writer, this run's account
 stats.py     stats.parquet: its schema, the job and adapter rows, output counts, accuracy
