@@ -49,10 +49,7 @@ class PrefixCache:
         self.hit_tokens = 0
         self.inserted = 0
         self.evictions = 0
-
-    @property
-    def idle_pages(self) -> int:
-        return sum(block.pages.size for block in self.idle.values())
+        self.idle_pages = 0  # pages of the idle blocks, kept as they come and go
 
     def key(self, parent: int | None, adapter: str | None, tokens: tuple[int, ...]) -> int:
         return hash((parent, adapter, tokens))
@@ -75,7 +72,8 @@ class PrefixCache:
     def acquire(self, blocks: list[Block]) -> None:
         for block in blocks:
             if block.refs == 0:
-                self.idle.pop(block.key, None)
+                del self.idle[block.key]
+                self.idle_pages -= block.pages.size
             block.refs += 1
         self.hit_tokens += len(blocks) * self.block_tokens
 
@@ -86,6 +84,7 @@ class PrefixCache:
             if block.refs == 0:
                 block.last_used = self.clock
                 self.idle[block.key] = block
+                self.idle_pages += block.pages.size
 
     def insert(
         self, parent: Block | None, adapter: str | None, tokens: list[int], pages: np.ndarray
@@ -112,6 +111,7 @@ class PrefixCache:
 
     def evict(self, block: Block) -> None:
         del self.idle[block.key]
+        self.idle_pages -= block.pages.size
         del self.blocks[block.key]
         if block.parent is not None:
             block.parent.children -= 1

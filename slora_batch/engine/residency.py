@@ -95,19 +95,20 @@ class AdapterResidency:
         if pool.num_free >= need:  # the common case, once per running sequence and step
             return True
         cache = self.cache if self.cache is not None and self.cache.pool is pool else None
+        # Idle adapters in the order they became idle (released, or loaded and not used yet).
         idle = (
             [n for n, r in self._resident.items() if r.refcount == 0] if pool is self.pool else []
         )
-        idle.sort(key=lambda n: self._resident[n].last_used)  # stable: load order among equals
+        idle.reverse()  # pop() takes the oldest
         while pool.num_free < need:
             block = cache.oldest_idle() if cache is not None else None
-            name = idle[0] if idle else None
+            name = idle[-1] if idle else None
             if block is None and name is None:
                 return False
             if name is not None and (
                 block is None or self._resident[name].last_used <= block.last_used
             ):
-                self._evict(idle.pop(0))
+                self._evict(idle.pop())
             else:
                 cache.evict(block)
         return True
@@ -130,8 +131,9 @@ class AdapterResidency:
         if entry.refcount <= 0:
             raise ValueError(f"adapter {name!r} released more often than acquired")
         entry.refcount -= 1
-        if entry.refcount == 0:
+        if entry.refcount == 0:  # idle from now: the LRU order is the order of becoming idle
             entry.last_used = self.clock
+            self._resident.move_to_end(name)
 
     def prefetch(self, name: str, stream: torch.cuda.Stream | None = None) -> bool:
         """Loads an adapter ahead of need (idle, unpinned) if its pages are free right now; the
