@@ -5,6 +5,7 @@ config.py     EngineConfig, SamplingConfig: every engine and sampling default, v
 engine.py     Engine: the public iterator over the continuous-batching loop
 data_parallel.py  DataParallelEngine: Engine's surface over worker processes, one device each
 dp_worker.py  a data-parallel worker: its device(s), its engine, its pipes to the driver
+dp_handle.py  the driver's handle on a worker: its share of the stream, what rows still owe
 tp.py         S-LoRA tensor parallelism: the cuts, rank 0's plan to the other ranks, a rank's loop
 parts.py      what an engine builds on its device (store, model, pool, residency, runner)
 prepare.py    a request becomes a sequence, or an error result saying why

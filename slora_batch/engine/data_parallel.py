@@ -22,29 +22,27 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import signal
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
+from slora_batch.engine.dp_handle import WorkerDied, WorkerHandle, expected_results
 from slora_batch.engine.dp_worker import WorkerSlot, relog, worker_main, worker_slots
 from slora_batch.engine.request import Request, Result
+
+__all__ = ["DataParallelEngine", "WorkerDied", "chunks", "open_engine"]
 
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 64  # most rows per chunk; a chunk is at most lookahead // 8 rows
 STOP_WAIT_S = 10.0  # a closing worker's time to exit before it is terminated
 MAX_FIELDS = ("load_s", "warmup_s")  # workers build at once: the slowest counts; others add up
-
-
-class WorkerDied(RuntimeError):
-    """A worker process ended while it held rows; they were never yielded (a re-run redoes them)."""
 
 
 def open_engine(
@@ -79,47 +77,6 @@ def chunks(requests: Iterable[Request], rows: int) -> Iterator[list[Request]]:
         yield chunk
 
 
-@dataclass(eq=False)
-class _Worker:
-    """The driver's handle on one worker process and its share of the current stream."""
-
-    slot: WorkerSlot
-    process: Any  # multiprocessing's SpawnProcess
-    inbox: Connection  # driver -> worker
-    outbox: Connection  # worker -> driver
-    counters: EngineCounters = field(default_factory=EngineCounters)
-    info: dict[str, Any] = field(default_factory=dict)  # device, dtype, adapters, lookahead
-    bound: int = 1  # rows outstanding at most
-    outstanding: int = 0  # rows sent in this stream, not returned yet
-    rows: int = 0  # rows returned, all streams
-    adapters: set = field(default_factory=set)  # distinct adapters sent, all streams
-    last_adapter: Any = ()  # the adapter the last chunk ended with (() before any)
-    done: bool = False  # the worker finished the current stream
-    closed: bool = False  # a send failed: no more rows for it
-    alive: bool = True
-    failure: str | None = None  # the exception a failing worker reported
-
-    def send(self, message: tuple) -> None:
-        try:
-            self.inbox.send(message)
-        except OSError:  # dying: its exit shows on the outbox and the sentinel
-            self.closed = True
-
-    def describe(self) -> str:
-        return f"worker {self.slot.index} ({self.slot.device}, pid {self.process.pid})"
-
-    def death(self) -> WorkerDied:
-        code = self.process.exitcode
-        status = f"exit code {code}"
-        if code is not None and code < 0:
-            status += f" ({signal.Signals(-code).name})"
-        reason = f" after {self.failure}" if self.failure else ""
-        lost = self.outstanding and (
-            f"; its {self.outstanding} rows in flight were not written: re-run to resume them"
-        )
-        return WorkerDied(f"data-parallel {self.describe()} died with {status}{reason}{lost or ''}")
-
-
 class DataParallelEngine:
     """``Engine``'s surface over ``len(slots)`` worker processes (see the module docstring).
 
@@ -152,7 +109,7 @@ class DataParallelEngine:
         )
         self.chunk_rows = chunk_rows or max(1, min(CHUNK_ROWS, config.lookahead // 8))
         self.counters = EngineCounters()
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerHandle] = []
         self._epoch = 0
         self._active: weakref.ref | None = None
         context = mp.get_context("spawn")
@@ -172,7 +129,7 @@ class DataParallelEngine:
                 process.start()
                 inbox_reader.close()  # the worker's ends: only it may hold them, so that
                 outbox_writer.close()  # its exit closes the pipe (EOF)
-                self.workers.append(_Worker(slot, process, inbox, outbox))
+                self.workers.append(WorkerHandle(slot, process, inbox, outbox))
                 log.info(
                     "data parallel: worker %d on %s, pid %d", slot.index, slot.device, process.pid
                 )
@@ -200,7 +157,7 @@ class DataParallelEngine:
             for w in self.workers
         ]  # fmt: skip
 
-    def _start(self, worker: _Worker) -> None:
+    def _start(self, worker: WorkerHandle) -> None:
         """Waits for the worker's engine: its device, dtype, adapters and counters."""
         while worker.alive:
             for message in self._receive(worker, block=True):
@@ -212,7 +169,7 @@ class DataParallelEngine:
                     raise message[2]  # the engine's own error (a model it cannot load, ...)
         raise worker.death()
 
-    def _receive(self, worker: _Worker, block: bool = False) -> Iterator[tuple]:
+    def _receive(self, worker: WorkerHandle, block: bool = False) -> Iterator[tuple]:
         """The worker's messages waiting in its pipe (``block``: after waiting for one, or for
         its exit). At its end (EOF, or the process gone and the pipe empty) it is marked dead."""
         try:
@@ -252,12 +209,17 @@ class DataParallelEngine:
         epoch, stream = self._epoch, chunks(source, self.chunk_rows)
         for worker in self.workers:
             worker.outstanding, worker.done = 0, False
+            worker.owed.clear()
         chunk, ended, died, finished = next(stream, None), False, None, False
         try:
             while True:
                 while died is None and chunk is not None and (target := self._pick(chunk)):
                     target.send(("rows", epoch, chunk))
                     target.outstanding += len(chunk)
+                    for request in chunk:  # the results each row owes, by its key
+                        key = (request.id, request.adapter or None)
+                        owed = expected_results(request, self.sampling)
+                        target.owed.setdefault(key, deque()).append(owed)
                     target.adapters.update(r.adapter or None for r in chunk)
                     target.last_adapter = chunk[-1].adapter or None
                     chunk = next(stream, None)
@@ -274,7 +236,7 @@ class DataParallelEngine:
                         if message[1] != epoch:
                             continue  # a stream abandoned before this one
                         if message[0] == "result":
-                            worker.outstanding -= 1
+                            worker.returned(message[2])
                             worker.rows += 1
                             if message[3] is not None:
                                 worker.counters = message[3]
@@ -296,7 +258,7 @@ class DataParallelEngine:
         if died is not None:
             raise died.death()
 
-    def _pick(self, chunk: list[Request]) -> _Worker | None:
+    def _pick(self, chunk: list[Request]) -> WorkerHandle | None:
         """The worker with the fewest rows outstanding that has room for the chunk; the one whose
         last chunk ended with this chunk's adapter when it is within a chunk of that."""
         room = [

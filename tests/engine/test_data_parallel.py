@@ -113,3 +113,17 @@ def test_a_killed_worker_is_reported_after_every_result_received(tiny):
 def test_an_engine_that_cannot_start_raises_its_own_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         DataParallelEngine(tmp_path, None, EngineConfig(data_parallel=2, **KNOBS))
+
+
+def test_n_samples_across_workers_every_sample_once(tiny, dp):
+    """Rows of n samples: the driver counts the results each row owes, so its bound holds and
+    each sample comes back once, with the tokens one engine gives."""
+    rows = [dict(row, n=3, temperature=1.0, seed=4) for row in make_rows(24, VOCAB, list(tiny[1]))]
+    results = list(dp.generate(sorted_requests(rows)))
+    keys = [(r.id, r.sample_index) for r in results]
+    assert sorted(keys) == sorted((row["id"], k) for row in rows for k in range(3))
+    model_dir, adapters = tiny
+    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(cpu_threads=1, **KNOBS))
+    alone = {(r.id, r.sample_index): r.token_ids for r in engine.generate(sorted_requests(rows))}
+    assert {(r.id, r.sample_index): r.token_ids for r in results} == alone
+    assert all(w.outstanding == 0 for w in dp.workers)
