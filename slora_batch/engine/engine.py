@@ -206,9 +206,8 @@ class Engine:
                 if isinstance(prepared, Result):
                     self.counters.count_result(prepared)
                     yield prepared
-                else:  # a sequence, or a scored row's sequences
-                    for seq in prepared if isinstance(prepared, list) else [prepared]:
-                        sched.add(seq)
+                else:  # the row's first sequence; its other samples or choices follow it
+                    sched.add(prepared)
             if not sched.has_work() and self._inflight is None:
                 if exhausted:
                     return

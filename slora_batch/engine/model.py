@@ -127,7 +127,7 @@ class LlamaModel:
                 x.shape[0], 3 * step.lora.max_rank, dtype=torch.float32, device=x.device
             )
         tp = self.tp
-        row_cols = self.hidden_cols  # where a row-parallel projection's LoRA output goes
+        row_cols = self.hidden_cols  # o's and down's LoRA output: all columns, or the rank's
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             h, residual = ops.rms_norm(x, layer.input_norm, spec.rms_norm_eps, residual)
@@ -140,12 +140,11 @@ class LlamaModel:
             ops.rope(q, k, step.positions, self.cos_sin)
             ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
             attn = self._attend(q, pool_layer, step, ops).view(-1, spec.q_dim)
-            if tp is None:
-                o = F.linear(attn, layer.o, layer.o_bias)
-                self._lora(attn, o, {"o": (0, o.shape[1])}, lora_layer, step.lora, lora_buf, ops)
-            else:  # row-parallel: partial sums, the LoRA shard's columns in them, one all-reduce
-                o = F.linear(attn, layer.o)
-                self._lora(attn, o, {"o": row_cols}, lora_layer, step.lora, lora_buf, ops)
+            # o and down are row-parallel under tensor parallelism: partial sums with the rank's
+            # LoRA columns in them, joined by one all-reduce (o's bias added once, after it)
+            o = F.linear(attn, layer.o, layer.o_bias if tp is None else None)
+            self._lora(attn, o, {"o": row_cols}, lora_layer, step.lora, lora_buf, ops)
+            if tp is not None:
                 tp.all_reduce(o)
                 if layer.o_bias is not None:
                     o += layer.o_bias
@@ -156,8 +155,7 @@ class LlamaModel:
             )
             act = ops.silu_mul(gate_up)
             down = F.linear(act, layer.down)
-            cols = {"down": row_cols if tp is not None else (0, down.shape[1])}
-            self._lora(act, down, cols, lora_layer, step.lora, lora_buf, ops)
+            self._lora(act, down, {"down": row_cols}, lora_layer, step.lora, lora_buf, ops)
             if tp is not None:
                 tp.all_reduce(down)
             x = down

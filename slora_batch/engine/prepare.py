@@ -119,7 +119,9 @@ class RequestPreparer:
             sample_index=index,
         )
 
-    def _scored(self, request: Request, context: list[int], continuations: list[list[int]]):
+    def _scored(
+        self, request: Request, context: list[int], continuations: list[list[int]]
+    ) -> Sequence | Result:
         """One prefill-only sequence per continuation (a row with choices: one per choice, in
         a group that joins their scores; the others follow the first, which computes the
         context for the prefix cache), or an error result."""

@@ -113,16 +113,18 @@ class Scheduler(Admission):
                 seq.followers = []
             if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
                 seq.last_step = number
-                self.running.remove(seq)
-                seq.status = Status.RETIRED
-                self.retired.append(seq)
+                self._retire(seq)
         for row, seq in enumerate(drawn):
             seq.pending += 1
             seq.last_row, seq.last_step = row, number
             if seq.num_drawn >= seq.max_new_tokens and seq.status is Status.RUNNING:
-                self.running.remove(seq)
-                seq.status = Status.RETIRED
-                self.retired.append(seq)
+                self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Out of the running set, pages kept until its last step is read back."""
+        self.running.remove(seq)
+        seq.status = Status.RETIRED
+        self.retired.append(seq)
 
     def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
