@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kernels.meta import AttnMeta, LoraMeta
+from slora_batch.engine.memory import to_device
 from slora_batch.engine.model import StepInput
 from slora_batch.engine.residency import AdapterResidency
 from slora_batch.engine.scheduler import ScheduledStep
@@ -297,9 +298,7 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
     """Device tensors of an eager step; LoRA metadata only when a token uses an adapter."""
 
     def dev(array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(
-            device, dtype=dtype, non_blocking=True
-        )
+        return to_device(array, device, dtype)
 
     lora = None
     if (host.b_slot >= 0).any():

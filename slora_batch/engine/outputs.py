@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from slora_batch.engine.batch import HostStep
+from slora_batch.engine.memory import to_device
 from slora_batch.engine.sampling import SamplingBatch, sample
 from slora_batch.engine.scheduler import ScheduledStep
 from slora_batch.engine.sequence import Sequence
@@ -72,7 +73,7 @@ def step_outputs(logits: torch.Tensor, host: HostStep, drawn: list[Sequence]) ->
         outputs["tokens"] = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(drawn) if s.logprobs is not None]
     if rows:  # rows asked for logprobs: theirs only
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, logits.device)
         temperatures = [drawn[i].temperature for i in rows]
         k = max(drawn[i].logprobs for i in rows)
         tokens = outputs["tokens"][index]
@@ -83,7 +84,7 @@ def step_outputs(logits: torch.Tensor, host: HostStep, drawn: list[Sequence]) ->
 def score_tokens(logits, targets):
     """[E, 2] fp32 on the logits' device: each row's log-probability of its target token (a
     log-softmax over the vocabulary of those rows only) and 1.0 where the target is the argmax."""
-    targets = torch.from_numpy(targets).to(logits.device, non_blocking=True)
+    targets = to_device(targets, logits.device)
     picked = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
     greedy = (logits.argmax(dim=-1) == targets).float()
     return torch.stack([picked, greedy], dim=1)
@@ -94,7 +95,7 @@ def top_logprobs(logits, tokens, temperatures: list[float], k: int):
     log-probabilities of the k most likely tokens, under the distribution the sampler drew
     from before its top-k / top-p cut: softmax(logits / temperature), the logits themselves for
     greedy rows (temperature 0)."""
-    scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
+    scale = to_device([t if t > 0 else 1.0 for t in temperatures], logits.device, torch.float32)
     logp = torch.log_softmax(logits / scale[:, None], dim=-1)
     drawn = logp.gather(1, tokens[:, None])
     values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0])

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from slora_batch.engine.adapters import AdapterStore
+from slora_batch.engine.memory import copy_in, to_device
 from slora_batch.engine.pool import PagePool, PoolExhausted
 from slora_batch.engine.spec import TARGETS
 
@@ -185,7 +186,7 @@ class AdapterResidency:
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             if stream is not None and self._evicted is not None:
                 stream.wait_event(self._evicted)
-            index = torch.from_numpy(pages.astype(np.int64)).to(self.device, non_blocking=True)
+            index = to_device(pages.astype(np.int64), self.device)
             self.pool.data.index_copy_(1, index, paged.data.to(self.device, non_blocking=True))
             self._sync_slot(slot)
         self.loads += 1
@@ -213,7 +214,9 @@ class AdapterResidency:
         self._sync_slot(slot)
 
     def _sync_slot(self, slot: int) -> None:
-        self.dev_rank[slot] = int(self.slot_rank[slot])
-        self.dev_scale[slot] = float(self.slot_scale[slot])
-        self.dev_pages[slot].copy_(torch.from_numpy(self.slot_pages[slot]), non_blocking=True)
-        self.dev_offsets[slot].copy_(torch.from_numpy(self.slot_offsets[slot]), non_blocking=True)
+        # fill_ takes the number as a kernel argument; assigning it copies a CPU scalar and
+        # waits for the device
+        self.dev_rank[slot].fill_(int(self.slot_rank[slot]))
+        self.dev_scale[slot].fill_(float(self.slot_scale[slot]))
+        copy_in(self.dev_pages[slot], self.slot_pages[slot])
+        copy_in(self.dev_offsets[slot], self.slot_offsets[slot])

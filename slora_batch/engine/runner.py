@@ -19,6 +19,7 @@ import torch
 
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 from slora_batch.engine.batch import HostStep, lora_meta, lora_segments, position_segments, upload
+from slora_batch.engine.memory import copy_in, to_device
 from slora_batch.engine.model import LlamaModel, StepInput
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.residency import AdapterResidency
@@ -46,13 +47,12 @@ def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
     (b_slot.size) with empty segments of slot -1, and pos_seg where the graph has one."""
     bucket = b_slot.size
     order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)
-    static.b_slot.copy_(torch.from_numpy(b_slot.astype(np.int32)), non_blocking=True)
-    static.token_order.copy_(torch.from_numpy(order), non_blocking=True)
-    static.seg1_start.copy_(torch.from_numpy(seg1_start), non_blocking=True)
-    static.seg_slot.copy_(torch.from_numpy(seg_slot), non_blocking=True)
+    copy_in(static.b_slot, b_slot.astype(np.int32))
+    copy_in(static.token_order, order)
+    copy_in(static.seg1_start, seg1_start)
+    copy_in(static.seg_slot, seg_slot)
     if static.pos_seg is not None:
-        segments = position_segments(seg1_start, bucket)
-        static.pos_seg.copy_(torch.from_numpy(segments), non_blocking=True)
+        copy_in(static.pos_seg, position_segments(seg1_start, bucket))
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -122,7 +122,7 @@ class ModelRunner:
         if host.prev_rows is None:
             return
         assert prev_tokens is not None, "a step needs the previous step's tokens"
-        rows = torch.from_numpy(host.prev_rows).to(self.device, non_blocking=True)
+        rows = to_device(host.prev_rows, self.device)
         taken = prev_tokens[rows.clamp(min=0)].to(input_ids.dtype)
         input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
 
@@ -175,27 +175,21 @@ class ModelRunner:
                 array = np.concatenate(
                     [array, np.full((pad, *array.shape[1:]), fill, dtype=array.dtype)]
                 )
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(array)), non_blocking=True)
+            copy_in(dst, array)
 
         scratch = self.scratch.astype(np.int32)
         put(static.input_ids, host.input_ids, 0)
         put(static.positions, host.positions, 0)
         put(static.out_pages, host.out_pages, 0)
         if pad:
-            static.out_pages[batch:].copy_(
-                torch.from_numpy(np.tile(scratch, (pad, 1))), non_blocking=True
-            )
+            copy_in(static.out_pages[batch:], np.tile(scratch, (pad, 1)))
         put(static.attn.b_seq_len, host.b_seq_len, 1)
         # The batch's rows; a padding row has length 1, so only its first entry is ever read
         # (entries past a row's length are stale from earlier steps and never read either).
         ctx = host.page_table.shape[1]
-        static.attn.page_table[:batch, :ctx].copy_(
-            torch.from_numpy(host.page_table), non_blocking=True
-        )
+        copy_in(static.attn.page_table[:batch, :ctx], host.page_table)
         if pad:
-            static.attn.page_table[batch:, 0].copy_(
-                torch.from_numpy(np.tile(scratch, (pad, 1))), non_blocking=True
-            )
+            copy_in(static.attn.page_table[batch:, 0], np.tile(scratch, (pad, 1)))
         if static.lora is not None:
             b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
             fill_lora(static.lora, b_slot)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from slora_batch.engine.memory import to_device
+
 _MASK63 = (1 << 63) - 1
 
 
@@ -47,11 +49,11 @@ class SamplingBatch:
         """rows: (temperature, top_k, top_p, key, step) per sampled row."""
         t, k, p, key, step = zip(*rows, strict=True)
         return cls(
-            temperature=torch.tensor(t, dtype=torch.float32, device=device),
-            top_k=torch.tensor(k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(p, dtype=torch.float32, device=device),
-            key=torch.tensor(key, dtype=torch.int64, device=device),
-            step=torch.tensor(step, dtype=torch.int64, device=device),
+            temperature=to_device(t, device, torch.float32),
+            top_k=to_device(k, device, torch.int64),
+            top_p=to_device(p, device, torch.float32),
+            key=to_device(key, device, torch.int64),
+            step=to_device(step, device, torch.int64),
             any_sampled=any(x > 0 for x in t),
         )
 
