@@ -13,6 +13,7 @@ import pytest
 import torch
 from factory import make_adapters, make_model, make_rows
 
+from kernels.builds import BuildLog
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.memory import copy_in, to_device
 from slora_batch.engine.sampling import SamplingBatch
@@ -66,11 +67,12 @@ def test_each_step_is_prepared_while_the_one_before_runs(tmp_path):
     adapters = make_adapters(model_dir, tmp_path / "adapters")
     config = EngineConfig(device="cuda", max_resident_adapters=2, max_adapters_per_batch=2,
                           max_num_seqs=8, lookahead=64)  # fmt: skip
-    engine = Engine(model_dir, adapters=adapters, config=config)
-    requests = _requests(300, list(adapters))
-    first = [r for r in engine.generate(requests)]  # builds the kernels the steps use
+    # The first engine builds the Triton kernels the steps use; the watched one starts from
+    # the same state (nothing resident), so its steps take the same shapes and build nothing.
+    first = list(Engine(model_dir, adapters=adapters, config=config).generate(
+        _requests(300, list(adapters))))  # fmt: skip
     assert not [r.error for r in first if r.error]
-
+    engine = Engine(model_dir, adapters=adapters, config=config)
     sleeps, waits, calls = [], [], []
 
     def watched(name, method, sleep_first=False):
@@ -78,10 +80,12 @@ def test_each_step_is_prepared_while_the_one_before_runs(tmp_path):
             if sleep_first:  # the step's work queues behind a sleep
                 sleeps.append(busy())
             pending = bool(sleeps) and not sleeps[-1].query()
-            out = method(*args, **kwargs)
+            with BuildLog() as builds:
+                out = method(*args, **kwargs)
             calls.append(name)
             if pending and sleeps[-1].query():
-                waits.append(f"{name} (call {len(calls)})")
+                built = f", {builds.count} Triton builds {builds.names}" if builds.count else ""
+                waits.append(f"{name} (call {len(calls)}{built})")
             return out
 
         return call
