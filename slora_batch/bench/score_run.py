@@ -43,6 +43,8 @@ def run_score(ctx, n: int) -> dict:
     timed = timed_run(ctx, engine, requests, f"score@{n}", count)
     for computed, _ in timed.partial:  # generated is 0: nothing is drawn
         work.add(computed, 0)
+    hits = timed.counters["prefix_hit_tokens"]  # contexts the choices after the first shared
+    work.cached_tokens = 0 if math.isnan(hits) else int(hits)
     del engine
     row = engine_row(ctx, "score", n, len(requests), finished, 0, setup_s, timed)
     row.update(figures(ctx, work, finished, timed.wall_s))

@@ -135,6 +135,9 @@ def test_score_and_peft_score_run_and_report_rows_per_second(tmp_path):
         assert row["scored_tokens"] == sum(workload.tokens(i) for i in range(count))
         assert row["scored_tokens_per_s"] > 0 and math.isnan(row["output_tokens_per_s"])
         assert 0 < row["roofline_fraction"] < math.inf
+    score, peft = rows  # the floor counts what was computed: no context the cache gave
+    computed = score["scored_tokens"] - score["prefix_hit_tokens"]
+    assert score["flops"] / computed == pytest.approx(peft["flops"] / peft["scored_tokens"])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert set(summary["score"]["3"]) == {"requests_per_s", "roofline_fraction", "rows_per_s",
                                           "scored_tokens_per_s"}  # fmt: skip
