@@ -4,7 +4,8 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, prefix, score, tp
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, prefix, score, tp,
+#                                          # dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
 set -uo pipefail
@@ -92,8 +93,16 @@ case "$mode" in
         bench tp/tp2-70b 200 --model-preset llama2-70b --tensor-parallel 2 \
           --systems base-par,slora-par --adapters 100 --max-seconds 20 --total-seconds 180
         ;;
+      dp-job)
+        # two GPUs: issue 16's job point at data parallel 2, the job path (job-par) beside the
+        # in-process engines (slora-par) on the same 4000 requests at 1000 adapters, uncut
+        python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" \
+          || { echo "now dp-job needs two GPUs (the nvidia-h200-x2 kind)" >&2; exit 2; }
+        bench tp/dp2-job 590 --data-parallel 2 --requests 4000 --systems slora-par,job-par \
+          --adapters 1000 --max-seconds 0 --total-seconds 0
+        ;;
       *)
-        echo "now needs an experiment: job, prefix, score or tp (got '${2:-}')" >&2
+        echo "now needs an experiment: job, prefix, score, tp or dp-job (got '${2:-}')" >&2
         exit 2
         ;;
     esac

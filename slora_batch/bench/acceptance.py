@@ -58,9 +58,15 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- {r['system']}@{r['adapters']} / slora@{r['adapters']} = "
                 f"{r['output_tokens_per_s'] / tok('slora', r['adapters']):.2f}"
             )
-        if r["system"] == "job":
+        if r["system"] == "job-par" and tok("slora-par", r["adapters"]):
             lines.append(
-                f"- job@{r['adapters']}: {r['output_tokens_per_s']:.0f} tok/s over engine time, "
+                f"- job-par@{r['adapters']} / slora-par@{r['adapters']} (tp "
+                f"{r['tensor_parallel']} x dp {r['data_parallel']}) = "
+                f"{r['output_tokens_per_s'] / tok('slora-par', r['adapters']):.2f}"
+            )
+        if r["system"] in ("job", "job-par"):
+            lines.append(
+                f"- {r['system']}@{r['adapters']}: {r['output_tokens_per_s']:.0f} tok/s over engine time, "
                 f"{r['end_to_end_tokens_per_s']:.0f} end to end; wall {r['job_wall_s']:.1f} s = "
                 f"load {r['job_load_s'] or 0:.1f} + warmup {r['job_warmup_s'] or 0:.1f} + engine "
                 f"{r['wall_s']:.1f} + read {r['job_read_s']:.1f} + write {r['job_write_s']:.1f} s "

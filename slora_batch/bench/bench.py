@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 # the scoring workload through the engine and through PEFT (bench/score_run.py,
 # peft_score_run.py: not in the default list either), the prefix cache's systems
 # (bench/prefix_run.py; slora-off: slora with the cache off; not in the default list), then
-# base and slora again at --tensor-parallel x --data-parallel (the default when that is > 1)
-PARALLEL = ("base-par", "slora-par")
+# base and slora again at --tensor-parallel x --data-parallel (the default when that is > 1),
+# and job-par: the job at that layout (not in the default list)
+PARALLEL = ("base-par", "slora-par", "job-par")
 SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
@@ -100,7 +101,7 @@ class BenchConfig:
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         parallel = self.tensor_parallel * self.data_parallel > 1
         if parallel and not self.systems_given:
-            self.systems = ["base", "slora", *PARALLEL]
+            self.systems = ["base", "slora", "base-par", "slora-par"]
         check(
             parallel or not set(PARALLEL) & set(self.systems),
             f"systems {', '.join(PARALLEL)} need --tensor-parallel or --data-parallel above 1",
@@ -177,7 +178,7 @@ class BenchConfig:
         }
         counts.update(dict.fromkeys(ABLATIONS, self.ablation_adapters or self.adapters))
         counts.update({"base-par": [0], "slora-par": self.adapters})
-        counts["job"] = self.ablation_adapters or self.adapters
+        counts["job"] = counts["job-par"] = self.ablation_adapters or self.adapters
         counts.update({"score": self.adapters, "peft-score": counts["peft"]})
         counts.update(dict.fromkeys(PREFIX, self.adapters))
         return [(s, n) for s in SYSTEMS if s in self.systems for n in sorted(set(counts[s]))]
@@ -266,10 +267,10 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             from slora_batch.bench.peft_run import run_peft
 
             row = run_peft(ctx, n)
-        elif system == "job":
+        elif system in ("job", "job-par"):
             from slora_batch.bench.job_run import run_job_system
 
-            row = run_job_system(ctx, n)
+            row = run_job_system(ctx, n, system)
         elif system == "score":
             from slora_batch.bench.score_run import run_score
 

@@ -33,7 +33,7 @@ def bench(
         help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job, score, "
         "peft-score, the prefix cache's (slora-off, prefix, prefix-off, samples, "
         "samples-separate) and the -par ones; with --tensor-parallel or --data-parallel above 1: "
-        "base, slora and the -par ones).",
+        "base, slora, base-par and slora-par).",
         show_default=False,
     ),
     adapters: str = typer.Option(
@@ -118,10 +118,10 @@ def bench(
     ),
     out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
     tensor_parallel: int = typer.Option(
-        D.tensor_parallel, help="Devices per engine of the base-par and slora-par systems."
+        D.tensor_parallel, help="Devices per engine of the -par systems (base, slora, job)."
     ),
     data_parallel: int = typer.Option(
-        D.data_parallel, help="Engines (workers) of the base-par and slora-par systems."
+        D.data_parallel, help="Engines (workers) of the -par systems."
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
 ) -> None:

@@ -11,7 +11,8 @@ from start-up (model load, CUDA-graph capture) and writing.
 Its ``output_tokens_per_s`` is generated tokens over the job's engine time (the figure
 ``stats.parquet`` reports); ``end_to_end_tokens_per_s`` is over the job's whole wall time,
 start-up included. Compare with ``slora`` at the same adapter count and ``--max-seconds 0``
-(both run every request).
+(both run every request). ``job-par`` is the same job at ``--tensor-parallel`` x
+``--data-parallel``: compare it with ``slora-par``.
 """
 
 from __future__ import annotations
@@ -87,9 +88,12 @@ def write_input(requests, path: Path) -> Path:
     return path
 
 
-def run_job_system(ctx, n: int) -> dict:
-    """The workload's requests at ``n`` adapters through a job run; one row of the bench."""
+def run_job_system(ctx, n: int, system: str = "job") -> dict:
+    """The workload's requests at ``n`` adapters through a job run; one row of the bench.
+    ``job-par`` runs the job at the bench's tensor- and data-parallel layout."""
     cfg, model = ctx.config, ctx.model
+    cuda, parallel = model.device.type == "cuda", system == "job-par"
+    layout = (cfg.tensor_parallel, cfg.data_parallel) if parallel else (1, 1)
     root = Path(ctx.model.model_dir).parent
     started = time.perf_counter()
     model_dir = write_model(ctx, root)
@@ -101,7 +105,7 @@ def run_job_system(ctx, n: int) -> dict:
     write_input(requests, job_dir / "rows.parquet")
     files_s = time.perf_counter() - started
     log.info("job@%d: model, %d adapter directories and the input written in %.1f s", n, n, files_s)
-    if model.device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     job = JobConfig(
         name=f"bench-job-{n}",
@@ -111,9 +115,11 @@ def run_job_system(ctx, n: int) -> dict:
         output=str(job_dir / "out"),
         sampling=SamplingConfig(ignore_eos=True, max_new_tokens=max(cfg.max_output, 1)),
         engine=EngineConfig(
-            device=str(model.device),
+            device=("cuda" if cuda else "cpu") if parallel else str(model.device),
             dtype=str(model.dtype).removeprefix("torch."),
             backend=cfg.backend,
+            tensor_parallel=layout[0],
+            data_parallel=layout[1],
         ),
     )
     summary = run_job(job)
@@ -130,7 +136,7 @@ def run_job_system(ctx, n: int) -> dict:
         work.add(row["prompt_tokens"], row["completion_tokens"])
     engine_s = stats["engine_s"]
     result = dict(
-        system="job",
+        system=system,
         adapters=n,
         requests=len(requests),
         fed=len(requests),
@@ -139,11 +145,13 @@ def run_job_system(ctx, n: int) -> dict:
         length_mismatches=mismatches,
         truncated=False,
         setup_s=(stats["load_s"] or 0.0) + (stats["warmup_s"] or 0.0),
-        peak_mem_gib=(
+        peak_mem_gib=(  # a parallel job's engines are other processes
             torch.cuda.max_memory_allocated(model.device) / 2**30
-            if model.device.type == "cuda"
+            if cuda and not parallel
             else math.nan
         ),
+        tensor_parallel=layout[0],
+        data_parallel=layout[1],
         host_share=math.nan,
         decode_host_share=math.nan,
         decode_batch=math.nan,
@@ -157,10 +165,11 @@ def run_job_system(ctx, n: int) -> dict:
         adapter_loads=stats["adapter_loads"],
         adapter_disk_loads=stats["adapter_disk_loads"],
     )
-    result.update(figures(ctx, work, finished, engine_s))
+    result.update(figures(ctx, work, finished, engine_s, layout[0] * layout[1] if cuda else 1))
     log.info(
-        "job@%d: %d rows, engine %.1f s (%.0f tok/s), wall %.1f s (%.0f tok/s end to end): "
+        "%s@%d: %d rows, engine %.1f s (%.0f tok/s), wall %.1f s (%.0f tok/s end to end): "
         "load %.1f s, warmup %.1f s, read %.1f s, write %.1f s; %d adapter disk loads",
+        system,
         n,
         finished,
         engine_s,

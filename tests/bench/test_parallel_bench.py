@@ -1,5 +1,5 @@
 """The bench's parallel systems on the CPU: base-par and slora-par at --tensor-parallel 2 next to
-one device, and the RandomWeights they make on each rank."""
+one device, job-par at --data-parallel 2, and the RandomWeights they make on each rank."""
 
 from __future__ import annotations
 
@@ -30,9 +30,24 @@ def test_tensor_parallel_runs_beside_one_device(tmp_path):
     assert "slora-par@3 (tp 2 x dp 1)" in lines and "x slora@3" in lines
 
 
+def test_the_job_at_data_parallel_two_makes_the_tokens_of_the_engine(tmp_path):
+    """``job-par``: the real job path at the bench's layout, beside ``slora-par`` on the same
+    requests; its row names the layout and the acceptance compares the two."""
+    config = BenchConfig(systems=["slora-par", "job-par"], systems_given=True, data_parallel=2,
+                         out=tmp_path / "out", **TINY)  # fmt: skip
+    rows, _ = run_bench(config)
+    engine, job = ({r["system"]: r for r in rows}[s] for s in ("slora-par", "job-par"))
+    assert job["error"] is None and job["finished"] == job["requests"] == 16
+    assert (job["tensor_parallel"], job["data_parallel"]) == (1, 2)
+    assert job["output_tokens"] == engine["output_tokens"] > 0 and job["error_rows"] == 0
+    lines = "\n".join(acceptance(rows))
+    assert "job-par@3 / slora-par@3 (tp 1 x dp 2) = " in lines and "- job-par@3: " in lines
+
+
 def test_parallel_systems_need_a_parallel_layout():
-    with pytest.raises(ConfigError, match="need --tensor-parallel or --data-parallel above 1"):
-        BenchConfig(systems=["slora-par"], systems_given=True)
+    for system in ("slora-par", "job-par"):
+        with pytest.raises(ConfigError, match="need --tensor-parallel or --data-parallel above"):
+            BenchConfig(systems=[system], systems_given=True)
     with pytest.raises(ConfigError, match="tensor_parallel must be >= 1"):
         BenchConfig(tensor_parallel=0)
 
