@@ -94,11 +94,13 @@ case "$mode" in
           --systems base-par,slora-par --adapters 100 --max-seconds 20 --total-seconds 180
         ;;
       dp-job)
-        # two GPUs: issue 16's job point at data parallel 2, the job path (job-par) beside the
-        # in-process engines (slora-par) on the same 4000 requests at 1000 adapters, uncut
+        # two GPUs: the bf16 TP=2 parity test (into gpu-tests.log), then issue 16's job point at
+        # data parallel 2: the job path (job-par) beside the in-process engines (slora-par) on
+        # the same 4000 requests at 1000 adapters, uncut
         python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" \
           || { echo "now dp-job needs two GPUs (the nvidia-h200-x2 kind)" >&2; exit 2; }
-        bench tp/dp2-job 590 --data-parallel 2 --requests 4000 --systems slora-par,job-par \
+        gpu_tests 150 tests/engine/test_tensor_parallel_gpu.py
+        bench tp/dp2-job 420 --data-parallel 2 --requests 4000 --systems slora-par,job-par \
           --adapters 1000 --max-seconds 0 --total-seconds 0
         ;;
       *)

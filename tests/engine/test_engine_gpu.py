@@ -50,16 +50,21 @@ NOISE_MARGINS = 6  # ... and closer than this many times transformers' own bf16 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def gpu_case(request, tmp_path_factory):
+    return build_case(tmp_path_factory.mktemp(request.param), SHAPES[request.param])
+
+
+def build_case(root, shape: dict):
+    """A random bf16 Llama of ``shape`` on the GPU with the ADAPTERS in PEFT: its config in
+    root/model (the weights are returned, by Hugging Face name), the adapters in root/adapters."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp(request.param)
     config = LlamaConfig(
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
-        **SHAPES[request.param],
+        **shape,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
