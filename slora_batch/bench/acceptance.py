@@ -53,20 +53,18 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- roofline {r['system']}@{r['adapters']} = {r['roofline_fraction']:.3f} "
                 f"(need >= 0.30): {'pass' if r['roofline_fraction'] >= 0.30 else 'FAIL'}"
             )
-        if r["system"] in (*ABLATIONS, "job") and tok("slora", r["adapters"]):
+        engine = "slora-par" if r["system"] == "job-par" else "slora"  # what it is set against
+        if r["system"] in (*ABLATIONS, "job", "job-par") and tok(engine, r["adapters"]):
+            layout = f" (tp {r['tensor_parallel']} x dp {r['data_parallel']})"
             lines.append(
-                f"- {r['system']}@{r['adapters']} / slora@{r['adapters']} = "
-                f"{r['output_tokens_per_s'] / tok('slora', r['adapters']):.2f}"
-            )
-        if r["system"] == "job-par" and tok("slora-par", r["adapters"]):
-            lines.append(
-                f"- job-par@{r['adapters']} / slora-par@{r['adapters']} (tp "
-                f"{r['tensor_parallel']} x dp {r['data_parallel']}) = "
-                f"{r['output_tokens_per_s'] / tok('slora-par', r['adapters']):.2f}"
+                f"- {r['system']}@{r['adapters']} / {engine}@{r['adapters']}"
+                f"{layout if r['system'] == 'job-par' else ''} = "
+                f"{r['output_tokens_per_s'] / tok(engine, r['adapters']):.2f}"
             )
         if r["system"] in ("job", "job-par"):
             lines.append(
-                f"- {r['system']}@{r['adapters']}: {r['output_tokens_per_s']:.0f} tok/s over engine time, "
+                f"- {r['system']}@{r['adapters']}: {r['output_tokens_per_s']:.0f} tok/s over engine "
+                f"time, "
                 f"{r['end_to_end_tokens_per_s']:.0f} end to end; wall {r['job_wall_s']:.1f} s = "
                 f"load {r['job_load_s'] or 0:.1f} + warmup {r['job_warmup_s'] or 0:.1f} + engine "
                 f"{r['wall_s']:.1f} + read {r['job_read_s']:.1f} + write {r['job_write_s']:.1f} s "

@@ -12,7 +12,6 @@ The prefix cache's systems (bench/prefix_run.py) hand ``run_engine`` requests of
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from types import ModuleType
@@ -101,8 +100,7 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
     timed = timed_run(ctx, engine, requests, f"{system}@{n}", count)
     for prompt, generated in timed.partial:
         work.add(prompt, generated)
-    hits = timed.counters["prefix_hit_tokens"]
-    work.cached_tokens = 0 if math.isnan(hits) else int(hits)
+    work.cached_tokens = timed.cached_tokens
     if system.endswith("-par"):
         engine.close()
     del engine

@@ -45,24 +45,15 @@ def run_meta(
 def _commit() -> str:
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()  # fmt: skip
+
     try:
-        root = Path(__file__).resolve().parent.parent
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return f"unknown (no git; set {COMMIT_ENV})"
     return head + (" + uncommitted changes" if dirty else "")

@@ -43,8 +43,7 @@ def run_score(ctx, n: int) -> dict:
     timed = timed_run(ctx, engine, requests, f"score@{n}", count)
     for computed, _ in timed.partial:  # generated is 0: nothing is drawn
         work.add(computed, 0)
-    hits = timed.counters["prefix_hit_tokens"]  # contexts the choices after the first shared
-    work.cached_tokens = 0 if math.isnan(hits) else int(hits)
+    work.cached_tokens = timed.cached_tokens  # the contexts the choices after the first shared
     del engine
     row = engine_row(ctx, "score", n, len(requests), finished, 0, setup_s, timed)
     row.update(figures(ctx, work, finished, timed.wall_s))

@@ -51,6 +51,12 @@ class Timed:
     counters: dict[str, float]  # the engine's COUNTERS over the timed run
     builds: BuildLog  # Triton builds inside it
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (0 where the engine counts none)."""
+        hits = self.counters["prefix_hit_tokens"]
+        return 0 if math.isnan(hits) else int(hits)
+
 
 def timed_run(
     ctx, engine: Engine, requests: list[Request], label: str, count: Callable[[Result], None]
