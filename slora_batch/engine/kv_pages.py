@@ -48,24 +48,36 @@ class KVPages:
         demand[id(lora_pool)] = (lora_pool, have + adapter)
         return demand
 
+    @staticmethod
+    def matchable(seq: Sequence) -> list[int]:
+        """The tokens a sequence may take from the cache, all but the last of which it may
+        skip: a generated row's prompt; a scored row's context alone, since the context's last
+        token predicts the first continuation token and every continuation token is scored.
+        Running example, blocks of 4: context [c0..c13], continuation [x0, x1, x2]; the
+        cache may hold [c12, c13, x0, x1] (another choice starting x0, x1), but the row matches
+        only blocks before c13 (c0..c11) and computes from c12, scoring from c13 on."""
+        return seq.prompt_ids if seq.draws else seq.prompt_ids[: seq.scores.start]
+
     def prefix(self, seq: Sequence) -> list[Block]:
         """The cached blocks a waiting sequence's prompt starts with (none for a sequence
-        whose KV is partly computed)."""
+        whose KV is partly computed), within ``matchable``."""
         if self.cache is None or seq.num_computed:
             return []
-        return self.cache.match(seq.adapter, seq.prompt_ids)
+        return self.cache.match(seq.adapter, self.matchable(seq))
 
     def first_miss(self, seq: Sequence, hit: list[Block]) -> int | None:
         """The key of the block a sequence computes first past its cached prefix ``hit``
-        (None when no full block is left before its last token)."""
+        (None when no full block of ``matchable`` is left before its last token: a block it
+        could not take from the cache is not worth waiting for)."""
         if self.cache is None:
             return None
+        tokens = self.matchable(seq)
         size = self.block_tokens
         lo = len(hit) * size
-        if lo + size >= len(seq.prompt_ids):
+        if lo + size >= len(tokens):
             return None
         parent = hit[-1].key if hit else None
-        return self.cache.key(parent, seq.adapter, tuple(seq.prompt_ids[lo : lo + size]))
+        return self.cache.key(parent, seq.adapter, tuple(tokens[lo : lo + size]))
 
     def admissible(self, seq: Sequence, n: int, hit: list[Block], pinned: bool) -> bool:
         """Whether a waiting sequence fits: ``n`` tokens of KV past its cached prefix ``hit``,

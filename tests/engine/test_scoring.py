@@ -57,7 +57,8 @@ def scored_rows(adapters, n: int, seed: int) -> list[Request]:
     for i in range(n):
         context = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 4, 13, 30, 45]))]
         if i % 3 == 2:
-            choices = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 2, 7]))]
+            stem = [rng.randrange(3, VOCAB) for _ in range(rng.choice([0, 2, 5]))]  # shared
+            choices = [stem + [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 2, 7]))]
                        for _ in range(rng.choice([2, 4]))]  # fmt: skip
             rows.append(Request(id=f"c{i}", adapter=names[i % len(names)],
                                 prompt_token_ids=context, choices_token_ids=choices,
@@ -93,7 +94,8 @@ def test_scores_match_peft_in_chunks_beside_generated_rows(case):
         for i in range(4)
     ]
     engine = Engine(model_dir, adapters=adapters,
-                    config=EngineConfig(**KNOBS, max_num_batched_tokens=16))  # fmt: skip
+                    config=EngineConfig(**KNOBS, max_num_batched_tokens=16,
+                                      prefix_block_tokens=4))  # fmt: skip
     results = {r.id: r for r in engine.generate([*rows[:9], *generated, *rows[9:]])}
     assert len(results) == len(rows) + len(generated)
     assert not [r.error for r in results.values() if r.error]
