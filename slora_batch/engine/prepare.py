@@ -69,9 +69,12 @@ class RequestPreparer:
         n = len(prompt_ids)
         if n == 0:
             return Result.failed(request, "empty prompt")
-        if request.scored:
-            if params.n > 1 or request.sample_indices:
-                return Result.failed(request, "n is for generated rows, not scored ones")
+        if request.scored:  # the engine's (or job's) n is for generated rows: only the row's own
+            if request.n not in (None, 1) or request.sample_indices:
+                asks = f"n={request.n}" if request.n not in (None, 1) else "sample_indices"
+                return Result.failed(
+                    request, f"n is for generated rows, not scored ones (the row asks {asks})"
+                )
             return self._scored(request, prompt_ids, continuations)
         indices = request.sample_indices if request.sample_indices is not None else range(params.n)
         bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int)

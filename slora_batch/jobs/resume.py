@@ -19,6 +19,7 @@ from slora_batch.jobs.reader import InputRow, input_root, read_rows
 from slora_batch.jobs.rows import identity, row_key, to_request
 from slora_batch.jobs.samples import DoneSamples, resumed, row_samples
 from slora_batch.jobs.scan import InputScan
+from slora_batch.jobs.scoring import scored
 
 COLUMNS = ("id", "adapter", "sample_index", "finish_reason", "source")
 
@@ -77,7 +78,7 @@ def pending_rows(
     for row in rows:
         id_, adapter, problem = identity(row, fanout)
         adapters = plan.sweep if fanout else [adapter]
-        n = 1 if problem else row_samples(row.values.get("n"), job.sampling)
+        n = 1 if problem else row_samples(row.values.get("n"), job.sampling, scored(row.values))
         if done:
             todo = [(a, done.missing(row_key(id_, a), n)) for a in adapters]
             todo = [(a, missing) for a, missing in todo if missing]

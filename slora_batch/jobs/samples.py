@@ -3,7 +3,7 @@
 Words: an *input row* is a line or row of the input; a *row* of the output (what parts,
 ``stats.parquet``, progress and the summary count) is one sample of one input row for one
 adapter, ``(id, adapter, sample_index)``. An input row makes ``n`` rows per adapter (its ``n``
-column, else the job's ``sampling.n``), sample k seeded by (seed, id, k) so that it is the same
+column, else the job's ``sampling.n`` for a generated row and 1 for a scored one), sample k seeded by (seed, id, k) so that it is the same
 whenever it is made; an input row that fails (a bad line, a bad ``n``, an unknown adapter) makes
 one error row, which stands for all its samples.
 
@@ -25,9 +25,13 @@ from slora_batch.jobs.rows import row_key
 ERROR_BITS = -1  # every bit set: an error row stands for every sample of its row
 
 
-def row_samples(n: Any, sampling: SamplingConfig) -> int:
+def row_samples(n: Any, sampling: SamplingConfig, scored: bool = False) -> int:
     """Rows an input row makes per adapter: its ``n`` column (None: ``sampling.n``), or 1 when
-    that is not a valid n (the row is one error row). ``SamplingConfig`` says what is valid."""
+    that is not a valid n (the row is one error row). A scored row makes 1: the job's n is for
+    generated rows, and a scored row's own n > 1 makes it an error row. ``SamplingConfig`` says
+    what is valid."""
+    if scored:
+        return 1
     if n is None:
         return sampling.n
     try:

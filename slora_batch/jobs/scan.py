@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slora_batch.engine.config import SamplingConfig
+from slora_batch.jobs.config import SCORE_KEYS
 from slora_batch.jobs.reader import (
     InputError,
     InputRow,
@@ -48,7 +49,8 @@ class InputScan:
     duplicates: int = 0  # rows whose (id, adapter) an earlier row has
     duplicate_examples: list[str] = field(default_factory=list)
     # rows whose output rows per adapter are not the job's n: those with an n column (their own
-    # n, or one error row when it is bad) and those that cannot be read (one error row)
+    # n, or one error row when it is bad), scored rows (one each) and those that cannot be read
+    # (one error row)
     own_n_rows: int = 0
     own_n_samples: int = 0  # the output rows per adapter of those
 
@@ -169,6 +171,7 @@ def scan_input(
     names the output's own columns, which "all" does not take. ``fs``: the filesystem the files
     are on (None: the local disk)."""
     used = set(used_columns(columns))
+    score_columns = [columns.get(key, key) for key in SCORE_KEYS]  # a scored row makes 1 row
     keep_all = keep == "all"
     wanted = [] if keep_all or not keep else list(keep)
     scan = InputScan()
@@ -205,7 +208,7 @@ def scan_input(
                         name, [0, f"{relative_name(file, root)} (every row)"]
                     )
                     count[0] += rows
-            parquet_wanted = [columns["id"], columns["adapter"], "n"]
+            parquet_wanted = [columns["id"], columns["adapter"], "n", *score_columns]
         else:
             parquet_wanted = None
         name_ = relative_name(file, root)
@@ -229,9 +232,11 @@ def scan_input(
                 "adapter": record.get(columns["adapter"]),
             }
             id_, adapter, problem = identity(row, fanout)
-            if problem is not None or record.get("n") is not None:
+            scored = any(record.get(name) is not None for name in score_columns)
+            if problem is not None or record.get("n") is not None or scored:
                 scan.own_n_rows += 1
-                scan.own_n_samples += 1 if problem else row_samples(record["n"], SamplingConfig())
+                n = 1 if problem else row_samples(record.get("n"), SamplingConfig(), scored)
+                scan.own_n_samples += n
             if problem is not None or isinstance(id_, RowSource):
                 continue
             if isinstance(id_, str) or not INT64_MIN <= id_ <= INT64_MAX:

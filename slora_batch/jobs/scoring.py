@@ -18,6 +18,12 @@ from slora_batch.jobs.config import SCORE_KEYS
 from slora_batch.jobs.text import describe, encodable, unencodable
 
 
+def scored(values: dict[str, Any]) -> bool:
+    """Whether a row (its values by canonical column name) is scored: it gives a scoring
+    column."""
+    return any(values.get(key) is not None for key in SCORE_KEYS)
+
+
 def scoring_fields(
     values: dict[str, Any], columns: dict[str, str]
 ) -> tuple[dict[str, Any], str | None]:

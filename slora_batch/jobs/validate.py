@@ -70,8 +70,11 @@ def validate_job(job: JobConfig) -> ValidationReport:
             if isinstance(item, Result):
                 problems.append(item.error)
                 continue
-            if item.scored and (item.n or job.sampling.n) > 1:  # the engine's rule
-                problems.append(f"{row.where}: n is for generated rows, not scored ones")
+            if item.scored and (item.n or 1) > 1:  # the engine's rule: the row's own n only
+                problems.append(
+                    f"{row.where}: n is for generated rows, not scored ones (the row asks "
+                    f"n={item.n})"
+                )
                 continue
             problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, limit)
             if problem:

@@ -57,8 +57,12 @@ def test_n_from_the_engine_sampling_default(tiny):
     model_dir, adapters = tiny
     engine = Engine(model_dir, adapters=adapters, config=EngineConfig(**KNOBS),
                     sampling=SamplingConfig(n=3, temperature=0.7, max_new_tokens=4))  # fmt: skip
-    results = list(engine.generate([Request(id="a", prompt_token_ids=[5, 6, 7, 8])]))
-    assert sorted(r.sample_index for r in results) == [0, 1, 2]
+    scored = Request(id="s", prompt_token_ids=[5, 6, 7], continuation_token_ids=[8, 9])
+    results = list(engine.generate([Request(id="a", prompt_token_ids=[5, 6, 7, 8]), scored]))
+    assert sorted(r.sample_index for r in results if r.id == "a") == [0, 1, 2]
+    # the default n is for generated rows: a scored row is scored once
+    [score] = [r for r in results if r.id == "s"]
+    assert score.finish_reason == "score" and len(score.token_logprobs) == 2, score.error
 
 
 def test_bad_n_is_an_error_row(tiny):
@@ -70,4 +74,4 @@ def test_bad_n_is_an_error_row(tiny):
     results = {r.id: r for r in run(tiny, rows)[0]}
     assert "n must be an integer from 1 to 256, got 0" in results[1].error
     assert "sample_indices [2] are not in 0..1" in results[2].error
-    assert "n is for generated rows" in results[3].error
+    assert "n is for generated rows, not scored ones (the row asks n=2)" in results[3].error

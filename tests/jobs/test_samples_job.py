@@ -80,20 +80,22 @@ def test_every_sample_once_with_the_engine_tokens_and_error_rows_in_the_counts(t
     bad = [
         {"id": "bad-n", "prompt": "the fox", "n": 0},  # one error row, as the scan counts it
         {"id": "bad-prompt", "prompt": 123},  # one error row for its 3 samples
-        {"id": "scored", "prompt": "the", "continuation": " fox"},  # the engine refuses n 3
+        {"id": "scored-n", "prompt": "the", "continuation": " fox", "n": 2},  # its own n
     ]
-    write_jsonl(tmp_path / "rows.jsonl", rows + bad)
+    scored = {"id": "scored", "prompt": "the", "continuation": " fox"}  # the job's n 3: 1 row
+    write_jsonl(tmp_path / "rows.jsonl", rows + bad + [scored])
     events = []
     summary = run_job(load_job(tmp_path, tiny, **KEYS), progress=events.append)
     got = outputs(tmp_path / "out")
     samples = by_sample(got)
     ns = {"r0000": 3, "r0001": 2, "r0002": 1, "r0003": 3}
     good = {(r["id"], r["adapter"], k) for r in rows for k in range(ns[r["id"]])}
-    assert set(samples) == good | {(r["id"], None, 0) for r in bad}
+    assert set(samples) == good | {(r["id"], None, 0) for r in [*bad, scored]}
     errors = {r["id"]: r["error"] for r in got if r["finish_reason"] == "error"}
-    assert set(errors) == {"bad-n", "bad-prompt", "scored"}
+    assert set(errors) == {"bad-n", "bad-prompt", "scored-n"}
     assert "per-row override: n must be an integer from 1 to 256, got 0" in errors["bad-n"]
-    assert "n is for generated rows" in errors["scored"]
+    assert "n is for generated rows, not scored ones (the row asks n=2)" in errors["scored-n"]
+    assert [r["finish_reason"] for r in got if r["id"] == "scored"] == ["score"]
     for i in ("r0000", "r0003"):  # three samples of one prompt at temperature 1 differ
         assert len({tuple(samples[i, None, k][0]) for k in range(3)}) > 1
 
@@ -110,22 +112,22 @@ def test_every_sample_once_with_the_engine_tokens_and_error_rows_in_the_counts(t
         key: value for key, value in expected.items() if key[2] == 0
     }
 
-    # 3 + 2 + 1 + 3 samples and 3 error rows; the scan counted 3 for two of those (bad-prompt,
-    # scored) and the run lowered the total as they failed
+    # 3 + 2 + 1 + 3 samples, 3 error rows and the scored row; the scan counted 3 for one of
+    # those (bad-prompt) and the run lowered the total as it failed; scored rows count 1
     assert summary.stats["rows"] == summary.rows_this_run == read_success(tmp_path / "out")["rows"]
-    assert (summary.stats["rows"], summary.stats["error_rows"]) == (12, 3)
+    assert (summary.stats["rows"], summary.stats["error_rows"]) == (13, 3)
     loading = next(e for e in events if e.phase == "loading")
-    assert loading.rows_total == 3 + 2 + 1 + 3 + 1 + 3 + 3
+    assert loading.rows_total == 3 + 2 + 1 + 3 + 1 + 3 + 1 + 1
     running = [e for e in events if e.phase == "running"]
-    assert [e.rows_done for e in running] == list(range(1, 13))
-    assert running[-1].rows_total == 12 and events[-1].rows_total == events[-1].rows_done == 12
+    assert [e.rows_done for e in running] == list(range(1, 14))
+    assert running[-1].rows_total == 13 and events[-1].rows_total == events[-1].rows_done == 13
     shown = preview(load_job(tmp_path, tiny, **KEYS), limit=10)
     assert [(p.id, p.text) for p in shown] == [(i, samples[i, a, 0][1]) for i, a, k in
                                                sorted(good) if k == 0]  # fmt: skip
     assert run_job(load_job(tmp_path, tiny, **KEYS)).complete_already
     problems = validate_job(load_job(tmp_path, tiny, **KEYS)).problems
     assert [p.split(": ")[0] for p in problems] == [f"rows.jsonl line {i}" for i in (5, 6, 7)]
-    assert problems[2].endswith("n is for generated rows, not scored ones")
+    assert problems[2].endswith("n is for generated rows, not scored ones (the row asks n=2)")
 
 
 def test_a_kill_between_the_samples_of_a_row_then_a_rerun_makes_only_the_missing_ones(
