@@ -102,7 +102,7 @@ class RequestPreparer:
         self.arrivals += 1
         stop = list(params.stop)
         # Sample 0's noise is the row's as it was before n existed; sample k's its own.
-        key = noise_key(params.seed, request.id if index == 0 else (request.id, index))
+        key = noise_key(params.seed, request.id, index)
         return Sequence(
             request=request,
             order=self.arrivals,

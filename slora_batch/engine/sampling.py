@@ -18,11 +18,16 @@ from slora_batch.engine.memory import to_device
 _MASK63 = (1 << 63) - 1
 
 
-def noise_key(seed: int, row_id: Any) -> int:
-    """A stable 63-bit key for (seed, row id): the same in every process and on every run."""
-    digest = hashlib.blake2b(
-        f"{seed}\x00{type(row_id).__name__}\x00{row_id}".encode(), digest_size=8
-    )
+def noise_key(seed: int, row_id: Any, sample: int = 0) -> int:
+    """A stable 63-bit key for (seed, row id, sample index): the same in every process and on
+    every run. The id counts by its canonical text (``str``: the int 7 and the string "7" are
+    one id, as resume and the output's string id column have them), keyed as an int id always
+    was, so an int id's samples draw what they drew before: sample 0 on "int" and the id's
+    text, sample k on the text of the tuple (id, k). Running example: 7 and "7", sample 2 ->
+    both hash "0\x00tuple\x00(7, 2)" at seed 0."""
+    text = str(row_id)
+    body = f"int\x00{text}" if sample == 0 else f"tuple\x00({text}, {sample})"
+    digest = hashlib.blake2b(f"{seed}\x00{body}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") & _MASK63
 
 

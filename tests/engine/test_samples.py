@@ -65,6 +65,18 @@ def test_n_from_the_engine_sampling_default(tiny):
     assert score.finish_reason == "score" and len(score.token_logprobs) == 2, score.error
 
 
+def test_an_int_id_and_its_text_draw_the_same_samples(tiny):
+    """7 and "7" are one id (resume, a string id column): every sample draws alike."""
+    names = list(tiny[1])
+    rows = [sampled(7, names[0], n=3), Request(**{**vars(sampled(7, names[0], n=3)), "id": "7"})]
+    results, _ = run(tiny, rows)
+    by_id = {(r.id, r.sample_index): r.token_ids for r in results}
+    assert len(by_id) == 6
+    for k in range(3):
+        assert by_id[7, k] == by_id["7", k]
+    assert len({tuple(by_id[7, k]) for k in range(3)}) > 1
+
+
 def test_bad_n_is_an_error_row(tiny):
     rows = [
         sampled(1, None, n=0),

@@ -1,5 +1,7 @@
 """Sampling: greedy, temperature, top-k, top-p; noise keyed by (seed, row id, step) only."""
 
+import hashlib
+
 import torch
 
 from slora_batch.engine.sampling import SamplingBatch, noise_key, sample, uniform_noise
@@ -11,8 +13,31 @@ def batch(rows):
 
 def test_noise_key_stable_and_distinct():
     assert noise_key(0, 7) == noise_key(0, 7)
-    assert len({noise_key(0, 7), noise_key(1, 7), noise_key(0, 8), noise_key(0, "7")}) == 4
+    keys = {
+        noise_key(0, 7),
+        noise_key(1, 7),
+        noise_key(0, 8),
+        noise_key(0, 7, 1),
+        noise_key(0, 7, 2),
+    }
+    assert len(keys) == 5
     assert 0 <= noise_key(123, "x") < 2**63
+
+
+def test_noise_key_reads_the_id_as_its_canonical_text():
+    """7 and "7" are one id for resume and in a string id column: they draw alike, every
+    sample; an int id's keys are those it had before ids were read as text."""
+    for seed in (0, 5):
+        for k in (0, 1, 3):
+            assert noise_key(seed, 7, k) == noise_key(seed, "7", k)
+        assert noise_key(seed, -12, 2) == noise_key(seed, "-12", 2)
+        assert noise_key(seed, "x") != noise_key(seed, "x", 1) != noise_key(seed, "y", 1)
+
+    def before(seed, row_id):  # the key's formula when an id was hashed with its type
+        text = f"{seed}\x00{type(row_id).__name__}\x00{row_id}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & (2**63 - 1)
+
+    assert noise_key(3, 7) == before(3, 7) and noise_key(3, 7, 2) == before(3, (7, 2))
 
 
 def test_noise_is_pure_function_of_key_step_index():

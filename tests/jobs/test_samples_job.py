@@ -219,3 +219,22 @@ def test_done_samples_and_what_a_resumed_row_asks_for():
     failed = [Result.failed(Request(id=i, prompt="x"), "no room") for i in (1, 2, 3)]
     assert [due.finished(ok)] + [due.finished(r) for r in failed] == [1, 2, 2, 1]
     assert [r.sample_index for r in failed] == [0, 1, 0]
+
+
+def test_an_int_id_and_its_text_are_one_id_and_draw_the_same_samples(tmp_path, tiny):
+    """A file that mixes id types writes 7 as "7", and resume has them as one id: each sample
+    of the row is the same whichever form the input gave (seeded on the id's text)."""
+    drawn = []
+    for seven in (7, "7"):
+        directory = tmp_path / type(seven).__name__
+        write_jsonl(directory / "rows.jsonl", [{"id": seven, "prompt": "the quick fox"},
+                                               {"id": "y", "prompt": "a lazy dog"}])  # fmt: skip
+        run_job(load_job(directory, tiny, **KEYS))
+        drawn.append(by_sample(outputs(directory / "out")))
+    assert (
+        sorted(drawn[0])
+        == sorted(drawn[1])
+        == sorted((i, None, k) for i in ("7", "y") for k in range(3))
+    )
+    assert drawn[0] == drawn[1]
+    assert len({drawn[0]["7", None, k][1] for k in range(3)}) > 1  # temperature 1: samples differ
