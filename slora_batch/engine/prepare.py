@@ -20,7 +20,7 @@ from slora_batch.engine.scoring import (
     ScoreBuffer,
     answer_index,
     check_logprobs,
-    continuation_ids,
+    scored_ids,
 )
 from slora_batch.engine.sequence import Sequence
 from slora_batch.engine.spec import ModelSpec
@@ -62,7 +62,7 @@ class RequestPreparer:
             prompt_ids = tokenize(request, self.tokenizer, self.spec.vocab_size, self.spec.path)
             if prompt_ids and request.scored:
                 vocab = self.spec.vocab_size
-                continuations = continuation_ids(request, prompt_ids, self.tokenizer, vocab)
+                prompt_ids, continuations = scored_ids(request, prompt_ids, self.tokenizer, vocab)
                 answer_index(request, len(continuations))
         except (ConfigError, ValueError, TypeError) as exc:
             return Result.failed(request, str(exc))

@@ -8,11 +8,14 @@ writes each token's log-probability and whether it was the argmax into the seque
 (``ScoreBuffer``). A row with choices runs one sequence per choice; ``ChoiceGroup`` joins them
 back into one result.
 
-Tokenization, as evaluation harnesses do it: the context's tokens, then the whole text (context
-+ continuation) encoded and split at the context's token count. When a token spans the boundary
-(the whole's tokens do not start with the context's), the continuation is encoded on its own and
-appended to the context's tokens instead, so the context is always scored as it is tokenized
-alone.
+Tokenization, as evaluation harnesses do it: a text context's trailing whitespace moves into each
+continuation (lm-eval's rule: "Paris?" after "The capital is " is scored as " Paris?" after "The
+capital is", one natural token "ĠParis" rather than "Ġ" then "Paris"); then the context's tokens,
+then the whole text (context + continuation) encoded and split at the context's token count. When
+a token spans the boundary (the whole's tokens do not start with the context's), the continuation
+is encoded on its own and appended to the context's tokens instead, so the context is always
+scored as it is tokenized alone. A chat context keeps the template's generation prompt whole (its
+trailing newline is the template's, a token of its own).
 """
 
 from __future__ import annotations
@@ -52,9 +55,14 @@ class ChoiceGroup:
         return len(self.done) == self.count
 
 
-def continuation_ids(request: Request, context: list[int], tokenizer, vocab_size: int) -> list:
-    """The token ids of each continuation of a scored row (one list per choice, or one for a
-    ``continuation``). Raises ValueError / TypeError naming what is wrong."""
+def scored_ids(
+    request: Request, context: list[int], tokenizer, vocab_size: int
+) -> tuple[list[int], list[list[int]]]:
+    """A scored row's context ids and the token ids of each continuation (one list per choice,
+    or one for a ``continuation``), from its prompt ids ``context`` as ``tokens.tokenize`` gives
+    them: a text prompt ending in whitespace is tokenized without it, and the whitespace leads
+    each continuation (the module docstring says why). Raises ValueError / TypeError naming what
+    is wrong."""
     if request.continuation_token_ids is not None or request.choices_token_ids is not None:
         given = (
             [request.continuation_token_ids]
@@ -72,7 +80,7 @@ def continuation_ids(request: Request, context: list[int], tokenizer, vocab_size
             if bad:
                 raise ValueError(f"continuation {i}: token ids {bad[:3]} outside the vocabulary")
             out.append(ids)
-        return out
+        return context, out
     texts = [request.continuation] if request.continuation is not None else request.choices
     if not isinstance(texts, list) or not texts:
         raise ValueError("choices must be a non-empty list of strings")
@@ -84,6 +92,12 @@ def continuation_ids(request: Request, context: list[int], tokenizer, vocab_size
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: pass continuation_token_ids")
     context_text = _context_text(request, tokenizer)
+    if request.prompt is not None and context_text.rstrip() != context_text:
+        stripped = context_text.rstrip()
+        if stripped:  # an all-whitespace prompt stays the context
+            space = context_text[len(stripped) :]
+            context_text, texts = stripped, [space + text for text in texts]
+            context = _encode(tokenizer, stripped, True)
     out = []
     for text in texts:
         ids = None
@@ -96,7 +110,7 @@ def continuation_ids(request: Request, context: list[int], tokenizer, vocab_size
         if not ids:
             raise ValueError(f"continuation {text!r} encodes to no tokens")
         out.append(ids)
-    return out
+    return context, out
 
 
 def answer_index(request: Request, count: int) -> int | None:

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.adapter_files import AdapterInfo
 from slora_batch.engine.request import Request, Result
-from slora_batch.engine.scoring import continuation_ids
+from slora_batch.engine.scoring import scored_ids
 from slora_batch.engine.spec import ModelSpec
 from slora_batch.engine.tokens import load_tokenizer, tokenize
 from slora_batch.jobs.check import JobError, check_job, job_error
@@ -149,7 +149,7 @@ def _request_problem(
         context = tokenize(request, tokenizer, spec.vocab_size, spec.path)
         continuations = []
         if request.scored:
-            continuations = continuation_ids(request, context, tokenizer, spec.vocab_size)
+            context, continuations = scored_ids(request, context, tokenizer, spec.vocab_size)
     except Exception as exc:  # tokenizers and chat templates raise many types
         return f"cannot tokenize: {exc}"
     n = len(context)
