@@ -569,5 +569,24 @@ def test_scored_rows_through_the_engine_match_the_engine_api(tmp_path):
                 assert value == pytest.approx(expected, rel=1e-4, abs=1e-5), (i, name)
             else:
                 assert value == expected, (i, name)
-    assert got[1]["best_choice"] in (0, 1, 2) and got[1]["correct"] is not None
+    # and what transformers computes: each choice's sum, the best of them, whether it is the answer
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+    def logp(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(reference(input_ids=torch.tensor([ids])).logits[0], dim=-1)
+
+    sums = []
+    for choice in rows[0]["choices_token_ids"]:
+        table = logp([5, 6, 7, *choice])
+        sums.append(sum(table[2 + j, t].item() for j, t in enumerate(choice)))
+    best = max(range(3), key=sums.__getitem__)
+    assert got[1]["choice_logprobs"] == pytest.approx(sums, abs=1e-4)
+    assert got[1]["best_choice"] == best and got[1]["correct"] == (best == 1)
+    table = logp([5, 6, 7, 8])
+    greedy = all(int(table[1 + j].argmax()) == t for j, t in enumerate([7, 8]))
+    assert got[2]["is_greedy"] == greedy and got[2]["correct"] == greedy  # answer 0: is_greedy
     assert len(got[3]["logprobs"]) == 3 and all(len(e["top"]) == 2 for e in got[3]["logprobs"])

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import builds as builds_module
 from kernels.builds import BuildLog
 
 runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -17,10 +18,13 @@ hooked = pytest.mark.skipif(
 
 
 @hooked
-def test_hooks_set_inside_the_block_and_chained():
+def test_hooks_set_inside_the_block_and_chained(monkeypatch):
     """Inside the block both hooks are the log's: the one before a build returns False (True
     would skip the build) or what an earlier hook returns, and both call the earlier hooks with
-    Triton's arguments; after the block the earlier hooks are back."""
+    Triton's arguments; after the block the earlier hooks are back. Each build's seconds are
+    the clock's from the hook before it to the hook after it."""
+    clock = iter([10.0, 10.25, 20.0, 20.5])  # before, after the first build; the second's
+    monkeypatch.setattr(builds_module.time, "perf_counter", lambda: next(clock))
     calls = []
     saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
     fn = type("JitFunctionInfo", (), {"name": "_shrink_kernel"})()
@@ -40,7 +44,8 @@ def test_hooks_set_inside_the_block_and_chained():
     finally:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
     assert builds.count == 2 and builds.names == ["_shrink_kernel", "_expand_kernel"]
-    assert builds.seconds >= 0 and all(seconds >= 0 for _, seconds in builds.builds)
+    assert builds.builds == [("_shrink_kernel", 0.25), ("_expand_kernel", 0.5)]
+    assert builds.seconds == 0.75
     assert builds.details == ["_shrink_kernel[num_warps=4](x)", ""]
     assert calls == [
         ("before", "_shrink_kernel"),
