@@ -233,7 +233,7 @@ def print_summary(summary: JobSummary, job) -> None:
     if s.get("scored_rows"):
         accuracy = "" if s.get("accuracy") is None else f", accuracy {s['accuracy']:.1%}"
         out.print(f"scored: {_plural(s['scored_rows'], 'row')}{accuracy}")
-        preference = choice_preference(summary.output)
+        preference = choice_preference(summary.output, summary.choice_labels)
         if preference is not None:
             _print_preference(preference)
     for message in summary.errors:
@@ -273,8 +273,8 @@ def _print_preference(preference: ChoicePreference) -> None:
     )
     table.add_column("adapter")
     table.add_column("rows", justify="right")
-    for index in range(preference.columns):
-        table.add_column(str(index), justify="right")
+    for head in preference.heads:
+        table.add_column(escape(head), justify="right")
     beyond = any(a.beyond or a.beyond_norm for a in preference.adapters)
     if beyond:
         table.add_column(f"{preference.columns}+", justify="right")

@@ -114,10 +114,21 @@ def scored_ids(
 
 
 def answer_index(request: Request, count: int) -> int | None:
-    """The index of the row's answer among its choices (None without one)."""
+    """The index of the row's answer among its choices (None without one). A continuation row
+    is one choice: its answer is 0 or the continuation's text, and ``correct`` says whether the
+    continuation is the greedy one."""
     answer = request.answer
     if answer is None:
         return None
+    if request.choices is None and request.choices_token_ids is None:
+        zero = isinstance(answer, int) and not isinstance(answer, bool) and answer == 0
+        if zero or (request.continuation is not None and answer == request.continuation):
+            return 0
+        allowed = "0 or the continuation's text" if request.continuation is not None else "0"
+        raise ValueError(
+            f"answer on a continuation row must be {allowed} (correct then says whether the "
+            f"continuation is the model's greedy one), got {answer!r}"
+        )
     if isinstance(answer, bool) or not isinstance(answer, int | str):
         raise TypeError(f"answer must be a choice index or a choice, got {type(answer).__name__}")
     if isinstance(answer, int):

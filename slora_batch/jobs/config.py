@@ -49,6 +49,9 @@ class JobConfig:
     part_rows: int = 4096  # rows per output part file
     part_seconds: float = 30.0  # a part is committed at least this often: what kill -9 can lose
     keep_columns: str | list[str] | None = None  # input columns carried to the output, or "all"
+    # what each choice index means, for the preference table's columns (the sample eval: one
+    # style per position); None: the choices' texts when every row has the same, else indices
+    choice_labels: list[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):
@@ -98,6 +101,13 @@ class JobConfig:
         self.part_seconds = float(self.part_seconds)
         self.fanout = _check_fanout(self.fanout, self.adapters)
         self.keep_columns = _check_keep(self.keep_columns, self.columns)
+        labels = self.choice_labels
+        check(
+            labels is None
+            or (isinstance(labels, list) and labels and all(
+                isinstance(x, str) and x.strip() for x in labels)),
+            f"choice_labels must be a non-empty list of non-empty strings, got {labels!r}",
+        )  # fmt: skip
 
 
 def _check_fanout(

@@ -21,6 +21,7 @@ from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import part_files
 
 MAX_CHOICE_COLUMNS = 8  # choice indices shown; a later index counts in ``beyond``
+LABEL_CHARS = 16  # a choice's text in a column head, cut past this
 COLUMNS = ["adapter", "best_choice", "best_choice_norm", "choice_tokens", "correct"]
 
 
@@ -41,11 +42,30 @@ class ChoicePreference:
     most_choices: int  # the most choices a row had (more than ``columns`` when cut)
     adapters: list[AdapterPreference]  # base model first, then by name
     answers: bool  # whether any choices row had an answer (an accuracy column is worth showing)
+    heads: list[str]  # per column: its index, and the choice's text when every row shares them
 
 
-def choice_preference(out_dir: str | Path | FsDir) -> ChoicePreference | None:
+def column_heads(columns: int, labels: list[str] | None) -> list[str]:
+    """The preference table's column heads: each index, followed by its label (the job's
+    ``choice_labels``, or the choices every choices row shares), its whitespace collapsed and
+    cut to ``LABEL_CHARS``. Running example: 3 columns, labels ["plain", "SHOUT  IT", "a very
+    long pirate answer"] -> ["0 plain", "1 SHOUT IT", "2 a very long pir…"]; labels None ->
+    ["0", "1", "2"]."""
+    heads = []
+    for index in range(columns):
+        text = " ".join(labels[index].split()) if labels and index < len(labels) else ""
+        if len(text) > LABEL_CHARS:
+            text = text[: LABEL_CHARS - 1].rstrip() + "…"
+        heads.append(f"{index} {text}" if text else str(index))
+    return heads
+
+
+def choice_preference(
+    out_dir: str | Path | FsDir, labels: list[str] | None = None
+) -> ChoicePreference | None:
     """The choice preference of every adapter over the committed parts; None when no row was
-    scored with choices. Parts written before the scoring columns existed hold none."""
+    scored with choices. Parts written before the scoring columns existed hold none.
+    ``labels``: what each choice index means, if known (``column_heads``)."""
     fs = out_dir.fs if isinstance(out_dir, FsDir) else None
     picks: dict[str | None, dict[int, int]] = {}  # adapter -> best choice -> rows
     picks_norm: dict[str | None, dict[int, int]] = {}  # the same by best_choice_norm
@@ -87,4 +107,4 @@ def choice_preference(out_dir: str | Path | FsDir) -> ChoicePreference | None:
         adapters.append(AdapterPreference(adapter, rows, shares, beyond, shares_norm,
                                           beyond_norm, accuracy))  # fmt: skip
     answers = any(a.accuracy is not None for a in adapters)
-    return ChoicePreference(columns, most, adapters, answers)
+    return ChoicePreference(columns, most, adapters, answers, column_heads(columns, labels))

@@ -65,6 +65,9 @@ class JobSummary:
     notes: list[str] = field(default_factory=list)  # input columns neither used nor kept, ...
     broken: dict[str, str] = field(default_factory=dict)  # adapter -> why it cannot run
     complete_already: bool = False  # the job was complete: nothing ran, nothing was written
+    # the preference table's column labels: the job's choice_labels, else the choices every
+    # choices row shares (None: the columns are headed by index)
+    choice_labels: list[str] | None = None
 
 
 @dataclass
@@ -200,6 +203,7 @@ def run_plan(
         errors=run.errors,
         notes=scan.notes(job.columns),
         broken=plan.broken,
+        choice_labels=job.choice_labels or scan.choices,
     )
 
 
@@ -234,7 +238,8 @@ def complete_summary(
     if stats is None:
         return None
     job_row, adapter_rows = stats
-    plan.scanned(InputScan.from_json(manifest["scan"]))
+    scan = InputScan.from_json(manifest["scan"])
+    plan.scanned(scan)
     logger.info(
         "job %s: complete already (%s in %s); nothing to do",
         job.name,
@@ -248,9 +253,10 @@ def complete_summary(
         adapters=adapter_rows,
         rows_skipped=job_row["rows"],
         rows_this_run=0,
-        notes=InputScan.from_json(manifest["scan"]).notes(job.columns),
+        notes=scan.notes(job.columns),
         broken=plan.broken,
         complete_already=True,
+        choice_labels=job.choice_labels or scan.choices,
     )
 
 

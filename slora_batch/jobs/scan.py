@@ -53,6 +53,10 @@ class InputScan:
     # (one error row)
     own_n_rows: int = 0
     own_n_samples: int = 0  # the output rows per adapter of those
+    # the choices list every row with a ``choices`` column gives, None when none does or two
+    # differ (the preference table then heads its columns by the choices' texts)
+    choices: list[str] | None = None
+    choices_differ: bool = False
 
     def samples(self, n: int) -> int:
         """Output rows per adapter of a job whose ``sampling.n`` is ``n``, when every row that
@@ -106,6 +110,17 @@ class InputScan:
         data = dict(data)
         data["keep"] = {name: _type_from_text(t) for name, t in data["keep"].items()}
         return cls(**data)
+
+
+def _same_choices(scan: InputScan, choices: Any) -> None:
+    """Follows whether every row's ``choices`` is one list (rows without it do not count)."""
+    if choices is None or scan.choices_differ:
+        return
+    if scan.choices is None:
+        scan.choices = list(choices) if isinstance(choices, list) else None
+        scan.choices_differ = scan.choices is None
+    elif choices != scan.choices:
+        scan.choices, scan.choices_differ = None, True
 
 
 def _type_to_text(type_: pa.DataType) -> str:
@@ -233,6 +248,7 @@ def scan_input(
             }
             id_, adapter, problem = identity(row, fanout)
             scored = any(record.get(name) is not None for name in score_columns)
+            _same_choices(scan, record.get(columns.get("choices", "choices")))
             if problem is not None or record.get("n") is not None or scored:
                 scan.own_n_rows += 1
                 n = 1 if problem else row_samples(record.get("n"), SamplingConfig(), scored)

@@ -129,6 +129,16 @@ _CHECKS = {
 def _check_answer(answer: Any, key: str, scored: Any, column: str) -> str | None:
     """A choice's index, or its text (rows of text only). A continuation row is one choice:
     its answer is 0 or its text, and ``correct`` says whether it was the greedy one."""
+    if key.startswith("continuation"):
+        zero = isinstance(answer, int) and not isinstance(answer, bool) and answer == 0
+        if zero or (key == "continuation" and answer == scored):
+            return None
+        allowed = "0 or the continuation's text" if key == "continuation" else "0"
+        return (
+            f"column {column!r} on a continuation row must be {allowed} (its one choice: "
+            f"correct then says whether the continuation is the model's greedy one), got "
+            f"{describe(answer)}"
+        )
     if isinstance(answer, bool) or not isinstance(answer, int | str):
         return (
             f"column {column!r} must be a choice's index (an integer) or its text, "

@@ -168,6 +168,7 @@ def run_ray_job(
         errors=run.errors,
         notes=scan.notes(job.columns),
         broken=plan.broken,
+        choice_labels=job.choice_labels or scan.choices,
     )
 
 

@@ -194,6 +194,9 @@ def test_bad_scoring_rows_are_error_rows_naming_the_reason(case):
         "answer": Request(
             id="answer", prompt_token_ids=ctx, choices_token_ids=[[4], [5]], answer=2
         ),  # fmt: skip
+        "answer-cont": Request(
+            id="answer-cont", prompt_token_ids=ctx, continuation_token_ids=[4], answer=1
+        ),  # fmt: skip
         "logprobs": Request(id="logprobs", prompt_token_ids=ctx, logprobs=21),
         "logprobs-scored": Request(
             id="logprobs-scored", prompt_token_ids=ctx, continuation_token_ids=[4], logprobs=2
@@ -209,6 +212,8 @@ def test_bad_scoring_rows_are_error_rows_naming_the_reason(case):
         "empty-choice": "choice 1 is empty",
         "past": "context of 40 tokens + continuation of 30 tokens does not fit the context of 64",
         "answer": "answer 2 is not a choice index (0 to 1)",
+        "answer-cont": "answer on a continuation row must be 0 (correct then says whether the "
+        "continuation is the model's greedy one), got 1",
         "logprobs": "logprobs must be an integer from 0 to 20, got 21",
         "logprobs-scored": "logprobs is for generated rows",
     }

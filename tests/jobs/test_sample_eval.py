@@ -36,6 +36,10 @@ def test_each_sample_adapter_prefers_its_own_style(tmp_path):
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "choice preference per adapter" in done.stdout
+    # the columns are headed by the job's choice_labels
+    assert all(
+        head in done.stdout for head in ("0 plain", "1 shout", "2 pirate", "3 json", "4 brief")
+    )
     rows = pq.read_table([p for _, p in part_files(out)]).to_pylist()
     assert len(rows) == 10 * len(STYLE) and {r["finish_reason"] for r in rows} == {"score"}
     for adapter, style in STYLE.items():

@@ -156,7 +156,15 @@ BAD_ROWS = [
     ({"choices": ["a", "b"], "answer": "c"}, "column 'answer': 'c' is not among the choices"),
     ({"choices_token_ids": [[1], [2]], "answer": "a"},
      "column 'answer': a row of token ids takes its answer as an index, got str 'a'"),
-    ({"continuation": " 4", "answer": 1}, "column 'answer': 1 is not a choice index (0 to 0)"),
+    ({"continuation": " 4", "answer": 1},
+     "column 'answer' on a continuation row must be 0 or the continuation's text (its one "
+     "choice: correct then says whether the continuation is the model's greedy one), got int 1"),
+    ({"continuation": " 4", "answer": True},
+     "column 'answer' on a continuation row must be 0 or the continuation's text"),
+    ({"continuation": " 4", "answer": "4"},
+     "column 'answer' on a continuation row must be 0 or the continuation's text"),
+    ({"continuation_token_ids": [4], "answer": " 4"},
+     "column 'answer' on a continuation row must be 0 (its one choice"),
     ({"logprobs": 21}, "column 'logprobs' must be from 0 to 20, got 21"),
     ({"logprobs": -1}, "column 'logprobs' must be from 0 to 20, got -1"),
     ({"logprobs": 2.5}, "column 'logprobs' must be an integer from 0 to 20, got float 2.5"),
@@ -165,6 +173,13 @@ BAD_ROWS = [
     ({"choices": ["a", "b"], "logprobs": 2},
      "column 'logprobs' is for generated rows; this row is scored (column 'choices')"),
 ]  # fmt: skip
+
+
+def test_a_continuation_row_s_answer_is_0_or_its_text(tmp_path):
+    rows = [{"id": i, "prompt": "2+2=", "continuation": " 4", "answer": a}
+            for i, a in enumerate([0, " 4"])]  # fmt: skip
+    items = requests([write_jsonl(tmp_path / "rows.jsonl", rows)])
+    assert [(item.continuation, item.answer) for item in items] == [(" 4", 0), (" 4", " 4")]
 
 
 def test_bad_scoring_values_become_error_rows_naming_file_row_and_reason(tmp_path):
@@ -451,6 +466,41 @@ def test_a_job_with_scored_rows_writes_scores_stats_and_the_preference(tmp_path,
     lines = [line for line in text.splitlines() if "(base)" in line or "│ a " in line]
     assert any("(base)" in line and "100% / 100%" in line for line in lines)
     assert any("33% / 33%" in line and "67% / 67%" in line and "50.0%" in line for line in lines)
+    # the rows' choices differ: the columns are headed by index
+    assert summary.choice_labels is None and preference.heads == ["0", "1", "2"]
+
+
+def test_the_preference_columns_are_headed_by_the_choices_every_row_shares(tmp_path, monkeypatch):
+    monkeypatch.setattr(jobrun, "_build_engine", lambda plan: ScoringStub())
+    styles = ["plain", "SHOUT", "Arr, matey!  a pirate's   answer"]
+    rows = [{"id": i, "adapter": [None, "a"][i % 2], "prompt": f"Q{i}", "choices": styles}
+            for i in range(4)] + [{"id": 9, "prompt": "Q9", "continuation": " yes"}]  # fmt: skip
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    (job,) = load_jobs(write_job(tmp_path))
+    summary = jobrun.run_job(job)
+    assert summary.choice_labels == styles
+    heads = ["0 plain", "1 SHOUT", "2 Arr, matey! a p…"]
+    assert choice_preference(tmp_path / "out", summary.choice_labels).heads == heads
+    from slora_batch import console
+
+    with console.out.capture() as captured:
+        console.print_summary(summary, job)
+    assert all(head in captured.get() for head in heads)
+    again = jobrun.run_job(job)  # complete: the heads from the manifest's scan
+    assert again.complete_already and again.choice_labels == styles
+
+
+def test_the_job_s_choice_labels_head_the_columns_when_the_choices_differ(tmp_path, monkeypatch):
+    """The sample eval's way: each row's choices differ, each position is one style."""
+    monkeypatch.setattr(jobrun, "_build_engine", lambda plan: ScoringStub())
+    write_jsonl(tmp_path / "rows.jsonl", SCORED_ROWS)
+    (job,) = load_jobs(write_job(tmp_path, choice_labels=["plain", "shout", "pirate"]))
+    summary = jobrun.run_job(job)
+    assert choice_preference(tmp_path / "out", summary.choice_labels).heads == [
+        "0 plain", "1 shout", "2 pirate"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="choice_labels must be a non-empty list"):
+        load_jobs(write_job(tmp_path, choice_labels=["plain", ""]))
 
 
 def legacy_output(root: Path, rows: list[dict], keep: list[str] | None, unused: dict) -> Path:
