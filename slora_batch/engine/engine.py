@@ -197,7 +197,13 @@ class Engine:
         exhausted = False
         sched = self.scheduler
         while True:
-            while not exhausted and len(sched.waiting) + len(sched.running) < self.config.lookahead:
+            # Invariant (data-parallel workers rely on it): a row is pulled only after every
+            # result read back is yielded, and only while the rows held unanswered (waiting,
+            # running, and retired: finished at launch, read back after the next step) are
+            # under ``lookahead``. A source that blocks (a worker's pipe) so never holds back
+            # results, and a feeder that allows lookahead plus a chunk of rows outstanding
+            # always has room for more rows when the engine waits on it.
+            while not exhausted and sched.unanswered() < self.config.lookahead:
                 request = next(source, None)
                 if request is None:
                     exhausted = True
