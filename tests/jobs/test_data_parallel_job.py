@@ -145,3 +145,33 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
     summary = run_job(load_job(tmp_path, tiny, **DP2))
     assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
+
+
+ACCEPTANCE_ROWS = 5000
+AT_SCALE = {"device": "cpu", "dtype": "float32", "num_pages": 8000, "data_parallel": 2}
+
+
+@pytest.mark.parametrize("kind", ["scored", "equal-length"])
+def test_rows_that_finish_at_launch_complete_every_row_once(tmp_path, tiny, kind):
+    """Issue 23's acceptance: 5000 scored rows, and 5000 generated rows of equal length, at
+    data_parallel 2 with the default lookahead (each worker's bound of rows outstanding is
+    1152): every row finishes in the step that launches it, and every row is written once."""
+    rows = []
+    for k in range(ACCEPTANCE_ROWS):
+        row = {"id": f"r{k:05d}", "adapter": [None, "a", "b"][k % 3],
+               "prompt_token_ids": [3 + k % 40000, 7, 9]}  # fmt: skip
+        if kind == "scored":
+            row["continuation_token_ids"] = [11, 12]
+        rows.append(row)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    sampling = {"max_new_tokens": 4, "ignore_eos": True}
+    summary = run_job(load_job(tmp_path, tiny, part_rows=1000, sampling=sampling, engine=AT_SCALE))
+    assert summary.rows_this_run == summary.stats["rows"] == ACCEPTANCE_ROWS
+    written = outputs(tmp_path / "out")
+    assert sorted(r["id"] for r in written) == [row["id"] for row in rows]  # each once
+    assert not [r["error"] for r in written if r["error"]]
+    reasons = {r["finish_reason"] for r in written}
+    assert reasons == ({"score"} if kind == "scored" else {"length"}), reasons
+    if kind == "equal-length":
+        assert {len(r["token_ids"]) for r in written} == {4}
+    assert read_success(tmp_path / "out")["rows"] == ACCEPTANCE_ROWS
