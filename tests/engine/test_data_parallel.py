@@ -105,7 +105,11 @@ def test_two_workers_give_the_results_of_one_engine(tiny, dp, kind):
     worker holding finished results while it waits for rows would hang the stream."""
     count = ROWS if kind == "mixed" else 6 * (KNOBS["lookahead"] + 4)
     names = list(tiny[1])
-    rows = make_rows(count, VOCAB, names, seed=3) if kind == "mixed" else launch_rows(kind, count, names)
+    rows = (
+        make_rows(count, VOCAB, names, seed=3)
+        if kind == "mixed"
+        else launch_rows(kind, count, names)
+    )
     before = [w["rows"] for w in dp.workers_summary()]
     with deadline(dp, 120):
         results = list(dp.generate(sorted_requests(rows)))
