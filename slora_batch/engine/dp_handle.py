@@ -76,6 +76,8 @@ class WorkerHandle:
     def heard_from(self, message: tuple) -> None:
         """Any message: the worker answers. A result, a step more or a new state: progress."""
         self.heard = now = time.monotonic()
+        if message[0] == "log":
+            return
         if message[0] == "alive":
             if (message[1], message[2]) == (self.doing, self.steps):
                 return
