@@ -116,6 +116,9 @@ class EngineConfig:
     prefix_block_tokens: int = 16  # tokens per cached block
     tensor_parallel: int = 1  # devices per engine (S-LoRA tensor parallelism, ``tp``): rank 0
     # schedules, every rank holds 1/N of the weights, of the KV cache and of each adapter
+    worker_timeout_s: float = 300.0  # a data-parallel worker silent this long (or making no
+    # step while it holds rows), or a tensor-parallel collective waiting this long on a rank,
+    # fails the run naming it (its rows are redone by the next run)
 
     def __post_init__(self) -> None:
         check(
@@ -182,6 +185,12 @@ class EngineConfig:
             not (self.device.startswith("cuda:") and self.tensor_parallel > 1),
             f"device {self.device} names one GPU; tensor parallelism takes cuda:0 to "
             f"cuda:{self.tensor_parallel - 1} of the visible devices: use device auto or cuda",
+        )
+        check(
+            isinstance(self.worker_timeout_s, (int, float))
+            and not isinstance(self.worker_timeout_s, bool)
+            and self.worker_timeout_s > 0,
+            f"worker_timeout_s must be a number of seconds > 0, got {self.worker_timeout_s!r}",
         )
         check(self.gpus in (None, "all"), f"gpus must be all or null, got {self.gpus!r}")
         check(

@@ -11,7 +11,9 @@ they finish; the caller stays the only writer of outputs.
 
 A worker that dies (killed, crashed, a CUDA error) stops the feeding; the others finish the rows
 they hold, every result received is yielded, then ``WorkerDied`` names the worker, its device
-and its exit status. Rows it held never came back, so a job re-run resumes them. Workers exit
+and its exit status. A worker that stops answering (silent, or holding rows without a step for
+``worker_timeout_s``: ``dp_handle``) is killed and reported the same way, naming what it was
+doing. Rows it held never came back, so a job re-run resumes them. Workers exit
 when the driver goes (their pipe from it closes, or they are re-parented), so a killed driver
 leaves no process behind.
 """
@@ -33,7 +35,7 @@ from typing import Any
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
 from slora_batch.engine.dp_handle import WorkerDied, WorkerHandle, expected_results
-from slora_batch.engine.dp_worker import WorkerSlot, relog, worker_main, worker_slots
+from slora_batch.engine.dp_worker import WorkerSlot, beat_s, relog, worker_main, worker_slots
 from slora_batch.engine.request import Request, Result
 
 __all__ = ["DataParallelEngine", "WorkerDied", "chunks", "open_engine"]
@@ -109,6 +111,8 @@ class DataParallelEngine:
         )
         self.chunk_rows = chunk_rows or max(1, min(CHUNK_ROWS, config.lookahead // 8))
         self.counters = EngineCounters()
+        self.timeout_s = config.worker_timeout_s
+        self.tick_s = beat_s(self.timeout_s)  # the driver's waits end this often to check them
         self.workers: list[WorkerHandle] = []
         self._epoch = 0
         self._active: weakref.ref | None = None
@@ -167,6 +171,7 @@ class DataParallelEngine:
                     return
                 if message[0] == "failed" and isinstance(message[2], BaseException):
                     raise message[2]  # the engine's own error (a model it cannot load, ...)
+            self._watch(worker)
         raise worker.death()
 
     def _receive(self, worker: WorkerHandle, block: bool = False) -> Iterator[tuple]:
@@ -174,9 +179,12 @@ class DataParallelEngine:
         its exit). At its end (EOF, or the process gone and the pipe empty) it is marked dead."""
         try:
             if block:
-                wait([worker.outbox, worker.process.sentinel])
+                wait([worker.outbox, worker.process.sentinel], self.tick_s)
             while worker.outbox.poll():
                 message = worker.outbox.recv()
+                worker.heard_from(message)
+                if message[0] == "alive":
+                    continue
                 if message[0] == "log":
                     relog(worker.slot.index, message[1])
                     continue
@@ -214,6 +222,8 @@ class DataParallelEngine:
         try:
             while True:
                 while died is None and chunk is not None and (target := self._pick(chunk)):
+                    if not target.outstanding:  # busy from now on: its progress is watched
+                        target.progressed = time.monotonic()
                     target.send(("rows", epoch, chunk))
                     target.outstanding += len(chunk)
                     for request in chunk:  # the results each row owes, by its key
@@ -230,7 +240,7 @@ class DataParallelEngine:
                 live = [w for w in self.workers if w.alive and not w.done]
                 if ended and not live:
                     break
-                wait([w.outbox for w in live] + [w.process.sentinel for w in live])
+                wait([w.outbox for w in live] + [w.process.sentinel for w in live], self.tick_s)
                 for worker in live:
                     for message in self._receive(worker):
                         if message[1] != epoch:
@@ -245,6 +255,7 @@ class DataParallelEngine:
                         elif message[0] == "done":
                             worker.counters, worker.done = message[2], True
                             self._combine()
+                    self._watch(worker)
                     if not worker.alive:
                         died = died or worker
                         log.error("%s", worker.death())
@@ -257,6 +268,16 @@ class DataParallelEngine:
             self._log_summary()
         if died is not None:
             raise died.death()
+
+    def _watch(self, worker: WorkerHandle) -> None:
+        """After its pipe is drained: a worker that stopped answering
+        (``WorkerHandle.unresponsive``) is killed and marked dead; its death names why."""
+        reason = worker.unresponsive(self.timeout_s) if worker.alive else None
+        if reason is None:
+            return
+        worker.hung, worker.alive = reason, False
+        worker.process.kill()
+        worker.process.join(STOP_WAIT_S)
 
     def _pick(self, chunk: list[Request]) -> WorkerHandle | None:
         """The worker with the fewest rows outstanding that has room for the chunk; the one whose

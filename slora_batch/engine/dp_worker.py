@@ -5,8 +5,12 @@ a pipe, its results sent back through another.
 Messages in: ``("rows", stream, [Request])``, ``("end", stream)`` (no more rows: finish what is
 held), ``("abort", stream)`` (the driver abandoned the stream: drop its rows). Messages out:
 ``("ready", info)``, ``("result", stream, Result, counters or None)``, ``("done", stream,
-counters)``, ``("failed", text, exception or None)`` before the process exits with status 1, and
-``("log", record)``: the worker's log records, logged by the driver through its own handlers.
+counters)``, ``("failed", text, exception or None)`` before the process exits with status 1,
+``("log", record)``: the worker's log records, logged by the driver through its own handlers, and
+``("alive", doing, steps)`` every ``beat_s(timeout)`` from a thread of its own: what the worker
+is doing ("loading the engine", "waiting for rows", "running steps", "idle") and the engine's
+steps so far, so that the driver tells a silent worker (stopped, frozen) and one that makes no
+step while it holds rows from a busy one (``dp_handle.WorkerHandle.unresponsive``).
 A reader thread drains the driver's pipe, so the driver never blocks on a send, and ends the
 process as soon as the driver is gone (its pipe closed, or this process re-parented).
 """
@@ -32,6 +36,11 @@ log = logging.getLogger(__name__)
 
 COUNTERS_EVERY_S = 0.5  # a worker sends its counters with a result at most this often
 Send = Callable[[tuple], None]
+
+
+def beat_s(timeout_s: float) -> float:
+    """How often a worker says it is alive: several times within the driver's timeout."""
+    return min(5.0, max(0.05, timeout_s / 6))
 
 
 @dataclass(frozen=True)
@@ -90,40 +99,60 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
     messages: queue.SimpleQueue = queue.SimpleQueue()
     aborted = [0]  # the latest stream the driver abandoned
     threading.Thread(target=_read, args=(inbox, messages, aborted), daemon=True).start()
+    state = {"doing": "loading the engine", "engine": None}
+    beat = beat_s(config.worker_timeout_s)
+    threading.Thread(target=_beat, args=(send, state, beat), daemon=True).start()
     try:
         from slora_batch.engine.engine import Engine
 
         engine = Engine(model, adapters=adapters, config=config, sampling=sampling, weights=weights)
     except Exception as exc:
         _fail(send, exc, exc)
+    state.update(engine=engine, doing="idle")
     info = {"device": str(engine.device), "dtype": str(engine.dtype), "counters": engine.counters,
             "adapters": engine.adapter_names, "lookahead": config.lookahead}  # fmt: skip
     send(("ready", info))
     while True:
+        state["doing"] = "idle"
         first = messages.get()
         if first[0] == "abort" or first[1] <= aborted[0]:
             continue  # what was left of an abandoned stream
         try:
-            _stream(engine, first, messages, aborted, send)
+            _stream(engine, first, messages, aborted, send, state)
         except Exception as exc:  # a CUDA error, say: the driver reports it with our exit status
             log.error("worker %d failed", slot.index, exc_info=True)
             _fail(send, exc, None)
 
 
-def _stream(engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int], send: Send):
-    """One ``generate`` over the stream that ``first`` opens, until its "end" (or "abort")."""
+def _stream(engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int], send: Send,
+            state: dict) -> None:  # fmt: skip
+    """One ``generate`` over the stream that ``first`` opens, until its "end" (or "abort").
+
+    The engine pulls a row only after sending every result it has read back, and only while it
+    holds fewer than ``lookahead`` rows unanswered (``Engine._loop``), so when it waits here for
+    rows, every row the driver counts as outstanding is either in the engine (fewer than
+    lookahead) or a result on its way: the driver, whose bound is lookahead plus two chunks,
+    then always has room to send the next chunk (or "end"). No interleaving deadlocks."""
     stream, pending = first[1], [first]
+
+    def pull() -> tuple:
+        if pending:
+            return pending.pop()
+        state["doing"] = "waiting for rows"
+        message = messages.get()
+        state["doing"] = "running steps"
+        return message
 
     def requests() -> Iterator[Request]:
         while True:
-            kind, at, *rows = pending.pop() if pending else messages.get()
+            kind, at, *rows = pull()
             if at < stream:
                 continue  # rows of an abandoned stream still on their way
             if kind != "rows":  # "end", or "abort"
                 return
             yield from rows[0]
 
-    sent = time.monotonic()
+    sent, state["doing"] = time.monotonic(), "running steps"
     with contextlib.closing(engine.generate(requests())) as results:
         for result in results:
             if aborted[0] >= stream:
@@ -133,6 +162,15 @@ def _stream(engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int
             sent = sent if counters is None else now
             send(("result", stream, result, counters))
     send(("done", stream, engine.counters))
+
+
+def _beat(send: Send, state: dict, every_s: float) -> None:
+    """The worker's heartbeat: what it does and the engine's steps, every ``every_s``."""
+    with contextlib.suppress(Exception):  # the pipe closed: the process is ending
+        while True:
+            engine = state["engine"]
+            send(("alive", state["doing"], engine.counters.steps if engine is not None else 0))
+            time.sleep(every_s)
 
 
 def _fail(send: Send, exc: Exception, error: Exception | None) -> None:

@@ -31,7 +31,7 @@ from slora_batch.engine.memory import (
     unified_pool,
 )
 from slora_batch.engine.outputs import Inflight, step_outputs, take_outputs
-from slora_batch.engine.parts import build_parts, make_runner
+from slora_batch.engine.parts import build_parts, make_runner, pick_backend
 from slora_batch.engine.prefetch import AdapterPrefetcher
 from slora_batch.engine.prepare import RequestPreparer
 from slora_batch.engine.request import Request, Result
@@ -122,6 +122,8 @@ class Engine:
         self._steps = 0  # steps launched
         self._active: weakref.ref | None = None  # the generate() iterator in use
         self._inflight: Inflight | None = None  # the launched step not read back yet
+        self._in_step = False  # between scheduling a step and yielding its results
+        self.failed: str | None = None  # why the engine refuses further use (a step raised)
         self.counters = EngineCounters()
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
@@ -178,26 +180,48 @@ class Engine:
         previous = self._active() if self._active is not None else None
         if previous is not None:
             previous.close()
+        if self.failed is not None:
+            raise RuntimeError(f"this engine cannot be used again: {self.failed}; build a new one")
         generator = self._generate(iter(requests))
         self._active = weakref.ref(generator)
         return generator
 
     def _generate(self, source: Iterator[Request]) -> Iterator[Result]:
+        self._in_step = False
         try:
             yield from self._loop(source)
+        except BaseException as exc:
+            if self._in_step and not isinstance(exc, GeneratorExit):
+                self._fail(exc)
+            raise
         finally:
-            if self._inflight is not None:
+            if self._inflight is not None and self.failed is None:
                 self._inflight.read()  # its pages must not be reused while the device reads them
-                self._inflight = None
+            self._inflight = None
             dropped = self.scheduler.abort()
             if dropped:
                 log.info("generate() abandoned: %d rows dropped, their pages freed", len(dropped))
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step raised: the scheduler's, the pool's or (tensor parallel) the other ranks'
+        state may no longer agree with this one's, so the engine refuses further use; its ranks,
+        which may wait in a collective this rank never joins, are stopped now."""
+        self.failed = f"its step {self._steps} raised {type(exc).__name__}: {exc}"
+        log.error("engine failed: %s", self.failed)
+        if self.tp is not None:
+            self.tp.abort()
 
     def _loop(self, source: Iterator[Request]) -> Iterator[Result]:
         exhausted = False
         sched = self.scheduler
         while True:
-            while not exhausted and len(sched.waiting) + len(sched.running) < self.config.lookahead:
+            # Invariant (data-parallel workers rely on it): a row is pulled only after every
+            # result read back is yielded, and only while the rows held unanswered (waiting,
+            # running, and retired: finished at launch, read back after the next step) are
+            # under ``lookahead``. A source that blocks (a worker's pipe) so never holds back
+            # results, and a feeder that allows lookahead plus a chunk of rows outstanding
+            # always has room for more rows when the engine waits on it.
+            while not exhausted and sched.unanswered() < self.config.lookahead:
                 request = next(source, None)
                 if request is None:
                     exhausted = True
@@ -214,7 +238,7 @@ class Engine:
                 continue
             # Step N+1 is scheduled, prepared and launched while step N (in flight) runs; then
             # step N's tokens are read back. Without overlap each step completes at once.
-            started = time.perf_counter()
+            self._in_step, started = True, time.perf_counter()
             self.prefetcher.load_ahead()
             step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
             done = self._inflight
@@ -229,6 +253,7 @@ class Engine:
             if self._inflight is not None and not self.config.overlap:
                 done, self._inflight = self._inflight, None
                 yield from self._complete(done, None)
+            self._in_step = False
 
     def _launch(self, step: ScheduledStep, started: float, prev: Inflight | None) -> Inflight:
         """Plans a step and queues its forward and sampling on the device; returns at once."""
@@ -317,16 +342,3 @@ class Engine:
             if seq.logprobs is not None
             else None,
         )
-
-
-def pick_backend(name: str, device: torch.device) -> ModuleType:
-    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from kernels import triton_ops
-
-        return triton_ops
-    from kernels import ref
-
-    return ref

@@ -79,3 +79,16 @@ def make_runner(
         max_model_len,
         use_graphs=config.cuda_graphs and getattr(ops, "CUDA_GRAPHS", False),
     )
+
+
+def pick_backend(name: str, device: torch.device) -> ModuleType:
+    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from kernels import triton_ops
+
+        return triton_ops
+    from kernels import ref
+
+    return ref

@@ -84,6 +84,11 @@ class Scheduler(Admission):
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def unanswered(self) -> int:
+        """Sequences whose result is not read back yet: waiting, running, and retired (their last
+        token drawn on the device). The engine pulls rows only while these are under lookahead."""
+        return len(self.waiting) + len(self.running) + len(self.retired)
+
     def holds_pages(self) -> bool:
         """Whether any sequence still holds pages or an adapter (work, or rows in flight)."""
         return bool(self.running or self.retired or self.held or self.pinned)

@@ -36,16 +36,21 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-from dataclasses import dataclass, field, replace
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from slora_batch.engine.tp_tables import PageTableReceiver, PageTableSender
+
+__all__ = ["PageTableReceiver", "PageTableSender", "TensorParallel", "TensorParallelRunner"]
+
 log = logging.getLogger(__name__)
 
-# Collectives wait this long for a rank before they fail (a rank that died mid-step).
-TIMEOUT_S = 600
+PARENT_POLL_S = 0.5  # how often a rank checks that rank 0 (its parent process) is still there
 
 
 @dataclass
@@ -94,6 +99,28 @@ class TensorParallel:
                     f"tensor-parallel rank {rank} (pid {process.pid}) "
                     + (f"failed: {failure}" if failure else f"exited with {process.exitcode}")
                 )
+
+    def describe(self) -> str:
+        """Rank 0: every other rank, its pid and whether it still runs."""
+        return ", ".join(
+            f"rank {rank} (pid {p.pid}, "
+            + ("running" if p.is_alive() else f"exited with {p.exitcode}")
+            + ")"
+            for rank, p in enumerate(self.processes, 1)
+        )
+
+    def abort(self) -> None:
+        """Rank 0, after its step raised: the other ranks may wait in a collective it will never
+        join, or would pair their next one with the wrong step: they are killed at once."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+        self.pipes.clear()
+        self.processes.clear()
+        if torch.distributed.is_initialized():
+            with contextlib.suppress(Exception):
+                torch.distributed.destroy_process_group()
 
     def close(self) -> None:
         """Rank 0: stops the workers, then leaves the group (every rank, in any order)."""
@@ -148,7 +175,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _join(rank: int, size: int, address: str, device: torch.device) -> None:
+def _join(rank: int, size: int, address: str, device: torch.device, timeout_s: float) -> None:
     if torch.distributed.is_initialized():
         raise RuntimeError(
             "tensor parallelism starts its own process group, but this process already has "
@@ -162,7 +189,7 @@ def _join(rank: int, size: int, address: str, device: torch.device) -> None:
         init_method=address,
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),  # a collective waits no longer
     )
 
 
@@ -195,64 +222,8 @@ def launch(model, adapters, config, weights=None) -> TensorParallel:
         tp.pipes.append(ours)
     log.info("tensor parallel: %d ranks on %s, workers %s", size, device.type,
              [p.pid for p in tp.processes])  # fmt: skip
-    _join(0, size, address, device)
+    _join(0, size, address, device, config.worker_timeout_s)
     return tp
-
-
-class PageTableSender:
-    """Rank 0's side of the page tables: instead of a step's whole table ([rows, context, 2]:
-    megabytes at long contexts), the entries each sequence added since it was last sent, by the
-    sequence's key (``HostStep.seq_keys``: a preempted sequence gets a new one). A key unseen
-    for ``FORGET_STEPS`` steps is dropped on both sides (sent again whole if it comes back)."""
-
-    FORGET_STEPS = 64
-
-    def __init__(self) -> None:
-        self.sent: dict[tuple, int] = {}  # key -> table entries the other ranks hold
-        self.seen: dict[tuple, int] = {}  # key -> the step it was last in
-        self.steps = 0
-
-    def encode(self, host) -> tuple:
-        """(host without its page table, table width, [(key, start, new entries)], dropped)."""
-        self.steps += 1
-        rows = []
-        for b, key in enumerate(host.seq_keys):
-            length, start = int(host.b_seq_len[b]), self.sent.get(key, 0)
-            if length > start:
-                rows.append((key, start, host.page_table[b, start:length].copy()))
-                self.sent[key] = length
-            self.seen[key] = self.steps
-        dropped = [k for k, step in self.seen.items() if step < self.steps - self.FORGET_STEPS]
-        for key in dropped:
-            del self.seen[key], self.sent[key]
-        return replace(host, page_table=None), host.page_table.shape[1], rows, dropped
-
-
-class PageTableReceiver:
-    """A worker rank's side: each key's entries, grown as they come; the step's table rebuilt."""
-
-    def __init__(self) -> None:
-        self.tables: dict[tuple, np.ndarray] = {}
-
-    def decode(self, host, width: int, rows: list, dropped: list):
-        for key in dropped:
-            self.tables.pop(key, None)
-        for key, start, entries in rows:
-            table = self.tables.get(key)
-            end = start + entries.shape[0]
-            if table is None or start == 0:
-                table = np.empty((max(end, 16), 2), dtype=np.int32)
-            elif end > table.shape[0]:
-                grown = np.empty((max(end, 2 * table.shape[0]), 2), dtype=np.int32)
-                grown[:start] = table[:start]
-                table = grown
-            table[start:end] = entries
-            self.tables[key] = table
-        page_table = np.full((len(host.seq_keys), width, 2), -1, dtype=np.int32)
-        for b, key in enumerate(host.seq_keys):
-            length = int(host.b_seq_len[b])
-            page_table[b, :length] = self.tables[key][:length]
-        return replace(host, page_table=page_table)
 
 
 class TensorParallelRunner:
@@ -275,9 +246,15 @@ class TensorParallelRunner:
         shared = host.prev_rows is not None
         count = int(prev_tokens.numel()) if shared else 0
         self.tp.send(("step", self.tables.encode(host), journal, ahead, count))
-        if shared:
-            self.tp.broadcast(prev_tokens)
-        return self.runner.forward(host, prev_tokens)
+        try:
+            if shared:
+                self.tp.broadcast(prev_tokens)
+            return self.runner.forward(host, prev_tokens)
+        except Exception as exc:  # a collective timed out, say: name the ranks
+            raise RuntimeError(
+                f"tensor-parallel step failed on rank 0 ({self.tp.device}, pid {os.getpid()}; "
+                f"{self.tp.describe()}): {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def build_shard(model, adapters, config, tp: TensorParallel, weights=None):
@@ -301,6 +278,7 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
     """Ranks 1..N-1: build the shard, then repeat rank 0's steps until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: rank 0 stops us
     logging.basicConfig(level=level, format=f"%(levelname)s tp rank {rank}: %(message)s")
+    threading.Thread(target=_watch_parent, args=(os.getppid(), rank), daemon=True).start()
     try:
         device = device_of(config, rank)
         if device.type == "cpu":
@@ -308,7 +286,7 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
 
             set_cpu_threads(config.cpu_threads)
         tp = TensorParallel(rank, size, device)
-        _join(rank, size, address, device)
+        _join(rank, size, address, device, config.worker_timeout_s)
         parts, runner = build_shard(model, adapters, config, tp, weights)
         _serve(parts, runner, tp, pipe)
     except Exception as exc:
@@ -317,6 +295,15 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
             pipe.send(("failed", f"{type(exc).__name__}: {exc}"))
         os._exit(1)
     os._exit(0)
+
+
+def _watch_parent(parent: int, rank: int) -> None:
+    """A rank ends as soon as rank 0, its parent, is gone, also while it waits in a collective
+    (which would otherwise wait ``worker_timeout_s`` for a rank that will never come)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    log.error("tensor-parallel rank %d: rank 0 (pid %d) is gone; exiting", rank, parent)
+    os._exit(1)
 
 
 def _serve(parts, runner, tp: TensorParallel, pipe) -> None:

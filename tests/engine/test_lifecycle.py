@@ -132,3 +132,33 @@ def test_a_stop_string_finishes_the_row_at_the_step_that_completes_it(sample_mod
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
     assert len(stopped.token_ids) < len(free.token_ids)
     assert_idle(engine)
+
+
+def test_an_engine_whose_step_raised_refuses_further_use(tiny):
+    """A step that raised leaves no silently inconsistent engine: the next generate() says
+    why it cannot run; a source that raises (the caller's error) leaves the engine usable."""
+    model_dir, adapters = tiny
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=4000, cpu_threads=1)
+    engine = Engine(model_dir, adapters=adapters, config=config)
+
+    def bad_source():
+        yield from rows(2, list(adapters))
+        raise KeyError("unreadable row")
+
+    with pytest.raises(KeyError, match="unreadable row"):
+        list(engine.generate(bad_source()))
+    assert len(list(engine.generate(rows(3, list(adapters))))) == 3  # still usable
+    forward, calls = engine.runner.forward, []
+
+    def broken(*args, **kwargs):  # the second step of the stream raises
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("device lost")
+        return forward(*args, **kwargs)
+
+    engine.runner.forward = broken
+    with pytest.raises(ValueError, match="device lost"):
+        list(engine.generate(rows(8, list(adapters))))
+    step = f"its step {engine._steps} raised ValueError: device lost"
+    with pytest.raises(RuntimeError, match=f"cannot be used again: {step}"):
+        engine.generate(rows(3, list(adapters)))

@@ -201,3 +201,68 @@ def test_page_tables_travel_as_the_entries_each_sequence_added():
         if step > 5:  # a decode step sends a page pair per sequence, not the table
             assert sum(entries.shape[0] for _, _, entries in message[2]) <= len(keys) + 40
     assert len(receiver.tables) <= 6
+
+
+def test_a_step_that_raised_on_rank_0_refuses_the_next_generate(tmp_path):
+    """Rank 0's forward raises after the step went to rank 1, which then waits in a collective
+    rank 0 never joins: the engine stops its ranks and refuses further use by name, instead of
+    pairing the next step's collectives with that one."""
+    model_dir = make_model(tmp_path, "gqa")
+    rows = [{"id": i, "prompt_token_ids": [5 + i, 6, 7], "max_new_tokens": 4} for i in range(4)]
+    config = EngineConfig(**KNOBS, num_pages=2000, tensor_parallel=2, worker_timeout_s=60)
+    engine = Engine(model_dir, config=config)
+    try:
+        rank = engine.tp.processes[0]
+
+        def broken(host, prev_tokens=None):
+            raise ValueError("device lost")
+
+        engine.runner.runner.forward = broken
+        with pytest.raises(RuntimeError, match="ValueError: device lost"):
+            list(engine.generate(Request(**row) for row in rows))
+        rank.join(10)
+        assert not rank.is_alive(), "rank 1 still runs, waiting in a collective"
+        with pytest.raises(RuntimeError, match="cannot be used again: its step 1 raised"):
+            engine.generate(Request(**row) for row in rows)
+    finally:
+        engine.close()
+
+
+def test_ranks_exit_when_the_driver_is_killed(tmp_path):
+    """A driver killed while rank 1 waits in a collective (rank 0 stuck before joining it):
+    rank 1 exits within seconds, not after the collective's timeout."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    model_dir = make_model(tmp_path, "gqa")
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import sys, time\n"
+        "from slora_batch import Engine, EngineConfig, Request\n"
+        "if __name__ == '__main__':\n"
+        f"    config = EngineConfig(**{KNOBS!r}, num_pages=2000, tensor_parallel=2)\n"
+        f"    engine = Engine({str(model_dir)!r}, config=config)\n"
+        "    def stuck(host, prev_tokens=None):\n"
+        "        print(engine.tp.processes[0].pid, flush=True)\n"
+        "        time.sleep(600)\n"
+        "    engine.runner.runner.forward = stuck\n"
+        "    list(engine.generate([Request(id=0, prompt_token_ids=[5, 6, 7])]))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        rank = int(driver.stdout.readline())
+        time.sleep(1.0)  # rank 1 now waits in the step's first collective
+        assert os.path.exists(f"/proc/{rank}")
+        driver.kill()
+        driver.wait(30)
+        deadline = time.monotonic() + 30  # the collective's own timeout is 300 s
+        while os.path.exists(f"/proc/{rank}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{rank}"), f"rank 1 (pid {rank}) outlived the driver"
+    finally:
+        driver.kill()

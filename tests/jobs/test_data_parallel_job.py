@@ -96,6 +96,44 @@ def test_a_killed_worker_fails_the_run_and_a_rerun_resumes_its_rows(
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
 
 
+def test_a_worker_that_stops_answering_fails_the_run_naming_it(tmp_path, tiny, reference,
+                                                               monkeypatch):  # fmt: skip
+    """A stopped worker (SIGSTOP: alive, silent) is detected after worker_timeout_s, killed,
+    and named; the other worker's rows are written, and a re-run resumes the rest."""
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
+    engines, stopped = [], []
+    build = jobrun._build_engine
+    monkeypatch.setattr(
+        jobrun, "_build_engine", lambda plan: engines.append(build(plan)) or engines[-1]
+    )
+
+    def stop_worker_1(update) -> None:
+        if update.phase == "running" and update.rows_this_run == 8 and not stopped:
+            stopped.append(time.monotonic())
+            os.kill(engines[0].pids[1], signal.SIGSTOP)
+
+    timeout = 4.0
+    keys = {**DP2, "engine": {**DP2["engine"], "worker_timeout_s": timeout}}
+    with pytest.raises(WorkerDied) as died:
+        run_job(load_job(tmp_path, tiny, **keys), progress=stop_worker_1)
+    waited = time.monotonic() - stopped[0]
+    pid = engines[0].pids[1]
+    message = str(died.value)
+    assert f"worker 1 (cpu, pid {pid}) stopped answering: it sent nothing for" in message
+    silent = float(message.split("sent nothing for ")[1].split(" s")[0])
+    assert timeout < silent <= waited < 60 * timeout  # found by the bound, not after 300 s
+    assert "re-run to resume them" in message
+    assert parent_and_state(pid)[1] in ("gone", "Z")  # killed, not left stopped
+    out = tmp_path / "out"
+    now = committed(out)
+    assert 8 <= len(now) < ROWS and read_success(out) is None
+    assert all(reference[key] == value for key, value in now.items())
+    engines.append("rerun")
+    summary = run_job(load_job(tmp_path, tiny, **DP2))
+    assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
+    assert committed(out) == reference and read_success(out)["rows"] == ROWS
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux /proc)."""
     found = []
@@ -145,3 +183,33 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
     summary = run_job(load_job(tmp_path, tiny, **DP2))
     assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
+
+
+ACCEPTANCE_ROWS = 5000
+AT_SCALE = {"device": "cpu", "dtype": "float32", "num_pages": 8000, "data_parallel": 2}
+
+
+@pytest.mark.parametrize("kind", ["scored", "equal-length"])
+def test_rows_that_finish_at_launch_complete_every_row_once(tmp_path, tiny, kind):
+    """Issue 23's acceptance: 5000 scored rows, and 5000 generated rows of equal length, at
+    data_parallel 2 with the default lookahead (each worker's bound of rows outstanding is
+    1152): every row finishes in the step that launches it, and every row is written once."""
+    rows = []
+    for k in range(ACCEPTANCE_ROWS):
+        row = {"id": f"r{k:05d}", "adapter": [None, "a", "b"][k % 3],
+               "prompt_token_ids": [3 + k % 40000, 7, 9]}  # fmt: skip
+        if kind == "scored":
+            row["continuation_token_ids"] = [11, 12]
+        rows.append(row)
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    sampling = {"max_new_tokens": 2, "ignore_eos": True}
+    summary = run_job(load_job(tmp_path, tiny, part_rows=1000, sampling=sampling, engine=AT_SCALE))
+    assert summary.rows_this_run == summary.stats["rows"] == ACCEPTANCE_ROWS
+    written = outputs(tmp_path / "out")
+    assert sorted(r["id"] for r in written) == [row["id"] for row in rows]  # each once
+    assert not [r["error"] for r in written if r["error"]]
+    reasons = {r["finish_reason"] for r in written}
+    assert reasons == ({"score"} if kind == "scored" else {"length"}), reasons
+    if kind == "equal-length":
+        assert {len(r["token_ids"]) for r in written} == {2}
+    assert read_success(tmp_path / "out")["rows"] == ACCEPTANCE_ROWS
