@@ -35,6 +35,7 @@ from slora_batch.engine.parts import build_parts, make_runner
 from slora_batch.engine.prefetch import AdapterPrefetcher
 from slora_batch.engine.prepare import RequestPreparer
 from slora_batch.engine.request import Request, Result
+from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.sample_model import resolve_model
 from slora_batch.engine.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
 from slora_batch.engine.scoring import choices_result, continuation_result, token_logprobs
@@ -321,9 +322,7 @@ class Engine:
 
 def pick_backend(name: str, device: torch.device) -> ModuleType:
     """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
+    if backend_name(name, device.type) == "triton":
         from kernels import triton_ops
 
         return triton_ops
