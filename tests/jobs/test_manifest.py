@@ -159,6 +159,8 @@ def test_the_output_directory_reads_as_its_rows(tmp_path, tiny):
     assert table.num_rows == 6
     assert sorted(table["id"].to_pylist()) == [f"r{i:04d}" for i in range(6)]
     assert ds.dataset(out, format="parquet").count_rows() == 6
+    pandas = pytest.importorskip("pandas")
+    assert len(pandas.read_parquet(out)) == 6
 
 
 def test_a_ray_run_records_what_its_actors_resolve_to(tmp_path, tiny):
