@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 
 EDGE_BYTES = 1 << 20  # a file's content digest covers its size and its first and last MiB
 
+
 def open_fs(
     path: str, filesystem: pafs.FileSystem | None = None
 ) -> tuple[pafs.FileSystem | None, str]:

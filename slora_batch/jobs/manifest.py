@@ -243,8 +243,9 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _engine_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
-    """"engine.dtype resolved float32 on cpu -> bfloat16 on cuda", "engine.backend resolved
-    torch -> triton": what the rows were made with against what this run would make them with."""
+    """What the rows were made with against what this run would make them with, in words:
+    "engine.dtype resolved float32 on cpu -> bfloat16 on cuda", "engine.backend resolved torch
+    -> triton"."""
     changes = []
     for key in ("device", "dtype", "backend"):
         if old.get(key) == new[key]:

@@ -212,7 +212,9 @@ def check_resolution(job: JobConfig, engine, recorded: dict[str, str]) -> None:
         "device": str(engine.device).split(":")[0].split()[0],  # "cuda:0", "cuda x2" -> "cuda"
         "dtype": str(engine.dtype).removeprefix("torch."),
     }
-    wrong = [f"{key} {recorded[key]} -> {built[key]}" for key in built if built[key] != recorded[key]]
+    wrong = [
+        f"{key} {recorded[key]} -> {built[key]}" for key in built if built[key] != recorded[key]
+    ]
     if wrong:
         raise JobError(
             f"job {job.name!r}: output {job.output!r} records rows made on {recorded['device']} "

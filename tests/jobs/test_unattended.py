@@ -266,7 +266,9 @@ def test_resume_refuses_an_output_made_from_other_inputs_or_settings(tmp_path, t
     write_jsonl(tmp_path / "rows.jsonl", rows + make_rows(1, start=8))
     size = (tmp_path / "rows.jsonl").stat().st_size
     refused(rf"holds rows made from other inputs or settings: input rows.jsonl changed \(size [\d,]+ -> {size:,} bytes\)")  # fmt: skip
-    write_jsonl(tmp_path / "rows.jsonl", [{**rows[0], "prompt": rows[0]["prompt"][::-1]}, *rows[1:]])
+    write_jsonl(
+        tmp_path / "rows.jsonl", [{**rows[0], "prompt": rows[0]["prompt"][::-1]}, *rows[1:]]
+    )
     recorded = json.loads((out / MANIFEST_FILE).read_text())["fingerprint"]["input"]["rows.jsonl"]
     os.utime(tmp_path / "rows.jsonl", ns=(0, recorded[1]))  # same size and mtime, rewritten
     refused(r"input rows.jsonl changed \(content differs, same size")
