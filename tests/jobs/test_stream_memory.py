@@ -212,7 +212,7 @@ def test_resume_of_a_million_rows_reads_each_row_once_in_bounded_memory(tmp_path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", RESUME, str(tmp_path / "jobs.yaml")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     parts = -(-RESUMED // 100_000)
