@@ -141,6 +141,7 @@ counted(resume, "to_request", calls)  # requests made: the pending rows only
 resume.pq = SimpleNamespace(read_schema=pq.read_schema, read_table=pq.read_table)
 counted(resume.pq, "read_table", calls)  # parts read for their done keys
 (job,) = load_jobs(sys.argv[1])
+import torch  # noqa: E402,F401 -- the job resolves device auto through torch: a constant, not rows
 before = rss_kb()
 peak, stop = [before], threading.Event()
 sampler = threading.Thread(target=sample, args=(peak, stop))
