@@ -109,7 +109,7 @@ def run(
 ) -> None:
     """Run the jobs of JOBS_FILE.
 
-    Each job streams its input, generates, and writes Parquet parts, stats.parquet and a
+    Each job streams its input, generates, and writes Parquet parts, _stats.parquet and a
     _SUCCESS marker into its output directory; a re-run resumes, and does nothing for a
     complete job. A job that fails is reported and the next one runs (exit status 1 at the
     end). SIGINT and SIGTERM commit every finished row and exit 130 and 143.

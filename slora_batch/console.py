@@ -34,7 +34,7 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays one line
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 160
-ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in stats.parquet
+ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in _stats.parquet
 ETA_MIN_ROWS = 16  # rows of this run done before a progress line gives an ETA
 
 
@@ -229,7 +229,7 @@ def print_summary(summary: JobSummary, job) -> None:
         )  # fmt: skip
     out.print(adapters)
     if len(summary.adapters) > ADAPTER_ROWS:
-        out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in stats.parquet")
+        out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in _stats.parquet")
     if s.get("scored_rows"):
         accuracy = "" if s.get("accuracy") is None else f", accuracy {s['accuracy']:.1%}"
         out.print(f"scored: {_plural(s['scored_rows'], 'row')}{accuracy}")
@@ -240,7 +240,7 @@ def print_summary(summary: JobSummary, job) -> None:
         out.print(f"[yellow]error row:[/] {escape(message)}", soft_wrap=True)
     _print_notes(summary)
     out.print(
-        f"outputs: [bold]{shown}[/] (part-*.parquet, stats.parquet, _SUCCESS)", soft_wrap=True
+        f"outputs: [bold]{shown}[/] (part-*.parquet, _stats.parquet, _SUCCESS)", soft_wrap=True
     )
     rows = preview(job, limit=PREVIEW_ROWS)
     if rows:

@@ -9,7 +9,7 @@ process, on the same device as the other systems; the job's stats give its engin
 from start-up (model load, CUDA-graph capture) and writing.
 
 Its ``output_tokens_per_s`` is generated tokens over the job's engine time (the figure
-``stats.parquet`` reports); ``end_to_end_tokens_per_s`` is over the job's whole wall time,
+``_stats.parquet`` reports); ``end_to_end_tokens_per_s`` is over the job's whole wall time,
 start-up included. Compare with ``slora`` at the same adapter count and ``--max-seconds 0``
 (both run every request). ``job-par`` is the same job at ``--tensor-parallel`` x
 ``--data-parallel``: compare it with ``slora-par``.

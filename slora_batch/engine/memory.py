@@ -18,6 +18,7 @@ import torch
 
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.pool import PagePool
+from slora_batch.engine.resolution import dtype_name
 from slora_batch.engine.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+    return DTYPES[dtype_name(name, device.type)]
 
 
 def set_cpu_threads(threads: int | None) -> None:

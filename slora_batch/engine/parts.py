@@ -15,6 +15,7 @@ from slora_batch.engine.loader import load_model
 from slora_batch.engine.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.model import LlamaModel
 from slora_batch.engine.pool import PagePool
+from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.residency import AdapterResidency
 from slora_batch.engine.runner import ModelRunner
 from slora_batch.engine.spec import ModelSpec
@@ -83,9 +84,7 @@ def make_runner(
 
 def pick_backend(name: str, device: torch.device) -> ModuleType:
     """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
+    if backend_name(name, device.type) == "triton":
         from kernels import triton_ops
 
         return triton_ops

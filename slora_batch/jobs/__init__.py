@@ -18,7 +18,7 @@ resume.py    keys of the rows already committed, and the input rows not yet amon
 samples.py   n samples per row: which of a row's samples are committed, which it still owes
 progress.py  JobProgress: what a progress display is told
 feed.py      RunRecord: requests into the engine, results to the writer, this run's account
-stats.py     stats.parquet: its schema, the job and adapter rows, output counts, accuracy
+stats.py     _stats.parquet: its schema, the job and adapter rows, output counts, accuracy
 preference.py  which choice each adapter prefers, from the parts (for the run summary)
 run.py       running jobs: lock, fingerprint, scan, resume, feed the engine, summarize
 preview.py   a few finished outputs next to their prompts

@@ -1,8 +1,15 @@
 """The job manifest (``_job.json``): what an output's rows were produced from. A job's first run
-writes it with the ``fingerprint`` (input files with sizes and mtimes, model and adapter files,
-sampling, the job keys that decide rows), the input scan and the input columns it reads
+writes it with the ``fingerprint`` (input files with sizes, mtimes and content digests, model and
+adapter files, sampling, the job keys that decide rows, and the device kind, dtype and kernel
+backend the engine settings resolve to), the input scan and the input columns it reads
 (``reads``); every later run compares them and refuses a directory that holds rows of other
 inputs or settings, naming what changed.
+
+A file whose size and digest are the same is the same file when the digest covers all of it (up
+to 2 MiB: a touched input is not a change); a larger one whose mtime moved is refused, since
+its middle was not compared. A manifest of an earlier version lacks the digests and the
+resolution: its files are compared by size and mtime, its raw ``dtype`` as written, and a
+resume that finds nothing changed records both from then on.
 
 A later version may read more columns (the scoring columns, ``logprobs``): an output whose input
 has such a column was made without it, so it is refused too; one whose input has none stays
@@ -20,6 +27,7 @@ from typing import Any
 
 from slora_batch.engine.adapter_files import resolve_sources
 from slora_batch.engine.config import SamplingConfig
+from slora_batch.engine.resolution import resolve
 from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
 from slora_batch.jobs.config import JobConfig
@@ -109,6 +117,9 @@ def resumable_manifest(
         changes = fingerprint_changes(manifest.get("fingerprint") or {}, current)
         changes += column_changes(manifest, job)
     if not changes:
+        if manifest["fingerprint"] != current:  # an earlier version's, or a touched input
+            manifest = {**manifest, "fingerprint": current}
+            write_manifest(out, manifest)
         return manifest
     if not has_rows:
         logger.info("job %s: starting afresh (%s)", job.name, "; ".join(changes))
@@ -122,10 +133,12 @@ def resumable_manifest(
     )
 
 
-def fingerprint(plan: JobPlan) -> dict[str, Any]:
-    """What decides a job's rows, cheap to take (file sizes and mtimes, no reading): the input
-    files, the model's and every adapter's files, the sampling and the job keys that change
-    outputs (columns, fanout, keep_columns, max_model_len, dtype). JSON-ready."""
+def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
+    """What decides a job's rows, cheap to take (file sizes and mtimes, and a digest of each
+    file's size and first and last MiB): the input files, the model's and every adapter's files,
+    the sampling, the job keys that change outputs (columns, fanout, keep_columns,
+    max_model_len, dtype) and what the engine settings resolve to (``resolution.resolve``;
+    ``gpu``: whether the engines will see a GPU, None: this process's answer). JSON-ready."""
     job = plan.job
     root = input_root(plan.files, plan.input_fs)
     sources = resolve_sources(job.adapters)
@@ -144,6 +157,7 @@ def fingerprint(plan: JobPlan) -> dict[str, Any]:
             "max_model_len": job.engine.max_model_len,
             "dtype": job.engine.dtype,
         },
+        "engine": resolve(job.engine, gpu),
     }
     return json.loads(json.dumps(taken))  # tuples -> lists, as read back from the manifest
 
@@ -171,13 +185,14 @@ def column_changes(manifest: dict[str, Any], job: JobConfig) -> list[str]:
     return changes
 
 
-def _stat(path: Path) -> list[int]:
+def _stat(path: Path) -> list[int | str]:
     stat = Path(path).stat()
-    return [stat.st_size, stat.st_mtime_ns]
+    with open(path, "rb") as handle:
+        return [stat.st_size, stat.st_mtime_ns, fsio.edge_digest(handle, stat.st_size)]
 
 
-def _dir_stats(path: Path) -> dict[str, list[int]]:
-    """Size and mtime of a file, or of every visible file directly in a directory."""
+def _dir_stats(path: Path) -> dict[str, list[int | str]]:
+    """``_stat`` of a file, or of every visible file directly in a directory."""
     path = Path(path)
     if path.is_file():
         return {path.name: _stat(path)}
@@ -212,13 +227,36 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             )
     # a sampling setting a later version adds, at its default, makes the rows it made before
     defaults = json.loads(json.dumps(dataclasses.asdict(SamplingConfig())))
+    resolved = "engine" in old  # then the resolved dtype is compared, not the setting
     for section in ("sampling", "job"):
         before, after = old.get(section, {}), new[section]
         prefix = "sampling." if section == "sampling" else ""
         missing = defaults if section == "sampling" else {}
         for key in sorted(set(before) | set(after)):
+            if section == "job" and key == "dtype" and resolved:
+                continue
             if before.get(key, missing.get(key)) != after.get(key):
                 changes.append(f"{prefix}{key} {before.get(key)!r} -> {after.get(key)!r}")
+    if resolved:
+        changes += _engine_changes(old["engine"], new["engine"])
+    return changes
+
+
+def _engine_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """What the rows were made with against what this run would make them with, in words:
+    "engine.dtype resolved float32 on cpu -> bfloat16 on cuda", "engine.backend resolved torch
+    -> triton"."""
+    changes = []
+    for key in ("device", "dtype", "backend"):
+        if old.get(key) == new[key]:
+            continue
+        if key == "dtype":
+            changes.append(
+                f"engine.dtype resolved {old.get(key)} on {old.get('device')} -> "
+                f"{new[key]} on {new['device']}"
+            )
+        else:
+            changes.append(f"engine.{key} resolved {old.get(key)} -> {new[key]}")
     return changes
 
 
@@ -229,11 +267,26 @@ def _files_changes(what: str, old: dict[str, list], new: dict[str, list]) -> lis
             changes.append(f"{what} {name} removed")
         elif name not in old:
             changes.append(f"{what} {name} added")
-        elif old[name][0] != new[name][0]:
-            changes.append(
-                f"{what} {name} changed (size {old[name][0]:,} -> {new[name][0]:,} bytes)"
-            )
-        elif old[name][1] != new[name][1]:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(new[name][1] / 1e9))
-            changes.append(f"{what} {name} changed (modified {when})")
+        else:
+            change = _file_change(old[name], new[name])
+            if change:
+                changes.append(f"{what} {name} changed ({change})")
     return changes
+
+
+def _file_change(old: list, new: list) -> str | None:
+    """Why a file of stat ``old`` ([size, mtime, digest]; an earlier version's has no digest)
+    is not the file of stat ``new``, or None when it is: the same size and digest, and the same
+    mtime unless the digest covers the whole file (then a touch is no change)."""
+    size, mtime, digest = new
+    if old[0] != size:
+        return f"size {old[0]:,} -> {size:,} bytes"
+    known = old[2] if len(old) > 2 else None
+    if known is not None and known != digest:
+        return f"content differs, same size {size:,} bytes"
+    if old[1] == mtime or (known is not None and fsio.fully_digested(size)):
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime / 1e9))
+    if known is None:
+        return f"modified {when}"
+    return f"modified {when}; its first and last MiB are the same, the rest was not compared"

@@ -1,7 +1,10 @@
 """The output directory's files, and the atomic commit every one of them is written with.
 
-A job writes ``part-NNNNN.parquet`` parts, ``stats.parquet``, the manifest ``_job.json`` and,
-last, the completion marker ``_SUCCESS``; ``.lock`` exists while a run holds the directory
+A job writes ``part-NNNNN.parquet`` parts, ``_stats.parquet``, the manifest ``_job.json`` and,
+last, the completion marker ``_SUCCESS``. Every file but the parts starts with "_" (or "."), so
+readers of a directory of Parquet files (pyarrow datasets, pandas, Spark) read the parts alone;
+earlier versions named the stats ``stats.parquet``, which is still read and is removed when the
+stats are next written; ``.lock`` exists while a run holds the directory
 (``lock.py``). ``commit_file`` writes each to a hidden temp name in the same directory, fsyncs
 it and ``os.replace``s it, so a committed file is always whole, also after kill -9. An output
 on another filesystem (``fsio.FsDir``, the Ray runner's) is read and written through it, each
@@ -24,7 +27,8 @@ from slora_batch.jobs.fsio import FsDir
 logger = logging.getLogger(__name__)
 
 PART_RE = re.compile(r"^part-(\d+)\.parquet$")
-STATS_FILE = "stats.parquet"
+STATS_FILE = "_stats.parquet"
+OLD_STATS_FILE = "stats.parquet"  # an earlier version's name: read as data by dataset readers
 SUCCESS_FILE = "_SUCCESS"
 MANIFEST_FILE = "_job.json"  # what the rows were produced from (``manifest.py`` writes it)
 LOCK_FILE = ".lock"  # flock'd by the running job, removed when it releases the lock
@@ -93,7 +97,8 @@ def clear_output(out_dir: str | Path | FsDir) -> None:
 
 
 def _ours(name: str) -> bool:
-    return bool(PART_RE.match(name)) or name in (STATS_FILE, SUCCESS_FILE, MANIFEST_FILE)
+    ours = (STATS_FILE, OLD_STATS_FILE, SUCCESS_FILE, MANIFEST_FILE)
+    return bool(PART_RE.match(name)) or name in ours
 
 
 def write_success(out_dir: str | Path | FsDir, job: str, rows: int) -> Path:

@@ -13,7 +13,7 @@ directory's lock and then:
   unless the manifest holds the scan, and refuses a job whose (id, adapter) rows repeat;
 - skips the rows already in committed parts (resume; a row of n samples is done when all n
   are, and one partly done asks for the rest), builds the engine only when a row is left, writes
-  parts (by rows and by time) and ends with ``stats.parquet`` and the marker.
+  parts (by rows and by time) and ends with ``_stats.parquet`` and the marker.
 
 A row is an output row: one sample of one input row for one adapter (``samples.py``); progress,
 stats and the summary count those.
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class JobSummary:
-    """A finished job: the stats rows as written to ``stats.parquet`` and this run's share."""
+    """A finished job: the stats rows as written to ``_stats.parquet`` and this run's share."""
 
     job: str
     output: Path
@@ -172,6 +172,7 @@ def run_plan(
                     engine = _build_engine(plan)
                     run.load_s = time.perf_counter() - built
                     with contextlib.closing(engine):  # frees the device for the next job
+                        check_resolution(job, engine, manifest["fingerprint"]["engine"])
                         run.feed(engine, chain([first], items), writer)
             except JOB_ERRORS as exc:  # a model the engine cannot load, a file unreadable midway
                 raise job_error(job, exc) from exc
@@ -205,6 +206,25 @@ def run_plan(
         broken=plan.broken,
         choice_labels=job.choice_labels or scan.choices,
     )
+
+
+def check_resolution(job: JobConfig, engine, recorded: dict[str, str]) -> None:
+    """Refuse to feed an engine that runs on another device kind or dtype than the manifest
+    records (``resolution.resolve`` decided it before the engine was built): a safeguard, so
+    rows of two precisions never share an output."""
+    built = {
+        "device": str(engine.device).split(":")[0].split()[0],  # "cuda:0", "cuda x2" -> "cuda"
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
+    wrong = [
+        f"{key} {recorded[key]} -> {built[key]}" for key in built if built[key] != recorded[key]
+    ]
+    if wrong:
+        raise JobError(
+            f"job {job.name!r}: output {job.output!r} records rows made on {recorded['device']} "
+            f"in {recorded['dtype']}, but the engine built for this run differs: "
+            f"{'; '.join(wrong)}. Nothing was run"
+        )
 
 
 def scan_for_run(plan: JobPlan) -> InputScan:

@@ -1,7 +1,7 @@
 """n samples per row, exactly once: what a row owes the output and what it holds.
 
 Words: an *input row* is a line or row of the input; a *row* of the output (what parts,
-``stats.parquet``, progress and the summary count) is one sample of one input row for one
+``_stats.parquet``, progress and the summary count) is one sample of one input row for one
 adapter, ``(id, adapter, sample_index)``. An input row makes ``n`` rows per adapter (its ``n``
 column, else the job's ``sampling.n`` for a generated row and 1 for a scored one), sample k seeded by (seed, id, k) so that it is the same
 whenever it is made; an input row that fails (a bad line, a bad ``n``, an unknown adapter) makes

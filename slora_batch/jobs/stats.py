@@ -1,4 +1,4 @@
-"""``stats.parquet``: its schema, the job row and the per-adapter rows a run writes, reading them
+"""``_stats.parquet``: its schema, the job row and the per-adapter rows a run writes, reading them
 back, and the row and token counts of the committed parts.
 
 Rows are output rows: one sample of one input row for one adapter (``samples.py``), so a job
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from slora_batch.jobs.check import JobPlan
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
-from slora_batch.jobs.outdir import STATS_FILE, commit, part_files
+from slora_batch.jobs.outdir import OLD_STATS_FILE, STATS_FILE, commit, part_files
 
 STATS_SCHEMA = pa.schema(
     [
@@ -107,26 +107,36 @@ def accuracy(counts: dict[str, int]) -> float | None:
 def write_stats(
     out_dir: str | Path | FsDir, job_row: dict[str, Any], adapter_rows: list[dict[str, Any]]
 ) -> Path:
-    """Write ``stats.parquet``: one row kind="job", then one kind="adapter" per adapter.
-    Keys must be ``STATS_SCHEMA`` names; missing ones are null."""
+    """Write ``_stats.parquet``: one row kind="job", then one kind="adapter" per adapter, and
+    remove an earlier version's ``stats.parquet``. Keys must be ``STATS_SCHEMA`` names; missing
+    ones are null."""
     rows = [{**job_row, "kind": "job"}] + [{**row, "kind": "adapter"} for row in adapter_rows]
     for row in rows:
         unknown = sorted(set(row) - set(STATS_SCHEMA.names))
         if unknown:
             raise ValueError(f"stats {row['kind']} row: unknown column {unknown[0]!r}")
     table = pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
-    return commit(out_dir, STATS_FILE, lambda handle: pq.write_table(table, handle))
+    path = commit(out_dir, STATS_FILE, lambda handle: pq.write_table(table, handle))
+    if isinstance(out_dir, FsDir):
+        if out_dir.exists(OLD_STATS_FILE):
+            out_dir.remove(OLD_STATS_FILE)
+    else:
+        (Path(out_dir) / OLD_STATS_FILE).unlink(missing_ok=True)
+    return path
 
 
 def read_stats(out_dir: str | Path | FsDir) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """The job row and the adapter rows of ``stats.parquet``, or None when there is none."""
+    """The job row and the adapter rows of ``_stats.parquet`` (or of an earlier version's
+    ``stats.parquet``), or None when there is none."""
     if isinstance(out_dir, FsDir):
-        if not out_dir.exists(STATS_FILE):
+        name = next((n for n in (STATS_FILE, OLD_STATS_FILE) if out_dir.exists(n)), None)
+        if name is None:
             return None
-        rows = pq.read_table(out_dir.child(STATS_FILE), filesystem=out_dir.fs).to_pylist()
+        rows = pq.read_table(out_dir.child(name), filesystem=out_dir.fs).to_pylist()
     else:
-        path = Path(out_dir) / STATS_FILE
-        if not path.is_file():
+        paths = (Path(out_dir) / name for name in (STATS_FILE, OLD_STATS_FILE))
+        path = next((p for p in paths if p.is_file()), None)
+        if path is None:
             return None
         rows = pq.read_table(path).to_pylist()
     job = [r for r in rows if r["kind"] == "job"]
@@ -139,7 +149,7 @@ def read_stats(out_dir: str | Path | FsDir) -> tuple[dict[str, Any], list[dict[s
 def stats_rows(
     out_dir: Path | FsDir, plan: JobPlan, run: RunRecord, wall_s: float
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The job row and the per-adapter rows of ``stats.parquet`` (see the module docstring)."""
+    """The job row and the per-adapter rows of ``_stats.parquet`` (see the module docstring)."""
     per_adapter = output_counts(out_dir)
     totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS + ANSWER_KEYS}
     counters = run.counters

@@ -124,7 +124,7 @@ def run_ray_job(
         try:
             if overwrite:
                 clear_output(out)
-            current = fingerprint(plan)
+            current = fingerprint(plan, gpu=settings.gpus_per_replica > 0)  # the actors' view
             manifest = resumable_manifest(plan, current, out=remote)
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest, out, shown(out))

@@ -298,7 +298,7 @@ def test_reopen_and_overwrite(tmp_path):
     (tmp_path / "README").write_text("user file")
     OutputWriter(tmp_path, part_rows=1).close()  # resume: the job is incomplete again
     assert read_success(tmp_path) is None
-    assert (tmp_path / "part-00000.parquet").exists() and (tmp_path / "stats.parquet").exists()
+    assert (tmp_path / "part-00000.parquet").exists() and (tmp_path / "_stats.parquet").exists()
     write_success(tmp_path, "job", 1)
     writer = OutputWriter(tmp_path, part_rows=1, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "README"]
@@ -344,7 +344,7 @@ def test_stats_columns_and_types(tmp_path):
     assert table["tokens"].to_pylist() == [None, 20, 30]
     for name in ("rows", "ok_rows", "error_rows", "adapter_loads", "peak_pool_pages"):
         assert table.schema.field(name).type == pa.int64()
-    assert [p.name for p in tmp_path.iterdir()] == ["stats.parquet"]
+    assert [p.name for p in tmp_path.iterdir()] == ["_stats.parquet"]
     with pytest.raises(ValueError, match="unknown column 'wall'"):
         write_stats(tmp_path, {"wall": 1.0}, [])
 

@@ -262,7 +262,7 @@ def test_resume_skips_done_rows_and_stats_count_the_whole_output(tmp_path, tiny)
     assert generated(outputs(tmp_path / "out")) == complete
     for key in ("rows", "ok_rows", "prompt_tokens", "completion_tokens"):
         assert second.stats[key] == first.stats[key], key
-    stats = pq.read_table(tmp_path / "out" / "stats.parquet").to_pylist()
+    stats = pq.read_table(tmp_path / "out" / "_stats.parquet").to_pylist()
     assert stats[0]["kind"] == "job" and stats[0]["rows"] == 24
     assert [r["rows"] for r in stats[1:]] == [8, 8, 8]
     assert read_success(tmp_path / "out")["rows"] == 24
@@ -285,7 +285,7 @@ def test_stats_and_progress(tmp_path, tiny):
     assert [e.rows_this_run for e in running] == list(range(1, 13))
     assert events[0].rows_total is None and all(e.rows_total == 12 for e in events[1:])
     assert running[-1].completion_tokens == summary.stats["completion_tokens"] > 0
-    table = pq.read_table(tmp_path / "out" / "stats.parquet")
+    table = pq.read_table(tmp_path / "out" / "_stats.parquet")
     job_row = table.to_pylist()[0]
     assert job_row["device"] == "cpu" and job_row["dtype"] == "float32"
     assert job_row["adapter_loads"] == 2 and job_row["adapters_seen"] == 2

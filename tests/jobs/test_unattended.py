@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -157,17 +156,21 @@ def test_duplicate_rows_refuse_the_job_up_front_naming_both_lines(tmp_path, tiny
 
 def test_rerunning_a_complete_job_is_a_quick_no_op(tmp_path, tiny, monkeypatch):
     """Issue 14, defect 7: a re-run of a finished job built the engine, wrote nothing and
-    overwrote stats.parquet with zeros. It now returns at once: no engine, no model, no write."""
+    overwrote the stats with zeros. It now returns at once: no engine, no model, no write."""
     write_jsonl(tmp_path / "rows.jsonl", make_rows(9))
     job = load_job(tmp_path, tiny)
     run_job(job)
     out = tmp_path / "out"
     before = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in out.iterdir()}
-    assert {"stats.parquet", SUCCESS_FILE} <= set(before)
+    assert {"_stats.parquet", SUCCESS_FILE} <= set(before)
     forbid_weights(monkeypatch)  # building an engine or loading weights would raise
-    started = time.perf_counter()
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a complete job's input was read")
+
+    monkeypatch.setattr(jobrun, "scan_input", no_reading)  # the scan: no input row is read
+    monkeypatch.setattr(jobrun, "pending_items", no_reading)  # nor done rows skipped
     summary = run_job(job)
-    assert time.perf_counter() - started < 1.0
     assert summary.complete_already and summary.rows_this_run == 0
     assert summary.stats["rows"] == 9 and summary.stats["completion_tokens"] > 0
     after = {path.name: (path.read_bytes(), path.stat().st_mtime_ns) for path in out.iterdir()}
@@ -263,13 +266,19 @@ def test_resume_refuses_an_output_made_from_other_inputs_or_settings(tmp_path, t
     write_jsonl(tmp_path / "rows.jsonl", rows + make_rows(1, start=8))
     size = (tmp_path / "rows.jsonl").stat().st_size
     refused(rf"holds rows made from other inputs or settings: input rows.jsonl changed \(size [\d,]+ -> {size:,} bytes\)")  # fmt: skip
+    write_jsonl(
+        tmp_path / "rows.jsonl", [{**rows[0], "prompt": rows[0]["prompt"][::-1]}, *rows[1:]]
+    )
+    recorded = json.loads((out / MANIFEST_FILE).read_text())["fingerprint"]["input"]["rows.jsonl"]
+    os.utime(tmp_path / "rows.jsonl", ns=(0, recorded[1]))  # same size and mtime, rewritten
+    refused(r"input rows.jsonl changed \(content differs, same size")
     write_jsonl(tmp_path / "rows.jsonl", rows)
-    refused(r"input rows.jsonl changed \(modified 20")  # same size, rewritten
-    os.utime(tmp_path / "rows.jsonl", ns=(0, json.loads((out / MANIFEST_FILE).read_text())["fingerprint"]["input"]["rows.jsonl"][1]))  # fmt: skip
     weights = tmp_path / "adapters" / "a" / "adapter_model.safetensors"
-    os.utime(weights, (weights.stat().st_atime, weights.stat().st_mtime + 5))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
     (tmp_path / "adapters" / "c").mkdir()
-    refused(r"adapter 'a' file adapter_model.safetensors changed \(modified .*adapter 'c' added")
+    refused(r"adapter 'a' file adapter_model.safetensors changed \(content differs.*adapter 'c' added")  # fmt: skip
 
     summary = run_job(load_job(tmp_path, tiny, **keys), overwrite=True)
     assert summary.rows_skipped == 0 and summary.rows_this_run == 8

@@ -125,9 +125,9 @@ def test_sigkill_at_five_moments_then_resume_gives_every_row_once(tmp_path, tiny
         if moment == "temp-whole":
             assert now == seen and list(out.glob(f".part-*{TMP_MARK}*")), moment
         elif moment == "before-stats":
-            assert now == reference and not (out / "stats.parquet").exists()
+            assert now == reference and not (out / "_stats.parquet").exists()
         elif moment == "before-marker":
-            assert (out / "stats.parquet").exists()
+            assert (out / "_stats.parquet").exists()
         else:
             assert len(now) > len(seen), moment
         seen = now
@@ -138,7 +138,7 @@ def test_sigkill_at_five_moments_then_resume_gives_every_row_once(tmp_path, tiny
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == [
         "_SUCCESS",
         "_job.json",
-        "stats.parquet",
+        "_stats.parquet",
     ]  # fmt: skip no temp file, no lock file
 
 

@@ -123,7 +123,7 @@ def test_job_on_a_non_local_filesystem_runs_skips_and_resumes(
     assert rows_of(out) == reference and summary.stats["rows"] == ROWS
     assert "is not locked" in caplog.text
     names = {p.name for p in out.iterdir()}
-    assert {"_job.json", "stats.parquet", "_ray.json", "_SUCCESS"} <= names
+    assert {"_job.json", "_stats.parquet", "_ray.json", "_SUCCESS"} <= names
     assert not any(n.startswith(".") for n in names)  # no flock file, no temp files
     assert read_success(out)["rows"] == ROWS
 

@@ -101,7 +101,7 @@ def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, ref
     assert set(errors) == {7, None, 33}  # unknown adapter, malformed line (no id), empty prompt
     assert "unknown adapter 'no-such-adapter'" in errors[7]
     assert read_success(out)["rows"] == ROWS
-    assert {"_job.json", "stats.parquet", "_ray.json"} <= {p.name for p in out.iterdir()}
+    assert {"_job.json", "_stats.parquet", "_ray.json"} <= {p.name for p in out.iterdir()}
     actors = json.loads((out / "_ray.json").read_text())["actors"]
     assert sum(a["rows"] for a in actors) == ROWS and all(a["adapters"] >= 1 for a in actors)
     again = run_ray_job(job, RaySettings(**SETTINGS))  # complete: nothing runs
