@@ -116,7 +116,7 @@ class RunRecord:
         """Tokens the engine computed this run: prefill (scored continuations included) and
         decode."""
         c = self.counters
-        return 0 if c is None else c.prefill_tokens + c.decode_tokens
+        return getattr(c, "prefill_tokens", 0) + getattr(c, "decode_tokens", 0)
 
 
 def row_work(result: Result) -> int:
