@@ -28,9 +28,10 @@ from typer.testing import CliRunner
 
 from cli import app
 from slora_batch.engine.config import ConfigError
+from slora_batch.jobs import progress
 from slora_batch.jobs.check import JobError
 from slora_batch.jobs.config import load_jobs
-from slora_batch.jobs.progress import JobProgress, progress_line, seconds_left, tokens_per_s
+from slora_batch.jobs.progress import JobProgress
 from slora_batch.jobs.run import run_job
 from slora_batch.jobs.validate import validate_job
 
@@ -190,21 +191,21 @@ def test_the_rate_counts_tokens_computed_and_the_eta_the_work_left():
     # 60 s after the engine was ready, one row out (its 40 tokens), 2,808 tokens computed
     early = event(rows_done=1, rows_this_run=1, completion_tokens=40, elapsed_s=60.0,
                   computed_tokens=2808, row_tokens=100)  # fmt: skip
-    assert tokens_per_s(early) == pytest.approx(46.8)
-    assert "46.8 tok/s" in progress_line(early)
+    assert progress.tokens_per_s(early) == pytest.approx(46.8)
+    assert "46.8 tok/s" in progress.progress_line(early)
     # 240 rows of ~100 tokens: 24,000 tokens of work, 2,808 done, at 46.8 tok/s
-    assert seconds_left(early) == pytest.approx((24000 - 2808) / 46.8)
+    assert progress.seconds_left(early) == pytest.approx((24000 - 2808) / 46.8)
     # a resumed run: 100 rows of earlier runs, 40 of this run took 4,000 tokens; 140 rows were
     # left at its start, 14,000 tokens of work, 8,000 computed at 80 tok/s: 75 s left
     resumed = event(rows_done=140, rows_this_run=40, elapsed_s=100.0, computed_tokens=8000,
                     row_tokens=4000)  # fmt: skip
-    assert seconds_left(resumed) == pytest.approx(75.0)
-    assert progress_line(resumed).endswith("ETA 0:01:15")
+    assert progress.seconds_left(resumed) == pytest.approx(75.0)
+    assert progress.progress_line(resumed).endswith("ETA 0:01:15")
     # nothing finished yet: a rate, no ETA; nothing computed: neither
-    assert seconds_left(event(elapsed_s=5.0, computed_tokens=500)) is None
-    assert tokens_per_s(event(elapsed_s=5.0, computed_tokens=500)) == 100.0
-    assert tokens_per_s(event()) == 0.0 and "ETA" not in progress_line(event())
-    assert seconds_left(event(rows_done=240, rows_this_run=240, elapsed_s=9.0,
+    assert progress.seconds_left(event(elapsed_s=5.0, computed_tokens=500)) is None
+    assert progress.tokens_per_s(event(elapsed_s=5.0, computed_tokens=500)) == 100.0
+    assert progress.tokens_per_s(event()) == 0.0 and "ETA" not in progress.progress_line(event())
+    assert progress.seconds_left(event(rows_done=240, rows_this_run=240, elapsed_s=9.0,
                               computed_tokens=900, row_tokens=900)) == 0.0  # fmt: skip
 
 
@@ -219,10 +220,10 @@ def test_a_scoring_job_shows_a_rate(tmp_path, tiny):
     summary = run_job(load_job(tmp_path, tiny), progress=events.append)
     assert summary.stats["scored_rows"] == 6 and summary.stats["completion_tokens"] == 0
     running = [e for e in events if e.phase == "running"]
-    assert running and all(e.computed_tokens > 0 and tokens_per_s(e) > 0 for e in running)
-    assert seconds_left(running[-1]) == 0.0
-    assert f"{tokens_per_s(running[-1]):.1f} tok/s" in progress_line(running[-1])
-    assert tokens_per_s(running[-1]) > 0.0
+    assert running and all(e.computed_tokens > 0 and progress.tokens_per_s(e) > 0 for e in running)
+    assert progress.seconds_left(running[-1]) == 0.0
+    assert f"{progress.tokens_per_s(running[-1]):.1f} tok/s" in progress.progress_line(running[-1])
+    assert progress.tokens_per_s(running[-1]) > 0.0
 
 
 def test_an_interrupted_job_says_what_is_committed_and_what_is_left(tmp_path, tiny, capsys):
