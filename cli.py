@@ -4,7 +4,7 @@ Everything a job does lives in ``slora_batch.jobs.run``; this file only turns op
 draws progress (rich bars on a terminal, a plain line every ``--progress-every`` seconds
 otherwise) and prints summaries. Exit status: 0 every job done; 1 a job failed (one message on
 stderr each, no traceback; the jobs after it still ran); 130 interrupted by SIGINT, 143 by
-SIGTERM (finished rows are committed; re-run to resume).
+SIGTERM (the message says how many rows are committed and how many a re-run will do).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from slora_batch.engine.config import ConfigError
 from slora_batch.jobs.check import JOB_ERRORS, JobError, select_jobs
 from slora_batch.jobs.config import load_jobs
 from slora_batch.jobs.run import JobFailure, run_jobs
-from slora_batch.jobs.validate import validate_job
+from slora_batch.jobs.validate import VALIDATE_ROWS, validate_job
 
 app = typer.Typer(
     help="Offline batch inference of one base LLM with many LoRA adapters (S-LoRA design).",
@@ -138,9 +138,9 @@ def run(
     except (JobError, *JOB_ERRORS) as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        _interrupted("SIGINT", display.job, jobs, 130)
+        _interrupted("SIGINT", display, jobs, 130)
     except _Terminated:
-        _interrupted("SIGTERM", display.job, jobs, 143)
+        _interrupted("SIGTERM", display, jobs, 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if failures:
@@ -150,16 +150,23 @@ def run(
         raise typer.Exit(1)
 
 
-def _interrupted(name: str, current: str | None, jobs, code: int) -> None:
-    where = ""
-    if current is not None:
-        output = next((j.output for j in jobs if j.name == current), None)
-        where = f" of job {current!r} are committed in {shown_path(Path(output))}" if output else ""
-    err.print(
-        f"interrupted by {name}: finished rows{where or ' are kept'}; run the same command again "
-        "to resume",
-        markup=False,
-    )
+def _interrupted(name: str, display: ProgressDisplay, jobs, code: int) -> None:
+    """Say what the interrupted job holds now: the rows committed (this run's share) and the
+    rows a re-run does (those that were in progress among them)."""
+    from slora_batch.jobs.stats import committed_rows
+
+    event, text = display.last, "no job had started; nothing was written"
+    output = next((j.output for j in jobs if event and j.name == event.job), None)
+    if event is not None and output is not None:
+        committed = committed_rows(output) if Path(output).is_dir() else 0
+        earlier = event.rows_done - event.rows_this_run
+        text = (
+            f"job {event.job!r} has {committed:,} rows committed in {shown_path(Path(output))} "
+            f"({max(committed - earlier, 0):,} of them this run)"
+        )
+        if event.rows_total is not None:
+            text += f"; {max(event.rows_total - committed, 0):,} of {event.rows_total:,} are left"
+    err.print(f"interrupted by {name}: {text}; run the same command again to resume", markup=False)
     raise typer.Exit(code)
 
 
@@ -168,6 +175,12 @@ def validate(
     jobs_file: Path = JOBS_FILE,
     job: str | None = typer.Option(
         None, "--job", "-j", help="Validate only the job with this name (default: every job)."
+    ),
+    every: bool = typer.Option(
+        False,
+        "--all",
+        help="Check every input row, not the first 200, and list every row problem, not the "
+        "first 10.",
     ),
 ) -> None:
     """Check the jobs of JOBS_FILE without running them (no engine, no weights; the sample
@@ -183,12 +196,12 @@ def validate(
     failed = 0
     for config in _load(jobs_file, job):
         try:
-            report = validate_job(config)
+            report = validate_job(config, limit=None if every else VALIDATE_ROWS)
         except (JobError, *JOB_ERRORS) as exc:
             err.print(f"[red]error:[/] {escape(str(exc))}")
             failed += 1
             continue
-        print_report(report)
+        print_report(report, every=every)
     if failed:
         raise typer.Exit(1)
 

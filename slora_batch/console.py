@@ -20,13 +20,12 @@ from rich.progress import (
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
 from slora_batch.jobs.preference import ChoicePreference, choice_preference
 from slora_batch.jobs.preview import preview
-from slora_batch.jobs.progress import JobProgress
+from slora_batch.jobs.progress import JobProgress, clock, progress_line, seconds_left, tokens_per_s
 from slora_batch.jobs.run import JobSummary
 from slora_batch.jobs.validate import ValidationReport
 
@@ -35,7 +34,6 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays o
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 160
 ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in _stats.parquet
-ETA_MIN_ROWS = 16  # rows of this run done before a progress line gives an ETA
 
 
 def setup_logging(quiet: bool, verbose: bool) -> None:
@@ -54,6 +52,9 @@ def setup_logging(quiet: bool, verbose: bool) -> None:
     for name in ("sample_model", "engine", "memory"):
         level = logging.NOTSET if quiet or verbose else logging.INFO
         logging.getLogger(f"slora_batch.engine.{name}").setLevel(level)
+    # The tokenizer's "sequence length is longer than the specified maximum" warning: the
+    # engine checks every prompt against the model's context and says so in the row's error.
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -79,6 +80,7 @@ class ProgressDisplay:
     def __init__(self, enabled: bool, live: bool, every_s: float = 30.0) -> None:
         self.enabled, self.live, self.every_s = enabled, live, every_s
         self.job: str | None = None  # the job of the latest event
+        self.last: JobProgress | None = None  # the latest event
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("[bold]{task.description}"),
@@ -88,8 +90,7 @@ class ProgressDisplay:
             TextColumn("{task.fields[tokens_per_s]:>7.1f} tok/s"),
             TextColumn("{task.fields[resident]} adapters resident"),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn("ETA {task.fields[eta]}"),
             console=err,
         )
         self.task: int | None = None
@@ -104,7 +105,7 @@ class ProgressDisplay:
             self.progress.stop()
 
     def update(self, event: JobProgress) -> None:
-        self.job = event.job
+        self.job, self.last = event.job, event
         if not self.enabled:
             return
         if not self.live:
@@ -116,17 +117,17 @@ class ProgressDisplay:
             # the rows of earlier runs are the task's start, not progress to measure speed on
             self.task = self.progress.add_task(
                 f"{event.job}: {event.phase}", total=event.rows_total, completed=event.rows_done,
-                tokens_per_s=0.0, resident=0,
+                tokens_per_s=0.0, resident=0, eta=clock(None),
             )  # fmt: skip
             self.progress.start()
         if event.phase in ("scanning", "loading"):
             self.progress.update(self.task, description=f"{event.job}: {event.phase}",
                                  total=event.rows_total, completed=event.rows_done)  # fmt: skip
             return
-        rate = event.completion_tokens / event.elapsed_s if event.elapsed_s > 0 else 0.0
         self.progress.update(
             self.task, description=event.job, total=event.rows_total, completed=event.rows_done,
-            tokens_per_s=rate, resident=event.adapters_resident,
+            tokens_per_s=tokens_per_s(event), resident=event.adapters_resident,
+            eta=clock(seconds_left(event)),
         )  # fmt: skip
 
     def _line(self, event: JobProgress) -> None:
@@ -137,7 +138,7 @@ class ProgressDisplay:
             self._print(f"job {event.job}: {what}")
             self.last_line = now
         elif event.phase == "running" and now - self.last_line >= self.every_s:
-            self._print(_progress_text(event))
+            self._print(progress_line(event))
             self.last_line = now
 
     @staticmethod
@@ -154,26 +155,6 @@ class ProgressDisplay:
         self.progress.stop()
         self.progress.remove_task(self.task)
         self.task = None
-
-
-def _progress_text(event: JobProgress) -> str:
-    """ "job x: 1,234/10,000 rows (12.3%), 345.6 tok/s, 3 adapters resident, ETA 0:12:34"."""
-    rate = event.completion_tokens / event.elapsed_s if event.elapsed_s > 0 else 0.0
-    text = f"job {event.job}: {event.rows_done:,}"
-    eta = ""
-    if event.rows_total:
-        text += f"/{event.rows_total:,} rows ({100 * event.rows_done / event.rows_total:.1f}%)"
-        rows_per_s = event.rows_this_run / event.elapsed_s if event.elapsed_s > 0 else 0.0
-        # The first rows finish at the pace of the first prefills, not the batch's: an ETA from
-        # them is hours off. Say one once a few rows of this run (or a tenth of them) are done.
-        left_at_start = event.rows_total - event.rows_done + event.rows_this_run
-        enough = min(ETA_MIN_ROWS, max(1, left_at_start // 10))
-        if rows_per_s > 0 and event.rows_this_run >= enough:
-            left = max(event.rows_total - event.rows_done, 0) / rows_per_s
-            eta = f", ETA {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
-    else:
-        text += " rows"
-    return f"{text}, {rate:.1f} tok/s, {event.adapters_resident} adapters resident{eta}"
 
 
 def _plural(n: int, word: str) -> str:
@@ -196,7 +177,7 @@ def print_summary(summary: JobSummary, job) -> None:
     table.add_column()
     for name, value in (
         ("rows", f"{_plural(s['rows'], 'row')} ({s['ok_rows']:,} ok, {_plural(s['error_rows'], 'error')})"),
-        ("tokens", f"{s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated"),
+        ("tokens", _tokens(summary)),
         ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f}, warmup "
                      f"{s['warmup_s'] or 0:.1f}, engine {s['engine_s']:.1f}, read "
                      f"{s['read_s']:.1f}, write {s['write_s']:.1f} s"),
@@ -238,6 +219,9 @@ def print_summary(summary: JobSummary, job) -> None:
             _print_preference(preference)
     for message in summary.errors:
         out.print(f"[yellow]error row:[/] {escape(message)}", soft_wrap=True)
+    more = summary.error_rows_this_run - len(summary.errors)
+    if more > 0:
+        out.print(f"... and {_plural(more, 'more error row')} (the error column of the parts)")
     _print_notes(summary)
     out.print(
         f"outputs: [bold]{shown}[/] (part-*.parquet, _stats.parquet, _SUCCESS)", soft_wrap=True
@@ -253,6 +237,22 @@ def print_summary(summary: JobSummary, job) -> None:
                 escape(row.id), escape(row.adapter or "(base)"), escape(row.prompt), escape(text)
             )
         out.print(sample)
+
+
+def _tokens(summary: JobSummary) -> str:
+    """The whole output's tokens (error rows compute none); this run's too after a resume, as
+    the speed is this run's."""
+    s = summary.stats
+    if s["completion_tokens"] == 0 and s.get("scored_rows"):
+        text = f"{s['prompt_tokens']:,} prompt tokens scored ({_plural(s['scored_rows'], 'row')})"
+    else:
+        text = f"{s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated"
+    if summary.rows_skipped:
+        text += (
+            f" in the whole output; this run {summary.prompt_tokens_this_run:,} prompt, "
+            f"{summary.completion_tokens_this_run:,} generated"
+        )
+    return text
 
 
 def _speed(s: dict) -> str:
@@ -309,7 +309,8 @@ def shown_path(path: Path) -> str:
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
-def print_report(report: ValidationReport) -> None:
+def print_report(report: ValidationReport, every: bool = False) -> None:
+    """The validation report; ``every``: all row problems, not the first ten."""
     spec = report.spec
     fanout = ""
     if report.sweep is not None:
@@ -338,7 +339,9 @@ def print_report(report: ValidationReport) -> None:
     )
     for note in report.notes:
         out.print(f"  [yellow]note:[/] {escape(note)}", soft_wrap=True)
-    for problem in report.problems[:10]:
+    shown = report.problems if every else report.problems[:10]
+    for problem in shown:
         out.print(f"  [yellow]row problem:[/] {escape(problem)}", soft_wrap=True)
-    if len(report.problems) > 10:
-        out.print(f"  ... and {len(report.problems) - 10} more row problems")
+    if len(report.problems) > len(shown):
+        more = len(report.problems) - len(shown)
+        out.print(f"  ... and {_plural(more, 'more row problem')} (--all lists every one)")

@@ -15,8 +15,8 @@ from slora_batch.engine.loader import load_model
 from slora_batch.engine.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.model import LlamaModel
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.residency import AdapterResidency
+from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.runner import ModelRunner
 from slora_batch.engine.spec import ModelSpec
 from slora_batch.engine.tp import TensorParallel

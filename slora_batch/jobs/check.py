@@ -83,7 +83,8 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
             worker_slots(job.engine)  # enough devices for the workers
         model_path = resolve_model(job.model)
         spec = read_spec(model_path)
-        adapters, broken = check_adapters(spec, job.adapters)
+        _check_tensor_parallel(job, spec)
+        adapters, broken = _adapters(spec, job.adapters)
         files = iter_input_files(job.input, input_fs)
         for file in files:  # every Parquet footer: an unreadable file fails here
             if file.suffix.lower() == ".parquet":
@@ -101,6 +102,46 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
     return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs)
+
+
+def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:
+    """What the engine refuses at once under ``tensor_parallel``: a model whose heads or sizes
+    it does not divide, and more ranks than visible CUDA devices when it runs on CUDA."""
+    size = job.engine.tensor_parallel
+    if size == 1:
+        return
+    spec.shard(size)  # ModelError naming the sizes that do not divide
+    if job.engine.device == "cpu" or job.engine.data_parallel > 1 or job.engine.gpus:
+        return  # gloo ranks on the CPU; data-parallel slots are worker_slots' to count
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < size:
+        raise ConfigError(
+            f"engine.tensor_parallel is {size} but {torch.cuda.device_count()} CUDA devices "
+            "are visible"
+        )
+
+
+def _adapters(spec: ModelSpec, sources) -> tuple[list[AdapterInfo], dict[str, AdapterError]]:
+    """``check_adapters``; a missing adapters directory is the job's error, said as such."""
+    if isinstance(sources, str | Path) and not Path(sources).is_dir():
+        what = "is not a directory" if Path(sources).exists() else "does not exist"
+        raise ConfigError(
+            f"adapters directory {str(sources)!r} {what} (adapters: a directory of PEFT adapter "
+            "directories, or a mapping {name: path})"
+        )
+    return check_adapters(spec, sources)
+
+
+def input_notes(plan: JobPlan, scan: InputScan) -> list[str]:
+    """The scan's notes on the input's columns, and a warning when the input has no row."""
+    notes = scan.notes(plan.job.columns)
+    if scan.rows == 0:
+        files = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
+        notes.insert(
+            0, f"the input has no rows ({len(plan.files)} file(s): {files}): nothing to run"
+        )
+    return notes
 
 
 def job_error(job: JobConfig, exc: Exception) -> JobError:

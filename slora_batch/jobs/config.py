@@ -210,17 +210,22 @@ def load_jobs(path: str | Path) -> list[JobConfig]:
         raise ConfigError(f"{path.name}: 'jobs' must be a non-empty list of job mappings")
     if "name" in defaults:
         raise ConfigError(f"{path.name}: defaults cannot set 'name' (every job needs its own)")
-    _check_keys(defaults, f"{path.name}: defaults")
-    base_dir = path.resolve().parent
-    result: list[JobConfig] = []
+    unknown = _unknown_keys(defaults, f"{path.name}: defaults")
     for index, raw in enumerate(jobs):
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"{path.name}: job {index} must be a mapping, got {type(raw).__name__}"
             )
+        unknown += _unknown_keys(
+            raw, f"{path.name}: job {raw.get('name') or f'{path.stem}-{index}'!r}"
+        )
+    if unknown:  # every one at once: a user fixes them all in one edit
+        raise ConfigError("; ".join(unknown))
+    base_dir = path.resolve().parent
+    result: list[JobConfig] = []
+    for index, raw in enumerate(jobs):
         name = raw.get("name") or f"{path.stem}-{index}"
         where = f"{path.name}: job {name!r}"
-        _check_keys(raw, where)
         result.append(_build(_merge(defaults, raw), name, base_dir, where))
     for key in ("name", "output"):
         seen: dict[str, str] = {}
@@ -234,9 +239,10 @@ def load_jobs(path: str | Path) -> list[JobConfig]:
     return result
 
 
-def _check_keys(raw: dict[str, Any], where: str) -> None:
+def _unknown_keys(raw: dict[str, Any], where: str) -> list[str]:
+    """A message for every unknown key of a job (or defaults) mapping, nested ones included."""
     known = {f.name for f in dataclasses.fields(JobConfig)}
-    _reject_unknown(raw, known, f"{where}: unknown key")
+    messages = _unknown(raw, known, f"{where}: unknown key")
     for key, cls in (*NESTED.items(), ("columns", None)):
         value = raw.get(key)
         if value is None:
@@ -244,18 +250,26 @@ def _check_keys(raw: dict[str, Any], where: str) -> None:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: {key} must be a mapping, got {type(value).__name__}")
         names = set(COLUMN_KEYS) if cls is None else {f.name for f in dataclasses.fields(cls)}
-        _reject_unknown(value, names, f"{where}: unknown key", f" in {key}")
+        messages += _unknown(value, names, f"{where}: unknown key", f" in {key}")
+    return messages
 
 
 def _reject_unknown(data: dict[str, Any], known: set[str], prefix: str, suffix: str = "") -> None:
-    unknown = sorted(set(data) - known, key=str)
+    unknown = _unknown(data, known, prefix, suffix)
     if unknown:
-        key = unknown[0]
+        raise ConfigError("; ".join(unknown))
+
+
+def _unknown(data: dict[str, Any], known: set[str], prefix: str, suffix: str = "") -> list[str]:
+    """ "<prefix> 'key'<suffix> (did you mean ...?)" for each key of ``data`` not in ``known``."""
+    messages = []
+    for key in sorted(set(data) - known, key=str):
         close = difflib.get_close_matches(str(key), sorted(known), n=1)
         hint = (
             f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
         )
-        raise ConfigError(f"{prefix} {key!r}{suffix}{hint}")
+        messages.append(f"{prefix} {key!r}{suffix}{hint}")
+    return messages
 
 
 def _merge(defaults: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,10 @@ class RunRecord:
         self.device: str | None = None  # the engine's device and dtype, once it runs
         self.dtype: str | None = None
         self.rows = 0
-        self.tokens = 0
+        self.tokens = 0  # completion tokens of this run's rows
+        self.prompt_tokens = 0  # prompt tokens of this run's rows (error rows compute none)
+        self.row_tokens = 0  # all the tokens this run's rows took: ``row_work``
+        self.error_rows = 0
         self.errors: list[str] = []
         self.first_in: dict[str | None, float] = {}  # adapter -> first row handed to the engine
         self.last_out: dict[str | None, float] = {}  # adapter -> its last result
@@ -85,9 +88,14 @@ class RunRecord:
             self.total -= samples - 1
         self.done += 1
         self.rows += 1
-        self.tokens += result.completion_tokens
-        if result.error is not None and len(self.errors) < ERROR_EXAMPLES:
-            self.errors.append(result.error)
+        if result.error is None:
+            self.tokens += result.completion_tokens
+            self.prompt_tokens += result.prompt_tokens
+            self.row_tokens += row_work(result)
+        else:
+            self.error_rows += 1
+            if len(self.errors) < ERROR_EXAMPLES:
+                self.errors.append(result.error)
         self.notify(
             JobProgress(
                 self.job,
@@ -98,5 +106,20 @@ class RunRecord:
                 self.elapsed,
                 self.resident,
                 self.rows,
+                self.computed,
+                self.row_tokens,
             )
         )
+
+    @property
+    def computed(self) -> int:
+        """Tokens the engine computed this run: prefill (scored continuations included) and
+        decode."""
+        c = self.counters
+        return getattr(c, "prefill_tokens", 0) + getattr(c, "decode_tokens", 0)
+
+
+def row_work(result: Result) -> int:
+    """The tokens a finished row took: its prompt, its output and its scored continuations."""
+    scored = (result.continuation_tokens or 0) + sum(result.choice_tokens or ())
+    return result.prompt_tokens + result.completion_tokens + scored

@@ -34,7 +34,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from slora_batch.jobs.check import JOB_ERRORS, JobError, JobPlan, check_job, job_error
+from slora_batch.jobs.check import (
+    JOB_ERRORS,
+    JobError,
+    JobPlan,
+    check_job,
+    input_notes,
+    job_error,
+)
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.lock import OutputLock
@@ -62,6 +69,10 @@ class JobSummary:
     rows_skipped: int  # already in the output when this run started
     rows_this_run: int
     errors: list[str] = field(default_factory=list)  # a few error messages of this run
+    error_rows_this_run: int = 0  # all of them: ``errors`` holds the first few
+    # this run's share of the stats' whole-output token counts (error rows compute nothing)
+    prompt_tokens_this_run: int = 0
+    completion_tokens_this_run: int = 0
     notes: list[str] = field(default_factory=list)  # input columns neither used nor kept, ...
     broken: dict[str, str] = field(default_factory=dict)  # adapter -> why it cannot run
     complete_already: bool = False  # the job was complete: nothing ran, nothing was written
@@ -122,6 +133,7 @@ def run_plan(
     job, started = plan.job, time.perf_counter()
     notify = progress or (lambda update: None)
     out = Path(job.output)
+    created = not out.exists()  # a job refused before any work leaves no directory behind
     try:
         lock = OutputLock(out)
     except OutputError as exc:
@@ -140,13 +152,22 @@ def run_plan(
                     return complete
             if manifest is None:
                 notify(JobProgress(job.name, "scanning", 0, None, 0, 0.0, 0))
-                manifest = new_manifest(plan, current, scan_for_run(plan))
+                try:
+                    manifest = new_manifest(plan, current, scan_for_run(plan))
+                except BaseException:
+                    lock.release()  # the lock file goes first, then the empty directory
+                    if created:
+                        _remove_empty(out)
+                    raise
                 write_manifest(out, manifest)
             scan = InputScan.from_json(manifest["scan"])
             plan.scanned(scan)
             done = done_samples(out)
         except JOB_ERRORS as exc:
             raise job_error(job, exc) from exc
+        notes = input_notes(plan, scan)
+        if scan.rows == 0:
+            logger.warning("job %s: %s", job.name, notes[0])
         total = plan.total
         if done:
             rows = _count(len(done), "row")
@@ -191,6 +212,8 @@ def run_plan(
                 run.elapsed,
                 run.resident,
                 run.rows,
+                run.computed,
+                run.row_tokens,
             )
         )
     logger.info("job %s: %s this run, %.1f s", job.name, _count(writer.rows_written, "row"), wall_s)
@@ -202,7 +225,10 @@ def run_plan(
         rows_skipped=len(done),
         rows_this_run=writer.rows_written,
         errors=run.errors,
-        notes=scan.notes(job.columns),
+        error_rows_this_run=run.error_rows,
+        prompt_tokens_this_run=run.prompt_tokens,
+        completion_tokens_this_run=run.tokens,
+        notes=notes,
         broken=plan.broken,
         choice_labels=job.choice_labels or scan.choices,
     )
@@ -273,11 +299,17 @@ def complete_summary(
         adapters=adapter_rows,
         rows_skipped=job_row["rows"],
         rows_this_run=0,
-        notes=scan.notes(job.columns),
+        notes=input_notes(plan, scan),
         broken=plan.broken,
         complete_already=True,
         choice_labels=job.choice_labels or scan.choices,
     )
+
+
+def _remove_empty(out: Path) -> None:
+    """Remove ``out`` when nothing is in it (what a refused job created), else leave it."""
+    with contextlib.suppress(OSError):
+        out.rmdir()  # fails on a directory that holds anything
 
 
 def _count(n: int, word: str) -> str:

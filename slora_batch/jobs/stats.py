@@ -91,11 +91,17 @@ def output_counts(out_dir: str | Path | FsDir) -> dict[str | None, dict[str, int
             c["rows"] += row["count_all"]
             c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
             c["scored_rows"] += row["count_all"] if row["finish_reason"] == "score" else 0
-            c["prompt_tokens"] += row["prompt_tokens_sum"]
-            c["completion_tokens"] += row["completion_tokens_sum"]
+            if row["finish_reason"] != "error":  # an error row computed nothing
+                c["prompt_tokens"] += row["prompt_tokens_sum"]
+                c["completion_tokens"] += row["completion_tokens_sum"]
             c["answered_rows"] += row.get("correct_count") or 0
             c["correct_rows"] += row.get("correct_sum") or 0  # null: the group had no answer
     return counts
+
+
+def committed_rows(out_dir: str | Path | FsDir) -> int:
+    """Rows in the committed parts of an output directory (0 when it has none)."""
+    return sum(c["rows"] for c in output_counts(out_dir).values())
 
 
 def accuracy(counts: dict[str, int]) -> float | None:

@@ -5,6 +5,7 @@ engine is built and no weights are loaded."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from slora_batch.engine.request import Request, Result
 from slora_batch.engine.scoring import scored_ids
 from slora_batch.engine.spec import ModelSpec
 from slora_batch.engine.tokens import load_tokenizer, tokenize
-from slora_batch.jobs.check import JobError, check_job, job_error
+from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, input_notes, job_error
 from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.manifest import fingerprint, resumable_manifest
 from slora_batch.jobs.reader import InputError, input_root, read_rows
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.scan import scan_input
@@ -42,13 +44,18 @@ class ValidationReport:
     id_type: str  # the output's id column: "int64" or "string"
 
 
-def validate_job(job: JobConfig) -> ValidationReport:
-    """``check_job``, the input scan (every row is read once), then the Parquet schemas and the
-    first ``VALIDATE_ROWS`` rows turned into requests and tokenized as the engine would. Builds
-    no engine and loads no weights (only the sample alias's one-time conversion reads its GGUF);
-    problems of rows are reported (a run writes error rows for them), problems of the job
-    (duplicate rows included) raise."""
+def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> ValidationReport:
+    """``check_job``, the output directory as a run finds it (rows of other inputs or settings
+    are refused, as ``run`` refuses them without --overwrite), the input scan (every row is
+    read once), then the Parquet schemas and the first ``limit`` rows (None: every row) turned
+    into requests and tokenized as the engine would. Builds no engine and loads no weights
+    (only the sample alias's one-time conversion reads its GGUF); problems of rows are reported
+    (a run writes error rows for them), problems of the job (duplicate rows included) raise."""
     plan = check_job(job)
+    try:
+        resumable_manifest(plan, fingerprint(plan))
+    except JOB_ERRORS as exc:
+        raise job_error(job, exc) from exc
     fanout = plan.sweep is not None
     try:
         scan = scan_input(plan.files, job.columns, job.keep_columns, fanout, OUTPUT_COLUMNS)
@@ -59,11 +66,11 @@ def validate_job(job: JobConfig) -> ValidationReport:
     problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
     tokenizer = load_tokenizer(plan.model_path)
     limit = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
-    known = None if fanout else {a.name for a in plan.adapters}
+    known = None if fanout else sorted(a.name for a in plan.adapters)
     checked = 0
     try:
         for row in read_rows(plan.files, job.columns, root=input_root(plan.files)):
-            if checked == VALIDATE_ROWS:
+            if checked == limit:
                 break
             checked += 1
             item = to_request(row, job.sampling, fanout)
@@ -91,7 +98,7 @@ def validate_job(job: JobConfig) -> ValidationReport:
         sweep=plan.sweep,
         rows_checked=checked,
         problems=problems,
-        notes=scan.notes(job.columns),
+        notes=input_notes(plan, scan),
         broken=plan.broken,
         id_type=scan.id_type,
     )
@@ -132,7 +139,7 @@ def _schema_problems(file: Path, columns: dict[str, str]) -> list[str]:
 
 def _request_problem(
     request: Request,
-    known: set[str] | None,
+    known: list[str] | None,
     broken: dict[str, str],
     tokenizer,
     spec: ModelSpec,
@@ -142,7 +149,10 @@ def _request_problem(
     if request.adapter in broken:
         return f"adapter {request.adapter!r} cannot run: {broken[request.adapter]}"
     if known is not None and request.adapter is not None and request.adapter not in known:
-        return f"unknown adapter {request.adapter!r} ({len(known) + len(broken)} adapters known)"
+        # the engine's words (``prepare``): the usable adapters, and the nearest names
+        near = difflib.get_close_matches(request.adapter, known, n=3, cutoff=0.5)
+        hint = f"; nearest: {', '.join(near)}" if near else ""
+        return f"unknown adapter {request.adapter!r} ({len(known)} adapters known{hint})"
     if tokenizer is None and request.prompt_token_ids is None:
         return "the model has no tokenizer, so prompt and messages cannot be tokenized"
     try:

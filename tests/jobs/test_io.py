@@ -361,10 +361,11 @@ def test_output_counts_per_adapter_over_every_part(tmp_path):
         writer.write(result(2, adapter="a", tokens=(5, 6, 7)))
         writer.write(result(3, adapter="a", reason="error", tokens=(), error="bad"))
     no_scores = {"scored_rows": 0, "answered_rows": 0, "correct_rows": 0}
+    # the error row's 3 prompt tokens are not counted: an error row computed nothing
     assert output_counts(tmp_path) == {
         None: {"rows": 1, "ok_rows": 1, "error_rows": 0, "prompt_tokens": 3, "completion_tokens": 2,
                **no_scores},
-        "a": {"rows": 2, "ok_rows": 1, "error_rows": 1, "prompt_tokens": 6, "completion_tokens": 3,
+        "a": {"rows": 2, "ok_rows": 1, "error_rows": 1, "prompt_tokens": 3, "completion_tokens": 3,
               **no_scores},
     }  # fmt: skip
     assert output_counts(tmp_path / "missing") == {}

@@ -320,7 +320,7 @@ def test_output_directory_is_locked_while_a_job_runs(tmp_path, tiny):
     ("keys", "message"),
     [
         ({"input": "missing.jsonl"}, r"job 'tiny': input '.*missing.jsonl' does not exist"),
-        ({"adapters": "missing-dir"}, r"job 'tiny': adapter '\*' \(.*missing-dir\): adapters directory does not exist"),
+        ({"adapters": "missing-dir"}, r"job 'tiny': adapters directory '.*missing-dir' does not exist"),
         ({"model": "/nonexistent/model"}, r"job 'tiny': model '/nonexistent/model': no such directory"),
     ],
 )  # fmt: skip

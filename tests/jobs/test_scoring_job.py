@@ -339,8 +339,9 @@ def test_old_and_new_parts_in_one_output_are_read_by_resume_stats_and_preference
                               [(10, "a"), (11, None), (12, "a"), (1, "a"), (2, None), (3, "a"),
                                (4, "a"), (5, "a")]}  # fmt: skip
     counts = output_counts(out)
-    assert counts["a"] == {"rows": 6, "ok_rows": 4, "error_rows": 2, "prompt_tokens": 11,
-                           "completion_tokens": 5, "scored_rows": 1, "answered_rows": 0,
+    # error rows count no tokens: they computed nothing
+    assert counts["a"] == {"rows": 6, "ok_rows": 4, "error_rows": 2, "prompt_tokens": 10,
+                           "completion_tokens": 4, "scored_rows": 1, "answered_rows": 0,
                            "correct_rows": 0}  # fmt: skip
     assert counts[None] == {"rows": 2, "ok_rows": 2, "error_rows": 0, "prompt_tokens": 6,
                             "completion_tokens": 1, "scored_rows": 1, "answered_rows": 1,

@@ -560,7 +560,8 @@ def test_messages_count_in_words(tmp_path, tiny):
     result = invoke("run", job_file)
     assert "resumed: 1 row was already done, 1 written this run" in result.stdout
     assert "│ rows     │ 2 rows (2 ok, 0 errors)" in result.stdout
-    write_jsonl(tmp_path / "rows.jsonl", make_rows(1))
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(1))  # another input: another output
+    job_file = write_job(tmp_path, tiny, output="out-1")
     assert "input: 1 file, 1 row; 1 checked" in invoke("validate", job_file).stdout
 
 

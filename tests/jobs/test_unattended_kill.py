@@ -168,11 +168,12 @@ def test_a_signal_commits_every_finished_row_then_resume_completes(
     assert process.returncode == code, stderr
     out = tmp_path / "out"
     last = stderr.strip().splitlines()[-1]
-    assert last == (
-        f"interrupted by {name}: finished rows of job 'tiny' are committed in {out}; run the same "
-        "command again to resume"
-    )
     now = committed(out)
+    assert last == (
+        f"interrupted by {name}: job 'tiny' has {len(now)} rows committed in {out} ({len(now)} "
+        f"of them this run); {ROWS - len(now)} of {ROWS} are left; run the same command again "
+        "to resume"
+    )
     assert len(now) >= finished and all(reference[key] == value for key, value in now.items())
     assert read_success(out) is None and not (out / LOCK_FILE).exists()
     assert not list(out.glob(f".*{TMP_MARK}*"))
