@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 MIN_ACTOR_CPUS = 0.25
 PIPELINE_CPUS = 1.0  # kept free for Ray Data's read and shuffle tasks
+STOP_S = 30.0  # an interrupted run waits this long for the stopped execution's thread
 
 
 class RayStalled(JobError):
@@ -126,7 +127,8 @@ def _consume(parts, stall_s: float, on_part, job: str) -> list[dict[str, Any]]:
         except BaseException as exc:  # handed to the driver's thread, raised there
             got.put(("error", exc))
 
-    threading.Thread(target=pull, name="ray-parts", daemon=True).start()
+    puller = threading.Thread(target=pull, name="ray-parts", daemon=True)
+    puller.start()
     summaries: list[dict[str, Any]] = []
     moved = time.monotonic()
     try:
@@ -146,6 +148,7 @@ def _consume(parts, stall_s: float, on_part, job: str) -> list[dict[str, Any]]:
             on_part(value)
     except BaseException:
         _stop(parts)
+        puller.join(timeout=STOP_S)  # ended before Ray is shut down, or it would start Ray anew
         raise
 
 

@@ -139,7 +139,7 @@ def run_ray_jobs(
         if _started_here:
             import ray
 
-            ray.shutdown()
+            ray.shutdown()  # before the interpreter's exit, which runs no Ray thread any more
         raise
 
 

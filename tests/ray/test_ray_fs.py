@@ -22,6 +22,7 @@ from test_ray_job import (  # noqa: E402, F401, F811 -- the fixtures run once pe
     job_dir,
     local_ray,
     reference,
+    reference_out,
     rows_of,
     tiny,
 )
