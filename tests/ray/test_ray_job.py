@@ -117,32 +117,48 @@ def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, ref
     assert again.complete_already and again.rows_this_run == 0
 
 
+def slow_first_commit_fs(marks: Path):
+    """The local disk as a non-local filesystem whose first part commit, in whichever actor
+    makes it, leaves ``marks/<part>@<pid>`` and waits before writing: that actor is busy with
+    that unit, its part not written yet."""
+    import pyarrow.fs as pafs
+    from fsspec.implementations.local import LocalFileSystem
+
+    class SlowFirstCommit(LocalFileSystem):  # local: pickled by value into the actors
+        def open(self, path, mode="rb", **kwargs):
+            name = Path(path).name
+            if "w" in mode and name.startswith("part-") and not any(marks.iterdir()):
+                (marks / f"{name}@{os.getpid()}").touch()
+                time.sleep(60)
+            return super().open(path, mode=mode, **kwargs)
+
+    marks.mkdir()
+    return pafs.PyFileSystem(pafs.FSSpecHandler(SlowFirstCommit()))
+
+
 def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path, tiny, reference):
-    from ray.util.state import list_tasks
-
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
-    out, killed = tmp_path / "out", []
+    out, marks, killed = tmp_path / "out", tmp_path / "marks", []
+    filesystem = slow_first_commit_fs(marks)
 
-    def kill_a_busy_actor():  # an engine actor in the middle of a unit, not an idle one
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not killed:
-            running = list_tasks(filters=[("state", "=", "RUNNING")], detail=True, limit=1000)
-            for task in running:
-                if "EngineActor" in task.name and task.worker_pid and part_files(out):
-                    os.kill(task.worker_pid, signal.SIGKILL)
-                    killed.append(task)
-                    return
-            time.sleep(0.1)
+    def kill_the_busy_actor():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(marks.iterdir()):
+            time.sleep(0.05)
+        for mark in marks.iterdir():
+            part, pid = mark.name.split("@")
+            assert not (out / part).exists()
+            os.kill(int(pid), signal.SIGKILL)
+            killed.append((part, int(pid)))
 
-    killer = threading.Thread(target=kill_a_busy_actor)
+    killer = threading.Thread(target=kill_the_busy_actor)
     killer.start()
-    summary = run_ray_job(job, RaySettings(**SETTINGS))
+    summary = run_ray_job(job, RaySettings(**SETTINGS), filesystem=filesystem)
     killer.join()
-    assert killed, "no engine actor was busy to kill"
-    attempts = list_tasks(filters=[("task_id", "=", killed[0].task_id)], detail=True)
-    assert {t.state for t in attempts} >= {"FAILED", "FINISHED"}, attempts  # the unit, retried
-    actors = json.loads((out / "_ray.json").read_text())["actors"]
-    assert f":{killed[0].worker_pid}" not in " ".join(a["actor"] for a in actors)
+    assert killed, "no engine actor was caught in the middle of a unit"
+    (part, pid), actors = killed[0], json.loads((out / "_ray.json").read_text())["actors"]
+    assert (out / part).exists(), "the killed actor's unit was not retried"
+    assert not any(a["actor"].endswith(f":{pid}") for a in actors)  # another actor made it
     assert summary.stats["rows"] == ROWS
     assert rows_of(out) == reference
 
