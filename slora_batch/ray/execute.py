@@ -118,6 +118,14 @@ def _consume(parts, stall_s: float, on_part, job: str) -> list[dict[str, Any]]:
     """The summaries of ``parts``, consumed on a thread while this one watches for a stall
     (and stays where a signal's exception can unwind it, never inside Ray's calls)."""
     got: queue.Queue = queue.Queue()
+    executors: list = []  # Ray Data's streaming executor, once made (to read, and to stop)
+    create = parts._create_executor  # Ray Data keeps it only once the first output is out
+
+    def created():
+        executors.append(create())
+        return executors[-1]
+
+    parts._create_executor = created
 
     def pull() -> None:
         try:
@@ -137,7 +145,7 @@ def _consume(parts, stall_s: float, on_part, job: str) -> list[dict[str, Any]]:
                 kind, value = got.get(timeout=0.5)
             except queue.Empty:
                 if time.monotonic() - moved > stall_s:
-                    raise RayStalled(_stall_message(parts, job, stall_s)) from None
+                    raise RayStalled(_stall_message(executors, job, stall_s)) from None
                 continue
             if kind == "end":
                 return summaries
@@ -147,26 +155,25 @@ def _consume(parts, stall_s: float, on_part, job: str) -> list[dict[str, Any]]:
             summaries.append(value)
             on_part(value)
     except BaseException:
-        _stop(parts)
+        _stop(executors)
         puller.join(timeout=STOP_S)  # ended before Ray is shut down, or it would start Ray anew
         raise
 
 
-def _stop(parts) -> None:
-    executor = getattr(parts, "_current_executor", None)
-    if executor is not None:
+def _stop(executors: list) -> None:
+    for executor in executors:
         try:
             executor.shutdown(force=True)
         except Exception:  # already stopping: nothing more to do
             logger.debug("stopping the Ray Data execution", exc_info=True)
 
 
-def _stall_message(parts, job: str, stall_s: float) -> str:
+def _stall_message(executors: list, job: str, stall_s: float) -> str:
     import ray
 
     stage = "unknown (Ray Data's executor state is not readable)"
-    executor = getattr(parts, "_current_executor", None)
     try:  # Ray Data's executor: the first operator not completed is the one that starves
+        executor = executors[-1]
         completed = executor._has_op_completed
         waiting = [op.name for op in executor._topology if not completed.get(op, False)]
         stage = next(name for name in waiting if name != "Input")

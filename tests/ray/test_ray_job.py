@@ -121,19 +121,19 @@ def slow_first_commit_fs(marks: Path):
     """The local disk as a non-local filesystem whose first part commit, in whichever actor
     makes it, leaves ``marks/<part>@<pid>`` and waits before writing: that actor is busy with
     that unit, its part not written yet."""
+    import fsspec
     import pyarrow.fs as pafs
-    from fsspec.implementations.local import LocalFileSystem
 
-    class SlowFirstCommit(LocalFileSystem):  # local: pickled by value into the actors
-        def open(self, path, mode="rb", **kwargs):
+    class SlowFirstCommit(pafs.FSSpecHandler):  # local: pickled by value into the actors
+        def open_output_stream(self, path, metadata):
             name = Path(path).name
-            if "w" in mode and name.startswith("part-") and not any(marks.iterdir()):
+            if name.startswith("part-") and not any(marks.iterdir()):
                 (marks / f"{name}@{os.getpid()}").touch()
                 time.sleep(60)
-            return super().open(path, mode=mode, **kwargs)
+            return super().open_output_stream(path, metadata)
 
     marks.mkdir()
-    return pafs.PyFileSystem(pafs.FSSpecHandler(SlowFirstCommit()))
+    return pafs.PyFileSystem(SlowFirstCommit(fsspec.filesystem("file")))
 
 
 def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path, tiny, reference):
