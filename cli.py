@@ -125,7 +125,9 @@ def run(
                 from slora_batch.ray.job import RaySettings, run_ray_jobs
 
                 settings = RaySettings(ray_address, replicas, gpus_per_replica)
-                outcomes = run_ray_jobs(jobs, settings, overwrite=overwrite)
+                outcomes = run_ray_jobs(
+                    jobs, settings, overwrite=overwrite, progress=display.update
+                )
             else:
                 outcomes = run_jobs(jobs, overwrite=overwrite, progress=display.update)
             for outcome in outcomes:

@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,7 @@ OLD_STATS_FILE = "stats.parquet"  # an earlier version's name: read as data by d
 SUCCESS_FILE = "_SUCCESS"
 MANIFEST_FILE = "_job.json"  # what the rows were produced from (``manifest.py`` writes it)
 LOCK_FILE = ".lock"  # flock'd by the running job, removed when it releases the lock
-TMP_MARK = ".tmp-"  # temp files are ".<final name>.tmp-<pid>"
+TMP_MARK = ".tmp-"  # temp files are ".<final name>.tmp-<host>-<pid>-<random>"
 
 
 class OutputError(ValueError):
@@ -41,7 +43,9 @@ class OutputError(ValueError):
 
 def commit_file(path: Path, write: Callable[[Any], Any]) -> None:
     """Write ``path`` atomically: temp file in the same directory, fsync, rename, fsync the dir."""
-    temp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    # unique per host and process (Ray actors on two hosts may share a pid and a directory)
+    unique = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    temp = path.with_name(f".{path.name}{TMP_MARK}{unique}")
     try:
         with open(temp, "wb") as handle:
             write(handle)

@@ -24,12 +24,15 @@ from slora_batch.jobs.scoring import scored
 COLUMNS = ("id", "adapter", "sample_index", "finish_reason", "source")
 
 
-def done_samples(out_dir: str | Path | FsDir) -> DoneSamples:
-    """The samples in committed parts by ``row_key``; temp files are never read. A part written
-    before ``sample_index`` existed holds sample 0 of each row."""
+def done_samples(out_dir: str | Path | FsDir, only: set[str] | None = None) -> DoneSamples:
+    """The samples in committed parts by ``row_key`` (of the parts named in ``only`` when
+    given); temp files are never read. A part written before ``sample_index`` existed holds
+    sample 0 of each row."""
     done = DoneSamples()
     fs = out_dir.fs if isinstance(out_dir, FsDir) else None
     for _, path in part_files(out_dir if fs else Path(out_dir)):
+        if only is not None and path.name not in only:
+            continue
         try:
             names = pq.read_schema(str(path), filesystem=fs).names
             table = pq.read_table(

@@ -1,8 +1,10 @@
 """The same jobs past one machine, on a Ray cluster (optional extra: ``pip install -e ".[ray]"``).
 
-stage.py  generate(ds, ...): a Ray Data stage of engine actors; EngineActor, unit part names
-job.py    run_ray_jobs: a job file on Ray into the job tool's output directory, exactly once
-fs.py     input and output through pyarrow.fs (s3://, gs://, ...); the lock; a part committed
+stage.py    generate(ds, ...): a Ray Data stage of engine actors; EngineActor
+job.py      run_ray_jobs: a job file on Ray into the job tool's output directory, exactly once
+execute.py  the job's Ray Data pipeline: actors sized to the cluster, units, the stall watch
+fence.py    part names (run and unit) and the fence against an earlier run's late parts
+fs.py       input and output through pyarrow.fs (s3://, gs://, ...); the lock; a part committed
 
 Nothing here is imported by the single-machine tool; ``ray`` is imported on first use.
 """

@@ -75,3 +75,11 @@ def remove_leftovers(out: Path | FsDir) -> None:
     for path in out.iterdir():
         if (path.name.startswith(".") and TMP_MARK in path.name) or path.name == SUCCESS_FILE:
             path.unlink(missing_ok=True)
+
+
+def remove_name(out: Path | FsDir, name: str) -> None:
+    if isinstance(out, FsDir):
+        if out.exists(name):
+            out.remove(name)
+    else:
+        (out / name).unlink(missing_ok=True)

@@ -10,17 +10,24 @@ file) whose adapter falls in one of ``buckets`` adapter buckets. ``groupby(unit)
 hands each unit to an engine actor, which commits it as one part named after the unit.
 
 Exactly once: a unit's rows are fixed for a run (the done samples are read before it starts),
-its part name is a hash of the unit's key (file, block size and index, bucket), and the part is
-committed atomically, so a task Ray retries after an actor died rewrites the same rows to the
-same name. A part is only committed from rows that were pending, every sample of them, so a
-later run, which skips them, never writes that name again: a killed driver's re-run resumes
-from the committed parts. A row a single-process run left with some samples asks for the rest.
+its part name is the run's number and the unit's key (file index, block index, bucket:
+``fence.py``), and the part is committed atomically, so a task Ray retries after an actor died
+rewrites the same rows to the same name. A run fences off the earlier ones when it starts: a part
+an orphaned actor of a killed driver commits after that is removed, never read. A row a
+single-process run left with some samples asks for the rest.
+
+Ray itself is started (``connect``) only when a job has rows to run, quietly (its own warnings
+and Ray Data's progress lines only with ``--verbose``), and leaves the caller's SIGTERM handler
+in place, so a SIGTERM unwinds the run like a SIGINT (exit 143 from the CLI).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,24 +36,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pyarrow as pa
-
 from slora_batch.engine.config import check
-from slora_batch.jobs.check import JOB_ERRORS, JobError, JobPlan, check_job, job_error
+from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, job_error
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
 from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
-from slora_batch.jobs.reader import input_root
-from slora_batch.jobs.resume import done_samples, pending_rows
+from slora_batch.jobs.progress import JobProgress, ProgressCallback
+from slora_batch.jobs.resume import done_samples
 from slora_batch.jobs.run import JobFailure, JobSummary, complete_summary, scan_for_run
-from slora_batch.jobs.samples import DoneSamples
 from slora_batch.jobs.scan import InputScan
-from slora_batch.jobs.schema import part_schema
 from slora_batch.jobs.stats import stats_rows, write_stats
-from slora_batch.ray.fs import output_lock, remove_leftovers, resolved, shown
-from slora_batch.ray.stage import COUNTERS, ITEM, UNIT, EngineActor, adapter_bucket
+from slora_batch.ray.execute import execute
+from slora_batch.ray.fence import FENCE_FILE, open_run, read_fence, remove_late_parts
+from slora_batch.ray.fs import output_lock, remove_leftovers, remove_name, resolved, shown
+from slora_batch.ray.stage import COUNTERS
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class RaySettings:
     gpus_per_replica: float = 0.0  # 0: the actors run on CPUs (engine.device: cpu)
     buckets: int | None = None  # adapter buckets per input block; default 4 per replica
     block_rows: int | None = None  # input rows per block; default the job's part_rows
+    stall_s: float = 900.0  # fail when no unit finished for this long (``execute.py``)
 
     def __post_init__(self) -> None:
         check(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas!r}")
@@ -73,39 +79,79 @@ class RaySettings:
         self.buckets = self.buckets or 4 * self.replicas
         check(self.buckets >= 1, f"buckets must be >= 1, got {self.buckets!r}")
         check(self.block_rows is None or self.block_rows >= 1, "block_rows must be >= 1")
+        check(self.stall_s > 0, f"stall_s must be > 0, got {self.stall_s!r}")
+
+
+_started_here = False  # this process started the Ray instance it is connected to
 
 
 def connect(address: str | None) -> None:
-    """Start or join Ray once per process."""
+    """Start or join Ray once per process: quietly unless debug logging is on, and keeping
+    this process's SIGTERM handler (``ray.init`` replaces it with an exit)."""
     import ray
 
     if ray.is_initialized():
         return
-    if address in (None, "local"):
-        ray.init(include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
+    quiet = not logging.getLogger("slora_batch").isEnabledFor(logging.DEBUG)
+    level = logging.ERROR if quiet else logging.INFO
+    if quiet:  # the core worker's C++ log lines on stderr (Ray's own log files keep them)
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    logging.getLogger("ray").setLevel(level)
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    local = address in (None, "local")
+    kwargs = {"include_dashboard": False} if local else {"address": address}
+    ray.init(log_to_driver=False, logging_level=level, **kwargs)
+    global _started_here
+    _started_here = local
+    if main:
+        signal.signal(signal.SIGTERM, handler)
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = quiet is False
+    logging.getLogger("ray").setLevel(level)
+    logging.getLogger("ray.data").setLevel(level)
 
 
 def run_ray_jobs(
-    jobs: list[JobConfig], settings: RaySettings, overwrite: bool = False, filesystem=None
+    jobs: list[JobConfig],
+    settings: RaySettings,
+    overwrite: bool = False,
+    filesystem=None,
+    progress: ProgressCallback | None = None,
 ) -> Iterator[JobSummary | JobFailure]:
-    """``run_jobs`` on Ray: each job's summary or failure; a failed job does not stop the next."""
-    connect(settings.address)
-    for job in jobs:
-        try:
-            yield run_ray_job(job, settings, overwrite=overwrite, filesystem=filesystem)
-        except JobError as exc:
-            yield JobFailure(job.name, str(exc))
-        except Exception as exc:  # the cluster or the disk: this job is lost, the next may run
-            logger.error("job %s failed", job.name, exc_info=True)
-            yield JobFailure(job.name, f"job {job.name!r} failed: {type(exc).__name__}: {exc}")
+    """``run_jobs`` on Ray: each job's summary or failure; a failed job does not stop the next.
+    Ray starts (``connect``) when the first job with rows to run needs it. An interrupt
+    (SIGINT, or SIGTERM raised by the caller's handler) stops the Ray execution and, for a
+    Ray instance started here, Ray itself, before it unwinds."""
+    try:
+        for job in jobs:
+            try:
+                yield run_ray_job(
+                    job, settings, overwrite=overwrite, filesystem=filesystem, progress=progress
+                )
+            except JobError as exc:
+                yield JobFailure(job.name, str(exc))
+            except Exception as exc:  # the cluster or the disk: this job is lost, the next runs
+                logger.error("job %s failed", job.name, exc_info=True)
+                yield JobFailure(job.name, f"job {job.name!r} failed: {type(exc).__name__}: {exc}")
+    except BaseException:  # SIGINT or SIGTERM: the execution was stopped (``execute._consume``)
+        if _started_here:
+            import ray
+
+            ray.shutdown()  # before the interpreter's exit, which runs no Ray thread any more
+        raise
 
 
 def run_ray_job(
-    job: JobConfig, settings: RaySettings, overwrite: bool = False, filesystem=None
+    job: JobConfig,
+    settings: RaySettings,
+    overwrite: bool = False,
+    filesystem=None,
+    progress: ProgressCallback | None = None,
 ) -> JobSummary:
-    """Run one job on Ray (``connect`` first) into the single-process tool's output contract.
+    """Run one job on Ray into the single-process tool's output contract (Ray started or joined
+    by ``connect`` only when rows are pending).
 
     Input and output are local paths or URIs of any filesystem ``pyarrow.fs`` resolves
     (``file://``, ``s3://``, ``gs://``, ...); ``filesystem`` (a ``pyarrow.fs.FileSystem``) makes
@@ -124,6 +170,8 @@ def run_ray_job(
         try:
             if overwrite:
                 clear_output(out)
+                for name in (RAY_FILE, FENCE_FILE):
+                    remove_name(out, name)
             current = fingerprint(plan, gpu=settings.gpus_per_replica > 0)  # the actors' view
             manifest = resumable_manifest(plan, current, out=remote)
             if manifest is not None and read_success(out) is not None:
@@ -135,21 +183,33 @@ def run_ray_job(
                 write_manifest(out, manifest)
             scan = InputScan.from_json(manifest["scan"])
             plan.scanned(scan)
-            done = done_samples(out)
+            remove_leftovers(out)
+            run_number, accepted = open_run(out)
+            done = done_samples(out, only=accepted)
         except JOB_ERRORS as exc:
             raise job_error(job, exc) from exc
-        remove_leftovers(out)
-        run = RunRecord(job.name, len(done), plan.total, lambda update: None)
+        notify = progress or (lambda update: None)
+        run = RunRecord(job.name, len(done), plan.total, notify)
         summaries: list[dict[str, Any]] = []
         if len(done) < (plan.total or 0):
+            notify(JobProgress(job.name, "loading", len(done), plan.total, 0, 0.0, 0))
+            connect(settings.address)
             ran = time.perf_counter()
-            summaries = _execute(plan, scan, done, settings, out)
+
+            def on_part(summary: dict[str, Any]) -> None:
+                run.rows += summary["rows"]
+                run.tokens += summary["tokens"]
+                notify(JobProgress(job.name, "running", run.done + run.rows, plan.total,
+                                   run.tokens, time.perf_counter() - ran, 0, run.rows))  # fmt: skip
+
+            summaries = execute(plan, scan, done, settings, out, run_number, on_part)
             run.engine_s = time.perf_counter() - ran
         remove_leftovers(out)  # temp files of actors that died mid-commit
+        remove_late_parts(out, read_fence(out))  # parts of an earlier run's orphaned actors
         _account(run, summaries, settings)
         job_row, adapter_rows = stats_rows(out, plan, run, time.perf_counter() - started)
         write_stats(out, job_row, adapter_rows)
-        actors = _write_ray_file(out, summaries, settings)
+        actors = _write_ray_file(out, summaries, settings, run_number)
         write_success(out, job.name, rows=job_row["rows"])
     logger.info(
         "job %s: %d rows this run on %d actors, distinct adapters per actor: %s",
@@ -172,95 +232,39 @@ def run_ray_job(
     )
 
 
-def _execute(
-    plan: JobPlan, scan: InputScan, done: DoneSamples, settings: RaySettings, out: Path | FsDir
-) -> list[dict[str, Any]]:
-    """Read, group into units and generate on Ray; one summary per committed part."""
-    import ray.data
-
-    job = plan.job
-    files = [{"file": str(f)} for f in plan.files]
-    reads = {
-        "plan": plan,
-        "scan": scan,
-        "done": done,
-        "root": input_root(plan.files, plan.input_fs),
-        "block_rows": settings.block_rows or job.part_rows,
-        "buckets": settings.buckets,
-    }
-    units = ray.data.from_items(files, override_num_blocks=len(files)).map_batches(
-        read_units, batch_size=1, batch_format="pyarrow", fn_kwargs=reads
-    )
-    actor = {
-        "model": str(plan.model_path),
-        "adapters": job.adapters,
-        "engine": job.engine,
-        "sampling": job.sampling,
-        "schema": part_schema(scan.id_type, scan.keep, scan.json_text),
-        "output": out if isinstance(out, FsDir) else str(out),
-    }
-    parts = units.groupby(UNIT, num_partitions=max(settings.replicas * 2, 2)).map_groups(
-        EngineActor,
-        fn_constructor_kwargs=actor,
-        batch_format="pyarrow",
-        concurrency=settings.replicas,
-        num_gpus=settings.gpus_per_replica or None,
-    )
-    return parts.take_all()
-
-
-def read_units(
-    batch: pa.Table,
-    plan: JobPlan,
-    scan: InputScan,
-    done: DoneSamples,
-    root: Path,
-    block_rows: int,
-    buckets: int,
-) -> pa.Table:
-    """A Ray read task: one input file's pending items, pickled, each with its unit key
-    ("rows.jsonl#4096:0#3/8": file, block size and index, adapter bucket of buckets)."""
-    import pickle
-
-    keys, items = [], []
-    for file in batch.column("file").to_pylist():
-        for row, item, _ in pending_rows(plan, scan, done, files=[Path(file)], root=root):
-            bucket = adapter_bucket(item.adapter, buckets)
-            keys.append(f"{row.name}#{block_rows}:{row.number // block_rows}#{bucket}/{buckets}")
-            items.append(pickle.dumps(item))
-    return pa.table({UNIT: pa.array(keys, pa.string()), ITEM: pa.array(items, pa.binary())})
-
-
 def _account(run: RunRecord, summaries: list[dict[str, Any]], settings: RaySettings) -> None:
     """This run's rows, tokens, errors and the actors' engine counters into ``run``."""
+    summaries = [s for s in summaries if not s["fenced"]]
     run.rows = sum(s["rows"] for s in summaries)
     run.tokens = sum(s["tokens"] for s in summaries)
     run.errors = [e for s in summaries for e in s["errors"]][:3]
     last: dict[str, dict[str, Any]] = {}
-    for s in summaries:  # counters are each actor's totals so far: keep its largest
-        if s["actor"] not in last or s["adapter_loads"] >= last[s["actor"]]["adapter_loads"]:
+    for s in summaries:  # counters are each actor's totals so far: keep its latest call's
+        if s["actor"] not in last or s["calls"] > last[s["actor"]]["calls"]:
             last[s["actor"]] = s
     counters = {name: sum(s[name] for s in last.values()) for name in COUNTERS}
     counters["peak_pages"] = max((s["peak_pages"] for s in last.values()), default=0)
     run.counters = SimpleNamespace(
         **counters,
         load_s=max((s["load_s"] for s in last.values()), default=0.0),
-        warmup_s=0.0,
+        warmup_s=max((s["warmup_s"] for s in last.values()), default=0.0),
         adapters_resident=0,
     )
     if last:
         first = next(iter(last.values()))
-        run.device, run.dtype = f"{first['device']} x{settings.replicas}", first["dtype"]
+        run.device, run.dtype = f"{first['device']} x{len(last)}", first["dtype"]
 
 
 def _write_ray_file(
-    out: Path | FsDir, summaries: list[dict[str, Any]], settings: RaySettings
+    out: Path | FsDir, summaries: list[dict[str, Any]], settings: RaySettings, run: int
 ) -> list[dict[str, Any]]:
     """``_ray.json``: the settings and, per actor, its parts, rows and distinct adapters."""
     per_actor: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"parts": 0, "rows": 0, "tokens": 0, "engine_s": 0.0, "names": set()}
     )
     for s in summaries:
+        if s["fenced"]:
+            continue
         a = per_actor[s["actor"]]
         a["parts"] += 1
         a["rows"] += s["rows"]
@@ -272,6 +276,7 @@ def _write_ray_file(
         for name, a in sorted(per_actor.items())
     ]
     record = {
+        "run": run,
         "replicas": settings.replicas,
         "gpus_per_replica": settings.gpus_per_replica,
         "buckets": settings.buckets,

@@ -8,19 +8,20 @@ an adapter the engine does not know is an error row, never a failed block.
 
 ``EngineActor`` also serves the job runner (``job.py``): there a call gets one *unit* (the
 pending rows of one input block and one adapter bucket, already turned into requests by the
-job tool's ``rows.py``), commits them as one part under a name derived from the unit
-(``part_name``), so a retried call replaces its own part, and returns a one-row summary.
+job tool's ``rows.py``), commits them as one part named after the run and the unit
+(``fence.part_name``), so a retried call replaces its own part, and returns a one-row summary.
+An actor whose run was fenced off by a later run (``fence.py``) commits nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pickle
 import time
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +35,7 @@ from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.samples import SamplesDue
 from slora_batch.jobs.schema import part_schema
 from slora_batch.jobs.writer import PartRows
+from slora_batch.ray.fence import fenced_out, part_name, still_ours
 from slora_batch.ray.fs import commit_table
 
 logger = logging.getLogger(__name__)
@@ -41,12 +43,23 @@ logger = logging.getLogger(__name__)
 UNIT, ITEM = "_slora_unit", "_slora_item"  # the job runner's columns: unit key, pickled item
 SORT = "_slora_adapter"  # generate's sort column: the adapter, "" for the base model
 COLUMNS = {key: key for key in COLUMN_KEYS}
-COUNTERS = ("adapter_loads", "disk_loads", "adapter_evictions", "prefetch_hits", "peak_pages")
+COUNTERS = (
+    "adapter_loads",
+    "disk_loads",
+    "adapter_evictions",
+    "prefetch_hits",
+    "peak_pages",
+    "prefix_hit_tokens",
+    "cached_blocks",
+    "block_evictions",
+)
 SUMMARY_SCHEMA = pa.schema(
     [
         ("unit", pa.string()),
         ("part", pa.string()),  # the part's file name ("" when the stage returns rows)
         ("actor", pa.string()),  # "host:pid" of the actor's process
+        ("calls", pa.int64()),  # the actor's calls so far, this one included
+        ("fenced", pa.bool_()),  # a later run started: nothing was committed
         ("rows", pa.int64()),
         ("tokens", pa.int64()),  # completion tokens
         ("error_rows", pa.int64()),
@@ -54,6 +67,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("adapters", pa.list_(pa.string())),  # distinct adapters of the unit ("" = base model)
         ("engine_s", pa.float64()),  # this call's generation time
         ("load_s", pa.float64()),  # the actor's engine build time
+        ("warmup_s", pa.float64()),  # the actor's engine warm-up so far
         ("device", pa.string()),
         ("dtype", pa.string()),
         *((name, pa.int64()) for name in COUNTERS),  # the actor's engine counters so far
@@ -65,12 +79,6 @@ ERROR_EXAMPLES = 3
 def adapter_bucket(adapter: str | None, buckets: int) -> int:
     """A stable bucket of an adapter (the same in every process, unlike ``hash``)."""
     return zlib.crc32((adapter or "").encode("utf-8", "surrogatepass")) % buckets
-
-
-def part_name(unit: str) -> str:
-    """The part a unit is committed as: ``part-<15 digits of its key's SHA-1>.parquet``, a name
-    ``outdir.PART_RE`` reads like any part, the same for every retry of the unit."""
-    return f"part-{int(hashlib.sha1(unit.encode()).hexdigest()[:12], 16):015d}.parquet"
 
 
 @dataclass
@@ -97,13 +105,15 @@ class EngineActor:
         sampling: SamplingConfig,
         schema: pa.Schema,
         output: str | FsDir | None = None,  # a local directory or one on another filesystem
+        run: int = 0,  # the job runner's run number (``fence.py``)
     ) -> None:
         from slora_batch.engine.engine import Engine  # torch: only in the actor's process
 
         started = time.perf_counter()
         self.engine = Engine(model, adapters=adapters, config=engine, sampling=sampling)
         self.load_s = time.perf_counter() - started
-        self.sampling, self.output = sampling, output
+        self.sampling, self.run, self.calls = sampling, run, 0
+        self.output = Path(output) if isinstance(output, str) else output
         self.parts = PartRows(schema)
         self.kept = [f.name for f in schema][len(part_schema()) :]
         self.actor = f"{os.uname().nodename}:{os.getpid()}"
@@ -114,14 +124,21 @@ class EngineActor:
             unit = batch.column(UNIT)[0].as_py()
         else:
             items, unit = [self._request(row) for row in batch.to_pylist()], ""
+        self.calls += 1
+        if self.output is not None and fenced_out(self.output, self.run):
+            logger.warning("actor %s of run %d: a later run started; unit %s skipped",
+                           self.actor, self.run, unit)  # fmt: skip
+            return self._summary(unit, "", [], 0.0, fenced=True)
         started = time.perf_counter()
         results = self._generate(items)
         engine_s = time.perf_counter() - started
         table = self.parts.table([self.parts.row(r) for r in results])
         if self.output is None:
             return table
-        name = part_name(unit)
+        name = part_name(self.run, unit)
         commit_table(self.output, name, table)
+        if not still_ours(self.output, self.run, name):
+            return self._summary(unit, "", [], engine_s, fenced=True)
         logger.debug(
             "actor %s committed %s (%d rows, unit %s)", self.actor, name, len(results), unit
         )
@@ -148,13 +165,17 @@ class EngineActor:
                 results.append(result)
         return results
 
-    def _summary(self, unit: str, name: str, results: list[Result], engine_s: float) -> pa.Table:
+    def _summary(
+        self, unit: str, name: str, results: list[Result], engine_s: float, fenced: bool = False
+    ) -> pa.Table:
         counters = self.engine.counters
         errors = [r.error for r in results if r.finish_reason == "error"]
         row = {
             "unit": unit,
             "part": name,
             "actor": self.actor,
+            "calls": self.calls,
+            "fenced": fenced,
             "rows": len(results),
             "tokens": sum(r.completion_tokens for r in results),
             "error_rows": len(errors),
@@ -162,6 +183,7 @@ class EngineActor:
             "adapters": sorted({r.adapter or "" for r in results}),
             "engine_s": engine_s,
             "load_s": self.load_s,
+            "warmup_s": float(getattr(counters, "warmup_s", 0.0)),
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             **{name: int(getattr(counters, name, 0)) for name in COUNTERS},

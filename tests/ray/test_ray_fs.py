@@ -22,6 +22,7 @@ from test_ray_job import (  # noqa: E402, F401, F811 -- the fixtures run once pe
     job_dir,
     local_ray,
     reference,
+    reference_out,
     rows_of,
     tiny,
 )
@@ -32,6 +33,7 @@ from slora_batch.jobs.outdir import part_files, read_success, write_success  # n
 from slora_batch.jobs.reader import InputError, iter_input_files, read_rows  # noqa: E402
 from slora_batch.jobs.scan import scan_input  # noqa: E402
 from slora_batch.ray import RaySettings, run_ray_job  # noqa: E402
+from slora_batch.ray.fence import part_run  # noqa: E402
 from slora_batch.ray.fs import commit_table  # noqa: E402
 
 COLUMNS = {"id": "id", "adapter": "adapter", "prompt": "prompt", "messages": "messages"}
@@ -138,7 +140,8 @@ def test_job_on_a_non_local_filesystem_runs_skips_and_resumes(
     assert not resumed.complete_already
     assert resumed.rows_this_run == missing and resumed.rows_skipped == ROWS - missing
     assert rows_of(out) == reference and read_success(out)["rows"] == ROWS
-    assert victim.exists()  # the unit's part is rewritten under its own name
+    regenerated = [p for _, p in part_files(out) if part_run(p.name) == part_run(victim.name) + 1]
+    assert [pq.read_metadata(p).num_rows for p in regenerated] == [missing]  # by the next run
 
 
 def test_file_uri_input_and_output_stay_on_the_local_path(tmp_path, tiny, reference):  # noqa: F811

@@ -1,6 +1,7 @@
 """The job tool on a local Ray instance (2 engine actors, the tiny model, 50 adapters): the same
-rows as the single-process run, exactly once across a killed actor and a killed driver; and the
-``generate`` Ray Data stage."""
+rows as the single-process run, exactly once across a killed busy actor (its unit retried) and a
+killed driver whose orphaned actors commit late; a starved pipeline fails with the stage named;
+the engine counters collected; and the ``generate`` Ray Data stage."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from test_jobrun import build_tiny, outputs, write_job  # noqa: E402
 from slora_batch.jobs.config import load_jobs  # noqa: E402
 from slora_batch.jobs.outdir import part_files, read_success  # noqa: E402
 from slora_batch.jobs.run import run_job  # noqa: E402
+from slora_batch.jobs.stats import read_stats  # noqa: E402
 from slora_batch.ray import RaySettings, generate, run_ray_job  # noqa: E402
+from slora_batch.ray import job as ray_job  # noqa: E402
 
 ADAPTERS = 50
 ROWS = 150
@@ -84,11 +87,17 @@ def rows_of(out: Path) -> dict[tuple, tuple]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny) -> dict:
+def reference_out(tmp_path_factory, tiny) -> Path:
+    """The single-process run's output directory."""
     directory = job_dir(tmp_path_factory.mktemp("reference"), tiny)
     (job,) = load_jobs(directory / "jobs.yaml")
     run_job(job)
-    return rows_of(directory / "out")
+    return directory / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_out) -> dict:
+    return rows_of(reference_out)
 
 
 def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, reference):
@@ -108,26 +117,48 @@ def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, ref
     assert again.complete_already and again.rows_this_run == 0
 
 
-def test_a_killed_actor_is_restarted_and_no_row_is_written_twice(tmp_path, tiny, reference):
+def slow_first_commit_fs(marks: Path):
+    """The local disk as a non-local filesystem whose first part commit, in whichever actor
+    makes it, leaves ``marks/<part>@<pid>`` and waits before writing: that actor is busy with
+    that unit, its part not written yet."""
+    import fsspec
+    import pyarrow.fs as pafs
+
+    class SlowFirstCommit(pafs.FSSpecHandler):  # local: pickled by value into the actors
+        def open_output_stream(self, path, metadata):
+            name = Path(path).name
+            if name.startswith("part-") and not any(marks.iterdir()):
+                (marks / f"{name}@{os.getpid()}").touch()
+                time.sleep(60)
+            return super().open_output_stream(path, metadata)
+
+    marks.mkdir()
+    return pafs.PyFileSystem(SlowFirstCommit(fsspec.filesystem("file")))
+
+
+def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path, tiny, reference):
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
-    out, killed = tmp_path / "out", []
+    out, marks, killed = tmp_path / "out", tmp_path / "marks", []
+    filesystem = slow_first_commit_fs(marks)
 
-    def kill_one_actor():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not part_files(out):
+    def kill_the_busy_actor():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(marks.iterdir()):
             time.sleep(0.05)
-        for actor in ray._private.state.actors().values():
-            name = actor["ActorClassName"]
-            if ("MapWorker" in name or "EngineActor" in name) and actor["State"] == "ALIVE":
-                os.kill(actor["Pid"], signal.SIGKILL)
-                killed.append(actor["Pid"])
-                return
+        for mark in marks.iterdir():
+            part, pid = mark.name.split("@")
+            assert not (out / part).exists()
+            os.kill(int(pid), signal.SIGKILL)
+            killed.append((part, int(pid)))
 
-    killer = threading.Thread(target=kill_one_actor)
+    killer = threading.Thread(target=kill_the_busy_actor)
     killer.start()
-    summary = run_ray_job(job, RaySettings(**SETTINGS))
+    summary = run_ray_job(job, RaySettings(**SETTINGS), filesystem=filesystem)
     killer.join()
-    assert killed, "no engine actor was alive to kill"
+    assert killed, "no engine actor was caught in the middle of a unit"
+    (part, pid), actors = killed[0], json.loads((out / "_ray.json").read_text())["actors"]
+    assert (out / part).exists(), "the killed actor's unit was not retried"
+    assert not any(a["actor"].endswith(f":{pid}") for a in actors)  # another actor made it
     assert summary.stats["rows"] == ROWS
     assert rows_of(out) == reference
 
@@ -143,7 +174,23 @@ run_ray_job(job, RaySettings(replicas=1, buckets=4, block_rows=10))
 """
 
 
-def test_a_killed_driver_rerun_resumes_from_the_committed_parts(tmp_path, tiny, reference):
+def late_part(out: Path, reference_out: Path, committed: dict, like: Path) -> Path:
+    """A part an orphaned actor of the killed run commits after the next run started: rows not
+    committed yet (the next run makes them too), under a name of the killed run's kind."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(sorted(reference_out.glob("part-*.parquet")))
+    keys = list(zip(table["id"].to_pylist(), table["adapter"].to_pylist(), strict=True))
+    pending = [i for i, k in enumerate(keys) if not any(k == c[:2] for c in committed)][:5]
+    digits = like.name.removeprefix("part-").removesuffix(".parquet")
+    name = f"part-{digits[:-1]}{(int(digits[-1]) + 5) % 10}.parquet"  # the same run, another unit
+    pq.write_table(table.take(pending), out / name)
+    return out / name
+
+
+def test_a_killed_driver_rerun_removes_late_parts_and_resumes(
+    tmp_path, tiny, reference, reference_out
+):
     directory = job_dir(tmp_path, tiny)
     out = directory / "out"
     driver = subprocess.Popen(
@@ -162,12 +209,92 @@ def test_a_killed_driver_rerun_resumes_from_the_committed_parts(tmp_path, tiny, 
         driver.wait()
     committed = rows_of(out)
     assert 0 < len(committed) < ROWS and read_success(out) is None
+    killed_parts = {p.name for _, p in part_files(out)}
     (job,) = load_jobs(directory / "jobs.yaml")
-    summary = run_ray_job(job, RaySettings(**SETTINGS))
-    # an actor of the killed driver may still commit a whole part before it notices: more skipped
+    late: list[Path] = []
+
+    def orphan_commits_late():  # once the re-run commits, an old actor's part lands too
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if {p.name for _, p in part_files(out)} - killed_parts:
+                like = out / sorted(killed_parts)[0]
+                late.append(late_part(out, reference_out, committed, like))
+                return
+            time.sleep(0.02)
+
+    orphan = threading.Thread(target=orphan_commits_late)
+    orphan.start()
+    summary = run_ray_job(job, RaySettings(**SETTINGS))  # another --replicas than the killed run
+    orphan.join()
+    assert late, "the re-run committed no part"
+    assert not late[0].exists(), "the orphan's late part was kept"
     assert summary.rows_skipped >= len(committed)
     assert summary.rows_skipped + summary.rows_this_run == ROWS
-    assert rows_of(out) == reference
+    assert rows_of(out) == reference  # every row once: the late part's rows are the re-run's
+
+
+def test_a_starved_pipeline_fails_naming_the_starved_stage(tmp_path, tiny):
+    (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
+
+    @ray.remote
+    class Holder:  # takes every free CPU: the read tasks cannot start
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.options(num_cpus=ray.available_resources()["CPU"]).remote()
+    ray.get(holder.ready.remote())
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_ray_job(job, RaySettings(**SETTINGS, stall_s=3))
+        except Exception as exc:
+            failures.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=120)
+    ray.kill(holder)
+    runner.join(timeout=240)  # a run that hung until now finishes once the CPUs are back
+    assert failures, "a starved run did not fail"
+    message = str(failures[0])
+    assert "MapBatches(read_units)" in message and "starved" in message and "'tiny'" in message
+
+
+def test_an_interrupted_overwrite_leaves_no_previous_ray_file(tmp_path, tiny, monkeypatch):
+    directory = job_dir(tmp_path, tiny)
+    (directory / "out").mkdir()
+    (directory / "out" / "_ray.json").write_text('{"actors": []}\n')  # a previous run's account
+    (job,) = load_jobs(directory / "jobs.yaml")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray_job, "write_manifest", interrupted)  # interrupted once cleared
+    with pytest.raises(KeyboardInterrupt):
+        run_ray_job(job, RaySettings(**SETTINGS), overwrite=True)
+    assert not (directory / "out" / "_ray.json").exists()
+
+
+def test_engine_counters_warmup_and_prefix_cache_come_from_the_actors(tmp_path, tiny):
+    prompt = " ".join(WORDS * 8)  # 48 words: full prefix blocks every row after the first shares
+    lines = [json.dumps({"id": i, "adapter": "ad00", "prompt": prompt}) for i in range(6)]
+    stats = {}
+    for kind in ("single", "ray"):
+        directory = tmp_path / kind
+        directory.mkdir()
+        (directory / "rows.jsonl").write_text("\n".join(lines) + "\n")
+        (job,) = load_jobs(write_job(directory, tiny, **KEYS))
+        if kind == "single":
+            run_job(job)
+        else:  # one actor, one unit: the single engine's requests in the same order
+            run_ray_job(job, RaySettings(replicas=1, buckets=1, block_rows=100))
+        stats[kind] = read_stats(directory / "out")[0]
+    assert stats["ray"]["warmup_s"] > 0
+    assert stats["ray"]["prefix_hit_tokens"] == stats["single"]["prefix_hit_tokens"] > 0
+    assert stats["ray"]["tokens_per_s"] * stats["ray"]["engine_s"] == pytest.approx(
+        stats["ray"]["completion_tokens"]
+    )
 
 
 def test_generate_stage_gives_the_job_tool_rows_with_file_uris(tmp_path, tiny, reference):

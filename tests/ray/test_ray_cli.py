@@ -1,0 +1,80 @@
+"""The README's ``slora-batch run JOBS --ray local`` on this machine (default replicas, Ray sized
+by the machine's own CPUs: CI has 2): SIGTERM mid-run exits 143 with one line, the same command
+again completes with every row once, and a third run of the complete job does not start Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from test_jobrun import build_tiny, outputs, write_job  # noqa: E402
+
+from slora_batch.jobs.config import load_jobs  # noqa: E402
+from slora_batch.jobs.outdir import part_files, read_success  # noqa: E402
+from slora_batch.ray import RaySettings, run_ray_jobs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, sample_model_dir):
+    return build_tiny(tmp_path_factory.getbasetemp() / "tiny-llm", sample_model_dir)
+
+
+def cli(job_file: Path, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "cli.py"), "run", str(job_file), "--ray", "local"]
+    return subprocess.Popen(command, cwd=ROOT, env=env, text=True, **popen)
+
+
+def test_readme_ray_local_survives_sigterm_and_completes_on_this_machine(tmp_path, tiny):
+    lines = [
+        json.dumps({"id": i, "adapter": "ab"[i % 2], "prompt": "the fox"}) for i in range(ROWS)
+    ]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    job_file = write_job(tmp_path, tiny, part_rows=2, sampling={"max_new_tokens": 2})
+    out = tmp_path / "out"
+    first = cli(job_file, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not part_files(out) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert part_files(out) and first.poll() is None, "no row was committed in 300 s"
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 143, stderr
+    last = stderr.strip().splitlines()[-1]  # the one line the CLI documents, naming job and output
+    assert last.startswith("interrupted by SIGTERM") and "'tiny'" in last, stderr
+    assert str(out.resolve()) in last and "resume" in last, stderr
+    for dump in ("SIGTERM received", "Traceback", "execution failed", "Aborted"):
+        assert dump not in stderr, stderr
+    assert read_success(out) is None
+
+    second = cli(job_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = second.communicate(timeout=400)
+    assert second.returncode == 0, stderr
+    rows = outputs(out)
+    assert sorted(r["id"] for r in rows) == list(range(ROWS))  # every row once
+    assert all(r["finish_reason"] == "length" for r in rows)
+    assert read_success(out)["rows"] == ROWS
+    assert "WARNING" not in stderr and "concurrency" not in stderr, stderr  # Ray kept quiet
+
+    (job,) = load_jobs(job_file)
+    assert not ray.is_initialized()
+    (summary,) = run_ray_jobs([job], RaySettings(address="local"))
+    assert summary.complete_already and summary.rows_this_run == 0
+    assert not ray.is_initialized(), "a complete job started Ray"
