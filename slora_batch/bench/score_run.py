@@ -23,7 +23,7 @@ from slora_batch.bench.row_fields import build_counts, engine_row, figures, step
 from slora_batch.bench.timed_run import timed_run
 from slora_batch.bench.warmup import warm_up
 from slora_batch.bench.workload import group_by_adapter
-from slora_batch.engine.request import Result
+from slora_batch.engine.requests.request import Result
 
 
 def run_score(ctx, n: int) -> dict:

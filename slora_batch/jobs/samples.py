@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any
 
 from slora_batch.engine.config import ConfigError, SamplingConfig
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.rows import row_key
 
 ERROR_BITS = -1  # every bit set: an error row stands for every sample of its row

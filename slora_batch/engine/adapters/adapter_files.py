@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from slora_batch.engine.spec import MODULE_OF, TARGETS, ModelSpec
+from slora_batch.engine.models.spec import MODULE_OF, TARGETS, ModelSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

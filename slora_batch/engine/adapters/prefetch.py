@@ -15,9 +15,9 @@ import itertools
 
 import torch
 
-from slora_batch.engine.adapters import AdapterStore
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.scheduler import Scheduler
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.adapters.store import AdapterStore
+from slora_batch.engine.scheduling.scheduler import Scheduler
 
 LOAD_AHEAD_ADAPTERS = 32  # distinct adapters of the next waiting rows the loader reads ahead
 LOAD_AHEAD_SCAN = 512  # waiting rows looked at for them

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slora_batch.engine.adapters import AdapterStore
-from slora_batch.engine.memory import copy_in, to_device
+from slora_batch.engine.adapters.store import AdapterStore
+from slora_batch.engine.execution.memory import copy_in, to_device
+from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.pool import PagePool, PoolExhausted
-from slora_batch.engine.spec import TARGETS
 
 log = logging.getLogger(__name__)
 

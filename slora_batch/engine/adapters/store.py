@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from slora_batch.engine.adapter_files import (
+from slora_batch.engine.adapters.adapter_files import (
     _KEY,
     _MODULE_TO_TARGET,
     CONFIG_FILE,
@@ -29,7 +29,7 @@ from slora_batch.engine.adapter_files import (
     parse_adapter,
     resolve_sources,
 )
-from slora_batch.engine.spec import TARGETS, ModelSpec
+from slora_batch.engine.models.spec import TARGETS, ModelSpec
 
 __all__ = [
     "CONFIG_FILE",
@@ -270,7 +270,7 @@ class AdapterStore:
     def _read(self, info: AdapterInfo) -> PagedAdapter:
         weights = load_weights(info, self.spec)
         if self.shard[1] > 1:
-            from slora_batch.engine.tp import shard_adapter
+            from slora_batch.engine.execution.tp import shard_adapter
 
             weights = shard_adapter(weights, *self.shard)
         return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)

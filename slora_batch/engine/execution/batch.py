@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from kernels.meta import AttnMeta, LoraMeta
-from slora_batch.engine.memory import to_device
-from slora_batch.engine.model import StepInput
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.scheduler import ScheduledStep
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.execution.memory import to_device
+from slora_batch.engine.models.llama import StepInput
+from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 
 @dataclass

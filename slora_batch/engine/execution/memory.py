@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def reserve_bytes(
     - CUDA graphs: one static page table [max_num_seqs, max_model_len, 2] int32 shared by every
       bucket, and each bucket's logits [bucket, vocab] fp32.
     """
-    from slora_batch.engine.runner import graph_buckets
+    from slora_batch.engine.execution.runner import graph_buckets
 
     elt = torch.finfo(dtype).bits // 8
     width = 3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slora_batch.engine.batch import HostStep
-from slora_batch.engine.memory import to_device
-from slora_batch.engine.sampling import SamplingBatch, sample
-from slora_batch.engine.scheduler import ScheduledStep
-from slora_batch.engine.sequence import Sequence
+from slora_batch.engine.execution.batch import HostStep
+from slora_batch.engine.execution.memory import to_device
+from slora_batch.engine.requests.sampling import SamplingBatch, sample
+from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 
 @dataclass

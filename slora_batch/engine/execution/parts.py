@@ -8,17 +8,17 @@ from types import ModuleType
 
 import torch
 
-from slora_batch.engine.adapter_files import AdapterError
-from slora_batch.engine.adapters import AdapterStore
+from slora_batch.engine.adapters.adapter_files import AdapterError
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.config import EngineConfig
-from slora_batch.engine.loader import load_model
-from slora_batch.engine.memory import PoolFactory, num_pages, unified_pool
-from slora_batch.engine.model import LlamaModel
+from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
+from slora_batch.engine.execution.runner import ModelRunner
+from slora_batch.engine.execution.tp import TensorParallel
+from slora_batch.engine.models.llama import LlamaModel
+from slora_batch.engine.models.loader import load_model
+from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.runner import ModelRunner
-from slora_batch.engine.spec import ModelSpec
-from slora_batch.engine.tp import TensorParallel
 
 
 @dataclass

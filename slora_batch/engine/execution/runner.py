@@ -18,12 +18,18 @@ import numpy as np
 import torch
 
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
-from slora_batch.engine.batch import HostStep, lora_meta, lora_segments, position_segments, upload
-from slora_batch.engine.memory import copy_in, to_device
-from slora_batch.engine.model import LlamaModel, StepInput
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.execution.batch import (
+    HostStep,
+    lora_meta,
+    lora_segments,
+    position_segments,
+    upload,
+)
+from slora_batch.engine.execution.memory import copy_in, to_device
+from slora_batch.engine.models.llama import LlamaModel, StepInput
+from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.spec import TARGETS
 
 log = logging.getLogger(__name__)
 

@@ -124,7 +124,7 @@ def vocab_shard(head: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 def shard_adapter(weights, rank: int, size: int):
     """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
     [L, r, d_out] cut along d_out, for every target (the module docstring says why both)."""
-    from slora_batch.engine.adapters import AdapterWeights
+    from slora_batch.engine.adapters.store import AdapterWeights
 
     def cut(rows: torch.Tensor) -> torch.Tensor:
         return rows.chunk(size, dim=2)[rank].contiguous()
@@ -136,7 +136,7 @@ def shard_adapter(weights, rank: int, size: int):
 
 def device_of(config, rank: int) -> torch.device:
     """Rank r's device: ``cuda:r`` of the visible devices, or the CPU."""
-    from slora_batch.engine.memory import pick_device
+    from slora_batch.engine.execution.memory import pick_device
 
     device = pick_device(config.device)
     return torch.device("cuda", rank) if device.type == "cuda" else device
@@ -285,9 +285,9 @@ def build_shard(model, adapters, config, tp: TensorParallel, weights=None):
     that their collectives meet: the shard's store, model, pool and residency, then the runner
     (which captures its graphs with the others)."""
     from slora_batch.engine.engine import pick_backend
-    from slora_batch.engine.memory import pick_dtype
-    from slora_batch.engine.parts import build_parts, make_runner
-    from slora_batch.engine.spec import read_spec
+    from slora_batch.engine.execution.memory import pick_dtype
+    from slora_batch.engine.execution.parts import build_parts, make_runner
+    from slora_batch.engine.models.spec import read_spec
 
     spec = read_spec(model)
     dtype = pick_dtype(config.dtype, tp.device)
@@ -304,7 +304,7 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
     try:
         device = device_of(config, rank)
         if device.type == "cpu":
-            from slora_batch.engine.memory import set_cpu_threads
+            from slora_batch.engine.execution.memory import set_cpu_threads
 
             set_cpu_threads(config.cpu_threads)
         tp = TensorParallel(rank, size, device)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.meta import AttnMeta, LoraMeta
+from slora_batch.engine.execution.tp import TensorParallel
+from slora_batch.engine.models.spec import TARGETS, ModelSpec
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.spec import TARGETS, ModelSpec
-from slora_batch.engine.tp import TensorParallel
 
 TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 
@@ -36,7 +36,7 @@ class LayerWeights:
 
 @dataclass
 class StepInput:
-    """Everything one forward step reads besides the weights, built by ``slora_batch.engine.batch``."""
+    """Everything one forward step reads besides the weights, built by ``slora_batch.engine.execution.batch``."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from slora_batch.engine.model import LayerWeights, LlamaModel
-from slora_batch.engine.spec import ModelError, ModelSpec
-from slora_batch.engine.tp import TensorParallel, vocab_shard
+from slora_batch.engine.execution.tp import TensorParallel, vocab_shard
+from slora_batch.engine.models.llama import LayerWeights, LlamaModel
+from slora_batch.engine.models.spec import ModelError, ModelSpec
 
 log = logging.getLogger(__name__)
 

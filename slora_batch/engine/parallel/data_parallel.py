@@ -32,9 +32,9 @@ from typing import Any
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.dp_handle import WorkerDied, WorkerHandle, expected_results
-from slora_batch.engine.dp_worker import WorkerSlot, relog, worker_main, worker_slots
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.parallel.dp_handle import WorkerDied, WorkerHandle, expected_results
+from slora_batch.engine.parallel.dp_worker import WorkerSlot, relog, worker_main, worker_slots
+from slora_batch.engine.requests.request import Request, Result
 
 __all__ = ["DataParallelEngine", "WorkerDied", "chunks", "open_engine"]
 

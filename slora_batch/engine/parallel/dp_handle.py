@@ -15,8 +15,8 @@ from typing import Any
 
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.dp_worker import WorkerSlot
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.parallel.dp_worker import WorkerSlot
+from slora_batch.engine.requests.request import Request, Result
 
 
 class WorkerDied(RuntimeError):

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from slora_batch.engine.config import ConfigError, EngineConfig
-from slora_batch.engine.request import Request
+from slora_batch.engine.requests.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 
 MAX_LOGPROBS = 20
 

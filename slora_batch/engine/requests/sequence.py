@@ -7,9 +7,9 @@ from enum import Enum
 
 import numpy as np
 
-from slora_batch.engine.request import Request
-from slora_batch.engine.scoring import ChoiceGroup, ScoreBuffer
-from slora_batch.engine.tokens import Detokenizer
+from slora_batch.engine.requests.request import Request
+from slora_batch.engine.requests.scoring import ChoiceGroup, ScoreBuffer
+from slora_batch.engine.requests.tokens import Detokenizer
 
 
 class Status(Enum):

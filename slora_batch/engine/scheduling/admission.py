@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from slora_batch.engine.kv_pages import PAGES_PER_TOKEN
-from slora_batch.engine.prefix_cache import Block
-from slora_batch.engine.sequence import Sequence, Status
+from slora_batch.engine.requests.sequence import Sequence, Status
+from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
+from slora_batch.engine.scheduling.prefix_cache import Block
 
 if TYPE_CHECKING:
-    from slora_batch.engine.scheduler import ScheduledStep
+    from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 MAX_DEFERRED = 64  # waiting rows set aside in one step for a prefix being computed
 

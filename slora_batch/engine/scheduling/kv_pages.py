@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.prefix_cache import Block, PrefixCache
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.sequence import Sequence
+from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.scheduling.prefix_cache import Block, PrefixCache
 
 PAGES_PER_TOKEN = 2  # one K page and one V page
 

@@ -24,13 +24,13 @@ from collections import Counter, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from slora_batch.engine.admission import Admission
+from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.config import EngineConfig
-from slora_batch.engine.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.prefix_cache import PrefixCache
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.sequence import Sequence, Status
+from slora_batch.engine.requests.sequence import Sequence, Status
+from slora_batch.engine.scheduling.admission import Admission
+from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
+from slora_batch.engine.scheduling.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 

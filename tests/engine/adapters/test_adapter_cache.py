@@ -76,7 +76,7 @@ def test_disk_loads_follow_distinct_adapters_per_window(many):
 def test_disk_reads_run_on_the_loader_thread(many, monkeypatch):
     """Reads happen on the store's loader thread, ahead of admission, never in the engine loop
     (except the very first adapter, which nothing runs beside)."""
-    from slora_batch.engine import adapters as adapters_module
+    from slora_batch.engine.adapters import store as adapters_module
 
     threads: list[str] = []
     real = adapters_module.load_weights

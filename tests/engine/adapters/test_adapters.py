@@ -10,8 +10,8 @@ from factory import make_adapter, make_model
 from safetensors.torch import load_file, save_file
 
 from slora_batch import Engine, EngineConfig, Request
-from slora_batch.engine.adapters import AdapterError, AdapterStore, parse_adapter
-from slora_batch.engine.spec import read_spec
+from slora_batch.engine.adapters.store import AdapterError, AdapterStore, parse_adapter
+from slora_batch.engine.models.spec import read_spec
 
 
 @pytest.fixture(scope="module")

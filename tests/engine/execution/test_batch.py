@@ -6,14 +6,14 @@ from test_scheduler import make, seq
 
 from kernels.lora_paths import position_segments as device_position_segments
 from kernels.meta import LoraMeta
-from slora_batch.engine.batch import (
+from slora_batch.engine.execution.batch import (
     lora_segments,
     plan_step,
     position_segments,
     tiled_tokens,
     upload,
 )
-from slora_batch.engine.runner import fill_lora
+from slora_batch.engine.execution.runner import fill_lora
 
 
 def test_plan_and_upload_a_mixed_step():
@@ -126,7 +126,7 @@ def test_decode_step_with_a_one_token_prefill_chunk():
 
 def test_decode_graph_kernel_choice():
     """Decode steps replay the tiled-LoRA graph when adapters have several tokens each."""
-    from slora_batch.engine.runner import TILED_TOKENS_PER_ADAPTER, tiled_decode
+    from slora_batch.engine.execution.runner import TILED_TOKENS_PER_ADAPTER, tiled_decode
 
     few = np.repeat(np.arange(8), 32)  # 256 tokens on 8 adapters
     many = np.arange(256) % 200  # 256 tokens on 200 adapters

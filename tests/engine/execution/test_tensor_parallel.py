@@ -13,10 +13,10 @@ import torch
 from factory import make_adapters, make_model, make_rows, reference, tiny_spec
 
 from slora_batch import Engine, EngineConfig, Request
-from slora_batch.engine.adapters import AdapterStore, load_weights
+from slora_batch.engine.adapters.store import AdapterStore, load_weights
 from slora_batch.engine.config import ConfigError
-from slora_batch.engine.spec import ModelError
-from slora_batch.engine.tp import shard_adapter, vocab_shard
+from slora_batch.engine.execution.tp import shard_adapter, vocab_shard
+from slora_batch.engine.models.spec import ModelError
 
 ROWS = 24
 VOCAB = 300
@@ -80,7 +80,7 @@ def test_each_rank_holds_half_of_every_adapter(case, tmp_path):
     kind, model_dir, adapters, _, _ = case
     if kind != "mha":
         pytest.skip("one model is enough")
-    from slora_batch.engine.spec import read_spec
+    from slora_batch.engine.models.spec import read_spec
 
     spec = read_spec(model_dir)
     whole = AdapterStore(spec, adapters)
@@ -136,7 +136,7 @@ def test_two_data_parallel_groups_of_two_ranks(case):
     kind, model_dir, adapters, rows, expected = case
     if kind != "gqa":
         pytest.skip("one model is enough")
-    from slora_batch.engine.data_parallel import DataParallelEngine
+    from slora_batch.engine.parallel.data_parallel import DataParallelEngine
 
     config = EngineConfig(**KNOBS, num_pages=3000, data_parallel=2, tensor_parallel=2,
                           lookahead=16)  # fmt: skip
@@ -149,7 +149,7 @@ def test_two_data_parallel_groups_of_two_ranks(case):
 
 
 def test_worker_slots_group_devices(monkeypatch):
-    from slora_batch.engine import dp_worker
+    from slora_batch.engine.parallel import dp_worker
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -168,8 +168,8 @@ def test_page_tables_travel_as_the_entries_each_sequence_added():
 
     import numpy as np
 
-    from slora_batch.engine.batch import HostStep
-    from slora_batch.engine.tp import PageTableReceiver, PageTableSender
+    from slora_batch.engine.execution.batch import HostStep
+    from slora_batch.engine.execution.tp import PageTableReceiver, PageTableSender
 
     rng = np.random.default_rng(0)
     sender, receiver = PageTableSender(), PageTableReceiver()

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from slora_batch.engine import sample_model
-from slora_batch.engine.sample_model import (
+from slora_batch.engine.models import sample_model
+from slora_batch.engine.models.sample_model import (
     SAMPLE_MODEL_ALIAS,
     ModelNotFoundError,
     cache_dir,

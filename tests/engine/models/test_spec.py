@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from slora_batch.engine.spec import ModelError, read_spec
+from slora_batch.engine.models.spec import ModelError, read_spec
 
 
 def write(tmp_path, **cfg):

@@ -11,8 +11,8 @@ import pytest
 from factory import make_adapters, make_model, make_rows
 
 from slora_batch import Engine, EngineConfig, Request
-from slora_batch.engine.data_parallel import DataParallelEngine, WorkerDied, chunks
-from slora_batch.engine.sample_model import ModelNotFoundError
+from slora_batch.engine.models.sample_model import ModelNotFoundError
+from slora_batch.engine.parallel.data_parallel import DataParallelEngine, WorkerDied, chunks
 from slora_batch.jobs.ordering import sorted_windows
 
 ROWS = 48

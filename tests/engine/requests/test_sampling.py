@@ -2,7 +2,7 @@
 
 import torch
 
-from slora_batch.engine.sampling import SamplingBatch, noise_key, sample, uniform_noise
+from slora_batch.engine.requests.sampling import SamplingBatch, noise_key, sample, uniform_noise
 
 
 def batch(rows):

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import BatchEncoding, PreTrainedTokenizerFast
 
-from slora_batch.engine.request import Request
-from slora_batch.engine.tokens import Detokenizer, load_tokenizer, tokenize
+from slora_batch.engine.requests.request import Request
+from slora_batch.engine.requests.tokens import Detokenizer, load_tokenizer, tokenize
 
 MULTIBYTE_STOPS = ["답변:", "質問：", "🛑"]
 CORPUS = "ab 답변: 質問： 🛑 é\n\nab it's a . b , 答 🙂🛑 ab\n\n"

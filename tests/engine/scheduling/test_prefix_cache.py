@@ -13,7 +13,7 @@ from factory import make_adapters, make_model, reference
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.prefix_cache import PrefixCache
+from slora_batch.engine.scheduling.prefix_cache import PrefixCache
 
 VOCAB = 300
 KNOBS = dict(device="cpu", dtype="float32", cpu_threads=1, max_num_batched_tokens=64)

@@ -8,14 +8,14 @@ import pytest
 import torch
 from factory import tiny_spec
 
-from slora_batch.engine.adapters import AdapterInfo, AdapterWeights, to_pages
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.adapters.store import AdapterInfo, AdapterWeights, to_pages
 from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool, PoolExhausted
-from slora_batch.engine.request import Request
-from slora_batch.engine.residency import AdapterResidency
-from slora_batch.engine.scheduler import Scheduler
-from slora_batch.engine.sequence import Sequence
-from slora_batch.engine.spec import ModelSpec
+from slora_batch.engine.requests.request import Request
+from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.scheduling.scheduler import Scheduler
 
 SPEC = tiny_spec(path="fake", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1,
                  num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=512,
