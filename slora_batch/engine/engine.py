@@ -22,17 +22,11 @@ import torch
 from slora_batch.engine.adapters.prefetch import AdapterPrefetcher
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
+from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
 from slora_batch.engine.execution.batch import plan_step
-from slora_batch.engine.execution.memory import (
-    PoolFactory,
-    page_bytes,
-    pick_device,
-    pick_dtype,
-    set_cpu_threads,
-    unified_pool,
-)
+from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
 from slora_batch.engine.execution.outputs import Inflight, step_outputs, take_outputs
-from slora_batch.engine.execution.parts import build_parts, make_runner
+from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
 from slora_batch.engine.models.sample_model import resolve_model
 from slora_batch.engine.models.spec import read_spec
 from slora_batch.engine.prepare import RequestPreparer
@@ -317,16 +311,3 @@ class Engine:
             if seq.logprobs is not None
             else None,
         )
-
-
-def pick_backend(name: str, device: torch.device) -> ModuleType:
-    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from kernels import triton_ops
-
-        return triton_ops
-    from kernels import ref
-
-    return ref

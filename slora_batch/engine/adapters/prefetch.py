@@ -12,12 +12,15 @@ next step reads the pool.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.adapters.store import AdapterStore
-from slora_batch.engine.scheduling.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the engine hands in its scheduler; the prefetcher reads its waiting queue
+    from slora_batch.engine.scheduling.scheduler import Scheduler
 
 LOAD_AHEAD_ADAPTERS = 32  # distinct adapters of the next waiting rows the loader reads ahead
 LOAD_AHEAD_SCAN = 512  # waiting rows looked at for them

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from slora_batch.engine.adapters.store import AdapterStore
-from slora_batch.engine.execution.memory import copy_in, to_device
+from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.pool import PagePool, PoolExhausted
 

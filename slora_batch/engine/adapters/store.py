@@ -60,6 +60,18 @@ class AdapterWeights:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
 
 
+def shard_adapter(weights, rank: int, size: int):
+    """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
+    [L, r, d_out] cut along d_out, for every target (``execution.tp``'s docstring says why both)."""
+
+    def cut(rows: torch.Tensor) -> torch.Tensor:
+        return rows.chunk(size, dim=2)[rank].contiguous()
+
+    return AdapterWeights(
+        a={t: cut(a) for t, a in weights.a.items()}, b_t={t: cut(b) for t, b in weights.b_t.items()}
+    )
+
+
 def load_weights(info: AdapterInfo, spec: ModelSpec) -> AdapterWeights:
     """Read an adapter's factors into host memory, stacked over layers."""
     a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
@@ -270,7 +282,5 @@ class AdapterStore:
     def _read(self, info: AdapterInfo) -> PagedAdapter:
         weights = load_weights(info, self.spec)
         if self.shard[1] > 1:
-            from slora_batch.engine.execution.tp import shard_adapter
-
             weights = shard_adapter(weights, *self.shard)
         return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)

@@ -17,7 +17,7 @@ import torch
 
 from kernels.meta import AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
-from slora_batch.engine.execution.memory import to_device
+from slora_batch.engine.device import to_device
 from slora_batch.engine.models.llama import StepInput
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
 

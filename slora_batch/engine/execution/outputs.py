@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slora_batch.engine.device import to_device
 from slora_batch.engine.execution.batch import HostStep
-from slora_batch.engine.execution.memory import to_device
 from slora_batch.engine.requests.sampling import SamplingBatch, sample
 from slora_batch.engine.requests.sequence import Sequence
 from slora_batch.engine.scheduling.scheduler import ScheduledStep

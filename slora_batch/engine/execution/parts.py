@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,11 +15,13 @@ from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
-from slora_batch.engine.execution.tp import TensorParallel
 from slora_batch.engine.models.llama import LlamaModel
 from slora_batch.engine.models.loader import load_model
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
+
+if TYPE_CHECKING:  # tp builds a rank's parts through build_parts
+    from slora_batch.engine.execution.tp import TensorParallel
 
 
 @dataclass
@@ -79,3 +82,16 @@ def make_runner(
         max_model_len,
         use_graphs=config.cuda_graphs and getattr(ops, "CUDA_GRAPHS", False),
     )
+
+
+def pick_backend(name: str, device: torch.device) -> ModuleType:
+    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from kernels import triton_ops
+
+        return triton_ops
+    from kernels import ref
+
+    return ref

@@ -19,6 +19,7 @@ import torch
 
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.execution.batch import (
     HostStep,
     lora_meta,
@@ -26,7 +27,7 @@ from slora_batch.engine.execution.batch import (
     position_segments,
     upload,
 )
-from slora_batch.engine.execution.memory import copy_in, to_device
+from slora_batch.engine.execution.memory import graph_buckets
 from slora_batch.engine.models.llama import LlamaModel, StepInput
 from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.pool import PagePool
@@ -59,12 +60,6 @@ def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
     copy_in(static.seg_slot, seg_slot)
     if static.pos_seg is not None:
         copy_in(static.pos_seg, position_segments(seg1_start, bucket))
-
-
-def graph_buckets(max_batch: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
-    sizes += list(range(16, max_batch, 16))
-    return sizes + [max_batch]
 
 
 class ModelRunner:

@@ -4,7 +4,7 @@ The base model is cut the Megatron way (``loader.load_model``): q/k/v, gate and 
 rows (column-parallel: whole heads, KV heads included), o and down by input columns
 (row-parallel: partial sums joined by one all-reduce), the LM head by vocabulary rows (logits
 all-gathered). The adapters are cut to match, so that no adapter weight sits on every device
-(``shard_adapter``); with ``x`` the projection's input and rank r's slices written ``[r]``:
+(``adapters.store.shard_adapter``); with ``x`` the projection's input and rank r's slices written ``[r]``:
 
 - column-parallel (q, k, v, gate, up): A by its input rows, B by its output columns.
   ``x[r] A[r]`` is a partial sum of ``x A``: an all-reduce of tokens x rank values makes it
@@ -41,6 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from slora_batch.engine.config import ConfigError
+from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
+from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
+from slora_batch.engine.models.spec import read_spec
 
 log = logging.getLogger(__name__)
 
@@ -111,33 +116,8 @@ class TensorParallel:
             torch.distributed.destroy_process_group()
 
 
-def vocab_shard(head: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """The rank's rows of the LM head; the vocabulary padded with zero rows to a multiple of
-    ``size`` (their logits are cut off after the gather)."""
-    per = -(-head.shape[0] // size)
-    rows = head[rank * per : (rank + 1) * per]
-    if rows.shape[0] < per:
-        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], head.shape[1])])
-    return rows.contiguous()
-
-
-def shard_adapter(weights, rank: int, size: int):
-    """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
-    [L, r, d_out] cut along d_out, for every target (the module docstring says why both)."""
-    from slora_batch.engine.adapters.store import AdapterWeights
-
-    def cut(rows: torch.Tensor) -> torch.Tensor:
-        return rows.chunk(size, dim=2)[rank].contiguous()
-
-    return AdapterWeights(
-        a={t: cut(a) for t, a in weights.a.items()}, b_t={t: cut(b) for t, b in weights.b_t.items()}
-    )
-
-
 def device_of(config, rank: int) -> torch.device:
     """Rank r's device: ``cuda:r`` of the visible devices, or the CPU."""
-    from slora_batch.engine.execution.memory import pick_device
-
     device = pick_device(config.device)
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
@@ -171,8 +151,6 @@ def launch(model, adapters, config, weights=None) -> TensorParallel:
     size = config.tensor_parallel
     device = device_of(config, 0)
     if device.type == "cuda" and torch.cuda.device_count() < size:
-        from slora_batch.engine.config import ConfigError
-
         raise ConfigError(
             f"engine.tensor_parallel is {size} but {torch.cuda.device_count()} CUDA devices "
             "are visible"
@@ -284,11 +262,6 @@ def build_shard(model, adapters, config, tp: TensorParallel, weights=None):
     """A worker rank's engine parts, built in the order rank 0 builds its own (``Engine``), so
     that their collectives meet: the shard's store, model, pool and residency, then the runner
     (which captures its graphs with the others)."""
-    from slora_batch.engine.engine import pick_backend
-    from slora_batch.engine.execution.memory import pick_dtype
-    from slora_batch.engine.execution.parts import build_parts, make_runner
-    from slora_batch.engine.models.spec import read_spec
-
     spec = read_spec(model)
     dtype = pick_dtype(config.dtype, tp.device)
     max_len = min(config.max_model_len or spec.max_context, spec.max_context)
@@ -304,8 +277,6 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
     try:
         device = device_of(config, rank)
         if device.type == "cpu":
-            from slora_batch.engine.execution.memory import set_cpu_threads
-
             set_cpu_threads(config.cpu_threads)
         tp = TensorParallel(rank, size, device)
         _join(rank, size, address, device)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels.meta import AttnMeta, LoraMeta
-from slora_batch.engine.execution.tp import TensorParallel
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
 from slora_batch.engine.pool import PagePool
+
+if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
+    from slora_batch.engine.execution.tp import TensorParallel
 
 TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 

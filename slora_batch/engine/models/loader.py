@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from slora_batch.engine.execution.tp import TensorParallel, vocab_shard
 from slora_batch.engine.models.llama import LayerWeights, LlamaModel
+from slora_batch.engine.models.shard import vocab_shard
 from slora_batch.engine.models.spec import ModelError, ModelSpec
+
+if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
+    from slora_batch.engine.execution.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 

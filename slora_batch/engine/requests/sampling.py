@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from slora_batch.engine.execution.memory import to_device
+from slora_batch.engine.device import to_device
 
 _MASK63 = (1 << 63) - 1
 

@@ -13,9 +13,9 @@ import torch
 from factory import make_adapters, make_model, make_rows, reference, tiny_spec
 
 from slora_batch import Engine, EngineConfig, Request
-from slora_batch.engine.adapters.store import AdapterStore, load_weights
+from slora_batch.engine.adapters.store import AdapterStore, load_weights, shard_adapter
 from slora_batch.engine.config import ConfigError
-from slora_batch.engine.execution.tp import shard_adapter, vocab_shard
+from slora_batch.engine.models.shard import vocab_shard
 from slora_batch.engine.models.spec import ModelError
 
 ROWS = 24
