@@ -1,7 +1,7 @@
 """The ``score`` system: the engine on the scoring workload (``workload.ScoreWorkload``).
 
 Each row is a context and its choices; the engine runs one prefill-only sequence per choice in
-its continuous batches and joins them into one result (``engine/scoring.py``). The run is
+its continuous batches and joins them into one result (``engine/requests/scoring.py``). The run is
 ``run_engine``'s: a fresh engine, the untimed warm-up groups on the first scoring rows (cut
 contexts, then whole), then the rows grouped by adapter on the clock.
 

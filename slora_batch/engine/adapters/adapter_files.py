@@ -2,7 +2,7 @@
 
 Reads ``adapter_config.json`` and the safetensors header (names and shapes) only, never the
 weights, and imports no torch: the job tool checks every adapter of a job with it before any
-work. ``adapters.py`` reads the weights.
+work. ``store.py`` reads the weights.
 """
 
 from __future__ import annotations

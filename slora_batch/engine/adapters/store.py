@@ -159,7 +159,7 @@ class AdapterStore:
     ) -> None:
         self.spec = spec  # the whole model's: adapter files are checked against it
         # (rank, size) under tensor parallelism: this store holds rank's shard of every adapter
-        # (``tp.shard_adapter``), laid out in the pages of the shard's spec.
+        # (``shard_adapter``), laid out in the pages of the shard's spec.
         self.shard = shard
         self.page_spec = spec.shard(shard[1])
         self.ahead_log: list[str] | None = None  # names queued by load_ahead (rank 0 of TP)

@@ -79,7 +79,7 @@ class ModelSpec:
 
     def target_dims(self, target: str) -> tuple[int, int]:
         """(d_in, d_out) of a LoRA target's base projection; of a shard's factors under tensor
-        parallelism, where both sides are 1/N (``tp.shard_adapter`` says how they are cut)."""
+        parallelism, where both sides are 1/N (``adapters.store.shard_adapter`` cuts them)."""
         h, i = self.hidden_size // self.tp_size, self.intermediate_size
         return {
             "q": (h, self.q_dim),
