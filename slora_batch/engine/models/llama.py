@@ -1,5 +1,6 @@
-"""The Llama family in one file: RMSNorm, RoPE (incl. llama3 / linear scaling), GQA, tied
-embeddings, q/k/v bias (Qwen2), with LoRA deltas added per target and the KV cache in the pool.
+"""The Llama family (Llama, Mistral, Qwen2): RMSNorm, RoPE (incl. llama3 / linear scaling), GQA,
+tied embeddings, q/k/v bias (Qwen2), with LoRA deltas added per target and the KV cache in the
+pool. RoPE and the LoRA deltas are ``layers``'s, shared with the families to come.
 
 ``h = x W + (x A) B * scale``: the base projection runs once for the whole batch; the LoRA
 factors of every token's own adapter are gathered from pool pages by the kernel backend.
@@ -7,7 +8,6 @@ factors of every token's own adapter are gathered from pool pages by the kernel 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.meta import AttnMeta, LoraMeta
-from slora_batch.engine.models.spec import TARGETS, ModelSpec
+from slora_batch.engine.models.layers import add_lora, rope_cos_sin
+from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 
 if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
     from slora_batch.engine.execution.tp import TensorParallel
-
-TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 
 
 @dataclass
@@ -51,38 +50,6 @@ class StepInput:
     # Mixed steps whose first d sequences bring one token each: (d, their AttnMeta, the rest's),
     # so decode rows take the decode kernel; None: the whole step on the prefill kernel.
     attn_split: tuple[int, AttnMeta, AttnMeta] | None = None
-
-
-def rope_cos_sin(spec: ModelSpec, max_pos: int, device: torch.device) -> torch.Tensor:
-    """[max_pos, head_dim] fp32: cos in the first half, sin in the second (HF's inv_freq rules)."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = spec.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, scaling)
-    pos = torch.arange(max_pos, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent scaling of the rotary frequencies."""
-    factor, low, high = (
-        float(s["factor"]),
-        float(s["low_freq_factor"]),
-        float(s["high_freq_factor"]),
-    )
-    old_len = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 class LlamaModel:
@@ -194,25 +161,7 @@ class LlamaModel:
         ops: ModuleType,
         cut: bool = False,
     ) -> None:
-        """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
-        column ranges of the fused output, in place: one shrink and one expand launch for the
-        targets of the group that some adapter of the step has."""
-        if buf is None:
-            return
-        tp = self.tp
-        group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
-        group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
-        if not group:
-            return  # no adapter of the step has a target of this group: no launch
-        targets = tuple(index for index, _ in group)
-        if cut and tp is not None:  # column-parallel: the rank's slice of the input's columns
-            x = x[:, self.hidden_cols[0] : self.hidden_cols[1]].contiguous()
-        width = len(group) * meta.max_rank
-        if tp is None:
-            v = buf[:, :width]
-        else:  # contiguous, for the all-reduce
-            v = buf.view(-1)[: buf.shape[0] * width].view(buf.shape[0], width)
-        ops.lora_shrink(x, pool_layer, meta, targets, v)
-        if tp is not None:  # the shards' partial x A summed: tokens x rank, small
-            tp.all_reduce(v)
-        ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))
+        """``layers.add_lora`` with this rank's group and columns."""
+        add_lora(
+            x, out, cols, pool_layer, meta, buf, ops, self.tp, self.hidden_cols if cut else None
+        )

@@ -1,4 +1,5 @@
-"""Hugging Face safetensors directories (and the built-in sample) into ``LlamaModel``."""
+"""Hugging Face safetensors directories (and the built-in sample) into the model of their family
+(``registry``), under Llama's tensor names."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from slora_batch.engine.models.llama import LayerWeights, LlamaModel
+from slora_batch.engine.models.registry import model_class
 from slora_batch.engine.models.shard import vocab_shard
 from slora_batch.engine.models.spec import ModelError, ModelSpec
 
@@ -89,7 +91,7 @@ def load_model(
     head = head if head is not None else embed
     if size > 1:
         head = vocab_shard(head, rank, size)
-    model = LlamaModel(
+    model = model_class(spec)(
         spec.shard(size), embed, layers, take("model.norm.weight"), head, max_pos, tp
     )
     leftover = [k for k in raw.keys() if "rotary_emb" not in k]  # noqa: SIM118
