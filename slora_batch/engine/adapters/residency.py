@@ -95,6 +95,9 @@ class AdapterResidency:
         pool = pool or self.pool
         if pool.num_free >= need:  # the common case, once per running sequence and step
             return True
+        # Two LRU queues merged by age: idle adapters (``_resident``'s order) and idle cached
+        # blocks (the cache's order). Each round evicts the head of the two whose ``last_used``
+        # (the step it became idle) is older; the cache counts only when it shares ``pool``.
         cache = self.cache if self.cache is not None and self.cache.pool is pool else None
         # Idle adapters in the order they became idle (released, or loaded and not used yet).
         idle = (

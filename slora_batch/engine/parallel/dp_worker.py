@@ -116,6 +116,7 @@ def _stream(engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int
 
     def requests() -> Iterator[Request]:
         while True:
+            # ("rows", stream, [Request]) -> rows == [[Request]]; ("end" | "abort", stream) -> []
             kind, at, *rows = pending.pop() if pending else messages.get()
             if at < stream:
                 continue  # rows of an abandoned stream still on their way

@@ -35,6 +35,9 @@ class Admission:
                 break
             hit = self.pages.prefix(seq)
             key = self.pages.first_miss(seq, hit)
+            # ``computing`` maps a prefix block's chain key to the row computing it. Another row
+            # computes this row's first missing block now: defer this row until the block is
+            # cached, then share it (no entry, or this row itself: go on and compute it).
             if key is not None and self.computing.get(key, seq) is not seq:
                 self.waiting.remove(seq)
                 deferred.append(seq)

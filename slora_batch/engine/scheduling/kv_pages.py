@@ -79,6 +79,9 @@ class KVPages:
         cached = 0
         if self.cache is not None:
             cached = self.cache.idle_pages - sum(b.pages.size for b in hit if b.refs == 0)
+        # Room per pool, keyed by the pool object: under unified paging the KV pool and the
+        # adapters' pool are one object, so free pages, idle blocks and idle adapters add into
+        # one entry; with two pools (the bench's ablation) each counts only its own.
         room = {id(self.pool): self.pool.num_free + cached}
         lora_pool = self.residency.pool
         room[id(lora_pool)] = room.get(id(lora_pool), lora_pool.num_free) + evictable
