@@ -15,7 +15,7 @@ import numpy as np
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.sequence import Sequence
-from slora_batch.engine.scheduling.prefix_cache import Block, PrefixCache
+from slora_batch.engine.scheduling.prefix_cache import Block, PrefixCache, chain_key
 
 PAGES_PER_TOKEN = 2  # one K page and one V page
 
@@ -64,8 +64,8 @@ class KVPages:
         lo = len(hit) * size
         if lo + size >= len(seq.prompt_ids):
             return None
-        parent = hit[-1].key if hit else None
-        return self.cache.key(parent, seq.adapter, tuple(seq.prompt_ids[lo : lo + size]))
+        parent = hit[-1] if hit else None
+        return chain_key(parent, seq.adapter, tuple(seq.prompt_ids[lo : lo + size]))
 
     def admissible(self, seq: Sequence, n: int, hit: list[Block], pinned: bool) -> bool:
         """Whether a waiting sequence fits: ``n`` tokens of KV past its cached prefix ``hit``,

@@ -39,6 +39,12 @@ class Block:
         return self.parent is parent and self.adapter == adapter and self.tokens == tokens
 
 
+def chain_key(parent: Block | None, adapter: str | None, tokens: tuple[int, ...]) -> int:
+    """A block's key: the key of the block before it (None for a prompt's first block), the
+    adapter and the block's own tokens, so one key names a whole prefix under one adapter."""
+    return hash((parent.key if parent is not None else None, adapter, tokens))
+
+
 class PrefixCache:
     def __init__(self, pool: PagePool, block_tokens: int) -> None:
         self.pool = pool
@@ -51,9 +57,6 @@ class PrefixCache:
         self.evictions = 0
         self.idle_pages = 0  # pages of the idle blocks, kept as they come and go
 
-    def key(self, parent: int | None, adapter: str | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent, adapter, tokens))
-
     def match(self, adapter: str | None, tokens: list[int]) -> list[Block]:
         """The cached blocks of the longest cached prefix of ``tokens``, at most every full
         block before the last token (whose logits a row needs computed)."""
@@ -62,7 +65,7 @@ class PrefixCache:
         parent = None
         for start in range(0, len(tokens) - size, size):
             chunk = tuple(tokens[start : start + size])
-            block = self.blocks.get(self.key(parent and parent.key, adapter, chunk))
+            block = self.blocks.get(chain_key(parent, adapter, chunk))
             if block is None or not block.same(parent, adapter, chunk):
                 break
             found.append(block)
@@ -92,7 +95,7 @@ class PrefixCache:
         """Caches a block a sequence just computed (the sequence holds the reference); None
         when another sequence cached the same block first (its own pages stay its own)."""
         tokens = tuple(tokens)
-        key = self.key(parent.key if parent is not None else None, adapter, tokens)
+        key = chain_key(parent, adapter, tokens)
         if key in self.blocks:
             return None
         block = Block(key, parent, adapter, tokens, pages.copy(), refs=1)
