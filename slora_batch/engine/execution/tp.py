@@ -4,7 +4,8 @@ The base model is cut the Megatron way (``loader.load_model``): q/k/v, gate and 
 rows (column-parallel: whole heads, KV heads included), o and down by input columns
 (row-parallel: partial sums joined by one all-reduce), the LM head by vocabulary rows (logits
 all-gathered). The adapters are cut to match, so that no adapter weight sits on every device
-(``adapters.store.shard_adapter``); with ``x`` the projection's input and rank r's slices written ``[r]``:
+(``adapters.store.shard_adapter``); with ``x`` the projection's input and rank r's slices
+written ``[r]``:
 
 - column-parallel (q, k, v, gate, up): A by its input rows, B by its output columns.
   ``x[r] A[r]`` is a partial sum of ``x A``: an all-reduce of tokens x rank values makes it

@@ -38,7 +38,7 @@ class LayerWeights:
 
 @dataclass
 class StepInput:
-    """Everything one forward step reads besides the weights, built by ``slora_batch.engine.execution.batch``."""
+    """Everything one forward step reads besides the weights, built by ``execution.batch``."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64

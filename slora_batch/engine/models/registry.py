@@ -22,8 +22,9 @@ def model_class(spec: ModelSpec) -> type[LlamaModel]:
     """The class of ``spec``'s family; a ``ModelError`` naming the model for one not registered."""
     family = FAMILIES.get(spec.architecture)
     if family is None:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ModelError(
             f"model {spec.path!r}: architecture {spec.architecture!r} has no model family "
-            f"(registered: {', '.join(FAMILIES)}; spec.py supports {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(registered: {', '.join(FAMILIES)}; spec.py supports {supported})"
         )
     return family
