@@ -1,10 +1,11 @@
 """Execution: a scheduled step on the device.
 
-Owns pool sizing (``memory``), the step planner that flattens a step into arrays and tensors
-(``batch``), the forward runner with CUDA graphs (``runner``), the outputs read back
-(``outputs``), what an engine builds on its device (``parts``) and tensor parallelism's ranks
-(``tp``: launch, rank 0's page tables to the others, a rank's loop).
+memory.py   how many pages the pool gets (and the reserve for a step's temporaries)
+batch.py    the one step planner: a scheduled step as flat arrays for the model and kernels
+runner.py   runs a planned step: eager, or a replayed CUDA graph for decode steps
+outputs.py  a step's outputs on the device (tokens, scores, logprobs) until they are read back
+parts.py    what an engine builds on its device (store, model, pool, residency, runner)
+tp.py       tensor parallelism's ranks: launch, rank 0's plan to the others, a rank's loop
 
-May import: foundations, models, requests, adapters and scheduling. Not the engine loop
-(``engine.py``, ``prepare.py``) nor data parallelism.
+May import: the foundations, models, requests, adapters and scheduling.
 """

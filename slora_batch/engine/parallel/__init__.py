@@ -1,8 +1,8 @@
 """Data parallelism: ``Engine``'s surface over worker processes, one device (or TP group) each.
 
-Owns the driver (``data_parallel``), a worker's process (``dp_worker``) and the driver's handle
-on a worker (``dp_handle``).
+data_parallel.py  DataParallelEngine, the driver: splits the stream, merges the results
+dp_worker.py      a data-parallel worker: its device(s), its engine, its pipes to the driver
+dp_handle.py      the driver's handle on a worker: its share of the stream, what rows still owe
 
-May import: everything below it, ``engine.py`` included (a worker runs an ``Engine``).
-Nothing in the engine imports this room.
+May import: every room below it and ``engine.py`` (a worker runs an ``Engine``).
 """
