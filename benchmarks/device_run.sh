@@ -99,7 +99,7 @@ case "$mode" in
         # the same 4000 requests at 1000 adapters, uncut
         python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" \
           || { echo "now dp-job needs two GPUs (the nvidia-h200-x2 kind)" >&2; exit 2; }
-        gpu_tests 150 tests/engine/test_tensor_parallel_gpu.py
+        gpu_tests 150 tests/engine/execution/test_tensor_parallel_gpu.py
         bench tp/dp2-job 420 --data-parallel 2 --requests 4000 --systems slora-par,job-par \
           --adapters 1000 --max-seconds 0 --total-seconds 0
         ;;

@@ -11,7 +11,7 @@ from benchmarks.kernels import DTYPE, SHAPES, _graph_us, lora_meta
 from kernels import triton_ops
 from kernels.lora_blocks import BLOCKS
 from kernels.meta import VECTOR_ALL, LoraMeta
-from slora_batch.engine import batch as step_batch
+from slora_batch.engine.execution import batch as step_batch
 
 SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
     {},  # earlier sweeps (benchmarks/h200-tuning/) tried vk, vr, vstages, vwarps and vgrid

@@ -1,4 +1,4 @@
-"""Per-step metadata the kernels read: flat tensors, built once per step by ``slora_batch.engine.batch``.
+"""Per-step metadata the kernels read: flat tensors, built once per step by ``slora_batch.engine.execution.batch``.
 
 Running example (used in the comments below): three sequences in a step, sequence 0 decodes one
 token with adapter slot 2, sequence 1 prefills a chunk of 3 tokens on the base model, sequence 2
@@ -38,7 +38,7 @@ class LoraMeta:
 
     b_slot [T]: adapter slot per token, -1 for the base model.        example: [2, -1, -1, -1, 2]
     token_order [T]: token indices stably sorted by slot, base tokens last. example: [0, 4, 1, 2, 3]
-      (``slora_batch.engine.batch.lora_segments`` may put the segments longer than vector_max first.)
+      (``slora_batch.engine.execution.batch.lora_segments`` may put the segments longer than vector_max first.)
     seg1_start [S+1]: segments of token_order sharing one slot (adapter tokens only). ex.: [0, 2]
     seg_slot [S]: the slot of each segment.                            example: [2]
     slot_rank [N]: rank per slot (0 for an empty slot).
@@ -76,16 +76,16 @@ class LoraMeta:
     # vector_tokens [V] int32 (optional): the tokens of the segments of at most vector_max
     # tokens, in token_order. The vector kernels then run V programs, one per such token, instead
     # of one per token of the step searching its segment (a step mixing decodes with prefill
-    # chunks: 248 programs, not 4700). ``slora_batch.engine.batch.vector_tokens`` builds it.
+    # chunks: 248 programs, not 4700). ``slora_batch.engine.execution.batch.vector_tokens`` builds it.
     vector_tokens: torch.Tensor | None = None
     # pos_seg [T] int32 (optional): the first segment ending after each sorted position (S past
     # the adapter tokens), where the tiled kernels' blocks start their walk. example: [0, 0, 1,
-    # 1, 1]. ``slora_batch.engine.batch.position_segments`` builds it (eager steps) and the runner
+    # 1, 1]. ``slora_batch.engine.execution.batch.position_segments`` builds it (eager steps) and the runner
     # refills it (tiled CUDA-graph steps); without it each Triton launch builds it on the device
     # (``kernels.lora_paths.position_segments``).
     pos_seg: torch.Tensor | None = None
     # tiled_tokens (optional, host int): every segment longer than vector_max lies in the first
-    # tiled_tokens sorted positions (``slora_batch.engine.batch.lora_segments`` puts them first), so the
+    # tiled_tokens sorted positions (``slora_batch.engine.execution.batch.lora_segments`` puts them first), so the
     # tiled kernels' grid covers only those. None: the whole step. example: 2 with vector_max 1.
     tiled_tokens: int | None = None
 

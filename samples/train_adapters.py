@@ -34,7 +34,7 @@ sys.path.insert(0, str(SAMPLES.parent))  # `slora_batch`, when run as a script f
 
 from behaviours import CHECKS, PIRATE_OPENING, is_brief  # noqa: E402
 
-from slora_batch.engine.sample_model import SAMPLE_MODEL_ALIAS, resolve_model  # noqa: E402
+from slora_batch.engine.models.sample_model import SAMPLE_MODEL_ALIAS, resolve_model  # noqa: E402
 
 logger = logging.getLogger("train_adapters")
 

@@ -7,7 +7,7 @@ Three packages follow the data flow, job -> rows -> windows -> engine -> writer:
 """
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 
 __all__ = ["Engine", "EngineConfig", "Request", "Result", "SamplingConfig"]
 

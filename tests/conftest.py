@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from slora_batch.engine.sample_model import SAMPLE_MODEL_ALIAS, resolve_model
+from slora_batch.engine.models.sample_model import SAMPLE_MODEL_ALIAS, resolve_model
 
 
 @pytest.fixture(scope="session")

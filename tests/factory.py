@@ -25,7 +25,7 @@ KINDS = ("mha", "gqa", "qwen2", "mistral")
 
 def tiny_spec(**overrides):
     """A ModelSpec for tests that need no weights (2 layers, hidden 64, GQA 4/2, head_dim 16)."""
-    from slora_batch.engine.spec import ModelSpec
+    from slora_batch.engine.models.spec import ModelSpec
 
     fields = dict(path="tiny", architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64,
                   intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

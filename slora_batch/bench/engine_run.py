@@ -25,10 +25,11 @@ from slora_batch.bench.timed_run import timed_run
 from slora_batch.bench.warmup import warm_up
 from slora_batch.bench.workload import adapter_sources, group_by_adapter
 from slora_batch.engine.config import EngineConfig, SamplingConfig
-from slora_batch.engine.data_parallel import open_engine
-from slora_batch.engine.engine import Engine, pick_backend
+from slora_batch.engine.engine import Engine
+from slora_batch.engine.execution.parts import pick_backend
+from slora_batch.engine.parallel.data_parallel import open_engine
 from slora_batch.engine.pool import PagePool
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 
 ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival", "slora-off")  # base: no adapters
 ABLATIONS = ("bmm", "no-unified", "arrival")  # slora with one thing changed

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from slora_batch.bench.roofline import kv_bytes_per_token
-from slora_batch.engine.spec import ModelSpec, read_spec
+from slora_batch.engine.models.spec import ModelSpec, read_spec
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from slora_batch.bench.engine_run import run_engine
 from slora_batch.bench.workload import group_by_adapter
-from slora_batch.engine.request import Request
+from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.ordering import sort_key
 
 PREFIX_ROWS = ("prefix", "prefix-off")

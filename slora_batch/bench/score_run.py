@@ -1,7 +1,7 @@
 """The ``score`` system: the engine on the scoring workload (``workload.ScoreWorkload``).
 
 Each row is a context and its choices; the engine runs one prefill-only sequence per choice in
-its continuous batches and joins them into one result (``engine/scoring.py``). The run is
+its continuous batches and joins them into one result (``engine/requests/scoring.py``). The run is
 ``run_engine``'s: a fresh engine, the untimed warm-up groups on the first scoring rows (cut
 contexts, then whole), then the rows grouped by adapter on the clock.
 
@@ -23,7 +23,7 @@ from slora_batch.bench.row_fields import build_counts, engine_row, figures, step
 from slora_batch.bench.timed_run import timed_run
 from slora_batch.bench.warmup import warm_up
 from slora_batch.bench.workload import group_by_adapter
-from slora_batch.engine.request import Result
+from slora_batch.engine.requests.request import Result
 
 
 def run_score(ctx, n: int) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from kernels.builds import BuildLog
 from slora_batch.engine.engine import Engine
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from kernels.builds import BuildLog
 from slora_batch.bench.timed_run import sync
-from slora_batch.engine.adapters import AdapterStore
+from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.engine import Engine
-from slora_batch.engine.request import Request
+from slora_batch.engine.requests.request import Request
 
 WARMUP_PROMPT = 64  # warm-up requests: prompts cut to this, a few new tokens each
 WARMUP_NEW_TOKENS = 8

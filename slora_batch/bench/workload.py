@@ -10,7 +10,7 @@ import numpy as np
 
 from slora_batch.bench.model import RANKS
 from slora_batch.bench.model import build_model as build_model  # benchmarks/profile_engine.py
-from slora_batch.engine.request import Request
+from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.ordering import sort_key
 
 

@@ -19,28 +19,22 @@ from types import ModuleType
 
 import torch
 
-from slora_batch.engine.batch import plan_step
+from slora_batch.engine.adapters.prefetch import AdapterPrefetcher
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.memory import (
-    PoolFactory,
-    page_bytes,
-    pick_device,
-    pick_dtype,
-    set_cpu_threads,
-    unified_pool,
-)
-from slora_batch.engine.outputs import Inflight, step_outputs, take_outputs
-from slora_batch.engine.parts import build_parts, make_runner, pick_backend
-from slora_batch.engine.prefetch import AdapterPrefetcher
+from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
+from slora_batch.engine.execution.batch import plan_step
+from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
+from slora_batch.engine.execution.outputs import Inflight, step_outputs, take_outputs
+from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
+from slora_batch.engine.models.sample_model import resolve_model
+from slora_batch.engine.models.spec import read_spec
 from slora_batch.engine.prepare import RequestPreparer
-from slora_batch.engine.request import Request, Result
-from slora_batch.engine.sample_model import resolve_model
-from slora_batch.engine.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
-from slora_batch.engine.scoring import choices_result, continuation_result, token_logprobs
-from slora_batch.engine.sequence import Sequence
-from slora_batch.engine.spec import read_spec
-from slora_batch.engine.tokens import load_tokenizer
+from slora_batch.engine.requests.request import Request, Result
+from slora_batch.engine.requests.scoring import choices_result, continuation_result, token_logprobs
+from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.requests.tokens import load_tokenizer
+from slora_batch.engine.scheduling.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +73,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
         self.tp = None
         if config.tensor_parallel > 1:  # rank 0 of N: the others start and build alongside
-            from slora_batch.engine import tp
+            from slora_batch.engine.execution import tp
 
             spec.shard(config.tensor_parallel)  # a model that does not divide: say so first
             self.tp = tp.launch(self.model_path, adapters, config, weights)

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from slora_batch.engine.adapters import AdapterError, AdapterStore
+from slora_batch.engine.adapters.store import AdapterError, AdapterStore
 from slora_batch.engine.config import ConfigError, SamplingConfig
-from slora_batch.engine.request import SAMPLING_FIELDS, Request, Result
-from slora_batch.engine.sampling import noise_key
-from slora_batch.engine.scheduler import Scheduler
-from slora_batch.engine.scoring import (
+from slora_batch.engine.models.spec import ModelSpec
+from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
+from slora_batch.engine.requests.sampling import noise_key
+from slora_batch.engine.requests.scoring import (
     ChoiceGroup,
     ScoreBuffer,
     answer_index,
     check_logprobs,
     scored_ids,
 )
-from slora_batch.engine.sequence import Sequence
-from slora_batch.engine.spec import ModelSpec
-from slora_batch.engine.tokens import Detokenizer, tokenize
+from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.requests.tokens import Detokenizer, tokenize
+from slora_batch.engine.scheduling.scheduler import Scheduler
 
 
 class RequestPreparer:

@@ -10,10 +10,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from slora_batch.engine.adapter_files import AdapterError, AdapterInfo, check_adapters
+from slora_batch.engine.adapters.adapter_files import AdapterError, AdapterInfo, check_adapters
 from slora_batch.engine.config import ConfigError
-from slora_batch.engine.sample_model import ModelNotFoundError, resolve_model
-from slora_batch.engine.spec import ModelError, ModelSpec, read_spec
+from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_model
+from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
 from slora_batch.jobs.config import JobConfig, fanout_adapters
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OutputError
@@ -78,7 +78,7 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
             if not torch.cuda.is_available():
                 raise ConfigError(f"engine.device is {device!r} but no CUDA device is available")
         if job.engine.data_parallel > 1 or job.engine.gpus:
-            from slora_batch.engine.data_parallel import worker_slots
+            from slora_batch.engine.parallel.data_parallel import worker_slots
 
             worker_slots(job.engine)  # enough devices for the workers
         model_path = resolve_model(job.model)

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
-from slora_batch.engine.request import SAMPLING_FIELDS
+from slora_batch.engine.requests.request import SAMPLING_FIELDS
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
 SCORE_KEYS = ("continuation", "choices", "continuation_token_ids", "choices_token_ids")
@@ -161,7 +161,7 @@ def _check_keep(keep: Any, columns: dict[str, str]) -> str | list[str] | None:
 def adapter_names(adapters: str | dict[str, str] | None) -> list[str]:
     """Names of the job's adapters, sorted, by the engine's own rule (``resolve_sources``):
     mapping keys, or every sub-directory of the adapters directory (name = folder name)."""
-    from slora_batch.engine.adapter_files import AdapterError, resolve_sources
+    from slora_batch.engine.adapters.adapter_files import AdapterError, resolve_sources
 
     try:
         return sorted(resolve_sources(adapters))

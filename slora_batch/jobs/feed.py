@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.samples import SamplesDue
 from slora_batch.jobs.writer import OutputWriter

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slora_batch.engine.adapter_files import resolve_sources
+from slora_batch.engine.adapters.adapter_files import resolve_sources
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.resolution import resolve
 from slora_batch.jobs import fsio

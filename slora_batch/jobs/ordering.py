@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any, TypeVar
 
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.engine.request import Request
+from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.outdir import part_files
 from slora_batch.jobs.reader import InputError, iter_input_files, read_rows

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.check import JobPlan
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OutputError, part_files

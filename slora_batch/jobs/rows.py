@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slora_batch.engine.config import ConfigError, SamplingConfig
-from slora_batch.engine.request import SAMPLING_FIELDS, Request, Result
+from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.jobs.reader import InputRow
 from slora_batch.jobs.scoring import scoring_fields
 from slora_batch.jobs.text import describe, encodable, unencodable

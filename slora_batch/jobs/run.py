@@ -120,7 +120,9 @@ def run_job(
 
 def _build_engine(plan: JobPlan):
     """An ``Engine``, or a ``DataParallelEngine`` of ``engine.data_parallel`` workers."""
-    from slora_batch.engine.data_parallel import open_engine  # imports torch and the model code
+    from slora_batch.engine.parallel.data_parallel import (
+        open_engine,  # imports torch and the model code
+    )
 
     job = plan.job
     return open_engine(plan.model_path, job.adapters, job.engine, job.sampling)

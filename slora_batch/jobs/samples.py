@@ -19,10 +19,12 @@ import dataclasses
 from typing import Any
 
 from slora_batch.engine.config import ConfigError, SamplingConfig
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.rows import row_key
 
-ERROR_BITS = -1  # every bit set: an error row stands for every sample of its row
+# -1 is ...1111 in two's complement (Python ints are unbounded): ``ERROR_BITS >> k & 1`` is 1 for
+# every k, so an error row counts as every sample of its row committed, whatever its n.
+ERROR_BITS = -1
 
 
 def row_samples(n: Any, sampling: SamplingConfig, scored: bool = False) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slora_batch.engine.scoring import MAX_LOGPROBS
+from slora_batch.engine.requests.scoring import MAX_LOGPROBS
 from slora_batch.jobs.config import SCORE_KEYS
 from slora_batch.jobs.text import describe, encodable, unencodable
 

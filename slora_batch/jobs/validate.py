@@ -12,11 +12,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.engine.adapter_files import AdapterInfo
-from slora_batch.engine.request import Request, Result
-from slora_batch.engine.scoring import scored_ids
-from slora_batch.engine.spec import ModelSpec
-from slora_batch.engine.tokens import load_tokenizer, tokenize
+from slora_batch.engine.adapters.adapter_files import AdapterInfo
+from slora_batch.engine.models.spec import ModelSpec
+from slora_batch.engine.requests.request import Request, Result
+from slora_batch.engine.requests.scoring import scored_ids
+from slora_batch.engine.requests.tokens import load_tokenizer, tokenize
 from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, input_notes, job_error
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.manifest import fingerprint, resumable_manifest

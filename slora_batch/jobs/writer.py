@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.engine.request import Result
+from slora_batch.engine.requests.request import Result
 from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.outdir import SUCCESS_FILE, TMP_MARK, clear_output, commit_file, part_files
 from slora_batch.jobs.rows import RowSource

@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key

@@ -10,7 +10,7 @@ from slora_batch.bench.acceptance import acceptance
 from slora_batch.bench.bench import BenchConfig, run_bench
 from slora_batch.bench.model import RandomWeights
 from slora_batch.engine.config import ConfigError
-from slora_batch.engine.spec import read_spec
+from slora_batch.engine.models.spec import read_spec
 
 TINY = dict(model_preset="tiny", device="cpu", min_input=8, max_input=16, min_output=4,
             max_output=6, warmup_requests=2, requests=16, adapters=[3])  # fmt: skip

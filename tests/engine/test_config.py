@@ -54,7 +54,7 @@ def test_worker_slots_on_cpu():
     """data_parallel on cpu: processes sharing the cores; gpus: all needs CUDA devices."""
     import torch
 
-    from slora_batch.engine.data_parallel import worker_slots
+    from slora_batch.engine.parallel.data_parallel import worker_slots
 
     if torch.cuda.is_available():
         pytest.skip("the cpu case")

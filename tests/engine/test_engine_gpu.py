@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slora_batch import Engine, EngineConfig, Request
-from slora_batch.engine.scheduler import PAGES_PER_TOKEN
+from slora_batch.engine.scheduling.scheduler import PAGES_PER_TOKEN
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ from test_jobrun import (
     write_jsonl,
 )
 
-from slora_batch.engine.data_parallel import WorkerDied
+from slora_batch.engine.parallel.data_parallel import WorkerDied
 from slora_batch.jobs import run as jobrun
 from slora_batch.jobs.outdir import part_files, read_success
 from slora_batch.jobs.run import run_job

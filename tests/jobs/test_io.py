@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from slora_batch.engine.config import SamplingConfig
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.outdir import LOCK_FILE, OutputError, read_success, write_success
 from slora_batch.jobs.reader import InputError, iter_input_files, read_rows

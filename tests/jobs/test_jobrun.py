@@ -337,12 +337,12 @@ def test_job_level_errors_fail_before_any_work(tmp_path, tiny, monkeypatch, keys
 
 def forbid_weights(monkeypatch) -> None:
     import slora_batch.engine.engine
-    import slora_batch.engine.loader
+    import slora_batch.engine.models.loader
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(slora_batch.engine.loader, "load_model", refuse)
+    monkeypatch.setattr(slora_batch.engine.models.loader, "load_model", refuse)
     monkeypatch.setattr(slora_batch.engine.engine, "load_model", refuse, raising=False)
     monkeypatch.setattr(slora_batch.engine.engine.Engine, "__init__", refuse)
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.ordering import adapter_group, fan_out, sort_key, sorted_windows
 
 

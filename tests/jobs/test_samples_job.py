@@ -26,7 +26,7 @@ from test_jobrun import (
 from test_unattended_kill import killed_run
 
 from slora_batch import Engine, EngineConfig, Request, SamplingConfig
-from slora_batch.engine.request import Result
+from slora_batch.engine.requests.request import Result
 from slora_batch.jobs.check import JobError
 from slora_batch.jobs.outdir import part_files, read_success
 from slora_batch.jobs.preview import preview

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from slora_batch.engine.config import SamplingConfig
-from slora_batch.engine.request import Request, Result
+from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs import run as jobrun
 from slora_batch.jobs.check import JobError, check_job
 from slora_batch.jobs.config import load_jobs
@@ -572,7 +572,7 @@ def test_a_sampling_setting_added_later_at_its_default_keeps_older_outputs():
 def test_scored_rows_through_the_engine_match_the_engine_api(tmp_path):
     """The job path around the real engine (a tiny random model, rows of token ids): the part
     rows hold what ``Engine.generate`` returns for the same requests."""
-    pytest.importorskip("slora_batch.engine.scoring")
+    pytest.importorskip("slora_batch.engine.requests.scoring")
     from factory import make_model
 
     from slora_batch import Engine, EngineConfig

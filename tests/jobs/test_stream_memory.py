@@ -34,7 +34,7 @@ from slora_batch.engine.config import SamplingConfig
 from slora_batch.jobs.reader import iter_input_files, read_rows
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.ordering import sorted_windows
-from slora_batch.engine.request import Request
+from slora_batch.engine.requests.request import Request
 
 columns = {"id": "id", "adapter": "adapter", "prompt": "prompt", "messages": "messages"}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -82,7 +82,7 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 from slora_batch.jobs import resume, run as jobrun
 from slora_batch.jobs.config import load_jobs
-from slora_batch.engine.request import Result
+from slora_batch.engine.requests.request import Result
 
 
 class InstantEngine:

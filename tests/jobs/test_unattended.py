@@ -30,7 +30,7 @@ from test_jobrun import (
 from typer.testing import CliRunner
 
 from cli import app
-from slora_batch.engine.request import Result
+from slora_batch.engine.requests.request import Result
 from slora_batch.jobs import run as jobrun
 from slora_batch.jobs.outdir import SUCCESS_FILE, part_files, read_success
 from slora_batch.jobs.run import JobError, JobSummary, run_job, run_jobs

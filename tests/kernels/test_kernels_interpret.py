@@ -27,7 +27,7 @@ import torch
 
 from kernels import ref
 from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
-from slora_batch.engine.batch import lora_layout, vector_tokens
+from slora_batch.engine.execution.batch import lora_layout, vector_tokens
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
@@ -613,7 +613,7 @@ def tiny_model():
     """A 2-layer Llama (GQA 4/2, head_dim 16, q/k/v bias) with random weights, on the CPU."""
     from factory import tiny_spec
 
-    from slora_batch.engine.model import LayerWeights, LlamaModel
+    from slora_batch.engine.models.llama import LayerWeights, LlamaModel
 
     spec = tiny_spec(attention_bias=True)
     gen = torch.Generator().manual_seed(0)
@@ -635,7 +635,7 @@ def tiny_model():
 
 def model_step(seqs: list[tuple[int, int, int]], seed: int):
     """(step, KV pool, LoRA pool) for sequences (new tokens, context, adapter slot or -1)."""
-    from slora_batch.engine.model import StepInput
+    from slora_batch.engine.models.llama import StepInput
     from slora_batch.engine.pool import PagePool
 
     _, kv_layer, attn = attn_case(

@@ -1,0 +1,225 @@
+"""Adapters resident in the page pool: slots, pages, reference counts, LRU eviction.
+
+An adapter in use by a running request is pinned (refcount > 0). Idle adapters stay resident
+(a later request reuses them for free) until their pages are needed, then leave least recently
+used first. The slot tables here are what ``LoraMeta`` carries to the kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from contextlib import nullcontext as _nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slora_batch.engine.adapters.store import AdapterStore
+from slora_batch.engine.device import copy_in, to_device
+from slora_batch.engine.models.spec import TARGETS
+from slora_batch.engine.pool import PagePool, PoolExhausted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resident:
+    slot: int
+    pages: np.ndarray
+    refcount: int = 0
+    last_used: int = 0  # the scheduler's step when it last became idle (LRU with cached blocks)
+    prefetched: bool = False
+    copying: torch.cuda.Event | None = None  # its prefetch copy, no device-stream wait yet
+
+
+class AdapterResidency:
+    def __init__(
+        self, pool: PagePool, store: AdapterStore, max_slots: int, device: torch.device
+    ) -> None:
+        self.pool, self.store, self.spec = pool, store, store.spec
+        self.max_slots = max_slots
+        width = max([store.pages(n) for n in store.names] or [1])
+        self.slot_rank = np.zeros(max_slots, dtype=np.int32)
+        self.slot_scale = np.zeros(max_slots, dtype=np.float32)
+        self.slot_pages = np.full((max_slots, width), -1, dtype=np.int32)
+        self.slot_offsets = np.full((max_slots, len(TARGETS), 2), -1, dtype=np.int32)
+        self.device = device
+        self.dev_rank = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.dev_scale = torch.zeros(max_slots, dtype=torch.float32, device=device)
+        self.dev_pages = torch.full((max_slots, width), -1, dtype=torch.int32, device=device)
+        self.dev_offsets = torch.full(
+            (max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device
+        )
+        self._resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order, most recent last
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self.loads = 0
+        self.evictions = 0
+        self.prefetch_hits = 0  # acquired an adapter that a prefetch had loaded
+        self.prefetch_misses = 0  # acquired an adapter that had to be loaded on the spot
+        self.bytes_copied = 0
+        # The device stream's point after the latest eviction's slot-table writes. A prefetch on
+        # a side stream may reuse that slot (and its pages) at once, while those writes still
+        # wait behind a step in flight; its copy waits for this point first, or the late "-1"
+        # row would land over the new adapter's row.
+        self._evicted: torch.cuda.Event | None = None
+        # Under tensor parallelism rank 0 decides and its workers repeat: every load ("load",
+        # name, slot, pages) and eviction ("evict", slot), in order, goes here (None: off).
+        self.journal: list[tuple] | None = None
+        self.cache = None  # the scheduler's PrefixCache: make_room evicts its idle blocks too
+        self.clock = 0  # the scheduler's step number
+
+    def is_resident(self, name: str) -> bool:
+        return name in self._resident
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._resident)
+
+    def slot(self, name: str) -> int:
+        return self._resident[name].slot
+
+    def evictable_pages(self) -> int:
+        return sum(r.pages.size for r in self._resident.values() if r.refcount == 0)
+
+    def cost(self, name: str | None) -> int:
+        """Pages that admitting a request on ``name`` takes beyond its KV (0 when resident)."""
+        if not name or name in self._resident:
+            return 0
+        return self.store.pages(name)
+
+    def make_room(self, need: int, pool: PagePool | None = None) -> bool:
+        """Evicts until ``need`` pages are free in ``pool`` (default: the adapters' own): idle
+        adapters (in the adapters' pool) and idle cached prefix blocks (in the KV pool), one at
+        a time, whichever became idle longest ago first."""
+        pool = pool or self.pool
+        if pool.num_free >= need:  # the common case, once per running sequence and step
+            return True
+        # Two LRU queues merged by age: idle adapters (``_resident``'s order) and idle cached
+        # blocks (the cache's order). Each round evicts the head of the two whose ``last_used``
+        # (the step it became idle) is older; the cache counts only when it shares ``pool``.
+        cache = self.cache if self.cache is not None and self.cache.pool is pool else None
+        # Idle adapters in the order they became idle (released, or loaded and not used yet).
+        idle = (
+            [n for n, r in self._resident.items() if r.refcount == 0] if pool is self.pool else []
+        )
+        idle.reverse()  # pop() takes the oldest
+        while pool.num_free < need:
+            block = cache.oldest_idle() if cache is not None else None
+            name = idle[-1] if idle else None
+            if block is None and name is None:
+                return False
+            if name is not None and (
+                block is None or self._resident[name].last_used <= block.last_used
+            ):
+                self._evict(idle.pop())
+            else:
+                cache.evict(block)
+        return True
+
+    def acquire(self, name: str) -> int:
+        """Pin an adapter for one request, loading it into pool pages first if needed."""
+        entry = self._resident.get(name)
+        if entry is None:
+            entry = self._load(name)
+            self.prefetch_misses += 1
+        elif entry.prefetched:
+            entry.prefetched = False
+            self.prefetch_hits += 1
+        entry.refcount += 1
+        self._resident.move_to_end(name)
+        return entry.slot
+
+    def release(self, name: str) -> None:
+        entry = self._resident[name]
+        if entry.refcount <= 0:
+            raise ValueError(f"adapter {name!r} released more often than acquired")
+        entry.refcount -= 1
+        if entry.refcount == 0:  # idle from now: the LRU order is the order of becoming idle
+            entry.last_used = self.clock
+            self._resident.move_to_end(name)
+
+    def prefetch(self, name: str, stream: torch.cuda.Stream | None = None) -> bool:
+        """Loads an adapter ahead of need (idle, unpinned) if its pages are free right now; the
+        copy goes on ``stream``. Returns whether it loaded."""
+        if name in self._resident or not self._free_slots or not self.store.ready(name):
+            return False  # not yet in host memory: the loader thread reads it meanwhile
+        if self.store.pages(name) > self.pool.num_free:
+            return False
+        self._load(name, stream).prefetched = True
+        return True
+
+    def mark_copying(self, names: list[str], event: torch.cuda.Event) -> None:
+        """The prefetch copies of ``names`` end at ``event`` (recorded on the side stream)."""
+        for name in names:
+            self._resident[name].copying = event
+
+    def _load(self, name: str, stream: torch.cuda.Stream | None = None) -> Resident:
+        info = self.store.info(name)
+        need = self.store.pages(name)
+        if not self._free_slots:
+            idle = [n for n, r in self._resident.items() if r.refcount == 0]
+            if not idle:
+                raise PoolExhausted(1, 0, self.max_slots, f"adapter slot for {name!r}")
+            self._evict(idle[0])
+        if not self.make_room(need):
+            raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
+        self.store.paged(name)  # read first: a file that fails raises before pages are taken
+        pages = self.pool.alloc(need, f"adapter {name!r}")
+        slot = self._free_slots.pop()
+        self.install(name, slot, pages, stream)
+        log.debug("loaded adapter %r (rank %d) into slot %d, %d pages", name, info.rank, slot, need)
+        if self.journal is not None:
+            self.journal.append(("load", name, slot, pages))
+        entry = Resident(slot=slot, pages=pages, last_used=self.clock)
+        self._resident[name] = entry
+        return entry
+
+    def install(
+        self, name: str, slot: int, pages: np.ndarray, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copies an adapter's pages into the pool at ``pages`` and fills its slot's tables. A
+        tensor-parallel worker calls it with the slot and pages rank 0 chose (its own shard)."""
+        info, paged = self.store.info(name), self.store.paged(name)
+        self.slot_rank[slot] = info.rank
+        self.slot_scale[slot] = info.scale
+        self.slot_pages[slot] = -1
+        self.slot_pages[slot, : pages.size] = pages
+        self.slot_offsets[slot] = paged.offsets.numpy()
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            if stream is not None and self._evicted is not None:
+                stream.wait_event(self._evicted)
+            index = to_device(pages.astype(np.int64), self.device)
+            self.pool.data.index_copy_(1, index, paged.data.to(self.device, non_blocking=True))
+            self._sync_slot(slot)
+        self.loads += 1
+        self.bytes_copied += paged.nbytes
+
+    def _evict(self, name: str) -> None:
+        entry = self._resident.pop(name)
+        if entry.copying is not None:  # its pages go back to the pool: the copy must land first
+            torch.cuda.current_stream(self.device).wait_event(entry.copying)
+        self.pool.free(entry.pages)
+        self.uninstall(entry.slot)
+        if self.journal is not None:
+            self.journal.append(("evict", entry.slot))
+        if self.device.type == "cuda":
+            self._evicted = torch.cuda.current_stream(self.device).record_event()
+        self._free_slots.append(entry.slot)
+        self.evictions += 1
+        log.debug("evicted adapter %r from slot %d", name, entry.slot)
+
+    def uninstall(self, slot: int) -> None:
+        """Empties a slot's tables (its pages go back to the pool's owner)."""
+        self.slot_rank[slot] = 0
+        self.slot_pages[slot] = -1
+        self.slot_offsets[slot] = -1
+        self._sync_slot(slot)
+
+    def _sync_slot(self, slot: int) -> None:
+        # fill_ takes the number as a kernel argument; assigning it copies a CPU scalar and
+        # waits for the device
+        self.dev_rank[slot].fill_(int(self.slot_rank[slot]))
+        self.dev_scale[slot].fill_(float(self.slot_scale[slot]))
+        copy_in(self.dev_pages[slot], self.slot_pages[slot])
+        copy_in(self.dev_offsets[slot], self.slot_offsets[slot])

@@ -1,0 +1,286 @@
+"""Adapter weights in host memory: read from PEFT safetensors, laid out in pool pages, and the
+store that holds them (an LRU bounded by bytes, fed by a loader thread).
+
+The store knows every adapter by name from the start (a directory listing or a mapping) but
+reads a config only when asked and weights only when the adapter is first needed; weights stay
+in host memory (pinned when a GPU is used), so thousands fit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from slora_batch.engine.adapters.adapter_files import (
+    _KEY,
+    _MODULE_TO_TARGET,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterInfo,
+    check_adapters,
+    parse_adapter,
+    resolve_sources,
+)
+from slora_batch.engine.models.spec import TARGETS, ModelSpec
+
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "AdapterError",
+    "AdapterInfo",
+    "AdapterStore",
+    "AdapterWeights",
+    "PagedAdapter",
+    "load_weights",
+    "parse_adapter",
+    "resolve_sources",
+    "to_pages",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterWeights:
+    """Host copies of the factors, per target: A rows [L, r, d_in] and B^T rows [L, r, d_out]."""
+
+    a: dict[str, torch.Tensor]
+    b_t: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
+
+
+def shard_adapter(weights, rank: int, size: int):
+    """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
+    [L, r, d_out] cut along d_out, for every target (``execution.tp``'s docstring says why both)."""
+
+    def cut(rows: torch.Tensor) -> torch.Tensor:
+        return rows.chunk(size, dim=2)[rank].contiguous()
+
+    return AdapterWeights(
+        a={t: cut(a) for t, a in weights.a.items()}, b_t={t: cut(b) for t, b in weights.b_t.items()}
+    )
+
+
+def load_weights(info: AdapterInfo, spec: ModelSpec) -> AdapterWeights:
+    """Read an adapter's factors into host memory, stacked over layers."""
+    a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
+    b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
+    try:
+        with safe_open(str(info.path / WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118
+                m = _KEY.search(key)
+                layer, target = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)]
+                tensor = f.get_tensor(key)
+                if m.group(4) == "A":
+                    a[target][layer] = tensor  # [r, d_in]
+                else:
+                    b[target][layer] = tensor.t()  # [d_out, r] -> [r, d_out]
+    except Exception as exc:
+        raise AdapterError(info.name, info.path, f"cannot read weights: {exc}") from exc
+
+    return AdapterWeights(
+        a={t: torch.stack(v) for t, v in a.items()}, b_t={t: torch.stack(v) for t, v in b.items()}
+    )
+
+
+@dataclass
+class PagedAdapter:
+    """An adapter laid out the way it sits in the pool: ``data[layer, i]`` goes to the adapter's
+    i-th page. Per target (canonical order) the A rows, then the B^T rows, each row padded to
+    whole pages. ``offsets[target, 0 or 1]`` is the first page index of A or B^T (-1: absent)."""
+
+    info: AdapterInfo
+    data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
+    offsets: torch.Tensor  # [len(TARGETS), 2] int32
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def to_pages(
+    info: AdapterInfo,
+    weights: AdapterWeights,
+    page_size: int,
+    dtype: torch.dtype,
+    pin: bool = False,
+) -> PagedAdapter:
+    """Pads each factor's rows to whole pages and concatenates them in page order."""
+    offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
+    chunks, cursor = [], 0
+    for t_index, target in enumerate(TARGETS):
+        if target not in info.targets:
+            continue
+        for which, rows in enumerate((weights.a[target], weights.b_t[target])):
+            num_layers, rank, width = rows.shape
+            per_row = -(-width // page_size)
+            padded = torch.zeros(num_layers, rank, per_row * page_size, dtype=dtype)
+            padded[:, :, :width] = rows
+            offsets[t_index, which] = cursor
+            chunks.append(padded.view(num_layers, rank * per_row, page_size))
+            cursor += rank * per_row
+    data = torch.cat(chunks, dim=1)
+    return PagedAdapter(info=info, data=data.pin_memory() if pin else data, offsets=offsets)
+
+
+class AdapterStore:
+    """All adapters by name: configs parsed on demand, weights kept in host memory in their page
+    layout (an LRU bounded by bytes; adapters that share a directory share one copy).
+
+    Disk reads happen on one loader thread: ``load_ahead`` queues the read of an adapter the
+    next rows will need, ``ready`` says whether it is in host memory, and ``paged`` returns it,
+    waiting for the loader if its read is under way (counted in ``loader_waits``). Only the
+    engine's thread touches the cache; the loader thread only reads files into new tensors.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        sources: dict[str, str | Path] | str | Path | None = None,
+        cache_bytes: int = 8 << 30,
+        pin: bool = False,
+        dtype: torch.dtype = torch.float32,
+        shard: tuple[int, int] = (0, 1),
+    ) -> None:
+        self.spec = spec  # the whole model's: adapter files are checked against it
+        # (rank, size) under tensor parallelism: this store holds rank's shard of every adapter
+        # (``shard_adapter``), laid out in the pages of the shard's spec.
+        self.shard = shard
+        self.page_spec = spec.shard(shard[1])
+        self.ahead_log: list[str] | None = None  # names queued by load_ahead (rank 0 of TP)
+        self.sources = resolve_sources(sources)
+        self.cache_bytes = cache_bytes
+        self.pin = pin
+        self.dtype = dtype
+        self._infos: dict[str, AdapterInfo] = {}
+        self._paged: OrderedDict[Path, PagedAdapter] = OrderedDict()
+        self._paged_bytes = 0
+        self._reading: dict[Path, Future[PagedAdapter]] = {}  # queued or running on the loader
+        self._ahead_bytes = 0  # bytes of the reads in _reading
+        self._loader: ThreadPoolExecutor | None = None
+        self._keys: dict[str, Path] = {}
+        self.disk_loads = 0
+        self.loader_waits = 0
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.sources)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sources
+
+    def info(self, name: str) -> AdapterInfo:
+        if name not in self._infos:
+            if name not in self.sources:
+                raise KeyError(f"unknown adapter {name!r} ({len(self.sources)} known)")
+            self._infos[name] = parse_adapter(name, self.sources[name], self.spec)
+        return self._infos[name]
+
+    def check_all(self) -> tuple[list[AdapterInfo], dict[str, AdapterError]]:
+        """``check_adapters`` over the store: the usable ones stay parsed, the broken ones
+        leave it (their rows become error rows; the others run)."""
+        infos, broken = check_adapters(self.spec, self.sources)
+        self._infos.update((info.name, info) for info in infos)
+        for name in broken:
+            del self.sources[name]
+        return infos, broken
+
+    def nearest(self, name: str, n: int = 3) -> list[str]:
+        """Known adapter names closest to ``name`` (for "unknown adapter" messages)."""
+        return difflib.get_close_matches(name, self.names, n=n, cutoff=0.5)
+
+    def pages(self, name: str) -> int:
+        info = self.info(name)
+        return self.page_spec.adapter_pages(info.rank, info.targets)
+
+    def nbytes(self, name: str) -> int:
+        """Host bytes of an adapter in page layout (known before reading it)."""
+        elt = torch.finfo(self.dtype).bits // 8
+        return self.pages(name) * self.spec.num_layers * self.page_spec.page_size * elt
+
+    def ready(self, name: str) -> bool:
+        """Whether ``paged(name)`` returns without reading the disk or waiting for the loader."""
+        key = self._key(name)
+        future = self._reading.get(key)
+        return key in self._paged or (future is not None and future.done())
+
+    def load_ahead(self, name: str) -> bool:
+        """Queue the read of an adapter on the loader thread, unless it is in host memory or
+        queued already. Reads run in the order queued. Adapters read ahead and not yet taken by
+        ``paged`` may hold at most half the cache's bytes: returns False (nothing queued) when
+        this one would pass that, so the caller stops asking for later ones."""
+        key = self._key(name)
+        if self.ahead_log is not None:
+            self.ahead_log.append(name)
+        if key in self._paged or key in self._reading:
+            return True
+        size = self.nbytes(name)
+        if self._ahead_bytes + size > self.cache_bytes // 2 and self._reading:
+            return False
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="slora-adapter-loader")
+        self._reading[key] = self._loader.submit(self._read, self.info(name))
+        self._ahead_bytes += size
+        return True
+
+    def paged(self, name: str) -> PagedAdapter:
+        """Host weights in page layout: from the cache, from the loader (waiting for its read if
+        it is under way), or read here when nobody asked ahead."""
+        key = self._key(name)
+        cached = self._paged.get(key)
+        if cached is not None:
+            self._paged.move_to_end(key)
+            return cached
+        future = self._reading.pop(key, None)
+        if future is not None:
+            self._ahead_bytes -= self.nbytes(name)
+            if not future.done():
+                self.loader_waits += 1
+            paged = future.result()  # the loader's AdapterError, if any, raises here
+        else:
+            paged = self._read(self.info(name))
+        self.disk_loads += 1
+        self._paged[key] = paged
+        self._paged_bytes += paged.nbytes
+        while self._paged_bytes > self.cache_bytes and len(self._paged) > 1:
+            _, old = self._paged.popitem(last=False)
+            self._paged_bytes -= old.nbytes
+        return paged
+
+    def close(self) -> None:
+        """Stops the loader thread (queued reads are dropped) and empties the cache."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._loader = None
+        self._reading.clear()
+        self._ahead_bytes = 0
+        self._paged.clear()
+        self._paged_bytes = 0
+
+    def _key(self, name: str) -> Path:
+        """The cache key: the adapter's resolved directory (names sharing one share weights)."""
+        key = self._keys.get(name)
+        if key is None:
+            key = self._keys[name] = self.info(name).path.resolve()
+        return key
+
+    def _read(self, info: AdapterInfo) -> PagedAdapter:
+        weights = load_weights(info, self.spec)
+        if self.shard[1] > 1:
+            weights = shard_adapter(weights, *self.shard)
+        return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)

@@ -1,0 +1,348 @@
+"""Turns a scheduled step (host bookkeeping) into the flat arrays the model and kernels read.
+
+This is the one place per-step tensors are built. Running example: sequence A decodes its 17th
+token with adapter slot 2, sequence B prefills a 3-token chunk at positions 5..7 on the base model.
+  input_ids   [a16, b5, b6, b7]      positions [16, 5, 6, 7]
+  b1_start    [0, 1, 4]              b_seq_len [17, 8]
+  b_slot      [2, -1, -1, -1]        token_order [0, 1, 2, 3], seg1_start [0, 1], seg_slot [2]
+  logits_index [0, 3] if B's chunk ends its prompt, else [0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.meta import AttnMeta, LoraMeta
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.device import to_device
+from slora_batch.engine.models.llama import StepInput
+from slora_batch.engine.scheduling.scheduler import ScheduledStep
+
+
+@dataclass
+class HostStep:
+    """The step on the host, as numpy arrays (see the module docstring for an example)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    out_pages: np.ndarray  # [T, 2] int32
+    b1_start: np.ndarray  # [B+1] int32
+    b_seq_len: np.ndarray  # [B] int32
+    page_table: np.ndarray  # [B, max_ctx, 2] int32, -1 past the end
+    b_slot: np.ndarray  # [T] int64, -1 for base-model tokens
+    logits_index: np.ndarray  # [S] int64
+    logit_rows: list[int]  # per sequence: its row in the logits, -1 when no token is drawn
+    max_new: int
+    # Mixed steps: how many leading sequences bring one token. Their attention runs on the
+    # decode kernel and the rest on the prefill kernel (0: all on the prefill kernel).
+    decode_rows: int = 0
+    # Overlapped steps: per token, the row of the previous step's drawn tokens (still on the
+    # device) that is its input id, -1 where input_ids holds it; None when no token needs one.
+    prev_rows: np.ndarray | None = None
+    # Scored sequences: the tokens whose next-token log-probability is read (after the drawn
+    # rows in logits_index), the token each must predict, and where the value goes: the
+    # sequence's index in the step and the continuation token's index. None: no scored token.
+    score_index: np.ndarray | None = None  # [E] int64
+    score_targets: np.ndarray | None = None  # [E] int64
+    score_owner: np.ndarray | None = None  # [E] int64
+    score_pos: np.ndarray | None = None  # [E] int64
+    # Per sequence, a key that stays the same while its pages only grow: (arrival, preemptions).
+    # Tensor parallelism sends the other ranks only the page-table entries a key adds.
+    seq_keys: list[tuple[int, int]] | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_new == 1
+
+
+def plan_step(step: ScheduledStep) -> HostStep:
+    if max(step.num_new) == 1 and all(seq.draws for seq in step.seqs):
+        return _plan_decode(step)
+    ids, positions, slots, out_pages, prev = [], [], [], [], []
+    b1_start, seq_lens, logit_rows, logits_index = [0], [], [], []
+    scored: list[tuple[int, int, int, int]] = []  # (token index, target, owner, position)
+    for b, (seq, n) in enumerate(zip(step.seqs, step.num_new, strict=True)):
+        start = seq.num_computed
+        if not seq.draws:  # positions that predict a continuation token: p -> token p + 1
+            first = seq.scores.start
+            for p in range(max(start, first - 1), min(start + n, seq.num_tokens - 1)):
+                scored.append((b1_start[-1] + p - start, seq.prompt_ids[p + 1], b, p + 1 - first))
+        positions.append(np.arange(start, start + n))
+        if seq.pending:  # its one new token is the previous step's draw, still on the device
+            assert n == 1 and seq.pending == 1, (n, seq.pending)
+            ids.append([0])
+            prev.append(seq.last_row)
+        else:
+            ids.append(
+                [seq.token(start)]
+                if n == 1
+                else (seq.prompt_ids + seq.output_ids)[start : start + n]
+            )
+            prev.extend([-1] * n)
+        out_pages.append(seq.pages[start : start + n])
+        slots.append(np.full(n, seq.slot, dtype=np.int64))
+        b1_start.append(b1_start[-1] + n)
+        seq_lens.append(start + n)
+        if start + n == seq.num_tokens and seq.draws:  # the chunk ends it: a token is drawn
+            logit_rows.append(len(logits_index))
+            logits_index.append(b1_start[-1] - 1)
+        else:
+            logit_rows.append(-1)
+    # An even width keeps every row of the int32 [B, width, 2] table 16-byte aligned, so the
+    # prefill half of a split step can be a view at any row (Triton builds a kernel per pointer
+    # alignment).
+    width = max(seq_lens) + max(seq_lens) % 2
+    table = np.full((len(step.seqs), width, 2), -1, dtype=np.int32)
+    for b, seq in enumerate(step.seqs):
+        table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
+    score = np.asarray(scored, dtype=np.int64).reshape(-1, 4).T if scored else None
+    if score is not None:
+        logits_index.extend(score[0].tolist())
+    return HostStep(
+        input_ids=np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64),
+        positions=np.concatenate(positions),
+        out_pages=np.concatenate(out_pages).astype(np.int32),
+        b1_start=np.asarray(b1_start, dtype=np.int32),
+        b_seq_len=np.asarray(seq_lens, dtype=np.int32),
+        page_table=table,
+        b_slot=np.concatenate(slots),
+        logits_index=np.asarray(logits_index, dtype=np.int64),
+        logit_rows=logit_rows,
+        max_new=max(step.num_new),
+        decode_rows=_leading_ones(step.num_new),
+        prev_rows=_prev_rows(np.asarray(prev, dtype=np.int64)),
+        seq_keys=[(seq.order, seq.preemptions) for seq in step.seqs],
+        **(
+            dict(
+                score_index=score[0],
+                score_targets=score[1],
+                score_owner=score[2],
+                score_pos=score[3],
+            )
+            if score is not None
+            else {}
+        ),  # fmt: skip
+    )
+
+
+def _prev_rows(rows: np.ndarray) -> np.ndarray | None:
+    return rows if (rows >= 0).any() else None
+
+
+def _leading_ones(num_new: list[int]) -> int:
+    count = 0
+    while count < len(num_new) and num_new[count] == 1:
+        count += 1
+    return count
+
+
+def _plan_decode(step: ScheduledStep) -> HostStep:
+    """``plan_step`` when every sequence brings one token: one array op per field, no chunks."""
+    seqs = step.seqs
+    batch = len(seqs)
+    positions = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=batch)
+    seq_lens = positions + 1
+    # A one-token chunk draws a token unless it is a prefill cut short by the token budget.
+    ends = np.fromiter((s.num_computed + 1 == s.num_tokens for s in seqs), dtype=bool, count=batch)
+    drawn = np.flatnonzero(ends).astype(np.int64)
+    rows = np.full(batch, -1, dtype=np.int64)
+    rows[drawn] = np.arange(drawn.size)
+    table = np.full((batch, int(seq_lens.max()), 2), -1, dtype=np.int32)
+    for b, seq in enumerate(seqs):
+        table[b, : seq_lens[b]] = seq.page_buf[: seq_lens[b]]
+    # A sequence with a pending token brings that token, still on the device (overlapped steps).
+    prev = np.fromiter((s.last_row if s.pending else -1 for s in seqs), dtype=np.int64, count=batch)
+    ids = (0 if s.pending else s.token(s.num_computed) for s in seqs)
+    return HostStep(
+        input_ids=np.fromiter(ids, dtype=np.int64, count=batch),
+        positions=positions,
+        out_pages=table[np.arange(batch), positions],
+        b1_start=np.arange(batch + 1, dtype=np.int32),
+        b_seq_len=seq_lens.astype(np.int32),
+        page_table=table,
+        b_slot=np.fromiter((s.slot for s in seqs), dtype=np.int64, count=batch),
+        logits_index=drawn,
+        logit_rows=rows.tolist(),
+        max_new=1,
+        prev_rows=_prev_rows(prev),
+        seq_keys=[(s.order, s.preemptions) for s in seqs],
+    )
+
+
+def lora_segments(
+    b_slot: np.ndarray, pad_to: int | None = None, vector_max: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token_order, seg1_start, seg_slot) of the step's adapter tokens.
+
+    Tokens are stably sorted by slot with base tokens (-1) last, so each adapter's tokens form one
+    contiguous segment. With ``vector_max``, the segments longer than that come first, then the
+    others, each part by slot: the tiled kernels' tokens are then a prefix of token_order
+    (``LoraMeta.tiled_tokens``) and their blocks never walk the vector kernels' short segments.
+    Example: b_slot [5, 2, 2, 2, -1, 1], vector_max 2 -> order [1, 2, 3, 5, 0, 4], seg1_start
+    [0, 3, 4, 5], seg_slot [2, 1, 5]. ``pad_to`` pads the segment arrays to a fixed length (CUDA
+    graphs) with empty segments of slot -1, which kernels skip.
+    """
+    key = np.where(b_slot < 0, np.iinfo(np.int64).max, b_slot)
+    order = np.argsort(key, kind="stable")
+    used = b_slot[order]
+    used = used[used >= 0]
+    change = np.flatnonzero(np.diff(used)) + 1
+    seg1_start = (
+        np.concatenate([[0], change, [used.size]]).astype(np.int32)
+        if used.size
+        else np.zeros(1, np.int32)
+    )
+    seg_slot = used[seg1_start[:-1]]
+    if vector_max is not None and used.size:
+        lengths = np.diff(seg1_start)
+        short = lengths <= vector_max
+        if short.any() and not short.all():  # long segments first; a stable sort keeps slots
+            seg_order = np.argsort(short, kind="stable")
+            positions = np.argsort(np.repeat(short, lengths), kind="stable")
+            order[: used.size] = order[: used.size][positions]
+            seg_slot = seg_slot[seg_order]
+            seg1_start = np.concatenate([[0], np.cumsum(lengths[seg_order])]).astype(np.int32)
+    if pad_to is not None:
+        extra = pad_to - seg_slot.size
+        seg_slot = np.concatenate([seg_slot, np.full(extra, -1)])
+        seg1_start = np.concatenate([seg1_start, np.full(extra, seg1_start[-1], dtype=np.int32)])
+    return order.astype(np.int32), seg1_start, seg_slot.astype(np.int32)
+
+
+def tiled_tokens(seg1_start: np.ndarray, vector_max: int) -> int:
+    """The adapter tokens in segments longer than ``vector_max``: with ``lora_segments``'s
+    long-first order, the length of the token_order prefix the tiled kernels cover."""
+    lengths = np.diff(seg1_start)
+    return int(lengths[lengths > vector_max].sum())
+
+
+def vector_tokens(order: np.ndarray, seg1_start: np.ndarray, vector_max: int) -> np.ndarray:
+    """The tokens of the segments of at most ``vector_max`` tokens, in ``order`` (the vector
+    kernels' tokens: ``LoraMeta.vector_tokens``). Example: order [4, 0, 2, 1, 3], segments of 1,
+    3 and 1 tokens, vector_max 2 -> [4, 3]."""
+    lengths = np.diff(seg1_start)
+    short = np.repeat(lengths <= vector_max, lengths)
+    return order[: seg1_start[-1]][short].astype(np.int32)
+
+
+def position_segments(seg1_start: np.ndarray, num_tokens: int) -> np.ndarray:
+    """The first segment ending after each sorted position (``LoraMeta.pos_seg``), S past the
+    adapter tokens. Example: segments [0, 2) and [2, 3), 5 tokens -> [0, 0, 1, 2, 2]."""
+    return np.searchsorted(seg1_start[1:], np.arange(num_tokens), side="right").astype(np.int32)
+
+
+@dataclass
+class LoraLayout:
+    """A step's LoRA segments on the host, and the hints the launchers read (LoraMeta's
+    longest, shortest, vector_tokens, tiled_tokens and pos_seg), built once for ``upload`` and for
+    the benchmarks and tests that need a step laid out as it does."""
+
+    order: np.ndarray  # token_order
+    seg1_start: np.ndarray
+    seg_slot: np.ndarray
+    vector_max: int
+    long_first: bool
+
+    def hint(self, meta: LoraMeta, to_device) -> None:
+        """Sets the hints on ``meta``; ``to_device`` turns an int32 host array into its tensor.
+        vector_tokens when a segment has at most vector_max tokens, pos_seg (and, long segments
+        first, tiled_tokens) when one is longer."""
+        lengths = np.diff(self.seg1_start)
+        meta.longest, meta.shortest = int(lengths.max()), int(lengths.min())
+        if meta.shortest <= self.vector_max:
+            meta.vector_tokens = to_device(
+                vector_tokens(self.order, self.seg1_start, self.vector_max)
+            )
+        if meta.longest > self.vector_max:  # the tiled kernels run: where each block starts
+            if self.long_first:
+                meta.tiled_tokens = tiled_tokens(self.seg1_start, self.vector_max)
+            meta.pos_seg = to_device(position_segments(self.seg1_start, self.order.size))
+
+
+def lora_layout(b_slot: np.ndarray, vector_max: int, long_first: bool = True) -> LoraLayout:
+    """The segments of an eager step with adapter tokens, long ones first unless
+    ``long_first`` is False (slot order alone, as before tiled_tokens existed)."""
+    order, seg1_start, seg_slot = lora_segments(
+        b_slot, vector_max=vector_max if long_first else None
+    )
+    return LoraLayout(order, seg1_start, seg_slot, vector_max, long_first)
+
+
+def lora_meta(
+    b_slot: torch.Tensor,
+    token_order: torch.Tensor,
+    seg1_start: torch.Tensor,
+    seg_slot: torch.Tensor,
+    residency: AdapterResidency,
+    max_rank: int,
+    targets: tuple[int, ...],
+) -> LoraMeta:
+    return LoraMeta(
+        b_slot=b_slot,
+        token_order=token_order,
+        seg1_start=seg1_start,
+        seg_slot=seg_slot,
+        slot_rank=residency.dev_rank,
+        slot_scale=residency.dev_scale,
+        slot_pages=residency.dev_pages,
+        slot_offsets=residency.dev_offsets,
+        max_rank=max_rank,
+        targets=targets,
+    )
+
+
+def upload(host: HostStep, residency: AdapterResidency, device: torch.device) -> StepInput:
+    """Device tensors of an eager step; LoRA metadata only when a token uses an adapter."""
+
+    def dev(array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        return to_device(array, device, dtype)
+
+    lora = None
+    if (host.b_slot >= 0).any():
+        layout = lora_layout(host.b_slot, LoraMeta.vector_max)
+        seg_slot = layout.seg_slot
+        lora = lora_meta(
+            dev(host.b_slot, torch.int32),
+            dev(layout.order, torch.int32),
+            dev(layout.seg1_start, torch.int32),
+            dev(seg_slot, torch.int32),
+            residency,
+            int(residency.slot_rank[seg_slot].max()),
+            tuple(
+                np.flatnonzero((residency.slot_offsets[seg_slot, :, 0] >= 0).any(axis=0)).tolist()
+            ),
+        )
+        layout.hint(lora, lambda array: dev(array, torch.int32))
+    attn = AttnMeta(
+        b1_start=dev(host.b1_start, torch.int32),
+        b_seq_len=dev(host.b_seq_len, torch.int32),
+        page_table=dev(host.page_table, torch.int32),
+        max_new=host.max_new,
+    )
+    split = None
+    d = host.decode_rows
+    if not host.decode_only and 0 < d < len(host.b_seq_len):  # leading decodes, then prefills
+        split = (
+            d,
+            AttnMeta(attn.b1_start[: d + 1], attn.b_seq_len[:d], attn.page_table[:d], 1),
+            AttnMeta(  # b_seq_len's own copy: a view at row d is 16-byte aligned only when
+                # d % 4 == 0, and Triton builds a kernel per pointer alignment
+                dev(host.b1_start[d:] - d, torch.int32),
+                dev(host.b_seq_len[d:], torch.int32),
+                attn.page_table[d:],  # aligned at any row (plan_step's even width)
+                host.max_new,
+            ),
+        )
+    return StepInput(
+        input_ids=dev(host.input_ids),
+        positions=dev(host.positions),
+        out_pages=dev(host.out_pages, torch.int32),
+        attn=attn,
+        lora=lora,
+        logits_index=dev(host.logits_index),
+        decode_only=host.decode_only,
+        attn_split=split,
+    )

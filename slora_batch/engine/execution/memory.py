@@ -1,0 +1,104 @@
+"""How much of the device an engine's page pool takes.
+
+The pool gets what is left of the device after the weights, minus a reserve for one step's
+temporaries at the configured limits (``reserve_bytes``), times ``memory_fraction``. Memory the
+caching allocator holds but no tensor uses (an earlier engine's pool, say) counts as free: the
+allocator hands it out before asking CUDA for more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.models.spec import ModelSpec
+from slora_batch.engine.pool import PagePool
+
+log = logging.getLogger(__name__)
+
+# (pages, spec, dtype, device) -> (KV pool, adapter pool). The engine's default returns one pool
+# twice: S-LoRA's unified paging. The bench's no-unified ablation hands in a factory of two.
+PoolFactory = Callable[[int, ModelSpec, torch.dtype, torch.device], tuple[PagePool, PagePool]]
+
+
+def unified_pool(
+    pages: int, spec: ModelSpec, dtype: torch.dtype, device: torch.device
+) -> tuple[PagePool, PagePool]:
+    """One pool for KV cache and adapter weights alike."""
+    pool = PagePool(pages, spec.page_size, spec.num_layers, dtype, device)
+    return pool, pool
+
+
+def page_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Bytes of one page over every layer."""
+    return spec.num_layers * spec.page_size * torch.finfo(dtype).bits // 8
+
+
+def num_pages(
+    config: EngineConfig,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    """Pages of the pool: ``config.num_pages``, ``cpu_pool_bytes`` on the CPU, else what the
+    device has free after the weights and the reserve, times ``memory_fraction``."""
+    if config.num_pages is not None:
+        return config.num_pages
+    size = page_bytes(spec, dtype)
+    if device.type != "cuda":
+        return max(1, config.cpu_pool_bytes // size)
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    reserve = reserve_bytes(config, spec, dtype, max_model_len)
+    usable = int(free * config.memory_fraction) - reserve
+    if usable < size * 64:
+        raise RuntimeError(
+            f"only {free >> 20} MiB free on {device} after the weights, {reserve >> 20} MiB of "
+            f"it reserved for activations, sampling and CUDA graphs; the pool needs at least "
+            f"{size * 64 >> 20} MiB (lower max_num_batched_tokens, max_num_seqs or max_model_len)"
+        )
+    log.info(
+        "pool: %d MiB free on %s, %d MiB reserved for activations, sampling and CUDA graphs, "
+        "%.0f%% of the rest for pages",
+        free >> 20,
+        device,
+        reserve >> 20,
+        100 * config.memory_fraction,
+    )
+    return usable // size
+
+
+def reserve_bytes(
+    config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """Device memory the pool leaves for a step's temporaries at the configured limits.
+
+    - Activations of a prefill step of ``max_num_batched_tokens``: q/k/v, the MLP's gate/up and
+      activation, residuals and norms in the model dtype (the widths below, with head room for
+      LoRA's shrink outputs and the attention's scratch).
+    - Logits and the sampler's temporaries for ``max_num_seqs`` rows: fp32 logits, the scaled
+      copy, the sorted copy and its int64 order, the softmax, the cumulative sum and masks:
+      about 12 fp32 copies of [rows, vocab].
+    - CUDA graphs: one static page table [max_num_seqs, max_model_len, 2] int32 shared by every
+      bucket, and each bucket's logits [bucket, vocab] fp32.
+    """
+    elt = torch.finfo(dtype).bits // 8
+    width = 3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size
+    activations = config.max_num_batched_tokens * width * elt
+    sampler = config.max_num_seqs * spec.vocab_size * 4 * 12
+    graphs = 0
+    if config.cuda_graphs:
+        graphs = config.max_num_seqs * max_model_len * 2 * 4
+        graphs += sum(graph_buckets(config.max_num_seqs)) * spec.vocab_size * 4
+    return activations + sampler + graphs
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """The decode batch sizes a CUDA graph is captured for: 1, 2, 4, 8, every 16, ``max_batch``."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16))
+    return sizes + [max_batch]

@@ -1,0 +1,96 @@
+"""What an engine builds on its device, alike on one device and on each tensor-parallel rank:
+the adapter store and its check, the model, the page pool(s), the residency, and the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from slora_batch.engine.adapters.adapter_files import AdapterError
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.adapters.store import AdapterStore
+from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
+from slora_batch.engine.execution.runner import ModelRunner
+from slora_batch.engine.models.llama import LlamaModel
+from slora_batch.engine.models.loader import load_model
+from slora_batch.engine.models.spec import ModelSpec
+from slora_batch.engine.pool import PagePool
+from slora_batch.engine.resolution import backend_name
+
+if TYPE_CHECKING:  # tp builds a rank's parts through build_parts
+    from slora_batch.engine.execution.tp import TensorParallel
+
+
+@dataclass
+class DeviceParts:
+    store: AdapterStore
+    broken: dict[str, AdapterError]  # adapters whose rows become error rows
+    model: LlamaModel
+    pool: PagePool  # KV cache
+    lora_pool: PagePool  # adapter rows: ``pool`` itself under unified paging
+    residency: AdapterResidency
+    pool_spec: ModelSpec  # the spec the pages follow: the shard's under tensor parallelism
+
+
+def build_parts(
+    spec: ModelSpec,
+    adapters,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    weights=None,
+    pools: PoolFactory = unified_pool,
+    tp: TensorParallel | None = None,
+) -> DeviceParts:
+    """The device side of an engine. Under tensor parallelism (``tp``) every rank calls it in
+    the same order: its shard of the model and of each adapter, and the page count of the
+    rank with the fewest free pages, so that rank 0's page numbers hold on every rank."""
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+    pool_spec = spec.shard(size)
+    cuda = device.type == "cuda"
+    store = AdapterStore(spec, adapters, config.host_cache_bytes, cuda, dtype, (rank, size))
+    _, broken = store.check_all()
+    model = load_model(spec, dtype, device, max_model_len, weights, tp)
+    pages = num_pages(config, pool_spec, dtype, device, max_model_len)
+    if tp is not None:
+        pages = tp.min_over_ranks(pages)
+    pool, lora_pool = pools(pages, pool_spec, dtype, device)
+    residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, device)
+    return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec)
+
+
+def make_runner(
+    parts: DeviceParts,
+    ops: ModuleType,
+    device: torch.device,
+    config: EngineConfig,
+    max_model_len: int,
+) -> ModelRunner:
+    """The step runner; on cuda it captures the decode CUDA graphs here."""
+    return ModelRunner(
+        parts.model,
+        parts.pool,
+        parts.lora_pool,
+        parts.residency,
+        ops,
+        device,
+        config.max_num_seqs,
+        max_model_len,
+        use_graphs=config.cuda_graphs and getattr(ops, "CUDA_GRAPHS", False),
+    )
+
+
+def pick_backend(name: str, device: torch.device) -> ModuleType:
+    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
+    if backend_name(name, device.type) == "triton":
+        from kernels import triton_ops
+
+        return triton_ops
+    from kernels import ref
+
+    return ref

@@ -1,0 +1,227 @@
+"""Runs one step's forward: eager for prefill and mixed steps, CUDA-graph replay for decode.
+
+Decode steps are captured once per batch-size bucket (1, 2, 4, 8, then every 16) into graphs
+that share one memory pool; with adapters, twice: once with the tiled LoRA kernels (a few
+adapters, many tokens each) and once with the vector ones (about one token per adapter), and each
+step replays the one that suits its mix. Every tensor a graph reads lives in a static buffer filled before
+replay; rows past the real batch are padding that writes its K/V to a reserved scratch page and
+attends to it alone, and the LoRA segment arrays are padded with empty segments of slot -1. The
+adapter slot tables are read in place, so the set of adapters may change from step to step.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.device import copy_in, to_device
+from slora_batch.engine.execution.batch import (
+    HostStep,
+    lora_meta,
+    lora_segments,
+    position_segments,
+    upload,
+)
+from slora_batch.engine.execution.memory import graph_buckets
+from slora_batch.engine.models.llama import LlamaModel, StepInput
+from slora_batch.engine.models.spec import TARGETS
+from slora_batch.engine.pool import PagePool
+
+log = logging.getLogger(__name__)
+
+
+# A decode step replays its tiled-LoRA graph when its tokens per distinct adapter reach this
+# (H200, Llama-2-7B q/k/v/o: 256 tokens on 8 adapters, tiled 136 us a layer against 585 us
+# vector; 256 tokens on 256 adapters, vector 670 us against 772 us tiled).
+TILED_TOKENS_PER_ADAPTER = 4
+
+
+def tiled_decode(b_slot: np.ndarray) -> bool:
+    """Whether a decode step's LoRA suits the tiled kernels: at least TILED_TOKENS_PER_ADAPTER
+    adapter tokens per distinct adapter (example: 256 tokens on 8 adapters), else the vector ones
+    (256 tokens on 200 adapters)."""
+    used = b_slot[b_slot >= 0]
+    return used.size > 0 and used.size >= TILED_TOKENS_PER_ADAPTER * len(np.unique(used))
+
+
+def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
+    """Copies a step's LoRA segments into a graph's static buffers, padded to the bucket
+    (b_slot.size) with empty segments of slot -1, and pos_seg where the graph has one."""
+    bucket = b_slot.size
+    order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)
+    copy_in(static.b_slot, b_slot.astype(np.int32))
+    copy_in(static.token_order, order)
+    copy_in(static.seg1_start, seg1_start)
+    copy_in(static.seg_slot, seg_slot)
+    if static.pos_seg is not None:
+        copy_in(static.pos_seg, position_segments(seg1_start, bucket))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: PagePool,
+        lora_pool: PagePool,
+        residency: AdapterResidency,
+        ops: ModuleType,
+        device: torch.device,
+        max_batch: int,
+        max_model_len: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model, self.pool, self.lora_pool = model, pool, lora_pool
+        self.residency, self.ops, self.device = residency, ops, device
+        self.max_model_len = max_model_len
+        # (bucket, tiled LoRA) -> (graph, its static input, its logits)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, StepInput, torch.Tensor]]
+        self.graphs = {}
+        self.buckets: list[int] = []
+        self.graph_steps = 0
+        self.tiled_graph_steps = 0  # of those, replays of a tiled-LoRA graph
+        if use_graphs and device.type == "cuda":
+            self.scratch = pool.alloc(2, "CUDA-graph padding rows")  # K and V of padding rows
+            infos = [residency.store.info(n) for n in residency.store.names]
+            self.max_rank = max((info.rank for info in infos), default=0)
+            # Graphs launch LoRA kernels for every target some adapter of the store has.
+            self.targets = tuple(
+                i for i, t in enumerate(TARGETS) if any(t in info.targets for info in infos)
+            )
+            # One page table for every bucket (graphs replay one at a time, each fills its rows):
+            # [max_batch, max_model_len, 2] int32 is 268 MB at 256 rows and a 128K context.
+            self._graph_page_table = torch.zeros(
+                max_batch, max_model_len, 2, dtype=torch.int32, device=device
+            )
+            self._capture(graph_buckets(max_batch))
+
+    def forward(self, host: HostStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
+        previous step's drawn tokens on the device, read where ``host.prev_rows`` points."""
+        batch = len(host.b_seq_len)
+        graphable = host.decode_only and host.score_index is None  # graphs draw every row
+        if graphable and self.buckets and batch <= self.buckets[-1]:
+            bucket = min(b for b in self.buckets if b >= batch)
+            tiled = self._tiled(host.b_slot)
+            graph, static, logits = self.graphs[bucket, tiled]
+            self._fill(static, host, bucket)
+            self._previous(static.input_ids[:batch], host, prev_tokens)
+            graph.replay()
+            self.graph_steps += 1
+            self.tiled_graph_steps += tiled
+            return logits[:batch]
+        step = upload(host, self.residency, self.device)
+        self._previous(step.input_ids, host, prev_tokens)
+        return self.model.forward(step, self.pool, self.ops, self.lora_pool)
+
+    def _previous(self, input_ids: torch.Tensor, host: HostStep, prev_tokens) -> None:
+        """Input ids drawn by the previous step, gathered on the device (no wait for it)."""
+        if host.prev_rows is None:
+            return
+        assert prev_tokens is not None, "a step needs the previous step's tokens"
+        rows = to_device(host.prev_rows, self.device)
+        taken = prev_tokens[rows.clamp(min=0)].to(input_ids.dtype)
+        input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
+
+    def _tiled(self, b_slot: np.ndarray) -> bool:
+        return self.max_rank > 0 and tiled_decode(b_slot)
+
+    def _static_input(self, bucket: int, tiled: bool) -> StepInput:
+        dev = self.device
+
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        attn = AttnMeta(
+            b1_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
+            b_seq_len=zeros(bucket),
+            page_table=self._graph_page_table[:bucket],
+            max_new=1,
+        )
+        lora = None
+        if self.max_rank > 0:
+            lora = lora_meta(
+                zeros(bucket),
+                zeros(bucket),
+                zeros(bucket + 1),
+                zeros(bucket),
+                self.residency,
+                self.max_rank,
+                self.targets,
+            )
+            lora.vector_max = 0 if tiled else VECTOR_ALL  # which LoRA kernels the graph holds
+            if tiled:  # where each tiled block starts its segment walk, refilled every step
+                lora.pos_seg = zeros(bucket)
+        return StepInput(
+            input_ids=zeros(bucket, dtype=torch.int64),
+            positions=zeros(bucket, dtype=torch.int64),
+            out_pages=zeros(bucket, 2),
+            attn=attn,
+            lora=lora,
+            logits_index=torch.arange(bucket, dtype=torch.int64, device=dev),
+            decode_only=True,
+        )
+
+    def _fill(self, static: StepInput, host: HostStep, bucket: int) -> None:
+        """Copies the step into the bucket's buffers; rows past the batch become padding."""
+        batch = len(host.b_seq_len)
+        pad = bucket - batch
+
+        def put(dst: torch.Tensor, array: np.ndarray, fill) -> None:
+            if pad:
+                array = np.concatenate(
+                    [array, np.full((pad, *array.shape[1:]), fill, dtype=array.dtype)]
+                )
+            copy_in(dst, array)
+
+        scratch = self.scratch.astype(np.int32)
+        put(static.input_ids, host.input_ids, 0)
+        put(static.positions, host.positions, 0)
+        put(static.out_pages, host.out_pages, 0)
+        if pad:
+            copy_in(static.out_pages[batch:], np.tile(scratch, (pad, 1)))
+        put(static.attn.b_seq_len, host.b_seq_len, 1)
+        # The batch's rows; a padding row has length 1, so only its first entry is ever read
+        # (entries past a row's length are stale from earlier steps and never read either).
+        ctx = host.page_table.shape[1]
+        copy_in(static.attn.page_table[:batch, :ctx], host.page_table)
+        if pad:
+            copy_in(static.attn.page_table[batch:, 0], np.tile(scratch, (pad, 1)))
+        if static.lora is not None:
+            b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
+            fill_lora(static.lora, b_slot)
+
+    def _capture(self, buckets: list[int]) -> None:
+        mempool = torch.cuda.graph_pool_handle()
+        variants = [(b, tiled) for b in sorted(buckets, reverse=True) for tiled in (False, True)]
+        if self.max_rank == 0:
+            variants = [(b, False) for b, tiled in variants if not tiled]
+        for bucket, tiled in variants:  # largest first: smaller ones reuse its pool
+            static = self._static_input(bucket, tiled)
+            host = HostStep(
+                input_ids=np.zeros(bucket, np.int64),
+                positions=np.zeros(bucket, np.int64),
+                out_pages=np.tile(self.scratch.astype(np.int32), (bucket, 1)),
+                b1_start=np.arange(bucket + 1, dtype=np.int32),
+                b_seq_len=np.ones(bucket, np.int32),
+                page_table=np.tile(self.scratch.astype(np.int32), (bucket, 1, 1)),
+                b_slot=np.full(bucket, -1),
+                logits_index=np.arange(bucket),
+                logit_rows=list(range(bucket)),
+                max_new=1,
+            )
+            self._fill(static, host, bucket)
+            for _ in range(2):  # warm up: compile kernels outside the capture
+                self.model.forward(static, self.pool, self.ops, self.lora_pool)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                logits = self.model.forward(static, self.pool, self.ops, self.lora_pool)
+            self.graphs[bucket, tiled] = (graph, static, logits)
+        torch.cuda.synchronize()
+        self.buckets = sorted(buckets)
+        log.info("captured %d decode CUDA graphs for batch sizes %s", len(variants), self.buckets)

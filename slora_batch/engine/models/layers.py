@@ -1,0 +1,91 @@
+"""Layers the model families share: RoPE (default, linear and llama3 scaling) and the
+LoRA-decomposed projection ``h = x W + (x A) B * scale`` whose deltas ``add_lora`` adds. RMSNorm,
+attention and the activation run through the kernel backend (``kernels.ref`` and its Triton twins).
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.meta import LoraMeta
+from slora_batch.engine.models.spec import TARGETS, ModelSpec
+
+if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
+    from slora_batch.engine.execution.tp import TensorParallel
+
+TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
+
+
+def rope_cos_sin(spec: ModelSpec, max_pos: int, device: torch.device) -> torch.Tensor:
+    """[max_pos, head_dim] fp32: cos in the first half, sin in the second (HF's inv_freq rules)."""
+    dim = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = spec.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling of the rotary frequencies."""
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def add_lora(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    cols: dict[str, tuple[int, int]],
+    pool_layer: torch.Tensor,
+    meta: LoraMeta | None,
+    buf: torch.Tensor | None,
+    ops: ModuleType,
+    tp: TensorParallel | None = None,
+    in_cols: tuple[int, int] | None = None,
+) -> None:
+    """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their
+    column ranges of the fused output, in place: one shrink and one expand launch for the
+    targets of the group that some adapter of the step has.
+
+    Shapes: ``x`` [T, d_in], ``out`` [T, d_out] with ``cols`` {target: (lo, hi)} of its columns,
+    ``buf`` fp32 [T, 3 * max_rank] scratch (None: no adapter in the step). Under tensor
+    parallelism ``tp`` is the rank's group and ``in_cols`` the rank's columns of ``x`` for a
+    column-parallel group (None: ``x`` is already the rank's)."""
+    if buf is None:
+        return
+    group = [(TARGET_INDEX[t], lo_hi) for t, lo_hi in cols.items()]
+    group = [(index, lo_hi) for index, lo_hi in group if index in meta.targets]
+    if not group:
+        return  # no adapter of the step has a target of this group: no launch
+    targets = tuple(index for index, _ in group)
+    if in_cols is not None and tp is not None:  # column-parallel: the rank's input columns
+        x = x[:, in_cols[0] : in_cols[1]].contiguous()
+    width = len(group) * meta.max_rank
+    if tp is None:
+        v = buf[:, :width]
+    else:  # contiguous, for the all-reduce
+        v = buf.view(-1)[: buf.shape[0] * width].view(buf.shape[0], width)
+    ops.lora_shrink(x, pool_layer, meta, targets, v)
+    if tp is not None:  # the shards' partial x A summed: tokens x rank, small
+        tp.all_reduce(v)
+    ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))

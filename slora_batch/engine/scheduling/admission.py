@@ -1,0 +1,122 @@
+"""How waiting sequences join a step: ``Scheduler``'s admission half (a mixin over its state:
+``waiting``, ``running``, ``pinned``, ``pages``, ``computing``, ``residency``, ``config``).
+
+A running batch takes newcomers once ``admit_batch`` seats are free. The next waiting row is
+picked by adapter clustering (a preempted row first; then a row whose adapter is pinned, then
+resident, then in host memory), admitted while the token budget, the sequence cap, the adapter
+cap and the pages allow (``KVPages.admissible``), and starts past its cached prefix. A row whose
+prompt continues with a block that a running row is computing waits for it to be cached.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from slora_batch.engine.requests.sequence import Sequence, Status
+from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
+from slora_batch.engine.scheduling.prefix_cache import Block
+
+if TYPE_CHECKING:
+    from slora_batch.engine.scheduling.scheduler import ScheduledStep
+
+MAX_DEFERRED = 64  # waiting rows set aside in one step for a prefix being computed
+
+
+class Admission:
+    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
+        """Waiting sequences join the step while they fit. One whose prompt continues past its
+        cached prefix with a block that a running sequence is computing waits for it to be
+        cached (the next steps), rather than compute it again: rows sharing a system prompt
+        then compute it once."""
+        deferred: list[Sequence] = []
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._pick()
+            if seq is None:
+                break
+            hit = self.pages.prefix(seq)
+            key = self.pages.first_miss(seq, hit)
+            # ``computing`` maps a prefix block's chain key to the row computing it. Another row
+            # computes this row's first missing block now: defer this row until the block is
+            # cached, then share it (no entry, or this row itself: go on and compute it).
+            if key is not None and self.computing.get(key, seq) is not seq:
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                if len(deferred) == MAX_DEFERRED:
+                    break
+                continue
+            n = min(seq.remaining - len(hit) * self.config.prefix_block_tokens, budget)
+            if not self._admit(seq, n, hit):
+                break
+            if key is not None:
+                self.computing[key] = seq
+                seq.computing = key
+            step.seqs.append(seq)
+            step.num_new.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join this step. A running batch takes newcomers only once
+        ``admit_seats`` seats are free (or all waiting ones fit): one prefill step for many new
+        requests instead of one mixed, graph-less step per finished request."""
+        if not self.running or not self.waiting:
+            return True
+        free = self.config.max_num_seqs - len(self.running)
+        return free >= min(self.config.admit_seats, len(self.waiting))
+
+    def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
+        adapter = seq.adapter
+        if not self.pages.admissible(seq, n, hit, pinned=adapter in self.pinned):
+            return False
+        self.waiting.remove(seq)
+        self.pages.attach(seq, hit)
+        if adapter:
+            seq.slot = self.residency.acquire(adapter)
+            self.pinned[adapter] += 1
+        need = PAGES_PER_TOKEN * n
+        if not self.pages.room(need):
+            raise AssertionError(
+                f"admission counted {need} KV pages, {self.pool.num_free} free "
+                f"after loading {adapter!r}"
+            )
+        self.pages.take(seq, n)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _pick(self) -> Sequence | None:
+        """The next waiting sequence: preempted ones first, then clustering by adapter: a row
+        whose adapter is pinned already, else one whose adapter is resident, else the first
+        whose adapter is in host memory. While rows run, a row whose adapter the loader thread
+        is still reading waits (the batch decodes meanwhile) rather than stall the step."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        if head.preemptions:  # a token still on the device: recompute once it is read back
+            return head if not head.pending and self._adapter_allowed(head.adapter) else None
+        full = len(self.pinned) >= self.config.max_adapters_per_batch
+        store = self.residency.store
+        resident = ready = None
+        for seq in self.waiting:
+            if not seq.adapter or seq.adapter in self.pinned:
+                return seq
+            if full or resident is not None:
+                continue
+            if self.residency.is_resident(seq.adapter):
+                resident = seq
+            elif ready is None and store.ready(seq.adapter):
+                ready = seq
+        if full:
+            return None
+        if resident is not None or ready is not None:
+            return resident or ready
+        return None if self.running else head
+
+    def _adapter_allowed(self, adapter: str | None) -> bool:
+        """Adapters pinned by any of this scheduler's sequences count against the cap: running
+        rows, and retired or held ones whose slot a step in flight still reads."""
+        return (
+            not adapter
+            or adapter in self.pinned
+            or len(self.pinned) < self.config.max_adapters_per_batch
+        )

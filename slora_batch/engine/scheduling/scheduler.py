@@ -1,0 +1,285 @@
+"""Iteration-level scheduling, and the one owner of a sequence's life.
+
+A sequence goes WAITING -> RUNNING -> (RETIRED) -> FINISHED -> RELEASED, or back from RUNNING to
+WAITING when preempted. With overlapped steps a row's token is read back one step after its
+launch, so two states keep pages that no longer run: RETIRED (its last token is drawn on the
+device, not yet read back) and FINISHED while a step still in flight uses its pages (it was
+already launched in step N+1 when step N's token finished it). Both keep their adapter pinned,
+and the per-batch adapter cap counts every adapter pinned by this scheduler's sequences, not
+only those of running rows: admission can then never take an adapter that has no slot.
+
+Every step: running sequences first (decodes take one token, unfinished prefills a chunk), each
+getting pages for its new tokens -- evicting idle adapters, then preempting the latest arrivals
+(recompute later) when the pool runs dry. Then, once enough seats are free (``admit_batch``),
+waiting sequences join while the token budget, the sequence cap, the adapter cap and the free
+pages (counting the pages of an adapter not yet resident) allow, preferring adapters already
+running, then adapters already resident (``admission.Admission``, this class's other half).
+Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.pool import PagePool
+from slora_batch.engine.requests.sequence import Sequence, Status
+from slora_batch.engine.scheduling.admission import Admission
+from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
+from slora_batch.engine.scheduling.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PAGES_PER_TOKEN", "ScheduledStep", "Scheduler"]
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens computed for each sequence this step
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler(Admission):
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: PagePool,
+        residency: AdapterResidency,
+        eos_token_ids: Seq[int] = (),
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.residency = residency
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.retired: list[Sequence] = []  # last token drawn, not read back: pages held
+        self.held: list[Sequence] = []  # finished, pages used by a step in flight
+        self.pinned: Counter[str] = Counter()  # adapter -> sequences holding its slot
+        self.preemptions = 0
+        self.steps = 0
+        self.cache = None
+        if config.prefix_caching:
+            self.cache = PrefixCache(pool, config.prefix_block_tokens)
+        self.pages = KVPages(pool, residency, self.cache)  # whether the pages are there
+        # The first uncached block of each running prompt -> the sequence computing it: a row
+        # that would compute the same block waits until it is cached (``_admit_waiting``).
+        self.computing: dict[int, Sequence] = {}
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why a sequence could never run, even alone (None: it can)."""
+        return self.pages.never_fits(seq)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def unanswered(self) -> int:
+        """Sequences whose result is not read back yet: waiting, running, and retired (their last
+        token drawn on the device). The engine pulls rows only while these are under lookahead."""
+        return len(self.waiting) + len(self.running) + len(self.retired)
+
+    def holds_pages(self) -> bool:
+        """Whether any sequence still holds pages or an adapter (work, or rows in flight)."""
+        return bool(self.running or self.retired or self.held or self.pinned)
+
+    # -- after a step: launch, read back ------------------------------------------------------
+
+    def launched(self, step: ScheduledStep, drawn: list[Sequence], number: int) -> None:
+        """Step ``number`` is on the device: its K/V counts as computed, and ``drawn`` (its rows
+        that draw a token) each have one token pending. A row whose pending token is its last
+        (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
+        set now but keeps its pages until read back."""
+        cache, size = self.cache, self.config.prefix_block_tokens
+        for seq, n in zip(step.seqs, step.num_new, strict=True):
+            seq.num_computed += n
+            if (
+                cache is not None
+                and not seq.cache_done
+                and len(seq.blocks) < len(seq.prompt_ids) // size
+            ):
+                self.pages.cache_computed(seq)  # a prompt block not cached yet (never decoding)
+            if seq.computing is not None and seq.num_computed >= len(seq.prompt_ids):
+                self._computed(seq)
+            if seq.followers and seq.num_computed >= seq.context_tokens:
+                for follower in reversed(seq.followers):  # the row's other samples or choices
+                    follower.status = Status.WAITING
+                    self.waiting.appendleft(follower)
+                seq.followers = []
+            if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
+                seq.last_step = number
+                self._retire(seq)
+        for row, seq in enumerate(drawn):
+            seq.pending += 1
+            seq.last_row, seq.last_step = row, number
+            if seq.num_drawn >= seq.max_new_tokens and seq.status is Status.RUNNING:
+                self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Out of the running set, pages kept until its last step is read back."""
+        self.running.remove(seq)
+        seq.status = Status.RETIRED
+        self.retired.append(seq)
+
+    def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
+        string or their length, and release what no step in flight uses. Returns the rows
+        finished by this step: scored sequences whose last chunk it ran, then the drawn rows in
+        ``drawn`` order."""
+        still = []
+        for seq in self.held:  # held for a step up to this one: no step in flight uses it now
+            (self._release if seq.last_step <= number else still.append)(seq)
+        self.held = still
+        finished = []
+        for seq in [s for s in self.retired if not s.draws and s.last_step <= number]:
+            seq.finish_reason = "score"  # its scores are read back with its last step
+            self.finish(seq)
+            finished.append(seq)
+        for seq, token in zip(drawn, tokens, strict=True):
+            seq.pending -= 1
+            if seq.finish_reason is not None:  # finished a step earlier: a wasted row
+                continue
+            seq.output_ids.append(token)
+            stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
+            if stopped or (token in self.eos_token_ids and not seq.ignore_eos):
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= seq.max_new_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self._leave(seq)
+            seq.status = Status.FINISHED
+            if seq.last_step > number:  # also launched in the step now in flight
+                self.held.append(seq)
+            else:
+                self._release(seq)
+            finished.append(seq)
+        return finished
+
+    def abort(self) -> list[Sequence]:
+        """Drop every sequence (the caller stopped pulling results, and no step is in flight):
+        pages and adapters go back. Returns the dropped sequences that had not finished."""
+        dropped = [*self.running, *self.retired, *self.waiting]
+        for seq in [*dropped, *self.held]:
+            seq.pending = 0
+            self._release(seq)
+        self.running, self.retired, self.held = [], [], []
+        self.waiting.clear()
+        if self.cache is not None:  # an abandoned stream leaves the pool as it found it
+            self.cache.clear()
+        return dropped
+
+    def schedule(self) -> ScheduledStep:
+        self.steps += 1
+        self.residency.clock = self.steps
+        if self.cache is not None:
+            self.cache.clock = self.steps
+        step = ScheduledStep([], [])
+        budget = self.config.max_num_batched_tokens
+        i = self._grow_decodes(step, budget)
+        budget -= i
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, n):
+                break  # seq itself was preempted: it was the latest arrival
+            step.seqs.append(seq)
+            step.num_new.append(n)
+            budget -= n
+            i += 1
+        if self._admitting():
+            self._admit_waiting(step, budget)
+        return step
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done and no step in flight uses it: pages and adapter go back."""
+        self._leave(seq)
+        seq.status = Status.FINISHED
+        self._release(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Takes a sequence out of whichever list holds it (running, retired, or the queue when
+        a token read back after its preemption finishes it)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.RETIRED:
+            self.retired.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+
+    def _computed(self, seq: Sequence) -> None:
+        """A sequence no longer computes its first uncached block (done, preempted, released)."""
+        if self.computing.get(seq.computing) is seq:
+            del self.computing[seq.computing]
+        seq.computing = None
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
+        need = PAGES_PER_TOKEN * n
+        while not self.pages.room(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.pages.take(seq, n)
+        return True
+
+    def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
+        """The common decode step in one allocation: the leading running sequences that bring one
+        token each get their page pairs from one ``alloc``, when the pool has room for all of
+        them. The same steps, page counts and evictions as growing them one by one (which
+        ``schedule`` falls back to when room runs out, to preempt); only which free pages go to
+        whom may differ after an eviction. Returns how many it scheduled."""
+        count = 0
+        limit = min(len(self.running), budget)
+        while count < limit and self.running[count].remaining == 1:
+            count += 1
+        if count == 0:
+            return 0
+        seqs = self.running[:count]
+        if not self.pages.take_one_each(seqs):
+            return 0
+        step.seqs.extend(seqs)
+        step.num_new.extend([1] * count)
+        return count
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        log.debug(
+            "preempted row %r after %d tokens (%d free pages)",
+            seq.request.id,
+            len(seq.output_ids),
+            self.pool.num_free,
+        )
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence's pages go back to the pool (those of cached blocks stay, one reference
+        fewer) and its adapter is unpinned (idempotent: a preempted row holds neither)."""
+        self.pages.free(seq)
+        if seq.computing is not None:
+            self._computed(seq)
+        if seq.adapter and seq.slot >= 0:
+            self.residency.release(seq.adapter)
+            self.pinned[seq.adapter] -= 1
+            if not self.pinned[seq.adapter]:
+                del self.pinned[seq.adapter]
+        seq.slot = -1
+        if seq.status is Status.FINISHED:
+            seq.status = Status.RELEASED

@@ -1,0 +1,161 @@
+"""Per-step tensors: positions, page tables, LoRA segments and the targets a step needs."""
+
+import numpy as np
+import torch
+from test_scheduler import make, seq
+
+from kernels.lora_paths import position_segments as device_position_segments
+from kernels.meta import LoraMeta
+from slora_batch.engine.execution.batch import (
+    lora_segments,
+    plan_step,
+    position_segments,
+    tiled_tokens,
+    upload,
+)
+from slora_batch.engine.execution.runner import fill_lora
+
+
+def test_plan_and_upload_a_mixed_step():
+    sched, _, residency = make(1000, {"x": 2}, max_num_batched_tokens=64)
+    decode, prefill = seq(3, "x", max_new=5), seq(6, None)
+    sched.add(decode)
+    step = sched.schedule()
+    decode.num_computed = 3
+    decode.output_ids.append(9)
+    sched.add(prefill)
+    step = sched.schedule()
+    host = plan_step(step)
+    assert host.positions.tolist() == [3, 0, 1, 2, 3, 4, 5]
+    assert host.b1_start.tolist() == [0, 1, 7] and host.b_seq_len.tolist() == [4, 6]
+    assert host.input_ids.tolist() == [9, 1, 1, 1, 1, 1, 1]
+    assert host.logits_index.tolist() == [0, 6] and host.logit_rows == [0, 1]
+    assert np.array_equal(host.page_table[0, :4], decode.pages[:4])
+    assert (host.page_table[0, 4:] == -1).all()
+    slot = residency.slot("x")
+    assert host.b_slot.tolist() == [slot] + [-1] * 6
+    step_input = upload(host, residency, torch.device("cpu"))
+    meta = step_input.lora
+    assert meta.max_rank == 2 and meta.targets == (0,)  # the fake adapters target q only
+    assert meta.seg_slot.tolist() == [slot] and meta.seg1_start.tolist() == [0, 1]
+    # the leading decode row takes the decode kernel, the prefill row the prefill kernel
+    assert host.decode_rows == 1
+    d, decode_meta, prefill_meta = step_input.attn_split
+    assert d == 1 and decode_meta.b_seq_len.tolist() == [4] and decode_meta.max_new == 1
+    assert prefill_meta.b1_start.tolist() == [0, 6] and prefill_meta.b_seq_len.tolist() == [6]
+    assert torch.equal(prefill_meta.page_table, step_input.attn.page_table[1:])
+    assert host.page_table.shape[1] % 2 == 0  # any row of the table starts 16-byte aligned
+    assert prefill_meta.page_table.data_ptr() % 16 == 0
+
+
+def test_base_only_step_has_no_lora_meta():
+    sched, _, residency = make(1000)
+    sched.add(seq(4))
+    step_input = upload(plan_step(sched.schedule()), residency, torch.device("cpu"))
+    assert step_input.lora is None
+
+
+def test_segments_sort_stably_with_base_last_and_pad():
+    order, starts, slots = lora_segments(np.array([3, -1, 1, 3, -1, 1, 1]), pad_to=4)
+    assert order.tolist() == [2, 5, 6, 0, 3, 1, 4]
+    assert starts.tolist() == [0, 3, 5, 5, 5] and slots.tolist() == [1, 3, -1, -1]
+
+
+def test_long_segments_first_for_the_tiled_kernels():
+    """With vector_max, segments longer than it lead token_order (each part by slot), so the
+    tiled kernels' tokens are a prefix of tiled_tokens positions; the segments stay the same."""
+    order, starts, slots = lora_segments(np.array([5, 2, 2, 2, -1, 1]), vector_max=2)
+    assert order.tolist() == [1, 2, 3, 5, 0, 4]
+    assert starts.tolist() == [0, 3, 4, 5] and slots.tolist() == [2, 1, 5]
+    assert tiled_tokens(starts, 2) == 3
+    gen = np.random.default_rng(1)
+    for _ in range(30):
+        b_slot = gen.integers(-1, 5, size=int(gen.integers(1, 60)))
+        b_slot[gen.random(b_slot.size) < 0.3] = int(gen.integers(5, 9))  # one long segment
+        order, starts, slots = lora_segments(b_slot, vector_max=3)
+        plain_order, plain_starts, plain_slots = lora_segments(b_slot)
+        lengths = np.diff(starts)
+        long = lengths > 3
+        assert not (long[1:] & ~long[:-1]).any()  # long segments, then short ones
+        assert sorted(slots.tolist()) == sorted(plain_slots.tolist())
+        assert sorted(order.tolist()) == list(range(b_slot.size))
+        for seg, slot in enumerate(slots.tolist()):  # each segment holds exactly its slot's tokens
+            tokens = order[starts[seg] : starts[seg + 1]]
+            assert (b_slot[tokens] == slot).all() and tokens.size == (b_slot == slot).sum()
+            assert (np.diff(tokens) > 0).all()  # stable
+        assert (b_slot[order[starts[-1] :]] == -1).all()
+        assert tiled_tokens(starts, 3) == int(lengths[long].sum())
+
+
+def test_position_segments_find_each_blocks_first_segment():
+    """pos_seg[i] is the first segment ending after sorted position i (S past the adapter
+    tokens, padding segments included): what the tiled kernels' blocks read instead of searching,
+    built on the host for eager steps and on the device by the launcher otherwise."""
+    assert position_segments(np.array([0, 2, 3]), 5).tolist() == [0, 0, 1, 2, 2]
+    gen = np.random.default_rng(0)
+    for _ in range(20):
+        b_slot = gen.integers(-1, 6, size=int(gen.integers(1, 40)))
+        _, starts, slots = lora_segments(b_slot, pad_to=8)
+        host = position_segments(starts, b_slot.size)
+        search = [next((s for s in range(len(slots)) if starts[s + 1] > i), len(slots))
+                  for i in range(b_slot.size)]  # fmt: skip
+        assert host.tolist() == search
+        meta = LoraMeta(*(torch.from_numpy(a.astype(np.int32)) for a in (b_slot, b_slot, starts,
+                        slots)), *(torch.zeros(1),) * 4, max_rank=1)  # fmt: skip
+        assert device_position_segments(meta, b_slot.size).tolist() == search
+        assert meta.pos_seg is None  # built for the call, never kept in meta
+
+
+def test_decode_step_with_a_one_token_prefill_chunk():
+    """With a budget of 2 tokens, a decode and a 1-token prefill chunk share a step: only the
+    decode draws a token."""
+    sched, _, residency = make(1000, max_num_batched_tokens=2)
+    decode, prefill = seq(1, max_new=5), seq(3)
+    sched.add(decode)
+    sched.schedule()
+    decode.num_computed = 1
+    decode.output_ids.append(9)
+    sched.add(prefill)
+    step = sched.schedule()
+    assert step.num_new == [1, 1]
+    host = plan_step(step)
+    assert host.decode_only and host.logit_rows == [0, -1] and host.logits_index.tolist() == [0]
+    assert host.input_ids.tolist() == [9, 1] and host.positions.tolist() == [1, 0]
+    assert host.out_pages.tolist() == [decode.pages[1].tolist(), prefill.pages[0].tolist()]
+
+
+def test_decode_graph_kernel_choice():
+    """Decode steps replay the tiled-LoRA graph when adapters have several tokens each."""
+    from slora_batch.engine.execution.runner import TILED_TOKENS_PER_ADAPTER, tiled_decode
+
+    few = np.repeat(np.arange(8), 32)  # 256 tokens on 8 adapters
+    many = np.arange(256) % 200  # 256 tokens on 200 adapters
+    assert tiled_decode(few) and not tiled_decode(many)
+    assert not tiled_decode(np.full(16, -1))  # base rows only: no LoRA at all
+    edge = np.concatenate([np.repeat([3, 5], TILED_TOKENS_PER_ADAPTER), np.full(40, -1)])
+    assert tiled_decode(edge) and not tiled_decode(edge[1:])
+
+
+def test_graph_buffers_get_each_steps_position_segments():
+    """A tiled decode graph reads pos_seg from a static buffer that every step refills; a meta
+    without one never keeps what a launch built (a warm-up before capture would otherwise fix
+    the warm-up's segments into the graph, and every replay would skip its adapters)."""
+    bucket = 8
+
+    def static_meta(with_pos_seg: bool) -> LoraMeta:
+        tensors = [torch.zeros(n, dtype=torch.int32) for n in (bucket, bucket, bucket + 1, bucket)]
+        meta = LoraMeta(*tensors, *(torch.zeros(1),) * 4, max_rank=1)
+        meta.pos_seg = torch.zeros(bucket, dtype=torch.int32) if with_pos_seg else None
+        return meta
+
+    tiled, vector = static_meta(True), static_meta(False)
+    for b_slot in ([3, 3, 3, 3, -1, -1, -1, -1], [1, 2, 1, 2, 1, 2, 1, -1]):
+        b_slot = np.array(b_slot)
+        _, starts, _ = lora_segments(b_slot, pad_to=bucket)
+        fill_lora(tiled, b_slot)
+        fill_lora(vector, b_slot)
+        assert tiled.seg1_start.tolist() == starts.tolist()
+        assert tiled.pos_seg.tolist() == position_segments(starts, bucket).tolist()
+        assert vector.pos_seg is None
+        built = device_position_segments(vector, bucket)
+        assert built.tolist() == tiled.pos_seg.tolist() and vector.pos_seg is None
