@@ -100,25 +100,42 @@ class Scheduler(Admission):
         that draw a token) each have one token pending. A row whose pending token is its last
         (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
         set now but keeps its pages until read back."""
-        cache, size = self.cache, self.config.prefix_block_tokens
         for seq, n in zip(step.seqs, step.num_new, strict=True):
-            seq.num_computed += n
-            if (
-                cache is not None
-                and not seq.cache_done
-                and len(seq.blocks) < len(seq.prompt_ids) // size
-            ):
-                self.pages.cache_computed(seq)  # a prompt block not cached yet (never decoding)
-            if seq.computing is not None and seq.num_computed >= len(seq.prompt_ids):
-                self._computed(seq)
-            if seq.followers and seq.num_computed >= seq.context_tokens:
-                for follower in reversed(seq.followers):  # the row's other samples or choices
-                    follower.status = Status.WAITING
-                    self.waiting.appendleft(follower)
-                seq.followers = []
-            if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
-                seq.last_step = number
-                self._retire(seq)
+            self._computed_tokens(seq, n, number)
+        self._pend(drawn, number)
+
+    def _computed_tokens(self, seq: Sequence, n: int, number: int) -> None:
+        """``n`` more tokens of ``seq``'s K/V are computed (queued) by step ``number``: cache
+        its prompt blocks that are now whole, end its claim on the block it was computing for
+        others, let its followers start past its context, and retire it if it is scored and
+        this was its last chunk."""
+        seq.num_computed += n
+        if self.cache is not None and not seq.cache_done and self._uncached_prompt_block(seq):
+            self.pages.cache_computed(seq)
+        if seq.computing is not None and seq.num_computed >= len(seq.prompt_ids):
+            self._computed(seq)
+        if seq.followers and seq.num_computed >= seq.context_tokens:
+            self._release_followers(seq)
+        if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
+            seq.last_step = number
+            self._retire(seq)
+
+    def _uncached_prompt_block(self, seq: Sequence) -> bool:
+        """Whether a whole block of ``seq``'s prompt is not in the cache yet (a decoding row's
+        prompt is cached whole, so this is false for it)."""
+        return len(seq.blocks) < len(seq.prompt_ids) // self.config.prefix_block_tokens
+
+    def _release_followers(self, seq: Sequence) -> None:
+        """The row's other samples or choices wait at the front of the queue, in their order:
+        ``seq``'s context is computed, so they start past its cached blocks."""
+        for follower in reversed(seq.followers):
+            follower.status = Status.WAITING
+            self.waiting.appendleft(follower)
+        seq.followers = []
+
+    def _pend(self, drawn: list[Sequence], number: int) -> None:
+        """Each row of ``drawn`` has one more token pending (row ``row`` of step ``number``'s
+        draw); a row whose pending token is its last leaves the running set now."""
         for row, seq in enumerate(drawn):
             seq.pending += 1
             seq.last_row, seq.last_step = row, number
