@@ -22,7 +22,7 @@ export SLORA_BATCH_COMMIT=${SLORA_BATCH_COMMIT:-$(cat benchmarks/.commit 2>/dev/
 gpu_tests() {  # gpu_tests SECONDS PYTEST_ARGS...: the gpu-marked tests into gpu-tests.log
   local limit=$1
   shift
-  timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$out/gpu-tests.log" 2>&1
+  timeout "$limit" python3 -m pytest -q -m gpu -o addopts= -p no:cacheprovider "$@" > "$out/gpu-tests.log" 2>&1
   tail -25 "$out/gpu-tests.log"
 }
 bench() {  # bench DIR SECONDS BENCH_ARGS...: slora-batch bench into $out/DIR

@@ -19,9 +19,14 @@ def sample_model_dir() -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only where CUDA is available (the device machine)."""
+    """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
+    pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) the Ray tests share
+    one worker: each starts a local cluster sized to the machine, two at once would starve."""
     import torch
 
+    for item in items:
+        if "tests/ray/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("ray/"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

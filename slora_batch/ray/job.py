@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from slora_batch.engine.config import check
-from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, job_error
+from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, input_notes, job_error
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
@@ -226,7 +226,10 @@ def run_ray_job(
         rows_skipped=len(done),
         rows_this_run=run.rows,
         errors=run.errors,
-        notes=scan.notes(job.columns),
+        error_rows_this_run=run.error_rows,
+        prompt_tokens_this_run=run.prompt_tokens,
+        completion_tokens_this_run=run.tokens,
+        notes=input_notes(plan, scan),
         broken=plan.broken,
         choice_labels=job.choice_labels or scan.choices,
     )
@@ -237,6 +240,8 @@ def _account(run: RunRecord, summaries: list[dict[str, Any]], settings: RaySetti
     summaries = [s for s in summaries if not s["fenced"]]
     run.rows = sum(s["rows"] for s in summaries)
     run.tokens = sum(s["tokens"] for s in summaries)
+    run.prompt_tokens = sum(s["prompt_tokens"] for s in summaries)
+    run.error_rows = sum(s["error_rows"] for s in summaries)
     run.errors = [e for s in summaries for e in s["errors"]][:3]
     last: dict[str, dict[str, Any]] = {}
     for s in summaries:  # counters are each actor's totals so far: keep its latest call's

@@ -62,6 +62,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("fenced", pa.bool_()),  # a later run started: nothing was committed
         ("rows", pa.int64()),
         ("tokens", pa.int64()),  # completion tokens
+        ("prompt_tokens", pa.int64()),  # of the rows that ran (error rows compute nothing)
         ("error_rows", pa.int64()),
         ("errors", pa.list_(pa.string())),  # a few error messages
         ("adapters", pa.list_(pa.string())),  # distinct adapters of the unit ("" = base model)
@@ -178,6 +179,7 @@ class EngineActor:
             "fenced": fenced,
             "rows": len(results),
             "tokens": sum(r.completion_tokens for r in results),
+            "prompt_tokens": sum(r.prompt_tokens for r in results if r.finish_reason != "error"),
             "error_rows": len(errors),
             "errors": [e or "" for e in errors[:ERROR_EXAMPLES]],
             "adapters": sorted({r.adapter or "" for r in results}),

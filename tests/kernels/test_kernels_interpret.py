@@ -69,6 +69,8 @@ if not INTERPRETED:
                 "-q",
                 "-p",
                 "no:cacheprovider",
+                "-o",
+                "addopts=",  # no xdist workers inside the child
                 "--tb=short",
                 "-k",
                 CHILDREN[group],

@@ -277,24 +277,31 @@ def test_an_interrupted_overwrite_leaves_no_previous_ray_file(tmp_path, tiny, mo
 
 
 def test_engine_counters_warmup_and_prefix_cache_come_from_the_actors(tmp_path, tiny):
+    """Also this run's error rows and token counts in the summary, as the single process gives
+    them (error rows compute nothing)."""
     prompt = " ".join(WORDS * 8)  # 48 words: full prefix blocks every row after the first shares
     lines = [json.dumps({"id": i, "adapter": "ad00", "prompt": prompt}) for i in range(6)]
-    stats = {}
+    lines += [json.dumps({"id": 6 + i, "adapter": "nope", "prompt": prompt}) for i in range(4)]
+    stats, summaries = {}, {}
     for kind in ("single", "ray"):
         directory = tmp_path / kind
         directory.mkdir()
         (directory / "rows.jsonl").write_text("\n".join(lines) + "\n")
         (job,) = load_jobs(write_job(directory, tiny, **KEYS))
         if kind == "single":
-            run_job(job)
+            summaries[kind] = run_job(job)
         else:  # one actor, one unit: the single engine's requests in the same order
-            run_ray_job(job, RaySettings(replicas=1, buckets=1, block_rows=100))
+            summaries[kind] = run_ray_job(job, RaySettings(replicas=1, buckets=1, block_rows=100))
         stats[kind] = read_stats(directory / "out")[0]
     assert stats["ray"]["warmup_s"] > 0
     assert stats["ray"]["prefix_hit_tokens"] == stats["single"]["prefix_hit_tokens"] > 0
     assert stats["ray"]["tokens_per_s"] * stats["ray"]["engine_s"] == pytest.approx(
         stats["ray"]["completion_tokens"]
     )
+    single, ray_run = summaries["single"], summaries["ray"]
+    assert ray_run.error_rows_this_run == single.error_rows_this_run == 4
+    assert ray_run.prompt_tokens_this_run == single.prompt_tokens_this_run > 0
+    assert ray_run.completion_tokens_this_run == single.completion_tokens_this_run > 0
 
 
 def test_generate_stage_gives_the_job_tool_rows_with_file_uris(tmp_path, tiny, reference):
