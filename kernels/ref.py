@@ -41,15 +41,31 @@ def gather_kv(
     return pool_layer[pages[:, 0], :kv_dim], pool_layer[pages[:, 1], :kv_dim]
 
 
+def _scores(raw: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention logits: q.k * scale, soft-capped to (-softcap, softcap) by softcap * tanh(s /
+    softcap) when softcap > 0 (Gemma 2)."""
+    s = raw * scale
+    return s if softcap <= 0 else torch.tanh(s / softcap) * softcap
+
+
 def attention(
-    q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int, scale: float
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: AttnMeta,
+    num_kv_heads: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
 
     Semantics: for sequence b with n_b = b1_start[b+1] - b1_start[b] new tokens and context
       L_b = b_seq_len[b] (new tokens included, their KV already written), query i of b sits at
-      position L_b - n_b + i and attends to keys 0 .. L_b - n_b + i, read through page_table[b].
+      position p = L_b - n_b + i and attends to keys 0 .. p, read through page_table[b]; with a
+      sliding window (window > 0) only to keys j with p - j < window (Mistral, Gemma's local
+      layers: the query and the window - 1 keys before it). Logits are q.k * scale, soft-capped
+      when softcap > 0 (``_scores``).
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
@@ -69,10 +85,14 @@ def attention(
         k = k.view(ctx, num_kv_heads, head_dim).float()
         v = v.view(ctx, num_kv_heads, head_dim).float()
         qb = q[lo:hi].float().view(n, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qhgd,khd->hgqk", qb, k) * scale  # [kv_heads, group, n, ctx]
+        raw = torch.einsum("qhgd,khd->hgqk", qb, k)  # [kv_heads, group, n, ctx]
+        scores = _scores(raw, scale, softcap)
         q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window > 0:
+            hidden |= q_pos - k_pos >= window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[lo:hi] = (
             torch.einsum("hgqk,khd->qhgd", probs, v).reshape(n, num_heads, head_dim).to(q.dtype)
@@ -81,10 +101,17 @@ def attention(
 
 
 def attention_decode(
-    q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int, scale: float
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: AttnMeta,
+    num_kv_heads: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B),
-    batched over sequences: keys past a sequence's length are masked out."""
+    batched over sequences: keys past a sequence's length (and, with a window, keys j <
+    L_b - window) are masked out."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     kv_dim = num_kv_heads * head_dim
@@ -93,9 +120,13 @@ def attention_decode(
     k = pool_layer[pages[..., 0], :kv_dim].view(batch, ctx, num_kv_heads, head_dim).float()
     v = pool_layer[pages[..., 1], :kv_dim].view(batch, ctx, num_kv_heads, head_dim).float()
     qb = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bkhd->bhgk", qb, k) * scale  # [B, kv_heads, group, ctx]
-    past_end = torch.arange(ctx, device=q.device)[None, :] >= meta.b_seq_len.long()[:, None]
-    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    scores = _scores(torch.einsum("bhgd,bkhd->bhgk", qb, k), scale, softcap)  # [B, kvh, g, ctx]
+    k_pos = torch.arange(ctx, device=q.device)[None, :]
+    seq_len = meta.b_seq_len.long()[:, None]
+    hidden = k_pos >= seq_len
+    if window > 0:
+        hidden |= k_pos < seq_len - window
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("bhgk,bkhd->bhgd", probs, v).reshape(batch, num_heads, head_dim).to(q.dtype)
 
@@ -219,3 +250,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up. Shape: gate_up [T, 2 * I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up: Gemma's GeGLU (``gelu_pytorch_tanh``).
+    Shape: gate_up [T, 2 * I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
