@@ -4,8 +4,8 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, rooms, prefix, score,
-#                                          # tp, dp-job
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, rooms, families,
+#                                          # prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
 set -uo pipefail
@@ -70,6 +70,14 @@ case "$mode" in
         bench rooms 300 "${ACCEPTANCE[@]}" --systems base,slora --adapters 1000 \
           --max-seconds 20 --total-seconds 280
         ;;
+      families)
+        # issue 26: base and slora@1000 on the standard workload for the families users fine-tune,
+        # 20 s cuts, one bench per preset (llama2-7b is in results/h200)
+        for preset in llama3-8b qwen3-8b gemma2-9b; do
+          bench "families/$preset" 190 --model-preset "$preset" --requests 2000 \
+            --systems base,slora --adapters 1000 --max-seconds 20 --total-seconds 170
+        done
+        ;;
       prefix)
         # the prefix-cache issue, side by side at 50 adapters, 45 s cuts: slora and slora-off
         # (the standard workload, no sharing); prefix and prefix-off (4000 rows, a 1024-token
@@ -110,7 +118,7 @@ case "$mode" in
           --adapters 1000 --max-seconds 0 --total-seconds 0
         ;;
       *)
-        echo "now needs an experiment: job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
+        echo "now needs an experiment: job, rooms, families, prefix, score, tp or dp-job (got '${2:-}')" >&2
         exit 2
         ;;
     esac

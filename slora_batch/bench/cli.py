@@ -63,7 +63,8 @@ def bench(
     max_output: int = typer.Option(D.max_output, help="Longest output, tokens."),
     seed: int = typer.Option(D.seed, help="Seed of the workload and the random weights."),
     model_preset: str = typer.Option(
-        D.model_preset, help="Model shapes: llama2-7b, llama2-70b (GQA) or tiny."
+        D.model_preset,
+        help="Model shapes: llama2-7b, llama2-70b (GQA), llama3-8b, qwen3-8b, gemma2-9b or tiny.",
     ),
     device: str = typer.Option(D.device, help="auto, cpu or cuda[:N]."),
     backend: str = typer.Option(D.backend, help="Engine kernels: auto, torch or triton."),

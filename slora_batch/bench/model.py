@@ -43,6 +43,48 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
     ),
+    # The families users fine-tune (issue 26); "config" names the transformers config class.
+    "llama3-8b": dict(  # GQA, 128k vocabulary
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
+    "qwen3-8b": dict(  # q/k norms, head_dim 128
+        config="Qwen3Config",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "gemma2-9b": dict(  # head_dim 256, soft-caps, every other layer a 4096-token window
+        config="Gemma2Config",
+        vocab_size=256000,
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(
         vocab_size=300,
         hidden_size=64,
@@ -76,6 +118,10 @@ class RandomWeights:
                      *(f"mlp.{t}_proj.weight" for t in ("gate", "up", "down"))]  # fmt: skip
         if s.attention_bias:
             per_layer += [f"self_attn.{t}_proj.bias" for t in "qkv"]
+        if s.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        if s.gemma_norms:
+            per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
         names = [f"model.layers.{i}.{n}" for i in range(s.num_layers) for n in per_layer]
         names += ["model.embed_tokens.weight", "model.norm.weight"]
         return names + ([] if s.tie_word_embeddings else ["lm_head.weight"])
@@ -84,6 +130,8 @@ class RandomWeights:
         s = self.spec
         h, q, kv, i = s.hidden_size, s.q_dim, s.kv_dim, s.intermediate_size
         last = name.split(".")[-2]
+        if last in ("q_norm", "k_norm"):
+            return (s.head_dim,)
         if name.endswith("norm.weight") or last.endswith("layernorm"):
             return (h,)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -98,8 +146,9 @@ class RandomWeights:
         shape = self.shape(name)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")  # fmt: skip
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=self.dtype, device=device)
+        if name.endswith("norm.weight"):  # Gemma's norms are 1 + w
+            fill = 0.0 if self.spec.gemma_norms else 1.0
+            return torch.full(shape, fill, dtype=self.dtype, device=device)
         gen = torch.Generator(device=device).manual_seed(
             self.seed * 1_000_003 + zlib.crc32(name.encode())
         )
@@ -184,21 +233,19 @@ def _peft_config(rank: int) -> dict:
 def build_model(
     preset: str, device: torch.device, dtype: torch.dtype, root: Path, seed: int, hf: bool = True
 ) -> BenchModel:
-    """A random ``LlamaForCausalLM`` of the preset's shapes, initialized on ``device`` in ``dtype``;
+    """A random model of the preset's family and shapes, initialized on ``device`` in ``dtype``;
     its config.json (nothing else) goes to ``root / "model"`` for the engine. Without ``hf`` no
     transformers model is built: the engine runs take ``RandomWeights`` (every rank or worker
     makes its own), and PEFT cannot run."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
-    config = LlamaConfig(
-        **PRESETS[preset],
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        architectures=["LlamaForCausalLM"],
-    )
+    fields = dict(PRESETS[preset])
+    config_class = getattr(transformers, fields.pop("config", "LlamaConfig"))
+    fields.setdefault("tie_word_embeddings", False)
+    config = config_class(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.architectures = [config_class.__name__.replace("Config", "ForCausalLM")]
     model_dir = root / "model"
     model_dir.mkdir(parents=True)
     config.to_json_file(str(model_dir / "config.json"))

@@ -96,7 +96,16 @@ class Engine:
         for exc in self.broken.values():
             log.warning("%s; its rows become error rows", exc)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.scheduler = Scheduler(config, self.pool, self.residency, spec.eos_token_ids)
+        scaling = spec.rope_scaling or {}
+        self.scheduler = Scheduler(
+            config,
+            self.pool,
+            self.residency,
+            spec.eos_token_ids,
+            scaling.get("original_max_position_embeddings")
+            if scaling.get("rope_type") == "longrope"
+            else None,
+        )
         self.prepare = RequestPreparer(
             spec,
             self.store,

@@ -36,7 +36,31 @@ SHAPES = {
         tie_word_embeddings=False,
         rope_theta=10000.0,
     ),
-}
+    # issue 26's families at small sizes with the real switches: head_dim 128 with q/k norms,
+    # head_dim 256 with soft-caps and 64-token windows on local layers, longrope past 256
+    # positions (the 300-token row) with partial rotary
+    "qwen3": dict(config="Qwen3Config", hidden_size=1024, intermediate_size=3072,
+                  num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, vocab_size=32000, tie_word_embeddings=False,
+                  rope_theta=1000000.0),
+    "gemma2": dict(config="Gemma2Config", hidden_size=1024, intermediate_size=4096,
+                   num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, query_pre_attn_scalar=256, sliding_window=64,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   vocab_size=32000, tie_word_embeddings=True),
+    "gemma3": dict(config="Gemma3TextConfig", hidden_size=1024, intermediate_size=4096,
+                   num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, query_pre_attn_scalar=256, sliding_window=64,
+                   vocab_size=32000, tie_word_embeddings=True),
+    "phi3": dict(config="Phi3Config", hidden_size=1024, intermediate_size=2816,
+                 num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=8,
+                 vocab_size=32064, tie_word_embeddings=False, original_max_position_embeddings=256,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.75,
+                                  "original_max_position_embeddings": 256,
+                                  "short_factor": [1.0 + i / 24 for i in range(24)],
+                                  "long_factor": [1.0 + i / 6 for i in range(24)]}),
+}  # fmt: skip
 ADAPTERS = {
     "r1": (1, ["q_proj", "v_proj"]),
     "r8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -56,19 +80,19 @@ def gpu_case(request, tmp_path_factory):
 def build_case(root, shape: dict):
     """A random bf16 Llama of ``shape`` on the GPU with the ADAPTERS in PEFT: its config in
     root/model (the weights are returned, by Hugging Face name), the adapters in root/adapters."""
+    import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        **shape,
-    )
+    shape = dict(shape)
+    config_class = getattr(transformers, shape.pop("config", "LlamaConfig"))
+    fused = config_class.__name__ == "Phi3Config"  # its adapters target the fused modules
+    shape.setdefault("max_position_embeddings", 2048)
+    config = config_class(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(model).__name__]
     rope = rope_buffers(model)
     model.to(torch.bfloat16)
     restore_rope(model, rope)
@@ -76,6 +100,10 @@ def build_case(root, shape: dict):
     weights = dict(model.state_dict())  # HF names, taken before PEFT wraps the layers
     peft_model = None
     for i, (name, (rank, targets)) in enumerate(ADAPTERS.items()):
+        if fused:
+            fuse = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+            targets = sorted({fuse.get(t, t) for t in targets})
         cfg = LoraConfig(
             r=rank,
             lora_alpha=2 * rank,
@@ -124,17 +152,24 @@ def rope_buffers(model) -> dict[int, torch.Tensor]:
     rounds them too, which moves transformers' own RoPE angles (in bf16 and in fp32 alike) off
     the exact ones by up to 2^-9 x position: at 300 tokens the first-step logits of the model
     drifted 0.44 (relative) from the same model with exact angles on a Llama-2-7B shape."""
-    return {id(m): m.inv_freq.float().clone() for m in model.modules() if _is_rope(m)}
+    return {
+        (id(m), name): getattr(m, name).float().clone()
+        for m in model.modules()
+        for name in _rope_names(m)
+    }
 
 
-def restore_rope(model, saved: dict[int, torch.Tensor]) -> None:
+def restore_rope(model, saved: dict) -> None:
     for module in model.modules():
-        if _is_rope(module):
-            module.inv_freq = saved[id(module)].to(module.inv_freq.device)
+        for name in _rope_names(module):
+            setattr(module, name, saved[id(module), name].to(getattr(module, name).device))
 
 
-def _is_rope(module) -> bool:
-    return isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+def _rope_names(module) -> list[str]:
+    """The rotary module's frequency tensors (Gemma 3 keeps one per layer type, longrope its
+    original ones beside)."""
+    return [name for name, value in vars(module).get("_buffers", {}).items()
+            if name.endswith("inv_freq") and isinstance(value, torch.Tensor)]  # fmt: skip
 
 
 def rows(vocab: int) -> list[dict]:

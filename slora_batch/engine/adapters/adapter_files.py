@@ -121,6 +121,14 @@ def _check_shapes(
         if m is None or m.group(3) not in _MODULE_TO_TARGET:
             raise AdapterError(name, path, f"unexpected tensor {key!r} {list(shape)}")
         layer, target, factor = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)], m.group(4)
+        if target not in spec.lora_targets:
+            modules = ", ".join(MODULE_OF[t].split(".")[1] for t in spec.lora_targets)
+            raise AdapterError(
+                name,
+                path,
+                f"tensor {key!r} targets {m.group(3)}, which {spec.architecture} does not have "
+                f"(its LoRA modules: {modules}); was the adapter trained on another base model?",
+            )
         d_in, d_out = spec.target_dims(target)
         want = (rank, d_in) if factor == "A" else (d_out, rank)
         if layer >= spec.num_layers or tuple(shape) != want:

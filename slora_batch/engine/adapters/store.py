@@ -60,15 +60,23 @@ class AdapterWeights:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
 
 
-def shard_adapter(weights, rank: int, size: int):
+def shard_adapter(weights, rank: int, size: int, spec: ModelSpec | None = None):
     """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
-    [L, r, d_out] cut along d_out, for every target (``execution.tp``'s docstring says why both)."""
+    [L, r, d_out] cut along d_out, for every target (``execution.tp``'s docstring says why both).
+    A fused target's B^T (Phi-3's qkv, gate_up; ``spec`` gives the sizes) is cut part by part,
+    the rank's q | k | v columns side by side as in its shard of the fused projection."""
+    parts = {}
+    if spec is not None:
+        kv, inter = spec.kv_dim, spec.intermediate_size
+        parts = {"qkv": (spec.q_dim, kv, kv), "gate_up": (inter, inter)}
 
-    def cut(rows: torch.Tensor) -> torch.Tensor:
-        return rows.chunk(size, dim=2)[rank].contiguous()
+    def cut(rows: torch.Tensor, target: str | None = None) -> torch.Tensor:
+        pieces = rows.split(parts[target], dim=2) if target in parts else (rows,)
+        return torch.cat([p.chunk(size, dim=2)[rank] for p in pieces], dim=2).contiguous()
 
     return AdapterWeights(
-        a={t: cut(a) for t, a in weights.a.items()}, b_t={t: cut(b) for t, b in weights.b_t.items()}
+        a={t: cut(a) for t, a in weights.a.items()},
+        b_t={t: cut(b, t) for t, b in weights.b_t.items()},
     )
 
 
@@ -282,5 +290,5 @@ class AdapterStore:
     def _read(self, info: AdapterInfo) -> PagedAdapter:
         weights = load_weights(info, self.spec)
         if self.shard[1] > 1:
-            weights = shard_adapter(weights, *self.shard)
+            weights = shard_adapter(weights, *self.shard, spec=self.spec)
         return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)

@@ -18,7 +18,7 @@ import torch
 from kernels.meta import AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.device import to_device
-from slora_batch.engine.models.llama import StepInput
+from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 
@@ -52,6 +52,8 @@ class HostStep:
     # Per sequence, a key that stays the same while its pages only grow: (arrival, preemptions).
     # Tensor parallelism sends the other ranks only the page-table entries a key adds.
     seq_keys: list[tuple[int, int]] | None = None
+    # Per sequence, its prompt's length (longrope models read it per token; ``upload``).
+    prompt_lens: np.ndarray | None = None  # [B] int64
 
     @property
     def decode_only(self) -> bool:
@@ -115,6 +117,7 @@ def plan_step(step: ScheduledStep) -> HostStep:
         decode_rows=_leading_ones(step.num_new),
         prev_rows=_prev_rows(np.asarray(prev, dtype=np.int64)),
         seq_keys=[(seq.order, seq.preemptions) for seq in step.seqs],
+        prompt_lens=np.fromiter((len(s.prompt_ids) for s in step.seqs), np.int64, len(step.seqs)),
         **(
             dict(
                 score_index=score[0],
@@ -294,8 +297,14 @@ def lora_meta(
     )
 
 
-def upload(host: HostStep, residency: AdapterResidency, device: torch.device) -> StepInput:
-    """Device tensors of an eager step; LoRA metadata only when a token uses an adapter."""
+def upload(
+    host: HostStep,
+    residency: AdapterResidency,
+    device: torch.device,
+    prompt_lens: bool = False,
+) -> StepInput:
+    """Device tensors of an eager step; LoRA metadata only when a token uses an adapter; each
+    token's prompt length when ``prompt_lens`` (the model's ``needs_prompt_lens``)."""
 
     def dev(array: np.ndarray, dtype=torch.int64) -> torch.Tensor:
         return to_device(array, device, dtype)
@@ -345,4 +354,7 @@ def upload(host: HostStep, residency: AdapterResidency, device: torch.device) ->
         logits_index=dev(host.logits_index),
         decode_only=host.decode_only,
         attn_split=split,
+        prompt_lens=dev(np.repeat(host.prompt_lens, np.diff(host.b1_start)))
+        if prompt_lens and host.prompt_lens is not None
+        else None,
     )

@@ -15,7 +15,7 @@ from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
-from slora_batch.engine.models.llama import LlamaModel
+from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.loader import load_model
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # tp builds a rank's parts through build_parts
 class DeviceParts:
     store: AdapterStore
     broken: dict[str, AdapterError]  # adapters whose rows become error rows
-    model: LlamaModel
+    model: DecoderModel
     pool: PagePool  # KV cache
     lora_pool: PagePool  # adapter rows: ``pool`` itself under unified paging
     residency: AdapterResidency

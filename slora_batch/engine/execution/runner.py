@@ -28,8 +28,9 @@ from slora_batch.engine.execution.batch import (
     upload,
 )
 from slora_batch.engine.execution.memory import graph_buckets
-from slora_batch.engine.models.llama import LlamaModel, StepInput
+from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.spec import TARGETS
+from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         pool: PagePool,
         lora_pool: PagePool,
         residency: AdapterResidency,
@@ -114,7 +115,7 @@ class ModelRunner:
             self.graph_steps += 1
             self.tiled_graph_steps += tiled
             return logits[:batch]
-        step = upload(host, self.residency, self.device)
+        step = upload(host, self.residency, self.device, self.model.needs_prompt_lens)
         self._previous(step.input_ids, host, prev_tokens)
         return self.model.forward(step, self.pool, self.ops, self.lora_pool)
 

@@ -20,19 +20,49 @@ if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
 TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 
 
-def rope_cos_sin(spec: ModelSpec, max_pos: int, device: torch.device) -> torch.Tensor:
-    """[max_pos, head_dim] fp32: cos in the first half, sin in the second (HF's inv_freq rules)."""
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = spec.rope_scaling or {}
+def rope_cos_sin(
+    spec: ModelSpec, max_pos: int, device: torch.device, rope: dict | None = None
+) -> torch.Tensor:
+    """[max_pos, rotary_dim] fp32: cos in the first half, sin in the second (HF's inv_freq
+    rules). ``rope`` ({"rope_theta", "scaling"}): another RoPE than the spec's own (Gemma 3's
+    local layers). longrope: [2 * max_pos, rotary_dim], the short factors' rows then the long
+    factors', both times the attention factor."""
+    dim = spec.rotary_dim or spec.head_dim
+    theta, scaling = (
+        (spec.rope_theta, spec.rope_scaling)
+        if rope is None
+        else (rope["rope_theta"], rope["scaling"])
+    )
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type"))
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    if rope_type == "longrope":
+        factor = _longrope_attention_factor(scaling)
+        tables = [
+            _table(pos, inv_freq / torch.tensor(scaling[key], dtype=torch.float32), factor)
+            for key in ("short_factor", "long_factor")
+        ]
+        return torch.cat(tables).to(device)
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)
-    pos = torch.arange(max_pos, dtype=torch.float32)
+    return _table(pos, inv_freq, 1.0).to(device)
+
+
+def _table(pos: torch.Tensor, inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
     freqs = torch.outer(pos, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    return torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
+
+
+def _longrope_attention_factor(s: dict) -> float:
+    """The factor longrope multiplies cos and sin by (the config's, or LongRoPE's default)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    original = float(s["original_max_position_embeddings"])
+    factor = s.get("factor") or s["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

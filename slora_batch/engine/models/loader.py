@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from slora_batch.engine.models.llama import LayerWeights, LlamaModel
+from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.registry import model_class
 from slora_batch.engine.models.shard import vocab_shard
 from slora_batch.engine.models.spec import ModelError, ModelSpec
@@ -39,6 +39,50 @@ def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class TensorReader:
+    """Takes the checkpoint's tensors by name onto the device, each once: under tensor
+    parallelism only the rank's shard (``dim``: the dimension cut; ``parts``: the sizes of the
+    pieces of a fused weight along it, each cut apart); norms as (1 + w) for Gemma."""
+
+    def __init__(self, spec: ModelSpec, raw, dtype: torch.dtype, device: torch.device, tp) -> None:
+        self.spec, self.raw, self.dtype, self.device = spec, raw, dtype, device
+        self.rank, self.size = (tp.rank, tp.size) if tp is not None else (0, 1)
+
+    def take(
+        self,
+        name: str,
+        required: bool = True,
+        dim: int | None = None,
+        parts: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | None:
+        tensor = self.raw.pop(name, None)
+        if tensor is None:
+            if required:
+                raise ModelError(f"model {self.spec.path!r}: missing tensor {name!r}")
+            return None
+        if parts is not None and tensor.shape[dim] != sum(parts):
+            raise ModelError(
+                f"model {self.spec.path!r}: tensor {name!r} has {tensor.shape[dim]} rows, "
+                f"the config needs {sum(parts)} ({' + '.join(map(str, parts))})"
+            )
+        if dim is not None and self.size > 1:
+            pieces = tensor.split(parts, dim) if parts is not None else (tensor,)
+            tensor = torch.cat([p.chunk(self.size, dim)[self.rank] for p in pieces], dim)
+        return tensor.contiguous().to(device=self.device, dtype=self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        if not self.spec.gemma_norms:
+            return self.take(name)
+        tensor = self.raw.pop(name, None)
+        if tensor is None:
+            raise ModelError(f"model {self.spec.path!r}: missing tensor {name!r}")
+        return (tensor.float() + 1.0).to(device=self.device, dtype=self.dtype)
+
+    @staticmethod
+    def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(tensors).contiguous()
+
+
 def load_model(
     spec: ModelSpec,
     dtype: torch.dtype,
@@ -46,53 +90,26 @@ def load_model(
     max_pos: int,
     weights: dict[str, torch.Tensor] | None = None,
     tp: TensorParallel | None = None,
-) -> LlamaModel:
-    """Builds the model on ``device`` in ``dtype`` from the safetensors of ``spec.path``, or from
-    ``weights`` (Hugging Face names) when given, e.g. a transformers model's state dict. Under
-    tensor parallelism (``tp``) only this rank's shard reaches the device: q/k/v, gate and up
-    by output rows, o and down by input columns, the LM head by vocabulary rows."""
+) -> DecoderModel:
+    """Builds the model of ``spec``'s family on ``device`` in ``dtype`` from the safetensors of
+    ``spec.path``, or from ``weights`` (Hugging Face names) when given, e.g. a transformers
+    model's state dict. Under tensor parallelism (``tp``) only this rank's shard reaches the
+    device: q/k/v, gate and up by output rows, o and down by input columns, the LM head by
+    vocabulary rows."""
     if weights is None:
         raw = load_tensors(Path(spec.path))
     else:  # a dict, or tensors made on demand (``pop``/``keys``: the bench's RandomWeights)
         raw = dict(weights) if isinstance(weights, dict) else weights
-    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
-
-    def take(name: str, required: bool = True, dim: int | None = None) -> torch.Tensor | None:
-        tensor = raw.pop(name, None)
-        if tensor is None:
-            if required:
-                raise ModelError(f"model {spec.path!r}: missing tensor {name!r}")
-            return None
-        if dim is not None and size > 1:
-            tensor = tensor.chunk(size, dim)[rank].contiguous()
-        return tensor.to(device=device, dtype=dtype)
-
-    layers = []
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        qkv = [take(p + f"self_attn.{t}_proj.weight", dim=0) for t in "qkv"]
-        biases = [take(p + f"self_attn.{t}_proj.bias", spec.attention_bias, 0) for t in "qkv"]
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat(qkv).contiguous(),
-                qkv_bias=torch.cat(biases).contiguous() if spec.attention_bias else None,
-                o=take(p + "self_attn.o_proj.weight", dim=1),
-                o_bias=take(p + "self_attn.o_proj.bias", spec.o_bias),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat(
-                    [take(p + "mlp.gate_proj.weight", dim=0), take(p + "mlp.up_proj.weight", dim=0)]
-                ).contiguous(),
-                down=take(p + "mlp.down_proj.weight", dim=1).contiguous(),
-            )
-        )
-    embed = take("model.embed_tokens.weight")
-    head = take("lm_head.weight", required=not spec.tie_word_embeddings)
+    family = model_class(spec)
+    w = TensorReader(spec, raw, dtype, device, tp)
+    layers = [family.read_layer(w, spec, i) for i in range(spec.num_layers)]
+    embed = w.take("model.embed_tokens.weight")
+    head = w.take("lm_head.weight", required=not spec.tie_word_embeddings)
     head = head if head is not None else embed
-    if size > 1:
-        head = vocab_shard(head, rank, size)
-    model = model_class(spec)(
-        spec.shard(size), embed, layers, take("model.norm.weight"), head, max_pos, tp
+    if w.size > 1:
+        head = vocab_shard(head, w.rank, w.size)
+    model = family(
+        spec.shard(w.size), embed, layers, w.norm("model.norm.weight"), head, max_pos, tp
     )
     leftover = [k for k in raw.keys() if "rotary_emb" not in k]  # noqa: SIM118
     if leftover:

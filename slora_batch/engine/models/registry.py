@@ -1,20 +1,27 @@
 """The model families, keyed by the checkpoint's ``architectures`` (``config.json``).
 
-A family is a class built like ``LlamaModel`` (spec, embedding, layers, final norm, LM head,
-max positions, tensor-parallel group) with its ``forward`` over the page pool. ``spec.py`` keeps
+A family is a ``decoder.DecoderModel`` whose ``read_layer`` reads its checkpoint's layer
+weights; the forward is the decoder's, switched by the spec. ``spec.py`` keeps
 the names alone (``SUPPORTED_ARCHITECTURES``), so that the job tool checks a model without torch;
 the two must list the same architectures.
 """
 
 from __future__ import annotations
 
+from slora_batch.engine.models.gemma import GemmaModel
 from slora_batch.engine.models.llama import LlamaModel
+from slora_batch.engine.models.phi3 import Phi3Model
+from slora_batch.engine.models.qwen3 import Qwen3Model
 from slora_batch.engine.models.spec import SUPPORTED_ARCHITECTURES, ModelError, ModelSpec
 
 FAMILIES: dict[str, type[LlamaModel]] = {
     "LlamaForCausalLM": LlamaModel,
-    "MistralForCausalLM": LlamaModel,
+    "MistralForCausalLM": LlamaModel,  # Llama with a sliding window
     "Qwen2ForCausalLM": LlamaModel,  # Llama with q/k/v biases
+    "Qwen3ForCausalLM": Qwen3Model,
+    "Gemma2ForCausalLM": GemmaModel,
+    "Gemma3ForCausalLM": GemmaModel,
+    "Phi3ForCausalLM": Phi3Model,
 }
 
 

@@ -7,16 +7,33 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE = ("default", "linear", "llama3")
-MODEL_TYPES = {
+from slora_batch.engine.models.configs import SUPPORTED_ROPE, ModelError, family_fields
+
+__all__ = ["SUPPORTED_ROPE", "ModelError", "ModelSpec", "read_spec"]
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+MODEL_TYPES = {  # for configs without "architectures"
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # LoRA targets in their canonical order; the page layout and kernels index them by position.
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# qkv and gate_up are the fused modules of Phi-3: one A, and one B spanning the q | k | v (gate |
+# up) columns of the fused projection.
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 MODULE_OF = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -25,11 +42,11 @@ MODULE_OF = {
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
+    "qkv": "self_attn.qkv_proj",
+    "gate_up": "mlp.gate_up_proj",
 }
-
-
-class ModelError(ValueError):
-    """The model cannot be run; the message names the model and the reason."""
+FUSED_TARGETS = ("qkv", "o", "gate_up", "down")  # the modules a fused-projection model has
+SPLIT_TARGETS = TARGETS[:7]
 
 
 @dataclass(frozen=True)
@@ -50,12 +67,24 @@ class ModelSpec:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (Qwen2) -- o bias only for Llama's attention_bias
     o_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers ``layer_windows`` marks
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     # Tensor parallelism: a spec with tp_size N describes one rank's shard (``shard``): its
     # heads, KV heads and intermediate size are 1/N of the model's, its hidden size is whole.
     tp_size: int = 1
+    # What the families beyond Llama add (the defaults are Llama's; ``configs`` reads them).
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for full attention
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # norms as (1 + w), post-attention and post-MLP norms (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_scale: float | None = None  # attention logits' scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # attention logits soft-capped (Gemma 2); 0: none
+    final_softcap: float = 0.0  # LM-head logits soft-capped (Gemma 2); 0: none
+    local_rope: dict | None = None  # the sliding layers' own RoPE (Gemma 3: theta, type)
+    rotary_dim: int | None = None  # leading dims of a head that RoPE rotates; None: all
+    fused_projections: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
 
     @property
     def q_dim(self) -> int:
@@ -72,10 +101,21 @@ class ModelSpec:
 
     @property
     def max_context(self) -> int:
-        """Longest context the engine serves exactly (Mistral's window caps it)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest context the engine serves: the model's positions (windows are masked)."""
         return self.max_position_embeddings
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The LoRA targets this model's adapters may have (fused modules for Phi-3)."""
+        return FUSED_TARGETS if self.fused_projections else SPLIT_TARGETS
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer`` (0: it attends to the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attn_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     def target_dims(self, target: str) -> tuple[int, int]:
         """(d_in, d_out) of a LoRA target's base projection; of a shard's factors under tensor
@@ -89,6 +129,8 @@ class ModelSpec:
             "gate": (h, i),
             "up": (h, i),
             "down": (i, h),
+            "qkv": (h, self.q_dim + 2 * self.kv_dim),
+            "gate_up": (h, 2 * i),
         }[target]
 
     def shard(self, size: int) -> ModelSpec:
@@ -145,17 +187,6 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
             f"model {str(model_dir)!r}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    # transformers 5 writes rope settings as rope_parameters; older configs as rope_theta/rope_scaling.
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE:
-        raise ModelError(
-            f"model {str(model_dir)!r}: rope scaling {rope_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE)})"
-        )
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-        raise ModelError(f"model {str(model_dir)!r}: Qwen2 use_sliding_window is not supported")
     if cfg.get("mlp_bias"):
         raise ModelError(f"model {str(model_dir)!r}: mlp_bias is not supported")
     heads = cfg["num_attention_heads"]
@@ -164,7 +195,7 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
     if gen_path.exists():
         eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias"))
+    fields = family_fields(str(model_dir), arch, cfg)
     return ModelSpec(
         path=str(model_dir),
         architecture=arch,
@@ -176,13 +207,9 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=rope if rope_type != "default" else None,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias,
-        o_bias=bool(cfg.get("attention_bias")) and arch != "Qwen2ForCausalLM",
-        sliding_window=cfg.get("sliding_window") if arch == "MistralForCausalLM" else None,
         eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"),
+        **fields,
     )

@@ -21,8 +21,17 @@ PAGES_PER_TOKEN = 2  # one K page and one V page
 
 
 class KVPages:
-    def __init__(self, pool: PagePool, residency: AdapterResidency, cache: PrefixCache | None):
+    def __init__(
+        self,
+        pool: PagePool,
+        residency: AdapterResidency,
+        cache: PrefixCache | None,
+        long_prompts: int | None = None,
+    ):
         self.pool, self.residency, self.cache = pool, residency, cache
+        # longrope: prompts longer than this compute every position with the long factors, so
+        # their cached blocks are shared only among themselves (``space``).
+        self.long_prompts = long_prompts
         self.block_tokens = cache.block_tokens if cache is not None else 0
         residency.cache = cache  # its make_room evicts idle blocks and adapters alike
 
@@ -63,7 +72,15 @@ class KVPages:
         whose KV is partly computed), within ``matchable``."""
         if self.cache is None or seq.num_computed:
             return []
-        return self.cache.match(seq.adapter, self.matchable(seq))
+        return self.cache.match(self.space(seq), self.matchable(seq))
+
+    def space(self, seq: Sequence) -> str | None:
+        """The prefix cache's namespace of a sequence: its adapter (None: the base model),
+        apart for longrope prompts past the original context (their K differ at every
+        position)."""
+        if self.long_prompts is not None and len(seq.prompt_ids) > self.long_prompts:
+            return f"{seq.adapter}\x00longrope"
+        return seq.adapter
 
     def first_miss(self, seq: Sequence, hit: list[Block]) -> int | None:
         """The key of the block a sequence computes first past its cached prefix ``hit``
@@ -77,7 +94,7 @@ class KVPages:
         if lo + size >= len(tokens):
             return None
         parent = hit[-1] if hit else None
-        return chain_key(parent, seq.adapter, tuple(tokens[lo : lo + size]))
+        return chain_key(parent, self.space(seq), tuple(tokens[lo : lo + size]))
 
     def admissible(self, seq: Sequence, n: int, hit: list[Block], pinned: bool) -> bool:
         """Whether a waiting sequence fits: ``n`` tokens of KV past its cached prefix ``hit``,
@@ -140,7 +157,7 @@ class KVPages:
             lo = len(seq.blocks) * size
             parent = seq.blocks[-1] if seq.blocks else None
             tokens = seq.prompt_ids[lo : lo + size]
-            block = self.cache.insert(parent, seq.adapter, tokens, seq.pages[lo : lo + size])
+            block = self.cache.insert(parent, self.space(seq), tokens, seq.pages[lo : lo + size])
             if block is None:  # cached by another sequence first: the rest stays its own
                 seq.cache_done = True
                 return

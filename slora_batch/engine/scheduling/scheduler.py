@@ -53,6 +53,7 @@ class Scheduler(Admission):
         pool: PagePool,
         residency: AdapterResidency,
         eos_token_ids: Seq[int] = (),
+        long_prompts: int | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -68,7 +69,9 @@ class Scheduler(Admission):
         self.cache = None
         if config.prefix_caching:
             self.cache = PrefixCache(pool, config.prefix_block_tokens)
-        self.pages = KVPages(pool, residency, self.cache)  # whether the pages are there
+        self.pages = KVPages(
+            pool, residency, self.cache, long_prompts
+        )  # whether the pages are there
         # The first uncached block of each running prompt -> the sequence computing it: a row
         # that would compute the same block waits until it is cached (``_admit_waiting``).
         self.computing: dict[int, Sequence] = {}

@@ -1,0 +1,128 @@
+"""What each family's ``config.json`` says beyond the shapes: RoPE, windows, norms, soft-caps.
+
+Torch-free (the job tool checks models with it). Both config formats are read: transformers 5
+(``rope_parameters``, per layer type for Gemma 3; ``layer_types``) and the older one that most
+Hub checkpoints carry (``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``,
+``sliding_window_pattern``, ``partial_rotary_factor`` at the top level).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
+SLIDING = "sliding_attention"
+ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope "su"
+
+
+class ModelError(ValueError):
+    """The model cannot be run; the message names the model and the reason."""
+
+
+def family_fields(path: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of ``arch`` read from ``cfg`` (besides the shapes)."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    layer_types = _layer_types(path, arch, cfg)
+    window = cfg.get("sliding_window") if SLIDING in layer_types else None
+    theta, scaling, partial = _rope(
+        path, cfg, "full_attention" if arch.startswith("Gemma3") else None
+    )
+    fields: dict[str, Any] = dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
+        o_bias=bool(cfg.get("attention_bias")) and arch != "Qwen2ForCausalLM",
+        sliding_window=window,
+        layer_windows=tuple(window if t == SLIDING else 0 for t in layer_types) if window else (),
+        rotary_dim=None if partial == 1.0 else int(head_dim * partial),
+    )
+    if arch == "Qwen3ForCausalLM":
+        fields.update(qk_norm=True)
+    elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ModelError(f"model {path!r}: Gemma activation {act!r} is not supported")
+        scalar = cfg.get("query_pre_attn_scalar") or head_dim
+        fields.update(
+            gemma_norms=True,
+            embed_scale=True,
+            activation="gelu_tanh",  # Gemma's "gelu" checkpoints run the tanh GELU in HF too
+            query_scale=float(scalar) ** -0.5,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+            o_bias=False,
+            attention_bias=bool(cfg.get("attention_bias")),
+        )
+        if arch == "Gemma3ForCausalLM":
+            local_theta, local_scaling, _ = _rope(path, cfg, SLIDING)
+            fields.update(
+                qk_norm=True,
+                local_rope=dict(rope_theta=local_theta, scaling=local_scaling),
+            )
+    elif arch == "Phi3ForCausalLM":
+        fields.update(fused_projections=True, attention_bias=False, o_bias=False)
+    act = cfg.get("hidden_act", "silu")
+    if fields.get("activation", "silu") == "silu" and act != "silu":
+        raise ModelError(f"model {path!r}: hidden_act {act!r} is not supported (silu)")
+    return fields
+
+
+def _layer_types(path: str, arch: str, cfg: dict[str, Any]) -> list[str]:
+    """Per layer "sliding_attention" or "full_attention", as transformers derives them."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ModelError(f"model {path!r}: {len(types)} layer_types for {n} layers")
+        return list(types)
+    window = cfg.get("sliding_window")
+    if not window:
+        return ["full_attention"] * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not cfg.get("use_sliding_window"):
+            return ["full_attention"] * n
+        first = cfg.get("max_window_layers", n)
+        return [SLIDING if i >= first else "full_attention" for i in range(n)]
+    if arch == "Gemma2ForCausalLM":  # even layers local
+        return [SLIDING if i % 2 == 0 else "full_attention" for i in range(n)]
+    if arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
+    return [SLIDING] * n  # Mistral, Phi-3: every layer
+
+
+def _rope(
+    path: str, cfg: dict[str, Any], layer_type: str | None
+) -> tuple[float, dict | None, float]:
+    """(theta, scaling parameters or None, partial rotary factor) of one layer type."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:  # per layer type (Gemma 3)
+        params = params[layer_type]
+    if params is None and layer_type == SLIDING:  # the older Gemma 3 config
+        params = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    rope = dict(params or cfg.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = ROPE_ALIASES.get(rope_type, rope_type)
+    if rope_type not in SUPPORTED_ROPE:
+        raise ModelError(
+            f"model {path!r}: rope scaling {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE)})"
+        )
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if rope_type == "default":
+        return theta, None, partial
+    rope["rope_type"] = rope_type
+    if rope_type == "longrope":
+        original = rope.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings"
+        )
+        if not original or "short_factor" not in rope or "long_factor" not in rope:
+            raise ModelError(
+                f"model {path!r}: longrope needs short_factor, long_factor and "
+                "original_max_position_embeddings"
+            )
+        rope["original_max_position_embeddings"] = int(original)
+        rope["max_position_embeddings"] = int(cfg.get("max_position_embeddings", original))
+    return theta, rope, partial
