@@ -134,9 +134,7 @@ def snapshot(name: str) -> Snapshot:
     return Snapshot(name=name, repo_id=repo_id, revision=revision, commit=path.name, path=path)
 
 
-def locate(
-    model: str | Path, adapters: str | Path | Mapping[str, str | Path] | None
-) -> Located:
+def locate(model: str | Path, adapters: str | Path | Mapping[str, str | Path] | None) -> Located:
     """``model`` and the adapter mapping's paths with every Hub name resolved (``snapshot``);
     local paths, the sample alias and a directory of adapters stay as given. ``HubError``
     names every name that cannot be resolved, all at once."""

@@ -28,7 +28,13 @@ class JobError(ValueError):
 
 # What a bad job raises; JobError wraps them with the job's name.
 JOB_ERRORS = (
-    ConfigError, InputError, AdapterError, ModelError, ModelNotFoundError, OutputError, HubError
+    ConfigError,
+    InputError,
+    AdapterError,
+    ModelError,
+    ModelNotFoundError,
+    OutputError,
+    HubError,
 )
 
 

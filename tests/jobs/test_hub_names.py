@@ -153,7 +153,9 @@ def test_a_resume_resolving_to_another_snapshot_is_refused(tmp_path, tiny, hub):
     with pytest.raises(JobError, match=rf"adapter 'a' 'org/a' resolves to snapshot {V2} now, "
                        rf"the rows were made from {MAIN} \(pin it with org/a@{MAIN}\)"):  # fmt: skip
         run_job(job)
-    pinned = load_job(tmp_path, tiny, model="org/tiny", adapters={"a": f"org/a@{MAIN}", "b": "org/b"})
+    pinned = load_job(
+        tmp_path, tiny, model="org/tiny", adapters={"a": f"org/a@{MAIN}", "b": "org/b"}
+    )
     again = run_job(pinned)
     assert again.complete_already and again.rows_this_run == 0
 
@@ -190,3 +192,43 @@ def test_the_engine_resolves_hub_names_itself(tiny, hub):
     local.close(), named.close()
     with pytest.raises(HubError, match="adapter 'c' 'org/c'"):
         Engine("org/tiny", adapters={"c": "org/c"}, config=config)
+
+
+def test_an_uncached_name_is_downloaded_when_the_network_is_allowed(hub, tiny, monkeypatch):
+    """Cache first; then, with HF_HUB_OFFLINE unset, a download of the engine's files only; a
+    download that fails makes the name missing (the Hub is played by a stand-in here)."""
+    import huggingface_hub
+
+    from slora_batch.engine.hub import ALLOW_PATTERNS
+
+    real, downloads = huggingface_hub.snapshot_download, []
+
+    def stand_in(repo_id, *, local_files_only=False, **kwargs):
+        if not local_files_only:
+            downloads.append((repo_id, kwargs["revision"], kwargs["allow_patterns"]))
+            if repo_id != "org/new":
+                raise OSError(f"404 Client Error: {repo_id} not found")
+            cache_repo(Path(kwargs["cache_dir"]), repo_id, tiny.adapters / "a", V2)
+        return real(repo_id, local_files_only=True, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", stand_in)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    located = locate("org/tiny", {"new": "org/new"})
+    assert located.adapters["new"] == hub / "models--org--new" / "snapshots" / V2
+    assert downloads == [("org/new", None, ALLOW_PATTERNS)]  # org/tiny came from the cache
+    with pytest.raises(HubError) as caught:
+        locate("org/tiny", {"new": "org/new", "x": "org/absent@v3"})
+    message = str(caught.value)
+    assert "adapter 'x' 'org/absent@v3' (revision v3: download failed: OSError: 404" in message
+    assert "`huggingface-cli download org/absent --revision v3`" in message
+    assert "HF_HUB_OFFLINE" not in message and "'new'" not in message
+
+
+def test_validate_names_the_snapshot(tmp_path, tiny, hub, monkeypatch):
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(4))
+    forbid_weights(monkeypatch)
+    job = load_job(tmp_path, tiny, model="org/tiny", adapters={"a": "org/a", "b": "org/b"})
+    report = validate_job(job)
+    assert report.model.startswith(f"org/tiny@{MAIN[:12]} (") and str(hub) in report.model
+    assert [(a.name, a.rank) for a in report.adapters] == [("a", 4), ("b", 8)]
+    assert report.problems == [] and not (tmp_path / "out").exists()
