@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The engine's rooms, lowest first: a module may import its own room and the rooms before it.
 ROOMS = [
-    ("foundations", ["config", "counters", "device", "pool", "resolution"]),
+    ("foundations", ["config", "counters", "device", "hub", "pool", "resolution"]),
     ("models", ["models"]),
     ("requests", ["requests"]),
     ("adapters", ["adapters"]),

@@ -10,9 +10,10 @@ execution/    the step on the device: pool sizing, flat tensors, forward and CUD
               the parts an engine builds, tensor parallelism's ranks
 models/       the checkpoint: spec, one file per family behind a registry, shared layers, loader
 parallel/     data parallelism: Engine's surface over worker processes, one device each
-config.py, counters.py, device.py, pool.py, resolution.py   what every room may use: settings,
-              counts, device and host-to-device copies, the unified page pool, what ``auto``
-              resolves to (device kind, dtype, kernels; the job manifest records it)
+config.py, counters.py, device.py, hub.py, pool.py, resolution.py   what every room may use:
+              settings, counts, device and host-to-device copies, Hub names -> cached snapshots,
+              the unified page pool, what ``auto`` resolves to (device kind, dtype, kernels;
+              the job manifest records it)
 
 Imports run only downward: the foundations (last line), models/, requests/, adapters/,
 scheduling/, execution/, engine.py and prepare.py, parallel/; each room's ``__init__`` says what

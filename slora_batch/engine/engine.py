@@ -27,6 +27,7 @@ from slora_batch.engine.execution.batch import plan_step
 from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
 from slora_batch.engine.execution.outputs import Inflight, step_outputs, take_outputs
 from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
+from slora_batch.engine.hub import locate
 from slora_batch.engine.models.sample_model import resolve_model
 from slora_batch.engine.models.spec import read_spec
 from slora_batch.engine.prepare import RequestPreparer
@@ -43,7 +44,8 @@ class Engine:
     """One base model, many adapters, one page pool.
 
     ``Engine(model, adapters=dir_or_mapping, config=EngineConfig(...), sampling=SamplingConfig())``
-    then ``for result in engine.generate(requests): ...``. ``weights`` (Hugging Face tensor names)
+    then ``for result in engine.generate(requests): ...``. ``model`` and the mapping's paths may
+    be Hub names (``org/name[@revision]``, ``hub.locate``). ``weights`` (Hugging Face tensor names)
     replaces reading the model directory's safetensors, for benchmarks on random weights.
 
     Two seams let the benchmark compose its ablations from engine parts: ``ops``, the kernel
@@ -63,7 +65,8 @@ class Engine:
     ) -> None:
         began = time.perf_counter()
         self.config = config = config or EngineConfig()
-        self.model_path = resolve_model(model)
+        located = locate(model, adapters)  # Hub names -> snapshots in the Hugging Face cache
+        self.model_path, adapters = resolve_model(located.model), located.adapters
         self.spec = spec = read_spec(self.model_path)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)

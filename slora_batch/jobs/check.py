@@ -4,7 +4,7 @@ a job that cannot run raises."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from slora_batch.engine.adapters.adapter_files import AdapterError, AdapterInfo, check_adapters
 from slora_batch.engine.config import ConfigError
+from slora_batch.engine.hub import HubError, Snapshot, locate
 from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_model
 from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
 from slora_batch.jobs.config import JobConfig, fanout_adapters
@@ -26,7 +27,15 @@ class JobError(ValueError):
 
 
 # What a bad job raises; JobError wraps them with the job's name.
-JOB_ERRORS = (ConfigError, InputError, AdapterError, ModelError, ModelNotFoundError, OutputError)
+JOB_ERRORS = (
+    ConfigError,
+    InputError,
+    AdapterError,
+    ModelError,
+    ModelNotFoundError,
+    OutputError,
+    HubError,
+)
 
 
 @dataclass
@@ -43,6 +52,14 @@ class JobPlan:
     # output rows per adapter once the input is scanned: n samples per input row (``scan``)
     rows_total: int | None = None
     input_fs: Any = None  # the pyarrow filesystem ``files`` are on; None: the local disk
+    # the job's adapters with Hub names replaced by their snapshot directories (None: as the
+    # job gives them): what engines, workers and Ray tasks are handed
+    sources: Any = None
+    snapshots: dict[str, Snapshot] = field(default_factory=dict)  # "model" / "adapter 'x'"
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            self.sources = self.job.adapters
 
     @property
     def total(self) -> int | None:
@@ -81,10 +98,11 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
             from slora_batch.engine.parallel.data_parallel import worker_slots
 
             worker_slots(job.engine)  # enough devices for the workers
-        model_path = resolve_model(job.model)
+        located = locate(job.model, job.adapters)  # every Hub name, here, once
+        model_path = resolve_model(located.model)
         spec = read_spec(model_path)
         _check_tensor_parallel(job, spec)
-        adapters, broken = _adapters(spec, job.adapters)
+        adapters, broken = _adapters(spec, located.adapters)
         files = iter_input_files(job.input, input_fs)
         for file in files:  # every Parquet footer: an unreadable file fails here
             if file.suffix.lower() == ".parquet":
@@ -101,7 +119,8 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
     except JOB_ERRORS as exc:
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
-    return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs)
+    return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs,
+                   sources=located.adapters, snapshots=located.snapshots)  # fmt: skip
 
 
 def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:

@@ -38,7 +38,8 @@ class JobConfig:
 
     name: str
     model: str
-    adapters: str | dict[str, str] | None = None  # dir of PEFT adapter dirs, or {name: path}
+    # a dir of PEFT adapter dirs, or {name: path or Hub name "org/name[@revision]"}
+    adapters: str | dict[str, str] | None = None
     input: str  # a .jsonl/.parquet file, a directory of them, or a glob
     output: str  # output directory
     columns: dict[str, str] = field(default_factory=lambda: {k: k for k in COLUMN_KEYS})
@@ -294,8 +295,9 @@ def _build(raw: dict[str, Any], name: str, base_dir: Path, where: str) -> JobCon
     if isinstance(raw.get("adapters"), str):
         raw["adapters"] = _resolve(raw["adapters"], base_dir, "adapters", where)
     elif isinstance(raw.get("adapters"), dict):
-        raw["adapters"] = {
-            k: _resolve(v, base_dir, f"adapters.{k}", where) for k, v in raw["adapters"].items()
+        raw["adapters"] = {  # a Hub name ("org/name[@rev]") no local path shadows stays
+            k: v if _hub_name(v, base_dir) else _resolve(v, base_dir, f"adapters.{k}", where)
+            for k, v in raw["adapters"].items()
         }
     if isinstance(raw["model"], str) and _looks_like_path(raw["model"], base_dir):
         raw["model"] = _resolve(raw["model"], base_dir, "model", where)
@@ -313,11 +315,19 @@ def _build(raw: dict[str, Any], name: str, base_dir: Path, where: str) -> JobCon
 
 
 def _looks_like_path(model: str, base_dir: Path) -> bool:
-    """The alias and hub-style ids ("org/name") stay as written; anything absolute, starting with
-    "." or "~", or existing relative to the job file is a path."""
+    """The alias and Hub names ("org/name[@revision]", resolved by ``check_job``) stay as
+    written; anything absolute, starting with "." or "~", or existing relative to the job file
+    is a path."""
     if model == MODEL_ALIAS:
         return False
     return model.startswith((".", "/", "~")) or (base_dir / model).exists()
+
+
+def _hub_name(value: Any, base_dir: Path) -> bool:
+    """A Hub name (``hub.hub_candidate``) with no path of that name relative to the job file."""
+    from slora_batch.engine.hub import hub_candidate
+
+    return hub_candidate(value) and not (base_dir / value).exists()
 
 
 def _resolve(value: Any, base_dir: Path, key: str, where: str) -> str:

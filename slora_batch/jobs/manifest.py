@@ -1,7 +1,8 @@
 """The job manifest (``_job.json``): what an output's rows were produced from. A job's first run
 writes it with the ``fingerprint`` (input files with sizes, mtimes and content digests, model and
-adapter files, sampling, the job keys that decide rows, and the device kind, dtype and kernel
-backend the engine settings resolve to), the input scan and the input columns it reads
+adapter files, the repository and snapshot commit each Hub name resolved to, sampling, the
+job keys that decide rows, and the device kind, dtype and kernel backend the engine settings
+resolve to), the input scan and the input columns it reads
 (``reads``); every later run compares them and refuses a directory that holds rows of other
 inputs or settings, naming what changed.
 
@@ -141,11 +142,13 @@ def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
     ``gpu``: whether the engines will see a GPU, None: this process's answer). JSON-ready."""
     job = plan.job
     root = input_root(plan.files, plan.input_fs)
-    sources = resolve_sources(job.adapters)
+    sources = resolve_sources(plan.sources)
+    model = plan.snapshots.get("model")  # a Hub name pinned to a revision is the same model
+    model_name = model.repo_id if model is not None else job.model
     stat = _stat if plan.input_fs is None else lambda f: fsio.stat(plan.input_fs, str(f))
     taken = {
         "input": {relative_name(f, root): stat(f) for f in plan.files},
-        "model": {"model": job.model, "files": _dir_stats(plan.model_path)},
+        "model": {"model": model_name, "files": _dir_stats(plan.model_path)},
         "adapters": {name: _dir_stats(path) for name, path in sorted(sources.items())},
         "sampling": dataclasses.asdict(job.sampling),
         "job": {
@@ -159,6 +162,11 @@ def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
         },
         "engine": resolve(job.engine, gpu),
     }
+    if plan.snapshots:  # Hub names: the repository and the snapshot's commit each resolved to
+        taken["hub"] = {
+            label: {"name": snap.name, "repo": snap.repo_id, "commit": snap.commit}
+            for label, snap in sorted(plan.snapshots.items())
+        }
     return json.loads(json.dumps(taken))  # tuples -> lists, as read back from the manifest
 
 
@@ -208,7 +216,7 @@ def _dir_stats(path: Path) -> dict[str, list[int | str]]:
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What differs between two fingerprints, in words: "input rows.jsonl changed (size 10 ->
     12)", "sampling.max_new_tokens 8 -> 16", "adapter 'c' added", ..."""
-    changes = []
+    changes = _hub_changes(old.get("hub", {}), new.get("hub", {}))
     changes += _files_changes("input", old.get("input", {}), new["input"])
     old_model, new_model = old.get("model", {}), new["model"]
     if old_model.get("model") != new_model["model"]:
@@ -239,6 +247,24 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 changes.append(f"{prefix}{key} {before.get(key)!r} -> {after.get(key)!r}")
     if resolved:
         changes += _engine_changes(old["engine"], new["engine"])
+    return changes
+
+
+def _hub_changes(old: dict[str, dict], new: dict[str, dict]) -> list[str]:
+    """Hub names resolved to another repository or snapshot than when the rows were made:
+    "model 'org/m' resolves to snapshot 1a2b... now, the rows were made from 9f8e... (pin it
+    with org/m@9f8e...)"."""
+    changes = []
+    for label in sorted(set(old) & set(new)):
+        before, after = old[label], new[label]
+        if before.get("repo") != after["repo"]:
+            changes.append(f"{label} Hub repository {before.get('repo')} -> {after['repo']}")
+        elif before.get("commit") != after["commit"]:
+            changes.append(
+                f"{label} {after['name']!r} resolves to snapshot {after['commit']} now, the rows "
+                f"were made from {before.get('commit')} (pin it with "
+                f"{after['repo']}@{before.get('commit')})"
+            )
     return changes
 
 

@@ -125,7 +125,7 @@ def _build_engine(plan: JobPlan):
     )
 
     job = plan.job
-    return open_engine(plan.model_path, job.adapters, job.engine, job.sampling)
+    return open_engine(plan.model_path, plan.sources, job.engine, job.sampling)
 
 
 def run_plan(

@@ -90,7 +90,7 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         raise job_error(job, exc) from exc
     return ValidationReport(
         job=job.name,
-        model=str(plan.model_path),
+        model=_model_label(plan),
         spec=plan.spec,
         adapters=plan.adapters,
         files=plan.files,
@@ -102,6 +102,14 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         broken=plan.broken,
         id_type=scan.id_type,
     )
+
+
+def _model_label(plan) -> str:
+    """The model's directory; for a Hub name, the name and the snapshot's commit first."""
+    snap = plan.snapshots.get("model")
+    if snap is None:
+        return str(plan.model_path)
+    return f"{snap.repo_id}@{snap.commit[:12]} ({plan.model_path})"
 
 
 _ARROW_TYPES = {  # accepted column types; an all-null column (type null) is always fine

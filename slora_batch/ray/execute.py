@@ -95,7 +95,7 @@ def execute(
     )
     actor = {
         "model": str(plan.model_path),
-        "adapters": job.adapters,
+        "adapters": plan.sources,  # Hub names resolved to local snapshots by check_job
         "engine": job.engine,
         "sampling": job.sampling,
         "schema": part_schema(scan.id_type, scan.keep, scan.json_text),

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
+from slora_batch.engine.hub import locate
 from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.fsio import FsDir
@@ -209,12 +210,14 @@ def generate(
     ``keep_columns``), made by ``replicas`` engine actors of ``gpus_per_replica`` GPUs each.
 
     ``ds`` has the columns ``id``, ``adapter``, ``prompt`` or ``messages``, optional per-row
-    sampling overrides and an optional ``source`` naming each row in error messages. Rows are
+    sampling overrides and an optional ``source`` naming each row in error messages. ``model``
+    and the mapping's adapter paths may be Hub names (``hub.locate``, here on the driver). Rows are
     sorted by adapter first, so each batch of ``batch_rows`` holds few adapters. ``id`` is int64
     in the output when ``ds``'s ``id`` column is an integer column, else string. Lazy, like any
     Ray Dataset: nothing runs until it is consumed (``write_parquet``, ``take_all``, ...)."""
     engine = _config(EngineConfig, engine)
     sampling = _config(SamplingConfig, sampling)
+    located = locate(model, adapters)  # Hub names resolved here, once: actors get directories
     names = ds.schema().names
     types = dict(zip(names, ds.schema().types, strict=True))
     missing = [c for c in keep_columns if c not in names]
@@ -226,8 +229,8 @@ def generate(
     return keyed.sort(SORT).map_batches(
         EngineActor,
         fn_constructor_kwargs={
-            "model": str(model),
-            "adapters": adapters,
+            "model": str(located.model),
+            "adapters": located.adapters,
             "engine": engine,
             "sampling": sampling,
             "schema": schema,

@@ -138,6 +138,7 @@ def test_relative_paths_resolve_against_job_file(tmp_path, monkeypatch):
     jobs_dir = tmp_path / "conf"
     jobs_dir.mkdir()
     (jobs_dir / "models" / "tiny").mkdir(parents=True)
+    (jobs_dir / "ad" / "a").mkdir(parents=True)  # a relative path that is no directory: a Hub name
     text = """
 jobs:
   - model: models/tiny
@@ -145,7 +146,7 @@ jobs:
     input: data/*.jsonl
     output: /abs/out
   - model: smollm2-135m-instruct
-    adapters: {a: ad/a, b: /x/b}
+    adapters: {a: ad/a, b: /x/b, c: org/hub-adapter@v1, d: ./ad/d}
     input: rows.parquet
     output: out
   - model: org/hub-model
@@ -160,7 +161,9 @@ jobs:
     assert first.input == str(base / "data/*.jsonl")
     assert first.output == "/abs/out"
     assert second.model == "smollm2-135m-instruct"
-    assert second.adapters == {"a": str(base / "ad/a"), "b": "/x/b"}
+    assert second.adapters == {
+        "a": str(base / "ad/a"), "b": "/x/b", "c": "org/hub-adapter@v1", "d": str(base / "ad/d")
+    }  # fmt: skip
     assert second.output == str(base / "out")
     assert third.model == "org/hub-model"
 
