@@ -180,3 +180,19 @@ def test_family_scores_equal_transformers_peft(family):
         logp = reference_logprobs(model, row.adapter, ctx + cont)
         want = [float(logp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont)]
         assert results[row.id].token_logprobs == pytest.approx(want, abs=1e-4), (kind, row.id)
+
+
+def test_family_under_tensor_parallel_two(family):
+    """Two gloo ranks: Phi-3's fused weights and fused LoRA B cut part by part ([q_r | k_r |
+    v_r]), Gemma 3's per-head norms, extra norms after the all-reduce and its local RoPE on the
+    rank's heads: the tokens of transformers + PEFT."""
+    kind, model_dir, adapters, rows, expected = family
+    if kind not in ("phi3", "gemma3"):
+        pytest.skip("the families whose layers tensor parallelism cuts otherwise")
+    results, engine = run(model_dir, adapters, rows, tensor_parallel=2, num_pages=8000,
+                          max_num_batched_tokens=64, cpu_threads=1)  # fmt: skip
+    try:
+        assert engine.tp is not None and engine.tp.size == 2
+        assert_parity(results, expected)
+    finally:
+        engine.close()
