@@ -2,6 +2,7 @@
 
 memory.py   how many pages the pool gets (and the reserve for a step's temporaries)
 batch.py    the one step planner: a scheduled step as flat arrays for the model and kernels
+lora_layout.py  tokens grouped by adapter slot for the LoRA kernels, and their LoraMeta
 runner.py   runs a planned step: eager, or a replayed CUDA graph for decode steps
 outputs.py  a step's outputs on the device (tokens, scores, logprobs) until they are read back
 parts.py    what an engine builds on its device (store, model, pool, residency, runner)

@@ -1,8 +1,14 @@
 """Models: what a checkpoint is and how its forward runs over the page pool.
 
 spec.py          a model directory's shapes and the page geometry they imply (no torch)
+configs.py       each family's config.json switches (RoPE, windows, norms, soft-caps; no torch)
 registry.py      the model families, keyed by the checkpoint's ``architectures``
-llama.py         the Llama family (Llama, Mistral, Qwen2) forward, base and LoRA decomposed
+step.py          what one forward step reads besides the weights (StepInput)
+decoder.py       the forward every family runs, base and LoRA decomposed, switched by the spec
+llama.py         the Llama family (Llama, Mistral, Qwen2): its layer weights
+qwen3.py         Qwen3: Llama's plus q/k norms
+gemma.py         Gemma 2 and 3: (1 + w) norms folded, the extra norms, q/k norms (Gemma 3)
+phi3.py          Phi-3/3.5/4: fused qkv and gate_up weights (and fused LoRA targets)
 layers.py        what the families share: RoPE variants, the LoRA deltas of a projection group
 shard.py         tensor parallelism's cuts of the weights that need no process group
 loader.py        weights from Hugging Face safetensors into the model of their family

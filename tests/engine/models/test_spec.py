@@ -58,9 +58,34 @@ def test_refused_by_name(tmp_path, cfg, words):
     assert str(tmp_path) in str(err.value)
 
 
-def test_mistral_window_caps_the_context(tmp_path):
+def test_mistral_window_masks_every_layer_and_keeps_the_context(tmp_path):
     spec = read_spec(write(tmp_path, architectures=["MistralForCausalLM"], sliding_window=64))
-    assert spec.max_context == 64
+    assert spec.max_context == spec.max_position_embeddings
+    assert spec.layer_windows == (64,) * spec.num_layers
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "windows"),
+    [
+        ("Gemma2ForCausalLM", {}, (64, 0, 64, 0)),  # the older config: even layers local
+        ("Gemma3ForCausalLM", {"sliding_window_pattern": 2}, (64, 0, 64, 0)),
+        ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 3}, (0, 0, 0, 64)),
+        ("Qwen2ForCausalLM", {"use_sliding_window": False}, ()),
+        ("LlamaForCausalLM", {"layer_types": ["full_attention"] * 4}, ()),
+    ],
+)
+def test_window_layers_as_transformers_derives_them(tmp_path, arch, extra, windows):
+    cfg = dict(architectures=[arch], sliding_window=64, num_hidden_layers=4, **extra)
+    assert read_spec(write(tmp_path, **cfg)).layer_windows == windows
+
+
+def test_gemma3_older_config_reads_the_local_rope_base(tmp_path):
+    spec = read_spec(write(tmp_path, architectures=["Gemma3ForCausalLM"], rope_theta=1e6,
+                           rope_local_base_freq=1e4, query_pre_attn_scalar=256,
+                           rope_scaling={"rope_type": "linear", "factor": 8.0}))  # fmt: skip
+    assert spec.rope_theta == 1e6 and spec.rope_scaling["factor"] == 8.0
+    assert spec.local_rope == {"rope_theta": 1e4, "scaling": None}
+    assert spec.query_scale == 256**-0.5 and spec.qk_norm and spec.gemma_norms
 
 
 def test_missing_config(tmp_path):
