@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, rooms, families,
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, rooms, families(-tests),
 #                                          # prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
@@ -69,6 +69,11 @@ case "$mode" in
         # acceptance run measures them (20 s cuts), to compare with results/h200
         bench rooms 300 "${ACCEPTANCE[@]}" --systems base,slora --adapters 1000 \
           --max-seconds 20 --total-seconds 280
+        ;;
+      families-tests)
+        # issue 26's GPU checks: every kernel test (windows, soft-caps, head_dim 256, GeGLU, fused
+        # B) and the bf16 engine against transformers + PEFT on every shape, families included
+        gpu_tests 590 --durations=15 --maxfail=10 tests/kernels tests/engine/test_engine_gpu.py
         ;;
       families)
         # issue 26: base and slora@1000 on the standard workload for the families users fine-tune,
