@@ -87,12 +87,13 @@ if not INTERPRETED:
 @pytest.fixture(scope="module")
 def tk() -> SimpleNamespace:
     """The kernel modules, imported only once the process is known to interpret."""
-    from kernels import attention, fused, kv, lora_blocks, lora_shrink, triton_ops
+    from kernels import attention, attention_decode, fused, kv, lora_blocks, lora_shrink, triton_ops
 
     return SimpleNamespace(
         lora_blocks=lora_blocks,
         lora_shrink=lora_shrink,
         attention=attention,
+        attention_decode=attention_decode,
         kv=kv,
         fused=fused,
         triton_ops=triton_ops,
@@ -395,7 +396,7 @@ def check_lora_groups(shrink, expand, pool, meta, dims, dtype, seed) -> None:
         assert_close(mine, theirs, dtype)
 
 
-HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1)}
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1), "wide": (2, 1)}  # "wide": head_dim 256
 DECODE_RUNS = [  # (heads, dtype, splits; None: the launcher's choice)
     ("mha", torch.float16, 8),
     ("mha", torch.float32, None),
@@ -418,6 +419,40 @@ ATTN_SEQS = [
     (64, 130),
     (2, 2),
 ]  # (new, context): prefill, chunked, decode
+# Sliding windows and soft-caps: (heads, dtype, tile or splits, window, softcap, scale).
+# Prefill, window 16 against ATTN_SEQS + (16, 16): contexts shorter than (5), equal to (16)
+# and longer than the window; chunks whose queries' windows start inside the earlier context
+# (17 new on 80: the first query sees keys 49..64), or past the tile's first key block (the
+# 128-query tile with window 8: query 70 of (130, 140) sees keys 73..80, the loop starts at 3).
+# "wide" runs head_dim 256 on its own tiles (32 keys a step: rows past 32 see none in the first).
+WINDOW_PREFILL_RUNS = [
+    ("gqa", torch.float32, "short", 16, 0.0, 0.25),
+    ("mha", torch.float16, "long", 8, 0.0, 0.25),
+    ("mqa", torch.float32, "short", 0, 1.0, 0.25),
+    ("gqa", torch.float16, "short", 16, 2.0, 1.0),
+    ("wide", torch.float32, "short", 40, 1.0, 256**-0.5),
+]
+# Decode, window 200 against contexts shorter than (199), equal to (200) and longer than it;
+# with 4 splits of 128-key blocks the 200 keys of the window fill two splits. Scale 4 with
+# softcap 1: logits past 44, where e^2x overflows fp32.
+WINDOW_DECODE_RUNS = [
+    ("gqa", torch.float32, 4, 200, 0.0, 0.25),
+    ("mha", torch.float16, 2, 200, 1.0, 4.0),
+    ("mqa", torch.float32, None, 0, 1.0, 0.25),
+    ("wide", torch.float16, 2, 150, 5.0, 256**-0.5),
+]
+WINDOW_CONTEXTS = [1, 7, 199, 200, 201, 300, 600]
+
+
+def check_window_softcap(mine, q, pool, meta, kv_heads, scale, window, softcap, dtype, fn):
+    """``mine`` against the ref ``fn`` with the window and soft-cap, which must matter (the ref
+    without them differs), so a kernel ignoring either fails."""
+    expected = fn(q, pool, meta, kv_heads, scale, window, softcap)
+    assert_close(mine, expected, dtype)
+    if window:
+        assert not torch.allclose(fn(q, pool, meta, kv_heads, scale, 0, softcap), expected)
+    if softcap:
+        assert not torch.allclose(fn(q, pool, meta, kv_heads, scale, window, 0.0), expected)
 
 
 class TestInterpreted:
@@ -427,7 +462,7 @@ class TestInterpreted:
         public = [
             n
             for n, f in vars(ref).items()
-            if inspect.isfunction(f) and f.__module__ == ref.__name__
+            if inspect.isfunction(f) and f.__module__ == ref.__name__ and not n.startswith("_")
         ]
         for name in public:
             mine, theirs = (
@@ -537,7 +572,7 @@ class TestInterpreted:
         kind, dtype, splits = run
         num_heads, num_kv_heads = HEADS[kind]
         if kind == "mha" and dtype == torch.float32 and splits is None:  # the CUDA-core path
-            monkeypatch.setitem(tk.attention.DECODE, "mha_dot", False)
+            monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
         contexts = [1, 7, 64, 65, 300, 129, 600]
         q, pool, meta = attn_case(
             seqs=[(1, c) for c in contexts],
@@ -549,8 +584,40 @@ class TestInterpreted:
             seed=splits or 0,
         )
         scale = 16**-0.5
-        mine = tk.attention.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
+        mine = tk.attention_decode.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
         assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, scale), dtype)
+
+    @pytest.mark.parametrize("run", WINDOW_PREFILL_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
+    def test_attention_prefill_window_softcap(self, tk, monkeypatch, run):
+        kind, dtype, length, window, softcap, scale = run
+        num_heads, num_kv_heads = HEADS[kind]
+        seqs = ATTN_SEQS + [(16, 16)]
+        if length == "long":
+            seqs = seqs + [(130, 140)]
+            monkeypatch.setattr(tk.attention, "PREFILL_TILE", (128, 8))
+        head_dim = 256 if kind == "wide" else 16
+        q, pool, meta = attn_case(seqs=seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, dtype=dtype, device="cpu", seed=window)  # fmt: skip
+        mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale, window, softcap)
+        check_window_softcap(mine, q, pool, meta, num_kv_heads, scale, window, softcap, dtype,
+                             ref.attention)  # fmt: skip
+
+    @pytest.mark.parametrize("run", WINDOW_DECODE_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
+    def test_attention_decode_window_softcap(self, tk, run):
+        kind, dtype, splits, window, softcap, scale = run
+        num_heads, num_kv_heads = HEADS[kind]
+        q, pool, meta = attn_case(seqs=[(1, c) for c in WINDOW_CONTEXTS], num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, head_dim=256 if kind == "wide" else 16,
+                                  dtype=dtype, device="cpu", seed=window + 1)  # fmt: skip
+        if splits is None:  # the launcher's choice, through the public twin
+            mine = tk.triton_ops.attention_decode(
+                q, pool, meta, num_kv_heads, scale, window, softcap
+            )
+        else:
+            mine = tk.attention_decode.decode_splits(q, pool, meta, num_kv_heads, scale, splits,
+                                                     window, softcap)  # fmt: skip
+        check_window_softcap(mine, q, pool, meta, num_kv_heads, scale, window, softcap, dtype,
+                             ref.attention_decode)  # fmt: skip
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
     def test_kv_write(self, tk, dtype):
@@ -606,9 +673,12 @@ class TestInterpreted:
         assert_close(mine_k, ref_k, dtype)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-    def test_silu_mul(self, tk, dtype):
+    @pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+    def test_act_mul(self, tk, act, dtype):
         gate_up = (torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
-        assert_close(tk.triton_ops.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+        gate_up[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -3.0])  # tanh saturated both ways
+        mine = getattr(tk.triton_ops, act)(gate_up)
+        assert_close(mine, getattr(ref, act)(gate_up), dtype)
 
 
 def tiny_model():
