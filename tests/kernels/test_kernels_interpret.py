@@ -424,7 +424,7 @@ ATTN_SEQS = [
 # and longer than the window; chunks whose queries' windows start inside the earlier context
 # (17 new on 80: the first query sees keys 49..64), or past the tile's first key block (the
 # 128-query tile with window 8: query 70 of (130, 140) sees keys 73..80, the loop starts at 3).
-# "wide" runs head_dim 256 on its own tiles (32 keys a step: rows past 32 see none in the first).
+# "wide" runs head_dim 256 on its own tiles (PREFILL_WIDE).
 WINDOW_PREFILL_RUNS = [
     ("gqa", torch.float32, "short", 16, 0.0, 0.25),
     ("mha", torch.float16, "long", 8, 0.0, 0.25),
