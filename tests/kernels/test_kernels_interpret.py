@@ -397,19 +397,27 @@ def check_lora_groups(shrink, expand, pool, meta, dims, dtype, seed) -> None:
 
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1), "wide": (2, 1)}  # "wide": head_dim 256
-DECODE_RUNS = [  # (heads, dtype, splits; None: the launcher's choice)
-    ("mha", torch.float16, 8),
-    ("mha", torch.float32, None),
-    ("gqa", torch.float16, 1),
-    ("gqa", torch.float32, None),
-    ("mqa", torch.float16, 4),
+# Sliding windows and soft-caps ride on the runs below (every path once, not the product):
+# window 0 is none, softcap 0.0 none; scale 4 with softcap 1 gives logits past 44, where e^2x
+# overflows fp32.
+DECODE_RUNS = [  # (heads, dtype, splits (None: the launcher's choice), window, softcap, scale)
+    ("mha", torch.float16, 8, 0, 0.0, 0.25),
+    ("mha", torch.float32, None, 0, 1.0, 0.25),  # CUDA-core dot products
+    ("gqa", torch.float16, 1, 0, 0.0, 0.25),
+    ("gqa", torch.float32, 4, 129, 0.0, 0.25),
+    ("mqa", torch.float16, 4, 129, 1.0, 4.0),
+    ("wide", torch.float16, 2, 129, 5.0, 0.0625),
 ]
-PREFILL_RUNS = [  # (heads, dtype, "short": 64-query tiles, "long": 128-query tiles)
-    ("mha", torch.float32, "short"),
-    ("gqa", torch.float16, "short"),
-    ("mqa", torch.float32, "short"),
-    ("gqa", torch.float32, "long"),
-    ("mha", torch.float16, "long"),
+# Window 129 against DECODE_CONTEXTS: contexts shorter than (64), equal to (129) and longer
+# than the window; at 600 its keys 471..599 fill two splits of 128-key blocks (32 for "wide").
+DECODE_CONTEXTS = [1, 7, 64, 65, 300, 129, 600]
+PREFILL_RUNS = [  # (heads, dtype, "short": 64-query tiles, "long": 128-query, window, softcap, scale)
+    ("mha", torch.float32, "short", 0, 0.0, 0.25),
+    ("gqa", torch.float16, "short", 16, 2.0, 1.0),
+    ("mqa", torch.float32, "short", 0, 1.0, 0.25),
+    ("gqa", torch.float32, "long", 0, 0.0, 0.25),
+    ("mha", torch.float16, "long", 16, 0.0, 0.25),
+    ("wide", torch.float32, "short", 40, 1.0, 0.0625),  # PREFILL_WIDE's tiles
 ]
 ATTN_SEQS = [
     (5, 5),
@@ -419,29 +427,12 @@ ATTN_SEQS = [
     (64, 130),
     (2, 2),
 ]  # (new, context): prefill, chunked, decode
-# Sliding windows and soft-caps: (heads, dtype, tile or splits, window, softcap, scale).
-# Prefill, window 16 against ATTN_SEQS + (16, 16): contexts shorter than (5), equal to (16)
-# and longer than the window; chunks whose queries' windows start inside the earlier context
-# (17 new on 80: the first query sees keys 49..64), or past the tile's first key block (the
-# 128-query tile with window 8: query 70 of (130, 140) sees keys 73..80, the loop starts at 3).
-# "wide" runs head_dim 256 on its own tiles (PREFILL_WIDE).
-WINDOW_PREFILL_RUNS = [
-    ("gqa", torch.float32, "short", 16, 0.0, 0.25),
-    ("mha", torch.float16, "long", 8, 0.0, 0.25),
-    ("mqa", torch.float32, "short", 0, 1.0, 0.25),
-    ("gqa", torch.float16, "short", 16, 2.0, 1.0),
-    ("wide", torch.float32, "short", 40, 1.0, 256**-0.5),
-]
-# Decode, window 200 against contexts shorter than (199), equal to (200) and longer than it;
-# with 4 splits of 128-key blocks the 200 keys of the window fill two splits. Scale 4 with
-# softcap 1: logits past 44, where e^2x overflows fp32.
-WINDOW_DECODE_RUNS = [
-    ("gqa", torch.float32, 4, 200, 0.0, 0.25),
-    ("mha", torch.float16, 2, 200, 1.0, 4.0),
-    ("mqa", torch.float32, None, 0, 1.0, 0.25),
-    ("wide", torch.float16, 2, 150, 5.0, 256**-0.5),
-]
-WINDOW_CONTEXTS = [1, 7, 199, 200, 201, 300, 600]
+# With window 16, (16, 16) sets the context equal to the window, (5, 5) under it; chunks see
+# windows that start inside the earlier context (17 new on 80: the first query sees keys
+# 49..64), and in the 128-query tile of (130, 140) the queries at positions 79 and later see no
+# key of the first block the loop reads (keys 0..63).
+WINDOW_SEQS = [(16, 16)]
+WIDE_SEQS = [(17, 80), (64, 130), (2, 2)]  # head_dim 256: the interpreter's slowest tiles
 
 
 def check_window_softcap(mine, q, pool, meta, kv_heads, scale, window, softcap, dtype, fn):
@@ -546,73 +537,36 @@ class TestInterpreted:
         tk.triton_ops.lora_expand(buf, pool, meta, 0, wide)
         assert torch.equal(mine, buf) and torch.equal(wide, out)
 
-    @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
+    @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
     def test_attention_prefill(self, tk, monkeypatch, run):
-        kind, dtype, length = run
-        num_heads, num_kv_heads = HEADS[kind]
-        seqs = ATTN_SEQS
-        if length == "long":  # 128-query tiles
-            seqs = ATTN_SEQS + [(130, 140)]
-            monkeypatch.setattr(tk.attention, "PREFILL_TILE", (128, 8))
-        q, pool, meta = attn_case(
-            seqs=seqs,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=16,
-            dtype=dtype,
-            device="cpu",
-            seed=num_kv_heads,
-        )
-        scale = 16**-0.5
-        mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale)
-        assert_close(mine, ref.attention(q, pool, meta, num_kv_heads, scale), dtype)
-
-    @pytest.mark.parametrize("run", DECODE_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
-    def test_attention_decode(self, tk, monkeypatch, run):
-        kind, dtype, splits = run
-        num_heads, num_kv_heads = HEADS[kind]
-        if kind == "mha" and dtype == torch.float32 and splits is None:  # the CUDA-core path
-            monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
-        contexts = [1, 7, 64, 65, 300, 129, 600]
-        q, pool, meta = attn_case(
-            seqs=[(1, c) for c in contexts],
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=16,
-            dtype=dtype,
-            device="cpu",
-            seed=splits or 0,
-        )
-        scale = 16**-0.5
-        mine = tk.attention_decode.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
-        assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, scale), dtype)
-
-    @pytest.mark.parametrize("run", WINDOW_PREFILL_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
-    def test_attention_prefill_window_softcap(self, tk, monkeypatch, run):
         kind, dtype, length, window, softcap, scale = run
         num_heads, num_kv_heads = HEADS[kind]
-        seqs = ATTN_SEQS + [(16, 16)]
-        if length == "long":
+        seqs = ATTN_SEQS + (WINDOW_SEQS if window else [])
+        if length == "long":  # 128-query tiles
             seqs = seqs + [(130, 140)]
             monkeypatch.setattr(tk.attention, "PREFILL_TILE", (128, 8))
-        head_dim = 256 if kind == "wide" else 16
+        if kind == "wide":
+            seqs = WIDE_SEQS
         q, pool, meta = attn_case(seqs=seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, dtype=dtype, device="cpu", seed=window)  # fmt: skip
+                                  head_dim=256 if kind == "wide" else 16, dtype=dtype,
+                                  device="cpu", seed=num_kv_heads)  # fmt: skip
         mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale, window, softcap)
         check_window_softcap(mine, q, pool, meta, num_kv_heads, scale, window, softcap, dtype,
                              ref.attention)  # fmt: skip
 
-    @pytest.mark.parametrize("run", WINDOW_DECODE_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
-    def test_attention_decode_window_softcap(self, tk, run):
+    @pytest.mark.parametrize("run", DECODE_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
+    def test_attention_decode(self, tk, monkeypatch, run):
         kind, dtype, splits, window, softcap, scale = run
         num_heads, num_kv_heads = HEADS[kind]
-        q, pool, meta = attn_case(seqs=[(1, c) for c in WINDOW_CONTEXTS], num_heads=num_heads,
-                                  num_kv_heads=num_kv_heads, head_dim=256 if kind == "wide" else 16,
-                                  dtype=dtype, device="cpu", seed=window + 1)  # fmt: skip
+        if kind == "mha" and dtype == torch.float32 and splits is None:  # the CUDA-core path
+            monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
+        q, pool, meta = attn_case(seqs=[(1, c) for c in DECODE_CONTEXTS], num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads,
+                                  head_dim=256 if kind == "wide" else 16, dtype=dtype,
+                                  device="cpu", seed=splits or 0)  # fmt: skip
         if splits is None:  # the launcher's choice, through the public twin
-            mine = tk.triton_ops.attention_decode(
-                q, pool, meta, num_kv_heads, scale, window, softcap
-            )
+            mine = tk.triton_ops.attention_decode(q, pool, meta, num_kv_heads, scale, window,
+                                                  softcap)  # fmt: skip
         else:
             mine = tk.attention_decode.decode_splits(q, pool, meta, num_kv_heads, scale, splits,
                                                      window, softcap)  # fmt: skip
