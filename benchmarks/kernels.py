@@ -16,7 +16,7 @@ from functools import partial
 import torch
 import triton.testing
 
-from kernels import attention, ref, triton_ops
+from kernels import attention_decode, ref, triton_ops
 from kernels.lora_blocks import BLOCKS
 from kernels.lora_paths import position_segments
 from kernels.lora_shrink import shrink_splits
@@ -110,7 +110,7 @@ def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> lis
             q = torch.randn(batch, heads, 128, dtype=DTYPE, device="cuda")
             us = _us(partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088))
             gbs = batch * ctx * 2 * kv_dim * 2 / us / 1e3
-            splits = attention.num_splits_for(q.device, batch, kv_heads, ctx)
+            splits = attention_decode.num_splits_for(q.device, batch, kv_heads, ctx)
             rows.append(("attention_decode", f"{kind} B={batch} ctx={ctx} splits={splits}", us,
                          f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))  # fmt: skip
             del pool
@@ -123,7 +123,7 @@ def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> lis
     return rows
 
 
-DECODE_VARIANTS = [  # attention.DECODE overrides swept by --decode-sweep
+DECODE_VARIANTS = [  # attention_decode.DECODE overrides swept by --decode-sweep
     {},
     {"mha_dot": False},
     {"mha_dot": False, "stages": 2},
@@ -147,9 +147,9 @@ def decode_sweep_rows(kind: str, bw: float) -> list[tuple]:
     q = torch.randn(len(contexts), heads, 128, dtype=DTYPE, device="cuda")
     nbytes = sum(contexts) * 2 * kv_dim * 2
     default = triton_ops.attention_decode(q, pool, meta, kv_heads, 0.088)
-    saved = dict(attention.DECODE)
+    saved = dict(attention_decode.DECODE)
     for variant in DECODE_VARIANTS:
-        attention.DECODE.update(variant)
+        attention_decode.DECODE.update(variant)
         try:
             fn = partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088)
             diff = float((fn().float() - default.float()).abs().max())
@@ -161,8 +161,8 @@ def decode_sweep_rows(kind: str, bw: float) -> list[tuple]:
             rows.append(("attention_decode sweep", f"{kind} {variant}", float("nan"),
                          type(exc).__name__, ""))  # fmt: skip
         finally:
-            attention.DECODE.clear()
-            attention.DECODE.update(saved)
+            attention_decode.DECODE.clear()
+            attention_decode.DECODE.update(saved)
     return rows
 
 

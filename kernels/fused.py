@@ -1,7 +1,8 @@
-"""Small fused Triton ops: residual add + RMSNorm, RoPE in place, SiLU-and-multiply.
+"""Small fused Triton ops: residual add + RMSNorm, RoPE in place, SiLU-and-multiply and
+GELU(tanh)-and-multiply.
 
 Each rounds where its torch twin in ``kernels.ref`` rounds (to the activation dtype after the add,
-after the normalization and after SiLU), computing in fp32 in between.
+after the normalization and after the activation), computing in fp32 in between.
 """
 
 from __future__ import annotations
@@ -61,13 +62,19 @@ def _rope_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_t, k_stride_h, p
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, gu_stride, out_ptr, inter, BLOCK: tl.constexpr):
+def _act_mul_kernel(gu_ptr, gu_stride, out_ptr, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < inter
     gate = tl.load(gu_ptr + t * gu_stride + cols, mask=live, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + t * gu_stride + inter + cols, mask=live, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # F.silu rounds to the input dtype
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:  # "gelu_tanh": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # +-1 at large |x|: e^2x is inf or 0
+        act = 0.5 * gate * (1.0 + tanh)
+    act = act.to(up.dtype)  # F.silu and F.gelu round to the input dtype
     tl.store(out_ptr + t * inter + cols, act.to(tl.float32) * up.to(tl.float32), mask=live)
 
 
@@ -121,15 +128,25 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
         BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4)  # fmt: skip
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up. Shape: gate_up [T, 2 * I] -> [T, I].
-    Grid (T, ceil(I / BLOCK)), BLOCK = min(1024, next_pow2(I))."""
+def _act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, gate_up.stride(0), out, inter, BLOCK=block, num_warps=4)  # fmt: skip
+    _act_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        gate_up, gate_up.stride(0), out, inter, ACT=act, BLOCK=block, num_warps=4)  # fmt: skip
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up. Shape: gate_up [T, 2 * I] -> [T, I].
+    Grid (T, ceil(I / BLOCK)), BLOCK = min(1024, next_pow2(I))."""
+    return _act_mul(gate_up, "silu")
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up: Gemma's GeGLU. Shape: gate_up [T, 2 * I] -> [T, I].
+    Grid (T, ceil(I / BLOCK)), BLOCK = min(1024, next_pow2(I))."""
+    return _act_mul(gate_up, "gelu_tanh")

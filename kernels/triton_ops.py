@@ -6,8 +6,9 @@ helpers ``gather_kv``, ``gather_lora_rows`` and ``lora_group`` are no per-step k
 
 from __future__ import annotations
 
-from kernels.attention import attention, attention_decode
-from kernels.fused import rms_norm, rope, silu_mul
+from kernels.attention import attention
+from kernels.attention_decode import attention_decode
+from kernels.fused import gelu_tanh_mul, rms_norm, rope, silu_mul
 from kernels.kv import kv_write
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
@@ -20,6 +21,7 @@ __all__ = [
     "attention_decode",
     "gather_kv",
     "gather_lora_rows",
+    "gelu_tanh_mul",
     "kv_write",
     "lora_expand",
     "lora_group",

@@ -1,6 +1,7 @@
 """Triton kernels against their torch twins on a CUDA device: bf16 and fp16 at realistic shapes
-(hidden 4096, head_dim 128, 32 heads, MHA and GQA 32/8), pools past 2^31 elements, and a decode
-step (attention + LoRA) captured in a CUDA graph and replayed on new metadata.
+(hidden 4096, head_dim 128, 32 heads, MHA and GQA 32/8; Gemma-2-9B's 16/8 heads of 256 with its
+4096-key sliding window and logit soft-cap), pools past 2^31 elements, and a decode step
+(attention + LoRA) captured in a CUDA graph and replayed on new metadata.
 
 Run on the device machine: ``.venv/bin/python -m pytest -q -m gpu tests/kernels/test_kernels_gpu.py``.
 The case builders are those of tests/kernels/test_kernels_interpret.py.
@@ -44,16 +45,17 @@ MODELS = {  # name: (target dims in canonical order, page size = kv_dim)
         1024,
     ),
 }  # fmt: skip
-HEADS = {"mha": (32, 32), "gqa": (32, 8)}
+HEADS = {"mha": (32, 32), "gqa": (32, 8), "gemma2": (16, 8)}  # gemma2: head_dim 256
 LARGE_PAGE_OFFSET = 2**31  # elements: pages placed past it need int64 offsets
 
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels import attention, lora_blocks, triton_ops
+    from kernels import attention, attention_decode, lora_blocks, triton_ops
 
-    return dataclasses.make_dataclass("Ops", ["lora_blocks", "attention", "triton_ops"])(
-        lora_blocks, attention, triton_ops
+    fields = ["lora_blocks", "attention", "attention_decode", "triton_ops"]
+    return dataclasses.make_dataclass("Ops", fields)(
+        lora_blocks, attention, attention_decode, triton_ops
     )
 
 
@@ -127,7 +129,8 @@ def test_lora_paths(ops, monkeypatch, model, num_tokens, popularity, path, knobs
 
 def _attn(kind: str, seqs, dtype, seed: int, **kw):
     num_heads, num_kv_heads = HEADS[kind]
-    return attn_case(seqs=seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128,
+    head_dim = 256 if kind == "gemma2" else 128
+    return attn_case(seqs=seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      dtype=dtype, device="cuda", seed=seed, **kw)  # fmt: skip
 
 
@@ -152,15 +155,58 @@ def test_attention_decode(ops, dtype, kind, splits):
     q, pool, meta = _attn(kind, [(1, c) for c in contexts + [1, 4096]], dtype, seed=2)
     scale = 128**-0.5
     num_kv_heads = HEADS[kind][1]
-    mine = ops.attention.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
+    mine = ops.attention_decode.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
     assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, scale), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_decode_mha_cuda_cores(ops, monkeypatch, dtype):
     """MHA decode with DECODE["mha_dot"] False: dot products on CUDA cores, 32 keys a step."""
-    monkeypatch.setitem(ops.attention.DECODE, "mha_dot", False)
+    monkeypatch.setitem(ops.attention_decode.DECODE, "mha_dot", False)
     test_attention_decode(ops, dtype, "mha", None)
+
+
+# Sliding windows and soft-caps: (heads, window, softcap). gemma2: Gemma-2-9B's local layers
+# (head_dim 256, window 4096, softcap 50) and its global ones (no window); the Mistral-style
+# window on the head_dim 128 tiles.
+WINDOW_RUNS = [("gemma2", 4096, 50.0), ("gemma2", 0, 50.0), ("gqa", 1024, 0.0), ("mha", 300, 30.0)]
+WINDOW_PREFILL_SEQS = [(512, 5000), (1000, 1000), (37, 4096), (1, 4097), (300, 6000), (64, 65)]
+
+
+def _scale(kind: str) -> float:
+    return (256 if kind == "gemma2" else 128) ** -0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("run", WINDOW_RUNS, ids=lambda r: "-".join(map(str, r)))
+def test_attention_prefill_window_softcap(ops, dtype, run):
+    """Chunks whose windows start inside the earlier context (512 new on 5000), contexts past,
+    at and under the window; the key loop skips the blocks before each tile's window."""
+    kind, window, softcap = run
+    q, pool, meta = _attn(kind, WINDOW_PREFILL_SEQS, dtype, seed=7)
+    scale, num_kv_heads = _scale(kind), HEADS[kind][1]
+    mine = ops.triton_ops.attention(q, pool, meta, num_kv_heads, scale, window, softcap)
+    expected = ref.attention(q, pool, meta, num_kv_heads, scale, window, softcap)
+    assert_close(mine, expected, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 4, None])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("run", WINDOW_RUNS, ids=lambda r: "-".join(map(str, r)))
+def test_attention_decode_window_softcap(ops, dtype, run, splits):
+    """Contexts up to twice the window (and at it, one past it); the splits cover the window's
+    keys only."""
+    kind, window, softcap = run
+    gen = torch.Generator().manual_seed(8)
+    contexts = torch.randint(1, 2 * max(window, 2048), (32,), generator=gen).tolist()
+    contexts += [1, window or 7, window + 1]
+    q, pool, meta = _attn(kind, [(1, c) for c in contexts], dtype, seed=8)
+    scale, num_kv_heads = _scale(kind), HEADS[kind][1]
+    mine = ops.attention_decode.decode_splits(
+        q, pool, meta, num_kv_heads, scale, splits, window, softcap
+    )
+    expected = ref.attention_decode(q, pool, meta, num_kv_heads, scale, window, softcap)
+    assert_close(mine, expected, dtype)
 
 
 def _shift_pages(table: torch.Tensor, offset: int) -> torch.Tensor:
@@ -210,11 +256,13 @@ def test_cuda_graph_decode_step(ops, monkeypatch, kind, tiled, knobs):
     copied into the same buffers: equal to eager runs on those steps. Vector: every token on the
     vector kernels (VECTOR_ALL). Tiled: every segment on the tiled kernels, with no pos_seg in
     the metadata, so each launch builds it (a warm-up that kept it would fix step 0's segments
-    into the graph)."""
+    into the graph). gemma2: head_dim 256 with a 1024-key window and a soft-cap, contexts
+    past the window in every step."""
     _expand_knobs(ops, monkeypatch, knobs, tiled)
     dtype, batch, max_ctx, num_pages = torch.bfloat16, 24, 2048, 2 * 24 * 2048 + 8
     dims, _ = MODELS["llama2-7b" if kind == "mha" else "llama3-8b"]
-    scale, num_kv_heads = 128**-0.5, HEADS[kind][1]
+    scale, num_kv_heads = _scale(kind), HEADS[kind][1]
+    window, softcap = (1024, 50.0) if kind == "gemma2" else (0, 0.0)
     gen = torch.Generator().manual_seed(5)
     steps = []
     for seed in range(3):
@@ -230,7 +278,7 @@ def test_cuda_graph_decode_step(ops, monkeypatch, kind, tiled, knobs):
         steps.append((q, kv_pool, attn, lora_pool, padded, x))
 
     def step(q, kv_pool, attn, lora_pool, lora, x, buf, out):
-        o = ops.triton_ops.attention_decode(q, kv_pool, attn, num_kv_heads, scale)
+        o = ops.triton_ops.attention_decode(q, kv_pool, attn, num_kv_heads, scale, window, softcap)
         ops.triton_ops.lora_shrink(x, lora_pool, lora, 0, buf)
         ops.triton_ops.lora_expand(buf, lora_pool, lora, 0, out)
         return o
@@ -257,7 +305,8 @@ def test_cuda_graph_decode_step(ops, monkeypatch, kind, tiled, knobs):
         assert torch.equal(o_static, o_eager)
         assert torch.equal(buf, eager_buf) and torch.equal(out, eager_out)
         q, kv_pool, attn = current[:3]
-        assert_close(o_eager, ref.attention_decode(q, kv_pool, attn, num_kv_heads, scale), dtype)
+        expected = ref.attention_decode(q, kv_pool, attn, num_kv_heads, scale, window, softcap)
+        assert_close(o_eager, expected, dtype)
 
 
 def _clone_meta(meta):
@@ -302,6 +351,8 @@ def test_fused_ops(ops, dtype):
     assert_close(mine_k, ref_k, dtype)
     gate_up = torch.randn(300, 2 * 11008, generator=gen, device="cuda").to(dtype) * 3
     assert_close(ops.triton_ops.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+    gate_up = torch.randn(300, 2 * 14336, generator=gen, device="cuda").to(dtype) * 3  # Gemma 2
+    assert_close(ops.triton_ops.gelu_tanh_mul(gate_up), ref.gelu_tanh_mul(gate_up), dtype)
     pool = torch.randn(1000, 1024, generator=gen, device="cuda").to(dtype)
     qkv = torch.randn(300, 6144, generator=gen, device="cuda").to(dtype)
     pages = torch.randperm(1000, device="cuda")[:600].view(300, 2).int()

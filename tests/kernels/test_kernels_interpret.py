@@ -87,12 +87,13 @@ if not INTERPRETED:
 @pytest.fixture(scope="module")
 def tk() -> SimpleNamespace:
     """The kernel modules, imported only once the process is known to interpret."""
-    from kernels import attention, fused, kv, lora_blocks, lora_shrink, triton_ops
+    from kernels import attention, attention_decode, fused, kv, lora_blocks, lora_shrink, triton_ops
 
     return SimpleNamespace(
         lora_blocks=lora_blocks,
         lora_shrink=lora_shrink,
         attention=attention,
+        attention_decode=attention_decode,
         kv=kv,
         fused=fused,
         triton_ops=triton_ops,
@@ -395,20 +396,28 @@ def check_lora_groups(shrink, expand, pool, meta, dims, dtype, seed) -> None:
         assert_close(mine, theirs, dtype)
 
 
-HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1)}
-DECODE_RUNS = [  # (heads, dtype, splits; None: the launcher's choice)
-    ("mha", torch.float16, 8),
-    ("mha", torch.float32, None),
-    ("gqa", torch.float16, 1),
-    ("gqa", torch.float32, None),
-    ("mqa", torch.float16, 4),
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (8, 1), "wide": (2, 1)}  # "wide": head_dim 256
+# Sliding windows and soft-caps ride on the runs below (every path once, not the product):
+# window 0 is none, softcap 0.0 none; scale 4 with softcap 1 gives logits past 44, where e^2x
+# overflows fp32.
+DECODE_RUNS = [  # (heads, dtype, splits (None: the launcher's choice), window, softcap, scale)
+    ("mha", torch.float16, 8, 0, 0.0, 0.25),
+    ("mha", torch.float32, None, 0, 1.0, 0.25),  # CUDA-core dot products
+    ("gqa", torch.float16, 1, 0, 0.0, 0.25),
+    ("gqa", torch.float32, 4, 129, 0.0, 0.25),
+    ("mqa", torch.float16, 4, 129, 1.0, 4.0),
+    ("wide", torch.float16, 2, 129, 5.0, 0.0625),
 ]
-PREFILL_RUNS = [  # (heads, dtype, "short": 64-query tiles, "long": 128-query tiles)
-    ("mha", torch.float32, "short"),
-    ("gqa", torch.float16, "short"),
-    ("mqa", torch.float32, "short"),
-    ("gqa", torch.float32, "long"),
-    ("mha", torch.float16, "long"),
+# Window 129 against DECODE_CONTEXTS: contexts shorter than (64), equal to (129) and longer
+# than the window; at 600 its keys 471..599 fill two splits of 128-key blocks (32 for "wide").
+DECODE_CONTEXTS = [1, 7, 64, 65, 300, 129, 600]
+PREFILL_RUNS = [  # (heads, dtype, "short": 64-query tiles, "long": 128-query, window, softcap, scale)
+    ("mha", torch.float32, "short", 0, 0.0, 0.25),
+    ("gqa", torch.float16, "short", 16, 2.0, 1.0),
+    ("mqa", torch.float32, "short", 0, 1.0, 0.25),
+    ("gqa", torch.float32, "long", 0, 0.0, 0.25),
+    ("mha", torch.float16, "long", 16, 0.0, 0.25),
+    ("wide", torch.float32, "short", 40, 1.0, 0.0625),  # PREFILL_WIDE's tiles
 ]
 ATTN_SEQS = [
     (5, 5),
@@ -418,6 +427,23 @@ ATTN_SEQS = [
     (64, 130),
     (2, 2),
 ]  # (new, context): prefill, chunked, decode
+# With window 16, (16, 16) sets the context equal to the window, (5, 5) under it; chunks see
+# windows that start inside the earlier context (17 new on 80: the first query sees keys
+# 49..64), and in the 128-query tile of (130, 140) the queries at positions 79 and later see no
+# key of the first block the loop reads (keys 0..63).
+WINDOW_SEQS = [(16, 16)]
+WIDE_SEQS = [(17, 80), (64, 130), (2, 2)]  # head_dim 256: the interpreter's slowest tiles
+
+
+def check_window_softcap(mine, q, pool, meta, kv_heads, scale, window, softcap, dtype, fn):
+    """``mine`` against the ref ``fn`` with the window and soft-cap, which must matter (the ref
+    without them differs), so a kernel ignoring either fails."""
+    expected = fn(q, pool, meta, kv_heads, scale, window, softcap)
+    assert_close(mine, expected, dtype)
+    if window:
+        assert not torch.allclose(fn(q, pool, meta, kv_heads, scale, 0, softcap), expected)
+    if softcap:
+        assert not torch.allclose(fn(q, pool, meta, kv_heads, scale, window, 0.0), expected)
 
 
 class TestInterpreted:
@@ -427,7 +453,7 @@ class TestInterpreted:
         public = [
             n
             for n, f in vars(ref).items()
-            if inspect.isfunction(f) and f.__module__ == ref.__name__
+            if inspect.isfunction(f) and f.__module__ == ref.__name__ and not n.startswith("_")
         ]
         for name in public:
             mine, theirs = (
@@ -511,46 +537,41 @@ class TestInterpreted:
         tk.triton_ops.lora_expand(buf, pool, meta, 0, wide)
         assert torch.equal(mine, buf) and torch.equal(wide, out)
 
-    @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
+    @pytest.mark.parametrize("run", PREFILL_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
     def test_attention_prefill(self, tk, monkeypatch, run):
-        kind, dtype, length = run
+        kind, dtype, length, window, softcap, scale = run
         num_heads, num_kv_heads = HEADS[kind]
-        seqs = ATTN_SEQS
+        seqs = ATTN_SEQS + (WINDOW_SEQS if window else [])
         if length == "long":  # 128-query tiles
-            seqs = ATTN_SEQS + [(130, 140)]
+            seqs = seqs + [(130, 140)]
             monkeypatch.setattr(tk.attention, "PREFILL_TILE", (128, 8))
-        q, pool, meta = attn_case(
-            seqs=seqs,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=16,
-            dtype=dtype,
-            device="cpu",
-            seed=num_kv_heads,
-        )
-        scale = 16**-0.5
-        mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale)
-        assert_close(mine, ref.attention(q, pool, meta, num_kv_heads, scale), dtype)
+        if kind == "wide":
+            seqs = WIDE_SEQS
+        q, pool, meta = attn_case(seqs=seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=256 if kind == "wide" else 16, dtype=dtype,
+                                  device="cpu", seed=num_kv_heads)  # fmt: skip
+        mine = tk.triton_ops.attention(q, pool, meta, num_kv_heads, scale, window, softcap)
+        check_window_softcap(mine, q, pool, meta, num_kv_heads, scale, window, softcap, dtype,
+                             ref.attention)  # fmt: skip
 
-    @pytest.mark.parametrize("run", DECODE_RUNS, ids=lambda r: f"{r[0]}-{str(r[1])[6:]}-{r[2]}")
+    @pytest.mark.parametrize("run", DECODE_RUNS, ids=lambda r: "-".join(map(str, r[:5])))
     def test_attention_decode(self, tk, monkeypatch, run):
-        kind, dtype, splits = run
+        kind, dtype, splits, window, softcap, scale = run
         num_heads, num_kv_heads = HEADS[kind]
         if kind == "mha" and dtype == torch.float32 and splits is None:  # the CUDA-core path
-            monkeypatch.setitem(tk.attention.DECODE, "mha_dot", False)
-        contexts = [1, 7, 64, 65, 300, 129, 600]
-        q, pool, meta = attn_case(
-            seqs=[(1, c) for c in contexts],
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=16,
-            dtype=dtype,
-            device="cpu",
-            seed=splits or 0,
-        )
-        scale = 16**-0.5
-        mine = tk.attention.decode_splits(q, pool, meta, num_kv_heads, scale, splits)
-        assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, scale), dtype)
+            monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
+        q, pool, meta = attn_case(seqs=[(1, c) for c in DECODE_CONTEXTS], num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads,
+                                  head_dim=256 if kind == "wide" else 16, dtype=dtype,
+                                  device="cpu", seed=splits or 0)  # fmt: skip
+        if splits is None:  # the launcher's choice, through the public twin
+            mine = tk.triton_ops.attention_decode(q, pool, meta, num_kv_heads, scale, window,
+                                                  softcap)  # fmt: skip
+        else:
+            mine = tk.attention_decode.decode_splits(q, pool, meta, num_kv_heads, scale, splits,
+                                                     window, softcap)  # fmt: skip
+        check_window_softcap(mine, q, pool, meta, num_kv_heads, scale, window, softcap, dtype,
+                             ref.attention_decode)  # fmt: skip
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
     def test_kv_write(self, tk, dtype):
@@ -606,9 +627,12 @@ class TestInterpreted:
         assert_close(mine_k, ref_k, dtype)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-    def test_silu_mul(self, tk, dtype):
+    @pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+    def test_act_mul(self, tk, act, dtype):
         gate_up = (torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
-        assert_close(tk.triton_ops.silu_mul(gate_up), ref.silu_mul(gate_up), dtype)
+        gate_up[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -3.0])  # tanh saturated both ways
+        mine = getattr(tk.triton_ops, act)(gate_up)
+        assert_close(mine, getattr(ref, act)(gate_up), dtype)
 
 
 def tiny_model():

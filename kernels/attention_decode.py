@@ -1,0 +1,225 @@
+"""Split-KV ("flash-decoding") attention over the paged KV cache: one new query per sequence.
+
+The page layout, the exp2 softmax and the soft-cap are those of ``kernels.attention``. Stage 1
+runs the query heads of one KV head over one split of the sequence's keys and writes the
+normalized partial output and its log2-sum-exp; stage 2 merges the splits.
+
+Running example (2 splits, BLOCK_N 64): sequence b has b_seq_len 300: split_len =
+ceil(ceil(300 / 2) / 64) * 64 = 192, split 0 reads keys 0..191, split 1 keys 192..299; the merge
+weighs each split's normalized output by 2^(lse_split - max lse). With window 100 only the keys
+200..299 are split: split_len = ceil(ceil(100 / 2) / 64) * 64 = 64, split 0 reads keys 200..263,
+split 1 keys 264..299 (``_decode_span``, which the merge calls too).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention import WIDE_HEAD_DIM, _check, _logit_args, _logits, _precision, sm_count
+from kernels.meta import AttnMeta
+
+MIN_KEYS_PER_SPLIT = 256  # a split reads at least this many keys
+MAX_SPLITS = 64
+# Tiles: keys per loop step (MHA: CUDA-core dot products; GQA: tensor-core tiles), warps
+# and software-pipeline stages; benchmarks/kernels.py sweeps them on the card.
+# mha_dot: MHA on tensor cores too, the one query row padded to a 16-row tile (as GQA groups
+# under 16 are); False: CUDA-core dot products (H200, B=256, contexts 256-1024: 0.54 of the copy
+# bandwidth for every tile tried, where GQA's tensor-core path reached 0.83).
+DECODE = {"mha_block_n": 32, "gqa_block_n": 128, "warps": 4, "stages": 3, "mha_dot": True}
+# head_dim past WIDE_HEAD_DIM (Gemma 2: 256): DECODE with these overrides. H200, 16/8 heads of
+# 256, bf16, B=64 at 8192 keys (window 4096): 0.52 ms, 4.1 TB/s of K/V read; GQA blocks of 128
+# keys and 3 stages took 0.67 ms, 64 keys and 2 stages 0.73 ms.
+DECODE_WIDE = {"gqa_block_n": 32, "stages": 3}
+
+
+@triton.jit
+def _decode_span(ctx, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """(first key, keys per split) of a decode query at position ctx - 1: the keys
+    [max(0, ctx - window), ctx) (all ctx without a window) cut in NUM_SPLITS runs of whole
+    BLOCK_N blocks. The split kernel and the merge both call it, so they agree on the splits."""
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(ctx - window, 0)
+    split_len = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return first, split_len
+
+
+@triton.jit(do_not_specialize=["pt_stride"])
+def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, b_seq_len_ptr, pt_ptr, pt_stride,
+                         qk_scale, cap_log2, window, part_o_ptr, part_lse_ptr, o_ptr,
+                         NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                         PRECISION: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(b_seq_len_ptr + b)
+    first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    k_lo = first + split * split_len
+    if k_lo >= ctx:
+        return
+    k_hi = tl.minimum(ctx, k_lo + split_len)
+    g = tl.arange(0, BLOCK_G)
+    g_live = g < GROUP
+    heads = kv_head * GROUP + g  # the query heads that share this KV head
+    d = tl.arange(0, BLOCK_D)
+    d_live = d < HEAD_DIM
+    q_rows = b.to(tl.int64) * q_stride_t + heads * q_stride_h
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=g_live[:, None] & d_live[None, :], other=0.0
+    )
+    kv_cols = kv_head * HEAD_DIM + d
+    pt_row = pt_ptr + b.to(tl.int64) * pt_stride
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for j0 in range(k_lo, k_hi, BLOCK_N):
+        jj = j0 + tl.arange(0, BLOCK_N)
+        k_live = jj < k_hi
+        kv_mask = k_live[:, None] & d_live[None, :]
+        page_k = tl.load(pt_row + jj * 2, mask=k_live, other=0).to(tl.int64)
+        page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
+        k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pool_ptr + page_v[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
+        if USE_DOT:  # GQA: the group's query heads form the rows of one tensor-core tile
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        else:  # one query head per KV head: a dot product per key on CUDA cores
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        s = tl.where(k_live[None, :], _logits(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if USE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    live = g_live[:, None] & d_live[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + q_rows[:, None] + d[None, :], out, mask=live)
+    else:
+        part = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=live)
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=g_live)
+
+
+@triton.jit
+def _decode_merge_kernel(part_o_ptr, part_lse_ptr, b_seq_len_ptr, window, o_ptr, o_stride_t,
+                         o_stride_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(b_seq_len_ptr + b)
+    first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    num_live = tl.cdiv(ctx - first, tl.maximum(split_len, 1))  # the splits that ran
+    sp = tl.arange(0, NUM_SPLITS)
+    sp_live = sp < num_live
+    part = (b * NUM_HEADS + h).to(tl.int64) * NUM_SPLITS + sp
+    lse = tl.load(part_lse_ptr + part, mask=sp_live, other=float("-inf"))
+    w = tl.where(sp_live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_live = d < HEAD_DIM
+    parts = tl.load(
+        part_o_ptr + part[:, None] * BLOCK_D + d[None, :],
+        mask=sp_live[:, None] & d_live[None, :],
+        other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(denom > 0, denom, 1.0)
+    o_ptrs = o_ptr + b.to(tl.int64) * o_stride_t + h * o_stride_h + d
+    tl.store(o_ptrs, out, mask=d_live)
+
+
+def num_splits_for(device: torch.device, num_seqs: int, num_kv_heads: int, max_ctx: int) -> int:
+    """Splits per sequence from host ints only: enough programs for ~4 waves of the SMs, at least
+    MIN_KEYS_PER_SPLIT keys of the longest context (or window) per split, a power of two <=
+    MAX_SPLITS."""
+    want = triton.cdiv(4 * sm_count(device), max(1, num_seqs * num_kv_heads))
+    splits = max(1, min(want, max_ctx // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def attention_decode(
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: AttnMeta,
+    num_kv_heads: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B):
+    the query of sequence b at position L_b - 1 sees keys max(0, L_b - window) .. L_b - 1 (all
+    with window 0), logits soft-capped when softcap > 0.
+
+    Split-KV: see ``decode_splits``. Sequences with b_seq_len 0 (padding rows of a captured
+    batch) get an unspecified output row. window and softcap are per-layer constants: the
+    splits depend on host ints only, so a CUDA graph captures the step.
+    """
+    return decode_splits(q, pool_layer, meta, num_kv_heads, scale, None, window, softcap)
+
+
+def decode_splits(
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: AttnMeta,
+    num_kv_heads: int,
+    scale: float,
+    num_splits: int | None,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Decode attention in two stages. Stage 1, grid (B, num_kv_heads, num_splits): the query
+    heads of one KV head over one split of the keys (``_decode_span``), DECODE["gqa_block_n"]
+    keys per step, ``tl.dot`` on a tile of max(16, group) query rows (under MHA one live row;
+    with DECODE["mha_dot"] False, MHA takes DECODE["mha_block_n"] keys per step and ``tl.sum``
+    dot products instead; head_dim > WIDE_HEAD_DIM: DECODE_WIDE's overrides). It writes the
+    normalized partial output and its log2-sum-exp. Stage 2, grid (B, num_heads): the merge.
+    With one split, stage 1 writes the output and stage 2 is skipped. num_splits None:
+    ``num_splits_for`` over the longest context, or the window when shorter.
+    """
+    _check(q, pool_layer, meta, num_kv_heads)
+    num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
+    assert q.shape[0] == num_seqs, "decode: one query per sequence"
+    assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        keys = meta.page_table.shape[1] if window == 0 else min(window, meta.page_table.shape[1])
+        num_splits = num_splits_for(q.device, num_seqs, num_kv_heads, keys)
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of two"
+    tiles = DECODE if head_dim <= WIDE_HEAD_DIM else {**DECODE, **DECODE_WIDE}
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    use_dot = group > 1 or tiles["mha_dot"]
+    block_n = tiles["gqa_block_n"] if use_dot else tiles["mha_block_n"]
+    part_o = part_lse = out  # unused with one split
+    if num_splits > 1:
+        part_o = q.new_empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32)
+        part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
+    block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
+    qk_scale, cap_log2 = _logit_args(scale, softcap)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, q.stride(0), q.stride(1), pool_layer, meta.b_seq_len, meta.page_table,
+        meta.page_table.stride(0), qk_scale, cap_log2, window, part_o, part_lse, out,
+        NUM_HEADS=num_heads, PAGE=pool_layer.shape[1], GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        USE_DOT=use_dot, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
+        PRECISION=_precision(q.dtype), num_warps=tiles["warps"],
+        num_stages=tiles["stages"])  # fmt: skip
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, meta.b_seq_len, window, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+            NUM_SPLITS=num_splits, HAS_WINDOW=window > 0, num_warps=4)  # fmt: skip
+    return out
