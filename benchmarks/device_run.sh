@@ -75,6 +75,15 @@ case "$mode" in
         # B) and the bf16 engine against transformers + PEFT on every shape, families included
         gpu_tests 590 --durations=15 --maxfail=10 tests/kernels tests/engine/test_engine_gpu.py
         ;;
+      families-fix)
+        # issue 26 after the first families-tests: Gemma's graphs again, then the three presets
+        # with 15 s cuts, in one call
+        gpu_tests 150 tests/engine/test_engine_gpu.py -k "gemma and (matches_peft or tiled)"
+        for preset in llama3-8b qwen3-8b gemma2-9b; do
+          bench "families/$preset" 140 --model-preset "$preset" --requests 2000 \
+            --systems base,slora --adapters 1000 --max-seconds 15 --total-seconds 125
+        done
+        ;;
       families)
         # issue 26: base and slora@1000 on the standard workload for the families users fine-tune,
         # 20 s cuts, one bench per preset (llama2-7b is in results/h200)

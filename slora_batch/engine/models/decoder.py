@@ -75,7 +75,9 @@ class DecoderModel:
         )
         self.rotary_dim = spec.rotary_dim or spec.head_dim
         self.embed_scale = (
-            torch.tensor(spec.hidden_size**0.5, dtype=embed.dtype) if spec.embed_scale else None
+            torch.tensor(spec.hidden_size**0.5, dtype=embed.dtype, device=device)
+            if spec.embed_scale
+            else None  # on the device: a host tensor cannot enter a captured CUDA graph
         )
         self.act = "gelu_tanh_mul" if spec.activation == "gelu_tanh" else "silu_mul"
         q, kv, inter = spec.q_dim, spec.kv_dim, spec.intermediate_size
@@ -109,7 +111,7 @@ class DecoderModel:
         spec, eps = self.spec, self.spec.rms_norm_eps
         x = F.embedding(step.input_ids, self.embed)  # [T, H]
         if self.embed_scale is not None:
-            x = x * self.embed_scale.to(x.device)
+            x = x * self.embed_scale
         residual = None
         lora_buf = None
         if step.lora is not None and step.lora.max_rank > 0:
