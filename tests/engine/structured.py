@@ -136,3 +136,16 @@ def constrained_reference(model_dir: Path, adapters: dict, rows: list[dict]) -> 
                 feed = torch.tensor([[token]])
         out[row["id"]] = tokens
     return out
+
+
+def structured_case(root: Path) -> tuple[Path, dict]:
+    """A tiny GQA model with the narrow tokenizer, and two adapters."""
+    from factory import make_adapter, make_model
+
+    model_dir = make_model(root, "gqa", seed=3)
+    save_tokenizer(model_dir)
+    adapters = {
+        "r4": make_adapter(model_dir, root / "r4", 4, ["q_proj", "v_proj"], 8, False, seed=5),
+        "r8": make_adapter(model_dir, root / "r8", 8, ["o_proj", "down_proj"], 16, False, seed=6),
+    }
+    return model_dir, adapters

@@ -9,8 +9,7 @@ import json
 import random
 
 import pytest
-from factory import make_adapter, make_model
-from structured import EOS, FORMATS, PERSON, TOKENIZER_VOCAB, constrained_reference, save_tokenizer
+from structured import EOS, FORMATS, PERSON, TOKENIZER_VOCAB, constrained_reference, structured_case
 
 from slora_batch import Engine, EngineConfig, Request
 
@@ -19,13 +18,7 @@ ROWS = 18
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    root = tmp_path_factory.mktemp("structured")
-    model_dir = make_model(root, "gqa", seed=3)
-    save_tokenizer(model_dir)
-    adapters = {
-        "r4": make_adapter(model_dir, root / "r4", 4, ["q_proj", "v_proj"], 8, False, seed=5),
-        "r8": make_adapter(model_dir, root / "r8", 8, ["o_proj", "down_proj"], 16, False, seed=6),
-    }
+    model_dir, adapters = structured_case(tmp_path_factory.mktemp("structured"))
     rng = random.Random(0)
     names = [None, "r4", "r8"]
     rows = [
