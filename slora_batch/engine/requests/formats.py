@@ -43,6 +43,7 @@ def parse_format(value: Any) -> Format | None:
             raise ValueError(f"response_format is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"response_format must be an object, not {type(value).__name__}")
+    value = _present(value)  # a Parquet struct has every field; null ones are absent
     kind = value.get("type")
     if kind not in TYPES:
         raise ValueError(f"response_format type {kind!r} is not one of {', '.join(TYPES)}")
@@ -52,6 +53,7 @@ def parse_format(value: Any) -> Format | None:
         return Format("json_object", "")
     if kind == "json_schema":
         spec = value.get("json_schema")
+        spec = _present(spec) if isinstance(spec, dict) else spec
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if isinstance(schema, str):
             try:
@@ -81,3 +83,7 @@ def parse_format(value: Any) -> Format | None:
     if not isinstance(field, str) or not field:
         raise ValueError(f"response_format {kind} needs a non-empty string {kind!r}, got {field!r}")
     return Format(kind, field)
+
+
+def _present(mapping: dict) -> dict:
+    return {k: v for k, v in mapping.items() if v is not None}
