@@ -44,7 +44,7 @@ SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
 PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
-SYSTEMS = ("base", "slora", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
+SYSTEMS = ("base", "slora", "json", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -172,6 +172,7 @@ class BenchConfig:
         counts = {
             "base": [0],
             "slora": self.adapters,
+            "json": self.adapters,  # bench/json_run.py: slora's requests under a JSON schema
             "peft": self.peft_adapters
             or [n for n in self.adapters if n <= PEFT_MAX_ADAPTERS]
             or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from slora_batch.bench.json_run import grammar_tokens, json_requests
 from slora_batch.bench.model import RandomWeights
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.row_fields import build_counts, engine_row, figures, step_fields
@@ -86,6 +87,8 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
         requests = ctx.workload.requests(0 if system.startswith("base") else n)
         if system not in ARRIVAL_ORDER:
             requests = group_by_adapter(requests)
+        if system == "json":
+            requests = json_requests(requests)
     warmup_builds = warm_up(ctx, engine, requests, sources)
     setup_s = time.perf_counter() - setup
     asked = {r.id: r.max_new_tokens for r in requests}
@@ -102,6 +105,7 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
     for prompt, generated in timed.partial:
         work.add(prompt, generated)
     work.cached_tokens = timed.cached_tokens
+    grammar = {k: getattr(engine.counters, k, 0) for k in ("grammar_rows", "grammar_mask_s")}
     if system.endswith("-par"):
         engine.close()
     del engine
@@ -113,6 +117,8 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
     row.update(figures(ctx, work, finished, timed.wall_s, devices))
     row.update(step_fields(timed))
     row.update(build_counts(warmup_builds, timed.builds))
+    if grammar["grammar_rows"]:  # the json system: constrained draws and their host mask time
+        row.update(grammar)
     return row
 
 
@@ -151,6 +157,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
             ),
             sampling=SamplingConfig(ignore_eos=True),
             weights=model.weights,
+            grammar_tokens=grammar_tokens(model.spec.vocab_size) if system == "json" else None,
             **engine_parts(system, cfg.backend, model.device),
         )
     return engine, sources, start

@@ -47,6 +47,8 @@ class SamplingConfig:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # samples per row: outputs sample_index 0 .. n-1, each seeded on its own
+    # Structured output for every row without its own (``requests/formats.py``); None: text.
+    response_format: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +81,10 @@ class SamplingConfig:
         check(
             isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}"
         )
+        check(
+            self.response_format is None or isinstance(self.response_format, dict | str),
+            f"response_format must be an object, got {self.response_format!r}",
+        )
 
 
 @dataclass
@@ -104,6 +110,7 @@ class EngineConfig:
     # least recently used leave first; a loader thread reads the next rows' adapters into it
     cpu_threads: int | None = None  # torch threads on a cpu engine; None: cores - 1 (min 1)
     lookahead: int = 1024  # requests pulled ahead of the running set (clustering window)
+    grammar_threads: int = 2  # threads compiling structured-output grammars off the step loop
     cuda_graphs: bool = True  # capture decode steps on cuda
     prefetch: bool = True  # copy the next requests' adapters on a side stream (cuda)
     overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
@@ -148,6 +155,7 @@ class EngineConfig:
             "max_adapters_per_batch",
             "max_resident_adapters",
             "lookahead",
+            "grammar_threads",
             "cpu_pool_bytes",
             "host_cache_bytes",
         ):

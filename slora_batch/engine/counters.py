@@ -32,6 +32,9 @@ class EngineCounters:
     block_evictions: int = 0  # idle prefix blocks evicted for room
     disk_loads: int = 0  # adapter weight files read into the host cache
     loader_waits: int = 0  # admissions that waited for the loader thread's read
+    grammar_steps: int = 0  # steps with a constrained row
+    grammar_rows: int = 0  # constrained draws
+    grammar_mask_s: float = 0.0  # filling their masks on the host (while the forward runs)
     rows: int = 0
     ok_rows: int = 0
     error_rows: int = 0
@@ -68,6 +71,13 @@ class EngineCounters:
             self.prefix_hit_tokens = cache.hit_tokens
             self.cached_blocks = len(cache.blocks)
             self.block_evictions = cache.evictions
+
+    def count_masks(self, masks) -> None:
+        """A step's grammar masks (``execution.masks.GrammarMasks``, None without any)."""
+        if masks is not None:
+            self.grammar_steps += 1
+            self.grammar_rows += len(masks.rows)
+            self.grammar_mask_s += masks.host_s
 
     def count_result(self, result) -> None:
         self.rows += 1

@@ -14,6 +14,7 @@ import logging
 import time
 import weakref
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,7 @@ from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
 from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
 from slora_batch.engine.execution.batch import plan_step
+from slora_batch.engine.execution.masks import grammar_masks
 from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
 from slora_batch.engine.execution.outputs import Inflight, step_outputs, take_outputs
 from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
@@ -31,9 +33,9 @@ from slora_batch.engine.hub import locate
 from slora_batch.engine.models.sample_model import resolve_model
 from slora_batch.engine.models.spec import read_spec
 from slora_batch.engine.prepare import RequestPreparer
+from slora_batch.engine.requests.grammar import GrammarService, tokenizer_info
 from slora_batch.engine.requests.request import Request, Result
-from slora_batch.engine.requests.scoring import choices_result, continuation_result, token_logprobs
-from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.requests.results import sequence_result
 from slora_batch.engine.requests.tokens import load_tokenizer
 from slora_batch.engine.scheduling.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
 
@@ -51,6 +53,8 @@ class Engine:
     Two seams let the benchmark compose its ablations from engine parts: ``ops``, the kernel
     backend (a module with ``kernels.ref``'s functions; default from ``config.backend``), and
     ``pools``, the factory of the KV and adapter pools (default: one unified pool).
+    ``grammar_tokens`` (an ``xgrammar.TokenizerInfo``) stands in for the tokenizer in structured
+    output, for a model without one (benchmarks on random weights).
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class Engine:
         weights: dict[str, torch.Tensor] | None = None,
         ops: ModuleType | None = None,
         pools: PoolFactory = unified_pool,
+        grammar_tokens=None,
     ) -> None:
         began = time.perf_counter()
         self.config = config = config or EngineConfig()
@@ -99,6 +104,8 @@ class Engine:
         for exc in self.broken.values():
             log.warning("%s; its rows become error rows", exc)
         self.tokenizer = load_tokenizer(self.model_path)
+        make_info = partial(tokenizer_info, self.tokenizer, spec, grammar_tokens)
+        self.grammars = GrammarService(make_info, config.grammar_threads)  # formats' compiler
         scaling = spec.rope_scaling or {}
         self.scheduler = Scheduler(
             config,
@@ -117,6 +124,7 @@ class Engine:
             sampling or SamplingConfig(),
             self.max_model_len,
             self.scheduler,
+            self.grammars,
         )
         warmup_s = time.perf_counter() - warmup
         stream = None
@@ -163,6 +171,7 @@ class Engine:
         for name in ("runner", "scheduler", "residency", "pool", "lora_pool", "model", "prepare"):
             self.__dict__.pop(name, None)
         self.prefetcher = None
+        self.grammars.close()
         self.store.close()
         if self.tp is not None:
             self.tp.close()
@@ -205,6 +214,8 @@ class Engine:
                 self._inflight.read()  # its pages must not be reused while the device reads them
             self._inflight = None
             dropped = self.scheduler.abort()
+            dropped += self.grammars.parked  # rows waiting for their grammar go too
+            self.grammars.parked = []
             if dropped:
                 log.info("generate() abandoned: %d rows dropped, their pages freed", len(dropped))
 
@@ -219,7 +230,7 @@ class Engine:
 
     def _loop(self, source: Iterator[Request]) -> Iterator[Result]:
         exhausted = False
-        sched = self.scheduler
+        sched, grammars = self.scheduler, self.grammars
         while True:
             # Invariant (data-parallel workers rely on it): a row is pulled only after every
             # result read back is yielded, and only while the rows held unanswered (waiting,
@@ -227,7 +238,9 @@ class Engine:
             # under ``lookahead``. A source that blocks (a worker's pipe) so never holds back
             # results, and a feeder that allows lookahead plus a chunk of rows outstanding
             # always has room for more rows when the engine waits on it.
-            while not exhausted and sched.unanswered() < self.config.lookahead:
+            while (
+                not exhausted and sched.unanswered() + len(grammars.parked) < self.config.lookahead
+            ):
                 request = next(source, None)
                 if request is None:
                     exhausted = True
@@ -236,11 +249,21 @@ class Engine:
                 if isinstance(prepared, Result):
                     self.counters.count_result(prepared)
                     yield prepared
+                elif prepared.grammar is not None:  # waits for its grammar, not the batch
+                    self.grammars.park(prepared)
                 else:  # the row's first sequence; its other samples or choices follow it
                     sched.add(prepared)
+            if grammars.parked:  # compiled: join the queue; did not compile: error rows
+                ready, failed = grammars.take()
+                for seq in ready:
+                    sched.add(seq)
+                for result in failed:
+                    self.counters.count_result(result)
+                    yield result
             if not sched.has_work() and self._inflight is None:
-                if exhausted:
+                if exhausted and not grammars.parked:
                     return
+                grammars.wait(0.1)  # nothing runs: wait for a grammar (none: returns at once)
                 continue
             # Step N+1 is scheduled, prepared and launched while step N (in flight) runs; then
             # step N's tokens are read back. Without overlap each step completes at once.
@@ -270,7 +293,10 @@ class Engine:
             prepared = time.perf_counter()
             logits = self.runner.forward(host, prev.tokens if prev is not None else None)
             drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
-            outputs = step_outputs(logits, host, drawn)
+            # Filled while the forward runs (it does not need them; the sampler does).
+            masks = grammar_masks(drawn, prev, self.grammars, logits.device)
+            self.counters.count_masks(masks)
+            outputs = step_outputs(logits, host, drawn, masks)
             if not self.config.overlap:
                 self.prefetcher.prefetch()  # overlaps the step running on the GPU
         self.scheduler.launched(step, drawn, self._steps)
@@ -295,7 +321,7 @@ class Engine:
             graph=self.runner.graph_steps,
         )
         for seq in self.scheduler.postprocess(done.number, done.drawn, tokens):
-            result = self._result(seq)
+            result = sequence_result(seq, self.tokenizer)
             if result is None:  # a choice of a row whose other choices are still running
                 continue
             self.counters.count_result(result)
@@ -321,30 +347,3 @@ class Engine:
                 seq.num_computed += step.num_new[0]
         self.scheduler.finish(seq)
         return logits[0].float()
-
-    def _result(self, seq: Sequence) -> Result | None:
-        if seq.group is not None:
-            complete = seq.group.add(seq.choice, seq.scores)
-            return choices_result(seq.group, seq.context_tokens) if complete else None
-        if seq.scores is not None:
-            return continuation_result(seq.request, seq.scores, seq.context_tokens)
-        if seq.detok is not None:  # fed token by token for its stop strings: cut at the stop
-            text = seq.detok.text
-        elif self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        else:
-            text = ""
-        return Result(
-            id=seq.request.id,
-            adapter=seq.adapter,
-            text=text,
-            token_ids=list(seq.output_ids),
-            prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.output_ids),
-            finish_reason=seq.finish_reason,
-            extra=seq.request.extra,
-            sample_index=seq.sample_index,
-            logprobs=token_logprobs(self.tokenizer, seq.logprob_entries, len(seq.output_ids))
-            if seq.logprobs is not None
-            else None,
-        )

@@ -1,7 +1,7 @@
 """A request becomes a ``Sequence`` the scheduler can run, or an error ``Result`` that says why.
 
 Checks, in order: the adapter (broken, or unknown with the nearest known names), the sampling
-overrides and logprobs, tokenization (prompt, chat template, given ids; a scored row's
+overrides, the response format's shape and logprobs, tokenization (prompt, chat template, given ids; a scored row's
 continuations and answer), the prompt (and each continuation) against the context, and the
 pages the row needs at the least against the pool. A bad request never raises.
 """
@@ -13,6 +13,8 @@ from dataclasses import asdict
 from slora_batch.engine.adapters.store import AdapterError, AdapterStore
 from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.models.spec import ModelSpec
+from slora_batch.engine.requests.formats import parse_format
+from slora_batch.engine.requests.grammar import GrammarService, GrammarState
 from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.engine.requests.sampling import noise_key
 from slora_batch.engine.requests.scoring import (
@@ -39,8 +41,10 @@ class RequestPreparer:
         sampling: SamplingConfig,
         max_model_len: int,
         scheduler: Scheduler,
+        grammars: GrammarService,
     ) -> None:
         self.spec, self.store, self.broken = spec, store, broken
+        self.grammars = grammars
         self.tokenizer, self.sampling = tokenizer, sampling
         self.max_model_len, self.scheduler = max_model_len, scheduler
         self.arrivals = 0
@@ -58,6 +62,7 @@ class RequestPreparer:
             )
         try:
             params = self.sampling_for(request)
+            fmt = None if request.scored else parse_format(params.response_format)
             logprobs = check_logprobs(request)
             prompt_ids = tokenize(request, self.tokenizer, self.spec.vocab_size, self.spec.path)
             if prompt_ids and request.scored:
@@ -93,6 +98,13 @@ class RequestPreparer:
         problem = self.scheduler.never_fits(seqs[0])
         if problem:
             return Result.failed(request, problem, prompt_tokens=n)
+        if fmt is not None:  # compiled off the loop, once per format; a matcher per sample
+            try:
+                future = self.grammars.submit(fmt)
+            except ValueError as exc:  # no tokenizer to build the grammar's vocabulary from
+                return Result.failed(request, str(exc), prompt_tokens=n)
+            for seq in seqs:
+                seq.grammar = GrammarState(future)
         seqs[0].followers = seqs[1:]  # queued when the first one's prompt is computed
         seqs[0].context_tokens = n
         return seqs[0]

@@ -22,6 +22,7 @@ import yaml
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
 from slora_batch.engine.requests.request import SAMPLING_FIELDS
+from slora_batch.jobs.response_format import read_schema_file
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
 SCORE_KEYS = ("continuation", "choices", "continuation_token_ids", "choices_token_ids")
@@ -301,6 +302,7 @@ def _build(raw: dict[str, Any], name: str, base_dir: Path, where: str) -> JobCon
         }
     if isinstance(raw["model"], str) and _looks_like_path(raw["model"], base_dir):
         raw["model"] = _resolve(raw["model"], base_dir, "model", where)
+    raw["sampling"] = read_schema_file(raw.get("sampling"), base_dir, where)
     for key, cls in NESTED.items():
         try:
             raw[key] = from_dict(cls, raw.get(key), f"{where}: {key}")

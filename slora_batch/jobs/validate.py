@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.adapters.adapter_files import AdapterInfo
 from slora_batch.engine.models.spec import ModelSpec
+from slora_batch.engine.requests.grammar import GrammarService, tokenizer_info
 from slora_batch.engine.requests.request import Request, Result
 from slora_batch.engine.requests.scoring import scored_ids
 from slora_batch.engine.requests.tokens import load_tokenizer, tokenize
@@ -21,6 +23,7 @@ from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, input_notes,
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.manifest import fingerprint, resumable_manifest
 from slora_batch.jobs.reader import InputError, input_root, read_rows
+from slora_batch.jobs.response_format import format_problem
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.scan import scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS
@@ -65,6 +68,7 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         raise JobError(f"job {job.name!r}: {scan.duplicates_message()}")
     problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
     tokenizer = load_tokenizer(plan.model_path)
+    grammars = GrammarService(partial(tokenizer_info, tokenizer, plan.spec))  # at a first format
     limit = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
     known = None if fanout else sorted(a.name for a in plan.adapters)
     checked = 0
@@ -84,10 +88,13 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
                 )
                 continue
             problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, limit)
+            problem = problem or format_problem(item, job.sampling.response_format, grammars)
             if problem:
                 problems.append(f"{row.where}: {problem}")
     except InputError as exc:
         raise job_error(job, exc) from exc
+    finally:
+        grammars.close()
     return ValidationReport(
         job=job.name,
         model=_model_label(plan),

@@ -16,6 +16,7 @@ import torch
 
 from slora_batch.engine.device import to_device
 from slora_batch.engine.execution.batch import HostStep
+from slora_batch.engine.execution.masks import GrammarMasks
 from slora_batch.engine.requests.sampling import SamplingBatch, sample
 from slora_batch.engine.requests.sequence import Sequence
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
@@ -57,13 +58,20 @@ class Inflight:
         self.ready.record()
 
 
-def step_outputs(logits: torch.Tensor, host: HostStep, drawn: list[Sequence]) -> dict:
+def step_outputs(
+    logits: torch.Tensor, host: HostStep, drawn: list[Sequence], masks: GrammarMasks | None = None
+) -> dict:
     """The step's outputs on the device, from its logits: the drawn rows' first, then the
-    scored tokens' (``HostStep.score_index``)."""
+    scored tokens' (``HostStep.score_index``). ``masks`` (rows with a grammar) cut the drawn
+    rows' logits before anything reads them: their tokens and logprobs come from the masked
+    distribution."""
     outputs = {}
     if host.score_index is not None:
         outputs["scores"] = score_tokens(logits[len(drawn) :], host.score_targets)
         logits = logits[: len(drawn)]
+    if masks is not None:
+        logits = logits[: len(drawn)]
+        masks.apply(logits)
     if drawn and any(s.temperature > 0 for s in drawn):
         params = SamplingBatch.build(
             [(s.temperature, s.top_k, s.top_p, s.key, s.num_drawn) for s in drawn], logits.device

@@ -21,6 +21,7 @@ class Request:
     give ``continuation_token_ids`` / ``choices_token_ids`` instead. ``answer`` (a choice's index
     or its text) adds ``Result.correct``. ``logprobs`` (0-20) on a generated row returns, per
     generated token, its log-probability and the ``logprobs`` most likely alternatives.
+    ``response_format`` decodes the row under a grammar (JSON schema, regex, choice, EBNF).
     """
 
     id: Any
@@ -46,6 +47,9 @@ class Request:
     n: int | None = None  # samples of a generated row (SamplingConfig.n when None)
     # Which of the n samples to make (None: all): a resumed job asks for the missing ones.
     sample_indices: list[int] | None = None
+    # Structured output (``requests/formats.py``): {"type": "json_schema", "json_schema":
+    # {"name", "schema"}}, json_object, regex, choice, grammar; an object or its JSON text.
+    response_format: dict[str, Any] | str | None = None
 
     @property
     def scored(self) -> bool:
@@ -57,7 +61,8 @@ class Request:
 
 
 SAMPLING_FIELDS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n"
+    "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n",
+    "response_format",
 )  # fmt: skip
 SCORING_FIELDS = (
     "continuation",

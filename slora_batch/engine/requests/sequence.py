@@ -7,6 +7,7 @@ from enum import Enum
 
 import numpy as np
 
+from slora_batch.engine.requests.grammar import GrammarState
 from slora_batch.engine.requests.request import Request
 from slora_batch.engine.requests.scoring import ChoiceGroup, ScoreBuffer
 from slora_batch.engine.requests.tokens import Detokenizer
@@ -77,6 +78,9 @@ class Sequence:
     # context), so that they find its blocks in the prefix cache.
     sample_index: int = 0
     followers: list = field(default_factory=list)
+    # Structured output: this sample's matcher (None: unconstrained). The row ends with "stop"
+    # once its grammar has ended.
+    grammar: GrammarState | None = None
 
     @property
     def draws(self) -> bool:

@@ -153,9 +153,9 @@ class Scheduler(Admission):
 
     def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
         """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
-        string or their length, and release what no step in flight uses. Returns the rows
-        finished by this step: scored sequences whose last chunk it ran, then the drawn rows in
-        ``drawn`` order."""
+        string, the end of their grammar or their length, and release what no step in flight
+        uses. Returns the rows finished by this step: scored sequences whose last chunk it ran,
+        then the drawn rows in ``drawn`` order."""
         still = []
         for seq in self.held:  # held for a step up to this one: no step in flight uses it now
             (self._release if seq.last_step <= number else still.append)(seq)
@@ -171,6 +171,9 @@ class Scheduler(Admission):
                 continue
             seq.output_ids.append(token)
             stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
+            if seq.grammar is not None:  # a token taken already (masks.py) is not taken again
+                ids = seq.output_ids
+                stopped = seq.grammar.accept(ids, len(ids), seq.request.id) or stopped
             if stopped or (token in self.eos_token_ids and not seq.ignore_eos):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.max_new_tokens:
