@@ -44,6 +44,10 @@ MODELS = {  # name: (target dims in canonical order, page size = kv_dim)
          "gate": (4096, 14336), "up": (4096, 14336), "down": (14336, 4096)},
         1024,
     ),
+    "phi3-mini": (  # fused targets: one B over q | k | v (3 x 3072), one over gate | up
+        {"qkv": (3072, 9216), "o": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072)},
+        3072,
+    ),
 }  # fmt: skip
 HEADS = {"mha": (32, 32), "gqa": (32, 8), "gemma2": (16, 8)}  # gemma2: head_dim 256
 LARGE_PAGE_OFFSET = 2**31  # elements: pages placed past it need int64 offsets

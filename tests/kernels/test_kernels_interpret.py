@@ -342,13 +342,13 @@ def assert_meta_unchanged(meta, before: dict) -> None:
         assert same(value, before[name][1]), f"{name} was changed"
 
 
-def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
+def check_lora(shrink, expand, pool, meta, dtype, seed=1, dims=None) -> None:
     """Every target through shrink and expand against ref, on stale buffers and a column slice;
-    the metadata comes out as it went in."""
+    the metadata comes out as it went in. ``dims``: other targets than TARGET_DIMS (no groups)."""
     before = meta_fields(meta)
     gen = torch.Generator().manual_seed(seed)
     num_tokens = meta.b_slot.shape[0]
-    for index, (d_in, d_out) in enumerate(TARGET_DIMS.values()):
+    for index, (d_in, d_out) in enumerate((dims or TARGET_DIMS).values()):
         x = torch.randn(num_tokens, d_in, generator=gen).to(dtype)
         buf = torch.randn(num_tokens, meta.max_rank, generator=gen)  # stale rows must survive
         mine, theirs = buf.clone(), buf.clone()
@@ -360,8 +360,14 @@ def check_lora(shrink, expand, pool, meta, dtype, seed=1) -> None:
         expand(buf, pool, meta, index, mine[:, 8 : 8 + d_out])  # out: a column slice
         ref.lora_expand(buf, pool, meta, index, theirs[:, 8 : 8 + d_out])
         assert_close(mine, theirs, dtype)
-    check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
+    if dims is None:
+        check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
     assert_meta_unchanged(meta, before)
+
+
+# Phi-3's fused targets: one A, one B over the whole fused output (q | k | v: 64 + 32 + 32; gate |
+# up: 96 + 96), rows of 4 and 6 pages of 32
+FUSED_DIMS = {"qkv": (64, 128), "o": (64, 64), "gate_up": (64, 192), "down": (96, 64)}
 
 
 GROUPS = [(0, 1, 2), (3,), (4, 5), (6,), (0, 2), (1, 2)]  # q k v; o; gate up; down; partial groups
@@ -515,6 +521,17 @@ class TestInterpreted:
         padded = dataclasses.replace(pad_segments(meta, 20, 32), vector_max=vector_max)
         check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand,
                    pool, padded, torch.float32)  # fmt: skip
+
+    @pytest.mark.parametrize("vector_max", [0, VECTOR_ALL], ids=["tiled", "vector"])
+    def test_lora_fused_targets(self, tk, vector_max):
+        """A fused B (Phi-3's qkv_proj, gate_up_proj) written over its whole fused output, at
+        ranks 1, 3 and 16, on both kernel families."""
+        pool, meta = lora_case(page=32, target_dims=FUSED_DIMS, ranks=[1, 3, 16],
+                               num_tokens=7, popularity="uniform", base_share=0.2,
+                               dtype=torch.float32, device="cpu", seed=9)  # fmt: skip
+        meta = dataclasses.replace(meta, vector_max=vector_max)
+        check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta,
+                   torch.float32, dims=FUSED_DIMS)  # fmt: skip
 
     def test_lora_all_base_tokens_write_nothing(self, tk):
         pool, meta = lora_case(
