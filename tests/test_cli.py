@@ -193,3 +193,22 @@ def test_the_cli_loads_neither_torch_nor_the_bench_to_answer():
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tiny, command):
+    import json
+
+    from slora_batch.engine.models.spec import SUPPORTED_ARCHITECTURES
+
+    write_jsonl(tmp_path / "rows.jsonl", make_rows(3))
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    cfg = json.loads((tiny.model / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    result = invoke(command, write_job(tmp_path, tiny, model="./gpt2"))
+    assert result.exit_code == 1
+    assert "architecture 'GPT2LMHeadModel' is not supported" in result.stderr, result.stderr
+    assert f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})" in result.stderr
+    assert "Qwen3ForCausalLM" in result.stderr and "Phi3ForCausalLM" in result.stderr
+    assert not (tmp_path / "out").exists()
