@@ -94,6 +94,9 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     backend: str = "auto"  # kernels: "torch" (kernels/ref.py) or "triton"; auto: triton on cuda
+    # base weights: "auto" as the checkpoint holds them (an FP8 checkpoint stays fp8); "fp8":
+    # e4m3 per output channel, activations per token (models/quant.py); LoRA stays in dtype
+    weights: str = "auto"
     num_pages: int | None = None  # pool size in pages; None sizes it from memory_fraction
     memory_fraction: float = 0.9  # of free device memory after weights (cuda) for the pool
     cpu_pool_bytes: int = 1 << 30  # pool size on cpu when num_pages is None
@@ -135,6 +138,10 @@ class EngineConfig:
         check(
             self.dtype in ("auto", "float32", "float16", "bfloat16"),
             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        check(
+            self.weights in ("auto", "fp8"),
+            f"weights must be auto or fp8, got {self.weights!r}",
         )
         check(
             self.backend in ("auto", "torch", "triton"),

@@ -12,11 +12,12 @@ import torch
 from slora_batch.engine.adapters.adapter_files import AdapterError
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.adapters.store import AdapterStore
-from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.config import ConfigError, EngineConfig
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
 from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.loader import load_model
+from slora_batch.engine.models.quant import fp8_matmul_supported
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.resolution import backend_name
@@ -55,7 +56,14 @@ def build_parts(
     cuda = device.type == "cuda"
     store = AdapterStore(spec, adapters, config.host_cache_bytes, cuda, dtype, (rank, size))
     _, broken = store.check_all()
-    model = load_model(spec, dtype, device, max_model_len, weights, tp)
+    fp8 = config.weights == "fp8"
+    if (fp8 or spec.quantization) and device.type == "cuda" and not fp8_matmul_supported(device):
+        what = "weights: fp8" if fp8 else f"the FP8 checkpoint {spec.path!r}"
+        raise ConfigError(
+            f"{what} needs fp8 matmuls (compute capability >= 8.9); {device} has "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
+    model = load_model(spec, dtype, device, max_model_len, weights, tp, fp8)
     pages = num_pages(config, pool_spec, dtype, device, max_model_len)
     if tp is not None:
         pages = tp.min_over_ranks(pages)

@@ -29,6 +29,7 @@ def family_fields(path: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         path, cfg, "full_attention" if arch.startswith("Gemma3") else None
     )
     fields: dict[str, Any] = dict(
+        quantization=quantization(path, cfg),
         rope_theta=theta,
         rope_scaling=scaling,
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
@@ -66,6 +67,46 @@ def family_fields(path: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if fields.get("activation", "silu") == "silu" and act != "silu":
         raise ModelError(f"model {path!r}: hidden_act {act!r} is not supported (silu)")
     return fields
+
+
+def quantization(path: str, cfg: dict[str, Any]) -> dict | None:
+    """The checkpoint's weight quantization as the loader reads it, or None (unquantized):
+    {"kind": "channel"} (compressed-tensors ``float-quantized`` fp8, one scale per output
+    channel or per tensor) or {"kind": "block", "block": (rows, cols)} (HF ``fp8``, one
+    ``weight_scale_inv`` per block). Any other format is refused naming it."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if q.get("activation_scheme", "dynamic") != "dynamic" or not block:
+            raise ModelError(
+                f"model {path!r}: quantization fp8 is supported block-wise with dynamic "
+                f"activations (weight_block_size, activation_scheme dynamic), got {q}"
+            )
+        return {"kind": "block", "block": (int(block[0]), int(block[1]))}
+    if method == "compressed-tensors" and q.get("format") in ("float-quantized", "naive-quantized"):
+        for group in (q.get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if (
+                w.get("type") != "float"
+                or w.get("num_bits") != 8
+                or w.get("strategy")
+                not in (
+                    "channel",
+                    "tensor",
+                )
+            ):
+                raise ModelError(
+                    f"model {path!r}: compressed-tensors weights {w} are not supported "
+                    "(fp8: type float, 8 bits, strategy channel or tensor)"
+                )
+        return {"kind": "channel"}
+    raise ModelError(
+        f"model {path!r}: quantization {method!r} ({q.get('format', '')}) is not supported "
+        "(supported: compressed-tensors float-quantized fp8, fp8 block-wise)"
+    )
 
 
 def _layer_types(path: str, arch: str, cfg: dict[str, Any]) -> list[str]:

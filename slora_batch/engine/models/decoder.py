@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from slora_batch.engine.models.layers import add_lora, rope_cos_sin
+from slora_batch.engine.models.quant import linear
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H]
+    qkv: torch.Tensor  # [q_dim + 2 * kv_dim, H]; the projections may be Fp8Weight
     qkv_bias: torch.Tensor | None  # [q_dim + 2 * kv_dim]
     o: torch.Tensor  # [H, q_dim]
     o_bias: torch.Tensor | None
@@ -126,7 +127,7 @@ class DecoderModel:
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             lora = (lora_layer, step.lora, lora_buf, ops)
             h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
             self._lora(h, qkv, self.qkv_cols, *lora, cut=True)
             q, k, v = qkv.split(self.split, dim=1)
             q, k = self._heads(q, k, layer, ops)
@@ -138,7 +139,7 @@ class DecoderModel:
             attn = self._attend(q, pool_layer, step, ops, window).view(-1, spec.q_dim)
             # o and down are row-parallel under tensor parallelism: partial sums with the rank's
             # LoRA columns in them, joined by one all-reduce (o's bias added once, after it)
-            o = F.linear(attn, layer.o, layer.o_bias if tp is None else None)
+            o = linear(attn, layer.o, layer.o_bias if tp is None else None)
             self._lora(attn, o, {"o": row_cols}, *lora)
             if tp is not None:
                 tp.all_reduce(o)
@@ -149,10 +150,10 @@ class DecoderModel:
             else:  # Gemma: the attention output normalized, then the pre-MLP norm
                 o = ops.rms_norm(o, layer.post_norm, eps)[0]
                 h, residual = ops.rms_norm(o, layer.ff_norms[0], eps, residual)
-            gate_up = F.linear(h, layer.gate_up)
+            gate_up = linear(h, layer.gate_up)
             self._lora(h, gate_up, self.gate_up_cols, *lora, cut=True)
             a = act(gate_up)
-            down = F.linear(a, layer.down)
+            down = linear(a, layer.down)
             self._lora(a, down, {"down": row_cols}, *lora)
             if tp is not None:
                 tp.all_reduce(down)

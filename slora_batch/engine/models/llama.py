@@ -22,17 +22,17 @@ class LlamaModel(DecoderModel):
     @classmethod
     def read_layer(cls, w: TensorReader, spec: ModelSpec, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = [w.take(p + f"self_attn.{t}_proj.weight", dim=0) for t in "qkv"]
+        qkv = [w.linear(p + f"self_attn.{t}_proj.weight", dim=0) for t in "qkv"]
         bias = [w.take(p + f"self_attn.{t}_proj.bias", spec.attention_bias, 0) for t in "qkv"]
         return LayerWeights(
             input_norm=w.norm(p + "input_layernorm.weight"),
             qkv=w.cat(qkv),
             qkv_bias=w.cat(bias) if spec.attention_bias else None,
-            o=w.take(p + "self_attn.o_proj.weight", dim=1),
+            o=w.linear(p + "self_attn.o_proj.weight", dim=1),
             o_bias=w.take(p + "self_attn.o_proj.bias", spec.o_bias),
             post_norm=w.norm(p + "post_attention_layernorm.weight"),
-            gate_up=w.cat([w.take(p + f"mlp.{t}_proj.weight", dim=0) for t in ("gate", "up")]),
-            down=w.take(p + "mlp.down_proj.weight", dim=1),
+            gate_up=w.cat([w.linear(p + f"mlp.{t}_proj.weight", dim=0) for t in ("gate", "up")]),
+            down=w.linear(p + "mlp.down_proj.weight", dim=1),
             **cls.extra_norms(w, spec, p),
         )
 

@@ -24,11 +24,11 @@ class Phi3Model(LlamaModel):
         return LayerWeights(
             input_norm=w.norm(p + "input_layernorm.weight"),
             # under tensor parallelism each part is cut by rank: [q_r | k_r | v_r]
-            qkv=w.take(p + "self_attn.qkv_proj.weight", dim=0, parts=(q, kv, kv)),
+            qkv=w.linear(p + "self_attn.qkv_proj.weight", dim=0, parts=(q, kv, kv)),
             qkv_bias=None,
-            o=w.take(p + "self_attn.o_proj.weight", dim=1),
+            o=w.linear(p + "self_attn.o_proj.weight", dim=1),
             o_bias=None,
             post_norm=w.norm(p + "post_attention_layernorm.weight"),
-            gate_up=w.take(p + "mlp.gate_up_proj.weight", dim=0, parts=(inter, inter)),
-            down=w.take(p + "mlp.down_proj.weight", dim=1),
+            gate_up=w.linear(p + "mlp.gate_up_proj.weight", dim=0, parts=(inter, inter)),
+            down=w.linear(p + "mlp.down_proj.weight", dim=1),
         )

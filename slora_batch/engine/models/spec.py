@@ -85,6 +85,7 @@ class ModelSpec:
     local_rope: dict | None = None  # the sliding layers' own RoPE (Gemma 3: theta, type)
     rotary_dim: int | None = None  # leading dims of a head that RoPE rotates; None: all
     fused_projections: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
+    quantization: dict | None = None  # an FP8 checkpoint's format (``configs.quantization``)
 
     @property
     def q_dim(self) -> int:

@@ -1,0 +1,90 @@
+"""FP8 weights (W8A8): e4m3 weights with one scale per output channel, activations quantized per
+token on the fly, for the base projections only. LoRA reads the unquantized activations and its
+bf16 factors (feeding it the fp8 input ruined adapters in vLLM #42007), the embedding and the LM
+head stay in the model's dtype.
+
+Where the card has fp8 matmuls (compute capability 8.9 and up) the product is one
+``torch._scaled_mm`` with row-wise scales; elsewhere (the CPU, CI) it is emulated exactly:
+quantize, dequantize, multiply in fp32. Checkpoints: a bf16 one quantized on load
+(``weights: fp8``), compressed-tensors ``float-quantized`` per channel, and the HF ``fp8``
+block-wise (128 x 128) format, whose blocks are requantized per channel on load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest e4m3 value
+_TINY = 1e-12
+
+
+@dataclass
+class Fp8Weight:
+    """A projection's weight in e4m3 [out, in] and its per-output-channel fp32 scales [out]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def to(self, device: torch.device) -> Fp8Weight:
+        return Fp8Weight(self.weight.to(device), self.scale.to(device))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> Fp8Weight:
+        """Per output channel: scale = amax / 448, so every channel spans e4m3's range."""
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)
+        return cls(to_fp8(w / scale[:, None]), scale)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization: (x_fp8 [..., T, in], scales [..., T, 1] fp32)."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    return to_fp8(x.float() / scale), scale
+
+
+def fp8_matmul_supported(device: torch.device) -> bool:
+    """Whether ``device`` multiplies fp8 natively (Ada and Hopper: compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None):
+    """``F.linear`` for a weight in the model's dtype or in fp8 (out: x's dtype)."""
+    if not isinstance(w, Fp8Weight):
+        return F.linear(x, w, bias)
+    xq, x_scale = quantize_rows(x)
+    if fp8_matmul_supported(x.device):
+        rows = x.shape[0]
+        pad = -rows % 16  # the fp8 GEMM wants every dimension a multiple of 16
+        if pad:
+            xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+            x_scale = torch.cat([x_scale, x_scale.new_ones(pad, 1)])
+        out = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=w.scale[None, :],
+                               bias=bias, out_dtype=x.dtype)  # fmt: skip
+        return out[:rows]
+    out = (xq.float() * x_scale) @ (w.weight.float() * w.scale[:, None]).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+    """The HF ``fp8`` block-wise format: w [out, in] e4m3 times one scale per (block[0] x
+    block[1]) block (``weight_scale_inv`` [ceil(out / b0), ceil(in / b1)]), in fp32."""
+    b0, b1 = block
+    scale = scale_inv.float().repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
+    return w.float() * scale[: w.shape[0], : w.shape[1]]
