@@ -17,6 +17,7 @@ from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_m
 from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
 from slora_batch.jobs.config import JobConfig, fanout_adapters
 from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.openai_input import OpenAIBatch, job_openai
 from slora_batch.jobs.outdir import OutputError
 from slora_batch.jobs.reader import InputError, iter_input_files, parquet_file
 from slora_batch.jobs.scan import InputScan
@@ -56,6 +57,7 @@ class JobPlan:
     # job gives them): what engines, workers and Ray tasks are handed
     sources: Any = None
     snapshots: dict[str, Snapshot] = field(default_factory=dict)  # "model" / "adapter 'x'"
+    openai: OpenAIBatch | None = None  # the input holds OpenAI Batch lines (``openai_input``)
 
     def __post_init__(self) -> None:
         if self.sources is None:
@@ -111,6 +113,8 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
                 except (OSError, pa.ArrowException) as exc:
                     raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
         sweep = fanout_adapters(job)
+        names = [a.name for a in adapters] + list(broken)  # a broken one's rows: error rows
+        openai = job_openai(job, files, names, Path(model_path), input_fs)
         if output is not None:
             if not output.is_file_or_missing():
                 raise OutputError(f"output {str(output)!r} exists and is not a directory")
@@ -120,7 +124,7 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
     return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs,
-                   sources=located.adapters, snapshots=located.snapshots)  # fmt: skip
+                   sources=located.adapters, snapshots=located.snapshots, openai=openai)  # fmt: skip
 
 
 def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:
