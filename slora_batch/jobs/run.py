@@ -173,6 +173,9 @@ def run_plan(
         except JOB_ERRORS as exc:
             raise job_error(job, exc) from exc
         notes = input_notes(plan, scan)
+        for note in notes:  # an OpenAI body field the engine does not read: one warning each
+            if note.startswith("OpenAI batch"):
+                logger.warning("job %s: %s", job.name, note)
         if scan.rows == 0:
             logger.warning("job %s: %s", job.name, notes[0])
         total = plan.total
