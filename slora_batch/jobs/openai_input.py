@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from slora_batch.jobs.text import describe
@@ -214,30 +213,6 @@ def base_model_name(model: str) -> str:
     if model.startswith(("/", ".", "~")):
         return model.rstrip("/").rsplit("/", 1)[-1]
     return model.split("@")[0]
-
-
-def job_openai(job, files: list, adapters: Iterable[str], model_dir, fs=None) -> OpenAIBatch | None:
-    """The job's OpenAI Batch reading, or None for plain rows: ``input_format: openai``, or
-    ``auto`` when every file is JSONL and the first line of the first is an OpenAI Batch line.
-    Raises ``InputError`` for an openai input with a Parquet file, ``ConfigError`` with fanout."""
-    from slora_batch.engine.config import ConfigError
-    from slora_batch.jobs.reader import InputError, file_records
-
-    jsonl = all(str(f).lower().endswith(".jsonl") for f in files)
-    if job.input_format == "rows" or (job.input_format == "auto" and not jsonl):
-        return None
-    if not jsonl:
-        parquet = next(f for f in files if not str(f).lower().endswith(".jsonl"))
-        raise InputError(f"input_format openai reads .jsonl files only, got {str(parquet)!r}")
-    if job.input_format == "auto":
-        first = next(iter(file_records(files[0], None, fs)), None) if files else None
-        if first is None or not is_openai_line(first[1]):
-            return None
-    if job.fanout is not None:
-        raise ConfigError("input_format openai names each line's adapter (body.model): no fanout")
-    name = base_model_name(job.model)
-    bases = {name, name.rsplit("/", 1)[-1], job.model, Path(model_dir).name}
-    return OpenAIBatch(bases, adapters, job.columns)
 
 
 def kept_columns(
