@@ -20,6 +20,7 @@ from test_jobrun import PAGES, build_tiny, load_job, one_thread, write_job  # no
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.jobs.check import check_job
 from slora_batch.jobs.openai_output import ERRORS_FILE, OUTPUT_FILE
+from slora_batch.jobs.preview import preview
 from slora_batch.jobs.run import run_job
 from slora_batch.jobs.validate import validate_job
 
@@ -182,6 +183,8 @@ def test_batch_file_in_openai_files_out(tmp_path, tiny):
     assert any("'frequency_penalty' in 1 line " in n for n in notes), summary.notes
     assert any("line field 'metadata' in 1 line " in n for n in notes), summary.notes
     assert len(notes) == 3  # a line with a wrong url has no known fields to report against
+    shown = preview(load_job(tmp_path, tiny, **KEYS), limit=20)  # the summary's examples
+    assert {row.id for row in shown} == {x["custom_id"] for x in lines}
     report = validate_job(load_job(tmp_path, tiny, **KEYS, output="out-validate"))
     assert sorted(report.notes) == sorted(summary.notes)
     assert sum("unknown model 'gpt-4o'" in p for p in report.problems) == 1
