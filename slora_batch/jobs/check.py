@@ -17,8 +17,9 @@ from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_m
 from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
 from slora_batch.jobs.config import JobConfig, fanout_adapters
 from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.openai_input import OpenAIBatch, base_model_name, is_openai_line
 from slora_batch.jobs.outdir import OutputError
-from slora_batch.jobs.reader import InputError, iter_input_files, parquet_file
+from slora_batch.jobs.reader import InputError, file_records, iter_input_files, parquet_file
 from slora_batch.jobs.scan import InputScan
 
 
@@ -56,6 +57,7 @@ class JobPlan:
     # job gives them): what engines, workers and Ray tasks are handed
     sources: Any = None
     snapshots: dict[str, Snapshot] = field(default_factory=dict)  # "model" / "adapter 'x'"
+    openai: OpenAIBatch | None = None  # the input holds OpenAI Batch lines (``openai_input``)
 
     def __post_init__(self) -> None:
         if self.sources is None:
@@ -111,6 +113,8 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
                 except (OSError, pa.ArrowException) as exc:
                     raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
         sweep = fanout_adapters(job)
+        names = [a.name for a in adapters] + list(broken)  # a broken one's rows: error rows
+        openai = _openai(job, files, names, Path(model_path), input_fs)
         if output is not None:
             if not output.is_file_or_missing():
                 raise OutputError(f"output {str(output)!r} exists and is not a directory")
@@ -120,7 +124,7 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
     return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs,
-                   sources=located.adapters, snapshots=located.snapshots)  # fmt: skip
+                   sources=located.adapters, snapshots=located.snapshots, openai=openai)  # fmt: skip
 
 
 def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:
@@ -166,3 +170,26 @@ def input_notes(plan: JobPlan, scan: InputScan) -> list[str]:
 def job_error(job: JobConfig, exc: Exception) -> JobError:
     message = str(exc)
     return JobError(message if f"job {job.name!r}" in message else f"job {job.name!r}: {message}")
+
+
+def _openai(
+    job: JobConfig, files: list[Path], adapters: list[str], model_dir: Path, fs: Any = None
+) -> OpenAIBatch | None:
+    """The job's OpenAI Batch reading, or None for plain rows: ``input_format: openai``, or
+    ``auto`` when every file is JSONL and the first line of the first is an OpenAI Batch line.
+    Raises ``InputError`` for an openai input with a Parquet file, ``ConfigError`` with fanout."""
+    jsonl = all(str(f).lower().endswith(".jsonl") for f in files)
+    if job.input_format == "rows" or (job.input_format == "auto" and not jsonl):
+        return None
+    if not jsonl:
+        parquet = next(f for f in files if not str(f).lower().endswith(".jsonl"))
+        raise InputError(f"input_format openai reads .jsonl files only, got {str(parquet)!r}")
+    if job.input_format == "auto":
+        first = next(iter(file_records(files[0], None, fs)), None) if files else None
+        if first is None or not is_openai_line(first[1]):
+            return None
+    if job.fanout is not None:
+        raise ConfigError("input_format openai names each line's adapter (body.model): no fanout")
+    name = base_model_name(job.model)
+    bases = {name, name.rsplit("/", 1)[-1], job.model, Path(model_dir).name}
+    return OpenAIBatch(bases, adapters, job.columns)

@@ -30,6 +30,7 @@ SCORE_KEYS = ("continuation", "choices", "continuation_token_ids", "choices_toke
 COLUMN_KEYS = ("id", "adapter", "prompt", "messages", "prompt_token_ids", *SCORE_KEYS, "answer")
 ROW_OPTIONS = (*SAMPLING_FIELDS, "logprobs")  # per-row options, read under their own names
 URI_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+://")  # a path with a scheme, kept as given
+FORMATS = {"input_format": ("auto", "rows", "openai"), "output_format": ("parquet", "openai")}
 NESTED = {"sampling": SamplingConfig, "engine": EngineConfig}
 
 
@@ -54,6 +55,10 @@ class JobConfig:
     # what each choice index means, for the preference table's columns (the sample eval: one
     # style per position); None: the choices' texts when every row has the same, else indices
     choice_labels: list[str] | None = None
+    # "openai": OpenAI Batch API lines (``openai_input.py``); "auto": that when the first line
+    # of a JSONL input has custom_id and body, else rows
+    input_format: str = "auto"
+    output_format: str = "parquet"  # "openai": also batch_output.jsonl / batch_errors.jsonl
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):
@@ -110,6 +115,9 @@ class JobConfig:
                 isinstance(x, str) and x.strip() for x in labels)),
             f"choice_labels must be a non-empty list of non-empty strings, got {labels!r}",
         )  # fmt: skip
+        for name, allowed in FORMATS.items():
+            value = getattr(self, name)
+            check(value in allowed, f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _check_fanout(

@@ -162,6 +162,8 @@ def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
         },
         "engine": resolve(job.engine, gpu),
     }
+    if plan.openai is not None:  # only then: outputs of rows inputs keep their fingerprint
+        taken["job"]["input_format"] = "openai"
     if plan.snapshots:  # Hub names: the repository and the snapshot's commit each resolved to
         taken["hub"] = {
             label: {"name": snap.name, "repo": snap.repo_id, "commit": snap.commit}

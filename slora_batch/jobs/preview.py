@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.openai_input import OpenAIBatch, is_openai_line
 from slora_batch.jobs.outdir import part_files
-from slora_batch.jobs.reader import InputError, iter_input_files, read_rows
+from slora_batch.jobs.reader import InputError, file_records, iter_input_files, read_rows
 from slora_batch.jobs.rows import RowSource, to_request
 
 
@@ -36,7 +37,13 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
     prompts: dict[Any, str] = {}
     try:
         files = iter_input_files(job.input)
-        for row in read_rows(files, job.columns):
+        jsonl = files[0].suffix.lower() == ".jsonl"
+        first = next(iter(file_records(files[0], None)), None) if jsonl else None
+        openai = job.input_format == "openai" or (
+            job.input_format == "auto" and first is not None and is_openai_line(first[1])
+        )  # ids are all the preview needs: any body.model reads as an adapter
+        batch = OpenAIBatch((), None, job.columns) if openai else None
+        for row in read_rows(files, job.columns, openai=batch):
             if len(prompts) == scan:
                 break
             item = to_request(row, job.sampling, job.fanout is not None)

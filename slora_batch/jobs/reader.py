@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from slora_batch.jobs import fsio
 from slora_batch.jobs.config import COLUMN_KEYS, ROW_OPTIONS
+from slora_batch.jobs.openai_input import OpenAIBatch, OpenAIReading
 from slora_batch.jobs.text import type_name
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -129,9 +130,12 @@ def read_rows(
     keep: Iterable[str] = (),
     root: Path | None = None,
     fs=None,
+    openai: OpenAIBatch | None = None,
 ) -> Iterator[InputRow]:
     """Stream every row of ``files`` (on ``fs``; None: the local disk) in order, with the
-    ``keep`` columns each row has. Raises only when a file cannot be opened or read."""
+    ``keep`` columns each row has; ``openai``: the files hold OpenAI Batch lines, converted
+    (``openai_input.py``). Raises only when a file cannot be opened or read."""
+    reading = openai.reading() if openai is not None else None
     files = list(files)
     root = root or (input_root(files, fs) if files else Path("."))
     logical = {column: key for key, column in reversed(_pairs(columns))}  # column -> name
@@ -140,7 +144,7 @@ def read_rows(
     position = 0
     for file in files:
         name = relative_name(file, root)
-        for number, record, error in file_records(file, wanted, fs):
+        for number, record, error in converted(file_records(file, wanted, fs), reading, name):
             values, kept = {}, {}
             if record is not None:  # a record has a few keys: walk them, not every name
                 values = {logical[c]: v for c, v in record.items() if c in logical}
@@ -169,6 +173,22 @@ def file_records(
     if file.suffix.lower() == ".jsonl":
         return _jsonl_records(file, fs)
     return _parquet_records(file, columns, fs)
+
+
+def converted(
+    records: Iterator[tuple[int, dict | None, str | None]],
+    reading: OpenAIReading | None,
+    name: str,
+) -> Iterator[tuple[int, dict | None, str | None]]:
+    """``records`` as they are (``reading`` None), or each OpenAI Batch line converted to the
+    job's columns; a bad line keeps its record when it has a usable custom_id."""
+    if reading is None:
+        yield from records
+        return
+    for number, record, error in records:
+        if record is not None:
+            record, error = reading.convert(record, f"{name} line {number}")
+        yield number, record, error
 
 
 def parquet_file(file: Path, fs=None) -> pq.ParquetFile:

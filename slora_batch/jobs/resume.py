@@ -76,7 +76,12 @@ def pending_rows(
     fanout = plan.sweep is not None
     root = root or input_root(plan.files, plan.input_fs)
     rows = read_rows(
-        files or plan.files, job.columns, keep=list(scan.keep), root=root, fs=plan.input_fs
+        files or plan.files,
+        job.columns,
+        keep=list(scan.keep),
+        root=root,
+        fs=plan.input_fs,
+        openai=plan.openai,
     )
     for row in rows:
         id_, adapter, problem = identity(row, fanout)

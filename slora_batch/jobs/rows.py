@@ -52,10 +52,12 @@ def row_key(id_: Any, adapter: str | None, source: str | None = None) -> str:
 def identity(row: InputRow, fanout: bool = False) -> tuple[Any, str | None, str | None]:
     """(id, adapter, problem) of a row: the id as given, or a ``RowSource`` when the row has no
     usable id; ``problem`` says why the row is an error row when its line, id or adapter cannot
-    be read (then the id is always a ``RowSource``: the row cannot claim an identity it may
-    share). With ``fanout`` the row's adapter is not read (the sweep replaces it)."""
-    if row.error is not None:
-        return RowSource(row.where), None, row.error
+    be read (then the id is a ``RowSource``: the row cannot claim an identity it may share;
+    only an OpenAI Batch line, whose custom_id the reader found usable and new, keeps it). With ``fanout`` the row's adapter is not read (the sweep replaces it)."""
+    if row.error is not None:  # an OpenAI Batch line keeps a usable, unique custom_id
+        id_, problem = _check_id(row.values.get("id"), row.columns["id"])
+        usable = id_ is not None and problem is None
+        return id_ if usable else RowSource(row.where), None, row.error
     columns = row.columns
     id_, problem = _check_id(row.values.get("id"), columns["id"])
     adapter = None

@@ -17,9 +17,11 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.jobs.config import SCORE_KEYS
+from slora_batch.jobs.openai_input import OpenAIBatch
 from slora_batch.jobs.reader import (
     InputError,
     InputRow,
+    converted,
     file_records,
     input_root,
     parquet_file,
@@ -72,6 +74,13 @@ class InputScan:
         known = used_columns(columns)
         notes = []
         for name, (count, where) in self.unused.items():
+            field_of, _, field_name = name.partition(".")
+            if field_of in ("body", "line") and field_name:  # OpenAI Batch lines (openai_input)
+                notes.append(
+                    f"OpenAI batch: {field_of} field {field_name!r} in {count:,} "
+                    f"{_plural(count, 'line')} (first: {where}) is not supported: ignored"
+                )
+                continue
             close = difflib.get_close_matches(name, known, n=1)
             hint = (
                 f" (did you mean {close[0]!r}?)"
@@ -176,6 +185,7 @@ def scan_input(
     fanout: bool,
     reserved: Iterable[str] = (),
     fs=None,
+    openai: OpenAIBatch | None = None,
 ) -> InputScan:
     """One pass over every row: the id column's type, the kept columns' types (Parquet: the
     files' schemas; JSONL: inferred from the values), columns neither used nor kept, and rows
@@ -184,7 +194,8 @@ def scan_input(
 
     ``keep`` is a list of column names, "all" (every column not used) or None; ``reserved``
     names the output's own columns, which "all" does not take. ``fs``: the filesystem the files
-    are on (None: the local disk)."""
+    are on (None: the local disk); ``openai``: they hold OpenAI Batch lines (ids are strings)."""
+    reading = openai.reading() if openai is not None else None
     used = set(used_columns(columns))
     score_columns = [columns.get(key, key) for key in SCORE_KEYS]  # a scored row makes 1 row
     keep_all = keep == "all"
@@ -227,7 +238,8 @@ def scan_input(
         else:
             parquet_wanted = None
         name_ = relative_name(file, root)
-        for number, record, error in file_records(file, parquet_wanted, fs):
+        records = converted(file_records(file, parquet_wanted, fs), reading, name_)
+        for number, record, error in records:
             scan.rows += 1
             if record is None:
                 scan.own_n_rows += 1
@@ -265,14 +277,14 @@ def scan_input(
             else:
                 seen.add(key)
     del seen
-    scan.id_type = "int64" if all_ints else "string"
+    scan.id_type = "int64" if all_ints and openai is None else "string"
     for name, tracker in types.items():
         tracker.settle()
         if tracker.json:
             scan.json_text.append(name)
         scan.keep[name] = pa.string() if tracker.json else (tracker.type or pa.null())
     if repeats:
-        firsts = _first_rows(files, columns, fanout, {key for key, _ in repeats}, fs)
+        firsts = _first_rows(files, columns, fanout, {key for key, _ in repeats}, fs, openai)
         scan.duplicate_examples = [
             f"{where} repeats {firsts.get(key, '?')}" for key, where in repeats
         ]
@@ -280,11 +292,11 @@ def scan_input(
 
 
 def _first_rows(
-    files: list[Path], columns: dict[str, str], fanout: bool, keys: set[str], fs=None
+    files: list[Path], columns: dict[str, str], fanout: bool, keys: set[str], fs=None, openai=None
 ) -> dict[str, str]:
     """Where each of ``keys`` first occurs (a second pass, stopping when all are found)."""
     found: dict[str, str] = {}
-    for row in read_rows(files, columns, root=input_root(files, fs), fs=fs):
+    for row in read_rows(files, columns, root=input_root(files, fs), fs=fs, openai=openai):
         id_, adapter, problem = identity(row, fanout)
         if problem is None and not isinstance(id_, RowSource):
             key = row_key(id_, adapter)

@@ -22,6 +22,7 @@ from slora_batch.engine.requests.tokens import load_tokenizer, tokenize
 from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, input_notes, job_error
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.manifest import fingerprint, resumable_manifest
+from slora_batch.jobs.openai_input import kept_columns
 from slora_batch.jobs.reader import InputError, input_root, read_rows
 from slora_batch.jobs.response_format import format_problem
 from slora_batch.jobs.rows import to_request
@@ -61,7 +62,8 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         raise job_error(job, exc) from exc
     fanout = plan.sweep is not None
     try:
-        scan = scan_input(plan.files, job.columns, job.keep_columns, fanout, OUTPUT_COLUMNS)
+        keep = kept_columns(job.keep_columns, plan.openai)
+        scan = scan_input(plan.files, job.columns, keep, fanout, OUTPUT_COLUMNS, openai=plan.openai)
     except InputError as exc:
         raise job_error(job, exc) from exc
     if scan.duplicates:
@@ -73,7 +75,8 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     known = None if fanout else sorted(a.name for a in plan.adapters)
     checked = 0
     try:
-        for row in read_rows(plan.files, job.columns, root=input_root(plan.files)):
+        root = input_root(plan.files)
+        for row in read_rows(plan.files, job.columns, root=root, openai=plan.openai):
             if checked == limit:
                 break
             checked += 1

@@ -42,6 +42,8 @@ from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
+from slora_batch.jobs.openai_input import base_model_name
+from slora_batch.jobs.openai_output import write_openai_files
 from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.resume import done_samples
@@ -210,6 +212,10 @@ def run_ray_job(
         job_row, adapter_rows = stats_rows(out, plan, run, time.perf_counter() - started)
         write_stats(out, job_row, adapter_rows)
         actors = _write_ray_file(out, summaries, settings, run_number)
+        if job.output_format == "openai" and remote is None:
+            write_openai_files(out, job.name, base_model_name(job.model))
+        elif job.output_format == "openai":
+            logger.warning("job %s: output_format openai writes a local output only", job.name)
         write_success(out, job.name, rows=job_row["rows"])
     logger.info(
         "job %s: %d rows this run on %d actors, distinct adapters per actor: %s",

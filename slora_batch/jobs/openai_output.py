@@ -1,0 +1,192 @@
+"""OpenAI Batch API files out (``output_format: openai``): ``batch_output.jsonl`` and
+``batch_errors.jsonl`` rebuilt from the committed parts when a job completes, so a re-run after
+a kill writes them whole, each custom_id once. The parts stay the source of truth for resume.
+
+Output line: ``{"id": "batch_req_...", "custom_id", "response": {"status_code": 200,
+"request_id", "body": <chat.completion | text_completion>}, "error": null}``, one per custom_id
+with its n samples as ``choices``; error line: ``{"id", "custom_id", "response": null, "error":
+{"code", "message"}}``. Which body a row gets comes from its kept ``openai_request`` column (the
+line's url). Ids are digests of the job and the custom_id: a rebuild writes the same ones.
+
+Memory: one count per output id (a first pass), then the samples of ids not yet complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from slora_batch.jobs.openai_input import CHAT, REQUEST_COLUMN
+from slora_batch.jobs.outdir import commit_file, part_files
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_FILE, ERRORS_FILE = "batch_output.jsonl", "batch_errors.jsonl"
+COLUMNS = ("id", "adapter", "sample_index", "text", "prompt_tokens", "completion_tokens",
+           "finish_reason", "error", "source", "logprobs", REQUEST_COLUMN)  # fmt: skip
+FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero (JSON has no -inf)
+CUSTOM_ID = 'custom_id "'  # how ``openai_input`` names a line's custom_id in its messages
+
+
+def write_openai_files(out_dir: str | Path, job_name: str, base_model: str) -> tuple[int, int]:
+    """Rebuild both files from the parts of ``out_dir``; (output lines, error lines).
+    ``base_model``: the name the bodies give base-model rows."""
+    out_dir = Path(out_dir)
+    counts: Counter = Counter()
+    for rows in _part_rows(out_dir, ("id", "source")):
+        counts.update(_key(row) for row in rows)
+    written = [0, 0]
+    created = int(time.time())
+
+    def write_both(output, errors) -> None:
+        for group in _groups(out_dir, counts):
+            line, failed = _line(group, job_name, base_model, created)
+            (errors if failed else output).write(json.dumps(line, ensure_ascii=False).encode())
+            (errors if failed else output).write(b"\n")
+            written[failed] += 1
+
+    commit_file(
+        out_dir / OUTPUT_FILE,
+        lambda output: commit_file(
+            out_dir / ERRORS_FILE, lambda errors: write_both(output, errors)
+        ),
+    )
+    logger.info("wrote %s (%d lines) and %s (%d)", OUTPUT_FILE, written[0], ERRORS_FILE, written[1])
+    return written[0], written[1]
+
+
+def _part_rows(out_dir: Path, columns: tuple[str, ...]) -> Iterator[list[dict]]:
+    for _, path in part_files(out_dir):
+        names = pq.read_schema(path).names
+        yield pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist()
+
+
+def _key(row: dict) -> str:
+    """An output id's key: its custom_id, or the line (``source``) of a row without one."""
+    return f"id:{row['id']}" if row.get("id") is not None else f"source:{row.get('source')}"
+
+
+def _groups(out_dir: Path, counts: Counter) -> Iterator[list[dict]]:
+    """Every output id's rows (its samples, by index), as soon as the last one is read."""
+    pending: dict[str, list[dict]] = {}
+    for rows in _part_rows(out_dir, COLUMNS):
+        for row in rows:
+            key = _key(row)
+            group = pending.setdefault(key, [])
+            group.append(row)
+            if len(group) == counts[key]:
+                del pending[key]
+                yield sorted(group, key=lambda r: r["sample_index"])
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def _line(group: list[dict], job: str, base_model: str, created: int) -> tuple[dict, bool]:
+    """(the file line of one custom_id, whether it goes to the error file)."""
+    first = group[0]
+    custom_id = first["id"] if first["id"] is not None else _named_custom_id(first["error"])
+    key = custom_id if first["id"] is not None else first["source"]
+    line_id = f"batch_req_{_digest(job, 'line', key)}"
+    failed = next((row for row in group if row["finish_reason"] == "error"), None)
+    if failed is not None:
+        error = {"code": "invalid_request", "message": failed["error"]}
+        return {"id": line_id, "custom_id": custom_id, "response": None, "error": error}, True
+    request = json.loads(first.get(REQUEST_COLUMN) or "{}")
+    chat = request.get("url") == CHAT
+    choices = [_choice(row, index, chat) for index, row in enumerate(group)]
+    completion = sum(row["completion_tokens"] for row in group)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{_digest(job, 'body', key)}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": first["adapter"] or base_model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": first["prompt_tokens"],  # one prompt for the n samples
+            "completion_tokens": completion,
+            "total_tokens": first["prompt_tokens"] + completion,
+        },
+    }
+    response = {
+        "status_code": 200,
+        "request_id": f"req_{_digest(job, 'request', key)}",
+        "body": body,
+    }
+    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}, False
+
+
+def _choice(row: dict, index: int, chat: bool) -> dict:
+    entries = row.get("logprobs")
+    if chat:
+        logprobs = (
+            None
+            if entries is None
+            else {"content": [_chat_entry(e) for e in entries], "refusal": None}
+        )
+        message = {"role": "assistant", "content": row["text"], "refusal": None}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": row["finish_reason"],
+        }
+    logprobs = None if entries is None else _completion_logprobs(entries)
+    return {
+        "index": index,
+        "text": row["text"],
+        "logprobs": logprobs,
+        "finish_reason": row["finish_reason"],
+    }
+
+
+def _logprob(value: float | None) -> float:
+    return value if value is not None and math.isfinite(value) else FLOOR_LOGPROB
+
+
+def _token(entry: dict) -> dict:
+    text = entry.get("text") or ""
+    return {"token": text, "logprob": _logprob(entry.get("logprob")), "bytes": list(text.encode())}
+
+
+def _chat_entry(entry: dict) -> dict:
+    return {**_token(entry), "top_logprobs": [_token(t) for t in entry.get("top") or ()]}
+
+
+def _completion_logprobs(entries: list[dict]) -> dict:
+    """The legacy completions shape: parallel lists, the alternatives as {token: logprob}."""
+    offsets, offset = [], 0
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.get("text") or "")
+    return {
+        "tokens": [entry.get("text") or "" for entry in entries],
+        "token_logprobs": [_logprob(entry.get("logprob")) for entry in entries],
+        "top_logprobs": [
+            {t.get("text") or "": _logprob(t.get("logprob")) for t in entry.get("top") or ()}
+            for entry in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _named_custom_id(message: str | None) -> str | None:
+    """The custom_id an error message names (a duplicate line has no id of its own)."""
+    at = (message or "").find(CUSTOM_ID)
+    if at < 0:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(message, at + len(CUSTOM_ID) - 1)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
