@@ -18,8 +18,8 @@ from slora_batch.bench import bench as bench_module
 from slora_batch.bench.bench import BenchConfig, run_bench
 from slora_batch.bench.cli import bench
 from slora_batch.bench.engine_run import ARRIVAL_ORDER
-from slora_batch.bench.model import RANKS
 from slora_batch.bench.floor import PARTS
+from slora_batch.bench.model import RANKS
 from slora_batch.bench.roofline import Work, kv_tokens_read
 from slora_batch.bench.warmup import WARMUP_PROMPT, _warmup, warmup_groups
 from slora_batch.bench.workload import Workload, adapter_sources, group_by_adapter

@@ -27,8 +27,11 @@ def test_each_step_takes_the_larger_term_and_the_parts_add_up():
     rng = random.Random(3)
     weights, kv_token, params = 10_000_000, 4096, 5_000_000
     trace = [
-        StepWork(rng.choice([1, 8, 64, 2048, 8192]), rng.randrange(0, 50_000),
-                 rng.randrange(0, 5_000_000))  # fmt: skip
+        StepWork(
+            rng.choice([1, 8, 64, 2048, 8192]),
+            rng.randrange(0, 50_000),
+            rng.randrange(0, 5_000_000),
+        )  # fmt: skip
         for _ in range(200)
     ]
     parts = floor_parts(trace, weights, kv_token, params, RATES)
