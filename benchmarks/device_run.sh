@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: job, rooms, families(-tests),
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: batch, job, rooms, families(-tests),
 #                                          # prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
@@ -131,8 +131,20 @@ case "$mode" in
         bench tp/dp2-job 420 --data-parallel 2 --requests 4000 --systems slora-par,job-par \
           --adapters 1000 --max-seconds 0 --total-seconds 0
         ;;
+      batch)
+        # issue 28 (max_num_seqs: auto, the step-by-step floor): llama3-8b base and slora@1000
+        # at 256 rows and at auto, uncut; compare output tok/s, floor fraction (and its parts),
+        # decode host share and decode batch; then llama2-7b at auto (its KV is 4x wider)
+        for seqs in 256 auto; do
+          bench "batch/llama3-8b-$seqs" 200 --model-preset llama3-8b --requests 2000 \
+            --systems base,slora --adapters 1000 --max-num-seqs "$seqs" --max-seconds 0 \
+            --total-seconds 0
+        done
+        bench batch/llama2-7b-auto 180 --requests 2000 --systems base,slora --adapters 1000 \
+          --max-seconds 0 --total-seconds 0
+        ;;
       *)
-        echo "now needs an experiment: job, rooms, families, prefix, score, tp or dp-job (got '${2:-}')" >&2
+        echo "now needs an experiment: job, rooms, families, prefix, score, tp, dp-job or batch (got '${2:-}')" >&2
         exit 2
         ;;
     esac

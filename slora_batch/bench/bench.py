@@ -68,6 +68,7 @@ class BenchConfig:
     model_preset: str = "llama2-7b"
     device: str = "auto"  # auto: cuda when available
     backend: str = "auto"  # the engine's kernels (EngineConfig.backend)
+    max_num_seqs: int | str = "auto"  # the engines' rows at once (EngineConfig.max_num_seqs)
     max_seconds: float = 0.0  # per engine run: stop there, count the work done; 0 = no limit
     peft_max_seconds: float = 0.0  # per peft run, the same; 0 = no limit
     total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit
@@ -99,6 +100,14 @@ class BenchConfig:
         self.out = Path(self.out)
         for name in ("tensor_parallel", "data_parallel"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.max_num_seqs, str) and self.max_num_seqs.isdigit():
+            self.max_num_seqs = int(self.max_num_seqs)
+        check(
+            self.max_num_seqs == "auto"
+            or isinstance(self.max_num_seqs, int)
+            and self.max_num_seqs >= 1,
+            f"max_num_seqs must be auto or an integer >= 1, got {self.max_num_seqs!r}",
+        )
         parallel = self.tensor_parallel * self.data_parallel > 1
         if parallel and not self.systems_given:
             self.systems = ["base", "slora", "base-par", "slora-par"]

@@ -68,6 +68,9 @@ def bench(
     ),
     device: str = typer.Option(D.device, help="auto, cpu or cuda[:N]."),
     backend: str = typer.Option(D.backend, help="Engine kernels: auto, torch or triton."),
+    max_num_seqs: str = typer.Option(
+        str(D.max_num_seqs), help="Rows at once per engine: auto (sized from the pool) or a number."
+    ),
     max_seconds: float = typer.Option(
         D.max_seconds, help="Per engine run: stop there and count the work done (0: no limit)."
     ),
@@ -152,6 +155,7 @@ def bench(
             model_preset=model_preset,
             device=device,
             backend=backend,
+            max_num_seqs=max_num_seqs,
             max_seconds=max_seconds,
             peft_max_seconds=peft_max_seconds,
             total_seconds=total_seconds,

@@ -18,10 +18,17 @@ from types import ModuleType
 
 import torch
 
+from slora_batch.bench.floor import trace_steps
 from slora_batch.bench.json_run import grammar_tokens, json_requests
 from slora_batch.bench.model import RandomWeights
 from slora_batch.bench.roofline import Work
-from slora_batch.bench.row_fields import build_counts, engine_row, figures, step_fields
+from slora_batch.bench.row_fields import (
+    build_counts,
+    engine_row,
+    figures,
+    floor_fields,
+    step_fields,
+)
 from slora_batch.bench.timed_run import timed_run
 from slora_batch.bench.warmup import warm_up
 from slora_batch.bench.workload import adapter_sources, group_by_adapter
@@ -90,6 +97,7 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
         if system == "json":
             requests = json_requests(requests)
     warmup_builds = warm_up(ctx, engine, requests, sources)
+    trace = trace_steps(engine) if hasattr(engine, "_launch") else None  # the timed steps
     setup_s = time.perf_counter() - setup
     asked = {r.id: r.max_new_tokens for r in requests}
     outputs = sum(r.n or 1 for r in requests)
@@ -106,6 +114,7 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
         work.add(prompt, generated)
     work.cached_tokens = timed.cached_tokens
     grammar = {k: getattr(engine.counters, k, 0) for k in ("grammar_rows", "grammar_mask_s")}
+    max_seqs = engine.counters.max_num_seqs  # max_num_seqs: auto resolved
     if system.endswith("-par"):
         engine.close()
     del engine
@@ -115,7 +124,8 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
     cuda = ctx.model.device.type == "cuda"
     devices = row["tensor_parallel"] * row["data_parallel"] if cuda else 1
     row.update(figures(ctx, work, finished, timed.wall_s, devices))
-    row.update(step_fields(timed))
+    row.update(floor_fields(ctx, trace, timed.wall_s, devices))
+    row.update(step_fields(timed), max_num_seqs=max_seqs)
     row.update(build_counts(warmup_builds, timed.builds))
     if grammar["grammar_rows"]:  # the json system: constrained draws and their host mask time
         row.update(grammar)
@@ -142,6 +152,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
             tensor_parallel=cfg.tensor_parallel,
             data_parallel=cfg.data_parallel,
             prefix_caching=caching,
+            max_num_seqs=cfg.max_num_seqs,
         )
         weights = model.weights
         if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
@@ -153,8 +164,12 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
             model.model_dir,
             adapters=sources,
             config=EngineConfig(
-                device=str(model.device), backend=cfg.backend, dtype=dtype, prefix_caching=caching
-            ),
+                device=str(model.device),
+                backend=cfg.backend,
+                dtype=dtype,
+                prefix_caching=caching,
+                max_num_seqs=cfg.max_num_seqs,
+            ),  # fmt: skip
             sampling=SamplingConfig(ignore_eos=True),
             weights=model.weights,
             grammar_tokens=grammar_tokens(model.spec.vocab_size) if system == "json" else None,

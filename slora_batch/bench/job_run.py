@@ -120,6 +120,7 @@ def run_job_system(ctx, n: int, system: str = "job") -> dict:
             backend=cfg.backend,
             tensor_parallel=layout[0],
             data_parallel=layout[1],
+            max_num_seqs=cfg.max_num_seqs,
         ),
     )
     summary = run_job(job)

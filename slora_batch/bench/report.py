@@ -19,8 +19,8 @@ from slora_batch.bench.formatting import missing, num, pct
 from slora_batch.bench.plot import plot
 
 # the scoring systems' rows have no output tokens (NaN) and two figures of their own
-SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "roofline_fraction", "rows_per_s",
-                "scored_tokens_per_s")  # fmt: skip
+SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "roofline_fraction", "floor_fraction",
+                "rows_per_s", "scored_tokens_per_s")  # fmt: skip
 
 
 def write_outputs(out: Path, rows: list[dict], meta: dict) -> None:
@@ -74,15 +74,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines += [
         "",
         "| system | adapters | requests done | req/s | output tok/s | vs slora | vs base | "
-        "wall s | setup s | peak GiB | roofline | decode host share | decode batch | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "wall s | setup s | peak GiB | roofline | floor fraction | decode host share | decode batch | "
+        "max seqs | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     slora = {r["adapters"]: r for r in rows if r["system"] == "slora" and not r.get("error")}
     base = next((r for r in rows if r["system"] == "base" and not r.get("error")), None)
     for r in rows:
         if r.get("error"):
             lines.append(
-                f"| {r['system']} | {r['adapters']} | | | | | | | | | | | | failed: "
+                f"| {r['system']} | {r['adapters']} | | | | | | | | | | | | | | failed: "
                 f"{r['error'][:80].replace('|', '/')} |"
             )
             continue
@@ -111,8 +112,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['system']} | {r['adapters']} | {r['finished']}/{r['requests']} | "
             f"{r['requests_per_s']:.2f} | {num(tok, 0)} | {num(vs_slora)} | {num(vs_base)} | "
             f"{r['wall_s']:.1f} | {r['setup_s']:.1f} | {num(r['peak_mem_gib'], 1)} | "
-            f"{r['roofline_fraction']:.3f} | {pct(r['decode_host_share'])} | "
-            f"{num(r['decode_batch'], 0)} | {note} |"
+            f"{r['roofline_fraction']:.3f} | {num(r.get('floor_fraction'), 3)} | "
+            f"{pct(r['decode_host_share'])} | {num(r['decode_batch'], 0)} | "
+            f"{num(r.get('max_num_seqs'), 0)} | {note} |"
         )
     lines += ["", "## Acceptance (issue 4)", ""] + acceptance(rows) + [""]
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """The fields of a run's results row: who ran and how it ended, the engine's step counters,
-the rates and roofline fraction of the work done, and the Triton builds."""
+the rates, roofline fraction and step-by-step floor of the work done, and the Triton builds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import torch
 
 from kernels.builds import BuildLog
+from slora_batch.bench.floor import PARTS, StepWork, floor_parts, weight_bytes
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.timed_run import Timed
 
@@ -62,6 +63,23 @@ def figures(ctx, work: Work, finished: int, wall_s: float, devices: int = 1) -> 
         floor_s=floor_s,
         roofline_fraction=floor_s / wall_s,
     )
+
+
+def floor_fields(
+    ctx, trace: list[StepWork] | None, wall_s: float, devices: int = 1
+) -> dict[str, float]:
+    """The step-by-step floor of a traced run (``floor.py``) and ``floor_fraction`` = its
+    seconds over ``wall_s``; NaN for a run whose steps were not traced (data-parallel)."""
+    if trace is None:
+        return dict.fromkeys((*PARTS, "floor2_s", "floor_fraction"), math.nan)
+    model, spec = ctx.model, ctx.model.spec
+    elt = torch.finfo(model.dtype).bits // 8
+    weights = weight_bytes(model.num_params, spec.vocab_size, spec.hidden_size,
+                           spec.tie_word_embeddings, elt)  # fmt: skip
+    parts = floor_parts(trace, weights, model.kv_bytes_per_token, model.num_params, ctx.rates,
+                        devices)  # fmt: skip
+    parts["floor_fraction"] = parts["floor2_s"] / wall_s
+    return parts
 
 
 def build_counts(warmup: BuildLog, timed: BuildLog) -> dict[str, float]:

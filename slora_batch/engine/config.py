@@ -33,6 +33,8 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str) -> T:
 
 
 MAX_N = 256  # samples per row at most
+AUTO_MIN_SEQS = 16  # max_num_seqs: auto never runs fewer rows at once than this ...
+AUTO_MAX_SEQS = 1024  # ... nor more (sampler buffers and CUDA graphs grow with it)
 
 
 @dataclass
@@ -100,7 +102,9 @@ class EngineConfig:
     num_pages: int | None = None  # pool size in pages; None sizes it from memory_fraction
     memory_fraction: float = 0.9  # of free device memory after weights (cuda) for the pool
     cpu_pool_bytes: int = 1 << 30  # pool size on cpu when num_pages is None
-    max_num_seqs: int = 256  # running requests at once
+    max_num_seqs: int | str = "auto"  # running requests at once; "auto": the rows whose KV
+    # at auto_context_tokens fits the pool after the adapters (``execution/seats.py``)
+    auto_context_tokens: int = 512  # the context a row is planned at by max_num_seqs: auto
     max_num_batched_tokens: int = 8192  # tokens per step (decode + prefill chunks): large, so
     # the fixed cost of a step (launches, LoRA metadata) is spread over many prefill tokens
     admit_batch: int | None = None  # new requests join a running batch only when this many
@@ -157,7 +161,7 @@ class EngineConfig:
         )
         for name in (
             "prefix_block_tokens",
-            "max_num_seqs",
+            "auto_context_tokens",
             "max_num_batched_tokens",
             "max_adapters_per_batch",
             "max_resident_adapters",
@@ -172,9 +176,16 @@ class EngineConfig:
                 f"{name} must be an integer >= 1, got {value!r}",
             )
         check(
+            self.max_num_seqs == "auto"
+            or isinstance(self.max_num_seqs, int)
+            and not isinstance(self.max_num_seqs, bool)
+            and self.max_num_seqs >= 1,
+            f"max_num_seqs must be auto or an integer >= 1, got {self.max_num_seqs!r}",
+        )
+        check(
             self.admit_batch is None
             or isinstance(self.admit_batch, int)
-            and 1 <= self.admit_batch <= self.max_num_seqs,
+            and 1 <= self.admit_batch <= self.seats_bound,
             f"admit_batch must be an integer in [1, max_num_seqs], got {self.admit_batch!r}",
         )
         check(
@@ -233,9 +244,16 @@ class EngineConfig:
         )
 
     @property
+    def seats_bound(self) -> int:
+        """``max_num_seqs``, or the most rows ``auto`` may resolve to (memory is reserved for
+        that many before the pool is sized)."""
+        return AUTO_MAX_SEQS if self.max_num_seqs == "auto" else self.max_num_seqs
+
+    @property
     def admit_seats(self) -> int:
-        """Free seats that let new requests join a running batch (``admit_batch`` resolved)."""
-        return self.admit_batch or max(1, self.max_num_seqs // 16)
+        """Free seats that let new requests join a running batch (``admit_batch`` resolved;
+        read once ``max_num_seqs`` is a number: the engine resolves ``auto`` when it builds)."""
+        return self.admit_batch or max(1, self.seats_bound // 16)
 
 
 def check(condition: bool, message: str) -> None:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class EngineCounters:
     steps: int = 0
+    max_num_seqs: int = 0  # rows at once (``auto`` resolved; summed over data-parallel workers)
     decode_steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0

@@ -90,7 +90,8 @@ class Engine:
             parts = build_parts(spec, adapters, config, self.device, self.dtype,
                                 self.max_model_len, weights, pools, self.tp)  # fmt: skip
             warmup = time.perf_counter()
-            self.runner = make_runner(parts, self.ops, self.device, config, self.max_model_len)
+            self.config = config = parts.config  # max_num_seqs: auto resolved
+            self.runner = make_runner(parts, self.ops, self.device, self.max_model_len)
         except BaseException:
             if self.tp is not None:
                 self.tp.close()
@@ -141,6 +142,7 @@ class Engine:
         self.counters = EngineCounters()
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
+        self.counters.max_num_seqs = config.max_num_seqs
         size = page_bytes(self.pool_spec, self.dtype)
         log.info(
             "engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of KV), "

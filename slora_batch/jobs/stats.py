@@ -52,6 +52,7 @@ STATS_SCHEMA = pa.schema(
         ("adapter_evictions", pa.int64()),
         ("prefetch_hits", pa.int64()),
         ("peak_pool_pages", pa.int64()),
+        ("max_num_seqs", pa.int64()),  # rows at once this run (max_num_seqs: auto resolved)
         ("prefix_hit_tokens", pa.int64()),  # prompt tokens whose KV came from the prefix cache
         ("cached_blocks", pa.int64()),  # prefix blocks in the pool at the end
         ("block_evictions", pa.int64()),  # idle prefix blocks evicted for room
@@ -180,6 +181,7 @@ def stats_rows(
         "adapter_evictions": getattr(counters, "adapter_evictions", 0),
         "prefetch_hits": getattr(counters, "prefetch_hits", 0),
         "peak_pool_pages": getattr(counters, "peak_pages", 0),
+        "max_num_seqs": getattr(counters, "max_num_seqs", None) or None,
         "prefix_hit_tokens": getattr(counters, "prefix_hit_tokens", 0),
         "cached_blocks": getattr(counters, "cached_blocks", 0),
         "block_evictions": getattr(counters, "block_evictions", 0),

@@ -18,11 +18,12 @@ from slora_batch.bench import bench as bench_module
 from slora_batch.bench.bench import BenchConfig, run_bench
 from slora_batch.bench.cli import bench
 from slora_batch.bench.engine_run import ARRIVAL_ORDER
+from slora_batch.bench.floor import PARTS
 from slora_batch.bench.model import RANKS
 from slora_batch.bench.roofline import Work, kv_tokens_read
 from slora_batch.bench.warmup import WARMUP_PROMPT, _warmup, warmup_groups
 from slora_batch.bench.workload import Workload, adapter_sources, group_by_adapter
-from slora_batch.engine.config import ConfigError
+from slora_batch.engine.config import AUTO_MIN_SEQS, ConfigError
 
 TINY = dict(
     model_preset="tiny",
@@ -208,6 +209,12 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         assert row["weight_sets"] == (0 if row["system"] == "base" else 3)
         if row["system"] != "peft":
             assert row["steps"] > 0 and 0 <= row["host_share"] <= 1
+            # the step-by-step floor: every engine run is traced, its parts add up
+            assert 0 < row["floor_fraction"] <= 1, row["floor_fraction"]
+            parts = sum(row[k] for k in PARTS)
+            assert math.isclose(parts, row["floor2_s"], rel_tol=1e-9)
+            assert math.isclose(row["floor2_s"] / row["wall_s"], row["floor_fraction"])
+            assert row["max_num_seqs"] >= AUTO_MIN_SEQS  # auto, resolved and recorded
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"base", "slora", "peft", "bmm", "no-unified", "arrival"}
     assert set(summary["base"]) == {"0"} and set(summary["slora"]) == {"3"}
@@ -215,6 +222,7 @@ def test_cli_runs_every_system_and_writes_sane_figures(tmp_path):
         "requests_per_s",
         "output_tokens_per_s",
         "roofline_fraction",
+        "floor_fraction",
     }
     meta = json.loads((out / "run.json").read_text())
     assert (

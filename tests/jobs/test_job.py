@@ -127,7 +127,7 @@ jobs:
     assert first.name == "sweep-0" and second.name == "second"
     assert first.sampling.max_new_tokens == 32 and first.sampling.temperature == 0.0
     assert second.sampling.temperature == 0.7
-    assert first.engine.device == "cpu" and first.engine.max_num_seqs == 256
+    assert first.engine.device == "cpu" and first.engine.max_num_seqs == "auto"
     assert second.engine.dtype == "float32" and second.engine.max_num_seqs == 4
     assert first.columns["prompt"] == "question" and first.columns["id"] == "key"
     assert second.columns["id"] == "id" and second.columns["prompt"] == "question"

@@ -15,12 +15,14 @@ from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.config import ConfigError, EngineConfig
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
+from slora_batch.engine.execution.seats import auto_num_seqs, resolved
 from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.loader import load_model
 from slora_batch.engine.models.quant import fp8_matmul_supported
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.resolution import backend_name
+from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
 
 if TYPE_CHECKING:  # tp builds a rank's parts through build_parts
     from slora_batch.engine.execution.tp import TensorParallel
@@ -35,6 +37,7 @@ class DeviceParts:
     lora_pool: PagePool  # adapter rows: ``pool`` itself under unified paging
     residency: AdapterResidency
     pool_spec: ModelSpec  # the spec the pages follow: the shard's under tensor parallelism
+    config: EngineConfig  # the engine's, ``max_num_seqs: auto`` resolved
 
 
 def build_parts(
@@ -50,7 +53,9 @@ def build_parts(
 ) -> DeviceParts:
     """The device side of an engine. Under tensor parallelism (``tp``) every rank calls it in
     the same order: its shard of the model and of each adapter, and the page count of the
-    rank with the fewest free pages, so that rank 0's page numbers hold on every rank."""
+    rank with the fewest free pages, so that rank 0's page numbers hold on every rank.
+    ``max_num_seqs: auto`` resolves here, from that page count (alike on every rank); on cuda
+    the pool then takes the reserve that the resolved cap leaves (more pages, never fewer)."""
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     pool_spec = spec.shard(size)
     cuda = device.type == "cuda"
@@ -64,22 +69,29 @@ def build_parts(
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
         )
     model = load_model(spec, dtype, device, max_model_len, weights, tp, fp8)
-    pages = num_pages(config, pool_spec, dtype, device, max_model_len)
-    if tp is not None:
-        pages = tp.min_over_ranks(pages)
+    pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
+    if config.max_num_seqs == "auto":
+        adapters = [store.pages(name) for name in store.names if name not in broken]
+        seats = auto_num_seqs(config, pages, PAGES_PER_TOKEN, adapters, max_model_len)
+        config = resolved(config, seats)
+        if cuda and config.num_pages is None:  # the reserve for ``seats`` rows, not the bound
+            pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     pool, lora_pool = pools(pages, pool_spec, dtype, device)
     residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, device)
-    return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec)
+    return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec, config)
+
+
+def _pages(config, spec, dtype, device, max_model_len, tp) -> int:
+    pages = num_pages(config, spec, dtype, device, max_model_len)
+    return tp.min_over_ranks(pages) if tp is not None else pages
 
 
 def make_runner(
-    parts: DeviceParts,
-    ops: ModuleType,
-    device: torch.device,
-    config: EngineConfig,
-    max_model_len: int,
+    parts: DeviceParts, ops: ModuleType, device: torch.device, max_model_len: int
 ) -> ModelRunner:
-    """The step runner; on cuda it captures the decode CUDA graphs here."""
+    """The step runner; on cuda it captures the decode CUDA graphs here, up to the resolved
+    ``max_num_seqs``."""
+    config = parts.config
     return ModelRunner(
         parts.model,
         parts.pool,

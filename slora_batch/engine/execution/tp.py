@@ -244,7 +244,7 @@ def build_shard(model, adapters, config, tp: TensorParallel, weights=None):
     max_len = min(config.max_model_len or spec.max_context, spec.max_context)
     parts = build_parts(spec, adapters, config, tp.device, dtype, max_len, weights, tp=tp)
     ops = pick_backend(config.backend, tp.device)
-    return parts, make_runner(parts, ops, tp.device, config, max_len)
+    return parts, make_runner(parts, ops, tp.device, max_len)
 
 
 def worker_main(rank, size, address, model, adapters, config, weights, level, pipe) -> None:

@@ -29,7 +29,7 @@ class Admission:
         cached (the next steps), rather than compute it again: rows sharing a system prompt
         then compute it once."""
         deferred: list[Sequence] = []
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and len(self.running) < self.config.seats_bound:
             seq = self._pick()
             if seq is None:
                 break
@@ -61,7 +61,7 @@ class Admission:
         requests instead of one mixed, graph-less step per finished request."""
         if not self.running or not self.waiting:
             return True
-        free = self.config.max_num_seqs - len(self.running)
+        free = self.config.seats_bound - len(self.running)
         return free >= min(self.config.admit_seats, len(self.waiting))
 
     def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:

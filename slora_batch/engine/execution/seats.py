@@ -1,0 +1,67 @@
+"""``max_num_seqs: auto``: how many rows an engine runs at once, sized from its pool.
+
+The cap on running rows matters beyond the pages: it sizes the sampler's temporaries, the CUDA
+graphs captured (one per bucket up to it) and their shared page table. Admission stops at the
+pages anyway, so a cap below what the pool holds only wastes the device (a GQA model's KV is
+narrow: at 256 rows its pool is mostly empty) and a cap far above it only grows those buffers.
+``auto`` takes the rows whose KV at ``auto_context_tokens`` of context (at most the model's
+context) fits in the pool after the adapters a batch may pin, between ``AUTO_MIN_SEQS`` and
+``AUTO_MAX_SEQS``.
+
+Running example: Llama-3-8B shapes in bf16 (32 layers, 8 KV heads of 128: a page is one
+layer's K or V of a token, 1024 values, 2 KiB; 64 KiB over the layers; a token's K and V 128
+KiB). A 100 GiB pool holds 819200 tokens of KV; 256 pinned adapters of rank 32 on
+q, k, v, o take about 13 GiB of it (rank x (4+4 + 4+1 + 4+1 + 4+4) pages a layer); the rest
+holds 87 GiB / 128 KiB / 512 = 1392 rows at 512 tokens each: capped to 1024.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from slora_batch.engine.config import AUTO_MAX_SEQS, AUTO_MIN_SEQS, EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def auto_num_seqs(
+    config: EngineConfig,
+    pages: int,
+    token_pages: int,
+    adapter_pages: list[int],
+    max_model_len: int,
+) -> int:
+    """Rows at once for ``max_num_seqs: auto``.
+
+    ``pages``: the pool's pages (KV and adapters: unified or the sum of both pools);
+    ``token_pages``: pages of one token's K and V; ``adapter_pages``: each servable adapter's
+    pages (the ``max_adapters_per_batch`` largest are held back for the adapters a batch pins).
+    """
+    context = min(config.auto_context_tokens, max_model_len)
+    pinned = sum(sorted(adapter_pages, reverse=True)[: config.max_adapters_per_batch])
+    kv_pages = max(0, pages - pinned)
+    rows = kv_pages // (token_pages * context)
+    floor = max(AUTO_MIN_SEQS, config.admit_batch or 1)
+    seats = min(AUTO_MAX_SEQS, max(floor, rows))
+    log.info(
+        "max_num_seqs auto: %d rows (pool %d pages, %d held for %d adapters a batch may pin, "
+        "%d KV pages a row at %d tokens of context fit %d rows; bounds %d..%d)",
+        seats,
+        pages,
+        pinned,
+        min(len(adapter_pages), config.max_adapters_per_batch),
+        token_pages * context,
+        context,
+        rows,
+        floor,
+        AUTO_MAX_SEQS,
+    )
+    return seats
+
+
+def resolved(config: EngineConfig, seats: int) -> EngineConfig:
+    """``config`` with ``max_num_seqs`` set (an ``auto`` one resolved to ``seats``)."""
+    if config.max_num_seqs != "auto":
+        return config
+    return dataclasses.replace(config, max_num_seqs=seats)
