@@ -93,6 +93,8 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 K/V, one page per token
+    # (K and V side by side), scales per token and KV head (``kernels.fp8``); cuda needs sm 8.9+
     backend: str = "auto"  # kernels: "torch" (kernels/ref.py) or "triton"; auto: triton on cuda
     num_pages: int | None = None  # pool size in pages; None sizes it from memory_fraction
     memory_fraction: float = 0.9  # of free device memory after weights (cuda) for the pool
@@ -135,6 +137,10 @@ class EngineConfig:
         check(
             self.dtype in ("auto", "float32", "float16", "bfloat16"),
             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}",
+        )
+        check(
+            self.kv_cache_dtype in ("auto", "fp8"),
+            f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
         )
         check(
             self.backend in ("auto", "torch", "triton"),

@@ -19,6 +19,7 @@ from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.loader import load_model
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
+from slora_batch.engine.device import check_kv_cache_dtype
 from slora_batch.engine.resolution import backend_name
 
 if TYPE_CHECKING:  # tp builds a rank's parts through build_parts
@@ -50,6 +51,7 @@ def build_parts(
     """The device side of an engine. Under tensor parallelism (``tp``) every rank calls it in
     the same order: its shard of the model and of each adapter, and the page count of the
     rank with the fewest free pages, so that rank 0's page numbers hold on every rank."""
+    check_kv_cache_dtype(config.kv_cache_dtype, device)
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     pool_spec = spec.shard(size)
     cuda = device.type == "cuda"
@@ -60,6 +62,8 @@ def build_parts(
     if tp is not None:
         pages = tp.min_over_ranks(pages)
     pool, lora_pool = pools(pages, pool_spec, dtype, device)
+    if config.kv_cache_dtype == "fp8":  # the KV pool; adapter pages stay in the model dtype
+        pool.use_fp8_kv(pool_spec.num_kv_heads, pool_spec.kv_dim)
     residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, device)
     return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec)
 
