@@ -63,7 +63,10 @@ def assert_close(got: dict, want: dict) -> None:
             deltas += [abs(a - b) for a, b in zip(g.token_logprobs, w.token_logprobs, strict=True)]
             continue
         same = 0
-        while same < min(len(g.token_ids), len(w.token_ids)) and g.token_ids[same] == w.token_ids[same]:
+        while (
+            same < min(len(g.token_ids), len(w.token_ids))
+            and g.token_ids[same] == w.token_ids[same]
+        ):
             same += 1
         if same == len(w.token_ids) == len(g.token_ids):
             continue

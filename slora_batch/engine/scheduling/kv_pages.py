@@ -107,7 +107,9 @@ class KVPages:
             evictable -= self.residency.store.pages(adapter)
         cached = 0
         if self.cache is not None:
-            cached = self.cache.idle_pages - sum(self.pool.own_pages(b.pages).size for b in hit if b.refs == 0)
+            cached = self.cache.idle_pages - sum(
+                self.pool.own_pages(b.pages).size for b in hit if b.refs == 0
+            )
         # Room per pool, keyed by the pool object: under unified paging the KV pool and the
         # adapters' pool are one object, so free pages, idle blocks and idle adapters add into
         # one entry; with two pools (the bench's ablation) each counts only its own.
