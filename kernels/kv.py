@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8
+
 
 @triton.jit
 def _kv_write_kernel(pool_ptr, k_ptr, k_stride, v_ptr, v_stride, pages_ptr, kv_dim,
@@ -24,7 +26,11 @@ def _kv_write_kernel(pool_ptr, k_ptr, k_stride, v_ptr, v_stride, pages_ptr, kv_d
 
 
 def kv_write(
-    pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_pages: torch.Tensor
+    pool_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_pages: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Store the step's keys and values in their pages.
 
@@ -32,13 +38,17 @@ def kv_write(
       pool_layer[out_pages[t, 1], :kv_dim] = v[t]  (a page -1 writes nothing: padding rows).
     Shape: pool_layer [P, page_size]; k, v [T, kv_dim] (rows may be strided, e.g. column slices
       of the fused qkv output); out_pages [T, 2] int32 (K page, V page).
-    Grid (T, ceil(kv_dim / BLOCK)), BLOCK = min(1024, next_pow2(kv_dim)).
+    Grid (T, ceil(kv_dim / BLOCK)), BLOCK = min(1024, next_pow2(kv_dim)). With scales
+    [P, 2 * kv_heads] fp32: fp8 pages (``kv_write_fp8``).
     """
     assert pool_layer.dim() == 2 and pool_layer.is_contiguous(), "pool_layer: [P, page_size]"
     assert k.dim() == 2 and k.shape == v.shape and k.shape[1] <= pool_layer.shape[1], k.shape
     assert k.stride(1) == 1 and v.stride(1) == 1, "k and v rows must be contiguous"
     assert out_pages.dtype == torch.int32 and out_pages.is_contiguous()
     assert out_pages.shape == (k.shape[0], 2), out_pages.shape
+    if scales is not None:
+        kv_write_fp8(pool_layer, k, v, out_pages, scales)
+        return
     num_tokens, kv_dim = k.shape
     if num_tokens == 0:
         return
@@ -46,3 +56,49 @@ def kv_write(
     _kv_write_kernel[(num_tokens, triton.cdiv(kv_dim, block))](
         pool_layer, k, k.stride(0), v, v.stride(0), out_pages, kv_dim, PAGE=pool_layer.shape[1],
         BLOCK=block, num_warps=4)  # fmt: skip
+
+
+@triton.jit
+def _kv_write_fp8_kernel(data_ptr, scale_ptr, k_ptr, k_stride, v_ptr, v_stride, pages_ptr,
+                         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_D: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    live = d < HEAD_DIM
+    cols = h * HEAD_DIM + d
+    for which in tl.static_range(2):  # K into bytes 0 .. kv_dim, V into kv_dim .. 2 * kv_dim
+        page = tl.load(pages_ptr + t * 2 + which).to(tl.int64)
+        if page >= 0:
+            if which == 0:
+                x = tl.load(k_ptr + t * k_stride + cols, mask=live, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(v_ptr + t * v_stride + cols, mask=live, other=0.0).to(tl.float32)
+            s = tl.max(tl.abs(x), 0) / 448.0
+            s = tl.where(s > 0, s, 1.0)
+            q = tl.clamp(x / s, -448.0, 448.0).to(tl.float8e4nv)
+            tl.store(data_ptr + page * PAGE + which * KV_HEADS * HEAD_DIM + cols, q, mask=live)
+            tl.store(scale_ptr + page * 2 * KV_HEADS + which * KV_HEADS + h, s)
+
+
+def kv_write_fp8(
+    pool_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_pages: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """``kernels.fp8.kv_write``: e4m3 K and V of a token side by side in one page, scales per
+    token and KV head. Grid (T, kv_heads): one program quantizes one head of K and of V."""
+    data = fp8.bytes_view(pool_layer)
+    kv_heads, kv_dim = scales.shape[1] // 2, k.shape[1]
+    assert scales.dtype == torch.float32 and scales.is_contiguous()
+    assert scales.shape[0] == pool_layer.shape[0] and data.shape[1] >= 2 * kv_dim
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    head_dim = kv_dim // kv_heads
+    _kv_write_fp8_kernel[(num_tokens, kv_heads)](
+        data, scales, k, k.stride(0), v, v.stride(0), out_pages, KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, PAGE=data.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1)  # fmt: skip

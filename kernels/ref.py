@@ -6,6 +6,10 @@ one page; an adapter's LoRA rows take whole pages (a row of width d takes ceil(d
 
 Sentinels: slot -1 means "no adapter", page -1 means "no page"; both cost nothing.
 
+FP8 KV cache: ``kv_write``, ``attention`` and ``attention_decode`` take ``scales`` (the pool's
+per token and head scale table, ``kernels.fp8``); with it a page holds a token's K and V in e4m3
+and the attention dequantizes them (scores and softmax in fp32). Without it, the model dtype.
+
 Each function below has a Triton counterpart in ``kernels/`` with the same signature.
 """
 
@@ -14,18 +18,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8
 from kernels.meta import AttnMeta, LoraMeta
 
 
 def kv_write(
-    pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_pages: torch.Tensor
+    pool_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_pages: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Store the step's keys and values in their pages.
 
     Semantics: pool_layer[out_pages[t, 0], :kv_dim] = k[t]; pool_layer[out_pages[t, 1], :kv_dim] = v[t]
       for every t whose page is not -1 (the sentinel writes nothing).
     Shape: pool_layer [P, page_size]; k, v [T, kv_dim]; out_pages [T, 2] int32 (K page, V page).
+    With scales [P, 2 * kv_heads] fp32: e4m3 pages (``kernels.fp8.kv_write``).
     """
+    if scales is not None:
+        fp8.kv_write(pool_layer, k, v, out_pages, scales)
+        return
     kv_dim = k.shape[1]
     pages = out_pages.long()
     for which, rows in enumerate((k, v)):
@@ -34,11 +47,13 @@ def kv_write(
 
 
 def gather_kv(
-    pool_layer: torch.Tensor, pages: torch.Tensor, kv_dim: int
+    pool_layer: torch.Tensor, pages: torch.Tensor, kv_dim: int, scales: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence. pages [n, 2] int -> k, v [n, kv_dim]."""
+    """K and V at pages [..., 2] (K page, V page) -> k, v [..., kv_dim] in fp32."""
+    if scales is not None:
+        return fp8.gather(pool_layer, scales, pages, kv_dim)
     pages = pages.long()
-    return pool_layer[pages[:, 0], :kv_dim], pool_layer[pages[:, 1], :kv_dim]
+    return pool_layer[pages[..., 0], :kv_dim].float(), pool_layer[pages[..., 1], :kv_dim].float()
 
 
 def _scores(raw: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
@@ -56,6 +71,7 @@ def attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
@@ -68,7 +84,7 @@ def attention(
       when softcap > 0 (``_scores``).
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
-    Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
+    Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32. scales: fp8 pages (module doc).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -81,9 +97,9 @@ def attention(
         n = hi - lo
         if n == 0:
             continue
-        k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim)
-        k = k.view(ctx, num_kv_heads, head_dim).float()
-        v = v.view(ctx, num_kv_heads, head_dim).float()
+        k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim, scales)
+        k = k.view(ctx, num_kv_heads, head_dim)
+        v = v.view(ctx, num_kv_heads, head_dim)
         qb = q[lo:hi].float().view(n, num_kv_heads, group, head_dim)
         raw = torch.einsum("qhgd,khd->hgqk", qb, k)  # [kv_heads, group, n, ctx]
         scores = _scores(raw, scale, softcap)
@@ -108,6 +124,7 @@ def attention_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B),
     batched over sequences: keys past a sequence's length (and, with a window, keys j <
@@ -117,8 +134,9 @@ def attention_decode(
     kv_dim = num_kv_heads * head_dim
     ctx = int(meta.b_seq_len.max())
     pages = meta.page_table[:, :ctx].long().clamp(min=0)  # [B, ctx, 2]
-    k = pool_layer[pages[..., 0], :kv_dim].view(batch, ctx, num_kv_heads, head_dim).float()
-    v = pool_layer[pages[..., 1], :kv_dim].view(batch, ctx, num_kv_heads, head_dim).float()
+    k, v = gather_kv(pool_layer, pages, kv_dim, scales)
+    k = k.view(batch, ctx, num_kv_heads, head_dim)
+    v = v.view(batch, ctx, num_kv_heads, head_dim)
     qb = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = _scores(torch.einsum("bhgd,bkhd->bhgk", qb, k), scale, softcap)  # [B, kvh, g, ctx]
     k_pos = torch.arange(ctx, device=q.device)[None, :]

@@ -95,6 +95,8 @@ class EngineConfig:
 
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 K/V, one page per token
+    # (K and V side by side), scales per token and KV head (``kernels.fp8``); cuda needs sm 8.9+
     backend: str = "auto"  # kernels: "torch" (kernels/ref.py) or "triton"; auto: triton on cuda
     # base weights: "auto" as the checkpoint holds them (an FP8 checkpoint stays fp8); "fp8":
     # e4m3 per output channel, activations per token (models/quant.py); LoRA stays in dtype
@@ -146,6 +148,10 @@ class EngineConfig:
         check(
             self.weights in ("auto", "fp8"),
             f"weights must be auto or fp8, got {self.weights!r}",
+        )
+        check(
+            self.kv_cache_dtype in ("auto", "fp8"),
+            f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
         )
         check(
             self.backend in ("auto", "torch", "triton"),

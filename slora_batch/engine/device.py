@@ -52,6 +52,24 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype_name(name, device.type)]
 
 
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first cards with e4m3 conversions
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
+    """Refuses ``kv_cache_dtype: fp8`` on a CUDA card without fp8 (compute capability below
+    8.9), before any work. On the CPU the torch twins emulate e4m3."""
+    if kv_cache_dtype != "fp8" or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(
+            f"engine setting kv_cache_dtype: fp8 needs a card with fp8 (compute capability "
+            f"8.9 or later); {device} is {name} with {capability[0]}.{capability[1]} "
+            f"(use kv_cache_dtype: auto)"
+        )
+
+
 def set_cpu_threads(threads: int | None) -> None:
     """torch's intra-op threads for a CPU engine. By default one core is left to the engine's
     own Python thread and the adapter loader: OpenMP workers spin while they wait, so with as

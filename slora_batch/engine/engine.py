@@ -23,7 +23,12 @@ import torch
 from slora_batch.engine.adapters.prefetch import AdapterPrefetcher
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
+from slora_batch.engine.device import (
+    check_kv_cache_dtype,
+    pick_device,
+    pick_dtype,
+    set_cpu_threads,
+)
 from slora_batch.engine.execution.batch import plan_step
 from slora_batch.engine.execution.masks import grammar_masks
 from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
@@ -37,7 +42,7 @@ from slora_batch.engine.requests.grammar import GrammarService, tokenizer_info
 from slora_batch.engine.requests.request import Request, Result
 from slora_batch.engine.requests.results import sequence_result
 from slora_batch.engine.requests.tokens import load_tokenizer
-from slora_batch.engine.scheduling.scheduler import PAGES_PER_TOKEN, ScheduledStep, Scheduler
+from slora_batch.engine.scheduling.scheduler import ScheduledStep, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,7 @@ class Engine:
         self.model_path, adapters = resolve_model(located.model), located.adapters
         self.spec = spec = read_spec(self.model_path)
         self.device = pick_device(config.device)
+        check_kv_cache_dtype(config.kv_cache_dtype, self.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             set_cpu_threads(config.cpu_threads)
@@ -143,9 +149,9 @@ class Engine:
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
         self.counters.max_num_seqs = config.max_num_seqs
-        size = page_bytes(self.pool_spec, self.dtype)
+        size = page_bytes(self.pool_spec, self.dtype, config.kv_cache_dtype)
         log.info(
-            "engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of KV), "
+            "engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of %s KV), "
             "%d adapters (%d unusable)",
             spec.architecture,
             self.device,
@@ -154,7 +160,8 @@ class Engine:
             self.pool.num_pages,
             size,
             self.pool.num_pages * size / 2**30,
-            self.pool.num_pages // PAGES_PER_TOKEN,
+            self.pool.num_pages // self.pool.kv_pages_per_token,
+            "fp8" if self.pool.scales is not None else "model dtype",
             len(self.store.names),
             len(self.broken),
         )

@@ -3,6 +3,10 @@
 A page is one vector of ``page_size`` elements in every layer: ``data[layer, page]``. A token's K
 and V take one page each; an adapter of rank r takes r rows per factor and target, each row
 ceil(width / page_size) pages, so its cost grows with r and never with another adapter's rank.
+
+With an fp8 KV cache (``use_fp8_kv``) a token's K and V share one page in e4m3 (``kernels.fp8``),
+its page-table row names that page twice, and a side table holds the per token and head scales:
+KV pages per token drop from 2 to 1 while adapter pages stay as they are.
 """
 
 from __future__ import annotations
@@ -45,6 +49,35 @@ class PagePool:
         self._used = np.zeros(num_pages, dtype=bool)
         self.peak_used = 0
         self.data = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
+        # KV pages per token: a K page and a V page, or (fp8) one page holding both
+        self.kv_pages_per_token = 2
+        self.scales: torch.Tensor | None = None  # fp8: [num_layers, num_pages, 2 * kv_heads] fp32
+
+    def use_fp8_kv(self, kv_heads: int, kv_dim: int) -> None:
+        """KV in e4m3, one page per token, with its scale table (``kernels.fp8``)."""
+        page_bytes = self.page_size * self.data.element_size()
+        if page_bytes < 2 * kv_dim:
+            raise ValueError(
+                f"an fp8 KV page holds K and V: {2 * kv_dim} bytes, pages have {page_bytes}"
+            )
+        self.kv_pages_per_token = 1
+        self.scales = torch.ones(
+            self.data.shape[0], self.num_pages, 2 * kv_heads, dtype=torch.float32,
+            device=self.data.device,
+        )  # fmt: skip
+
+    def kv_pages(self, n: int) -> np.ndarray:
+        """KV pages for ``n`` tokens: [n, 2] (K page, V page); with fp8 both name one page."""
+        pages = self.alloc(self.kv_pages_per_token * n).reshape(n, self.kv_pages_per_token)
+        return pages if self.kv_pages_per_token == 2 else np.repeat(pages, 2, axis=1)
+
+    def own_pages(self, pairs: np.ndarray) -> np.ndarray:
+        """The distinct pool pages of (K page, V page) rows [n, 2], flat, for ``free``."""
+        return pairs[:, : self.kv_pages_per_token].reshape(-1)
+
+    def kv_args(self, index: int) -> dict:
+        """Keywords of the KV kernels for one layer: its scale table with fp8, else none."""
+        return {} if self.scales is None else {"scales": self.scales[index]}
 
     @property
     def num_free(self) -> int:

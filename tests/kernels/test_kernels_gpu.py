@@ -364,3 +364,27 @@ def test_fused_ops(ops, dtype):
     ops.triton_ops.kv_write(mine, qkv[:, 4096:5120], qkv[:, 5120:], pages)
     ref.kv_write(theirs, qkv[:, 4096:5120], qkv[:, 5120:], pages)
     assert torch.equal(mine, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA card with fp8",
+)
+def test_kv_write_fp8_bytes_equal_twin():
+    from kernels import kv, ref
+
+    torch.manual_seed(0)
+    kv_heads, head_dim, num_pages = 8, 128, 512
+    pools_ = [torch.zeros(num_pages, kv_heads * head_dim, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]  # fmt: skip
+    scales = [torch.ones(num_pages, 2 * kv_heads, device="cuda") for _ in range(2)]
+    k = torch.randn(300, kv_heads * head_dim, dtype=torch.bfloat16, device="cuda") * 3
+    v = torch.randn_like(k)
+    pages = torch.randperm(num_pages, device="cuda")[:300].int()
+    out_pages = torch.stack([pages, pages], 1).contiguous()
+    out_pages[::7] = -1
+    kv.kv_write(pools_[0], k, v, out_pages, scales=scales[0])
+    ref.kv_write(pools_[1], k, v, out_pages, scales=scales[1])
+    assert torch.equal(scales[0], scales[1])
+    assert torch.equal(pools_[0].view(torch.uint8), pools_[1].view(torch.uint8))

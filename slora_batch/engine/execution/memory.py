@@ -33,9 +33,11 @@ def unified_pool(
     return pool, pool
 
 
-def page_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """Bytes of one page over every layer."""
-    return spec.num_layers * spec.page_size * torch.finfo(dtype).bits // 8
+def page_bytes(spec: ModelSpec, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one page over every layer, with an fp8 KV cache its row of the scale table
+    (``PagePool.use_fp8_kv``: 2 * kv_heads fp32)."""
+    scales = 2 * spec.num_kv_heads * 4 if kv_cache_dtype == "fp8" else 0
+    return spec.num_layers * (spec.page_size * torch.finfo(dtype).bits // 8 + scales)
 
 
 def num_pages(
@@ -49,7 +51,7 @@ def num_pages(
     device has free after the weights and the reserve, times ``memory_fraction``."""
     if config.num_pages is not None:
         return config.num_pages
-    size = page_bytes(spec, dtype)
+    size = page_bytes(spec, dtype, config.kv_cache_dtype)
     if device.type != "cuda":
         return max(1, config.cpu_pool_bytes // size)
     free, _ = torch.cuda.mem_get_info(device)

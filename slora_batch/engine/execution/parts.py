@@ -13,6 +13,7 @@ from slora_batch.engine.adapters.adapter_files import AdapterError
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.config import ConfigError, EngineConfig
+from slora_batch.engine.device import check_kv_cache_dtype
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
 from slora_batch.engine.execution.seats import auto_num_seqs, resolved
@@ -56,6 +57,12 @@ def build_parts(
     rank with the fewest free pages, so that rank 0's page numbers hold on every rank.
     ``max_num_seqs: auto`` resolves here, from that page count (alike on every rank); on cuda
     the pool then takes the reserve that the resolved cap leaves (more pages, never fewer)."""
+    check_kv_cache_dtype(config.kv_cache_dtype, device)
+    if config.kv_cache_dtype == "fp8" and backend_name(config.backend, device.type) == "triton":
+        raise ValueError(  # kernels/kv.py writes fp8 pages; attention.py does not read them yet
+            "engine setting kv_cache_dtype: fp8 runs on backend: torch only for now (the Triton "
+            "attention kernels do not read fp8 pages yet)"
+        )
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     pool_spec = spec.shard(size)
     cuda = device.type == "cuda"
@@ -72,11 +79,14 @@ def build_parts(
     pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     if config.max_num_seqs == "auto":
         adapters = [store.pages(name) for name in store.names if name not in broken]
-        seats = auto_num_seqs(config, pages, PAGES_PER_TOKEN, adapters, max_model_len)
+        per_token = 1 if config.kv_cache_dtype == "fp8" else PAGES_PER_TOKEN  # K and V share a page
+        seats = auto_num_seqs(config, pages, per_token, adapters, max_model_len)
         config = resolved(config, seats)
         if cuda and config.num_pages is None:  # the reserve for ``seats`` rows, not the bound
             pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     pool, lora_pool = pools(pages, pool_spec, dtype, device)
+    if config.kv_cache_dtype == "fp8":  # the KV pool; adapter pages stay in the model dtype
+        pool.use_fp8_kv(pool_spec.num_kv_heads, pool_spec.kv_dim)
     residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, device)
     return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec, config)
 

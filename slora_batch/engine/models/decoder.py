@@ -125,6 +125,7 @@ class DecoderModel:
         act = getattr(ops, self.act)
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
+            kv = pool.kv_args(index)  # fp8 pages: the layer's scale table
             lora = (lora_layer, step.lora, lora_buf, ops)
             h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
@@ -135,8 +136,8 @@ class DecoderModel:
             table = self.local_cos_sin if window and self.local_cos_sin is not None else None
             rot = self.rotary_dim
             ops.rope(q[..., :rot], k[..., :rot], rope_pos, self.cos_sin if table is None else table)
-            ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages)
-            attn = self._attend(q, pool_layer, step, ops, window).view(-1, spec.q_dim)
+            ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages, **kv)
+            attn = self._attend(q, pool_layer, step, ops, window, kv).view(-1, spec.q_dim)
             # o and down are row-parallel under tensor parallelism: partial sums with the rank's
             # LoRA columns in them, joined by one all-reduce (o's bias added once, after it)
             o = linear(attn, layer.o, layer.o_bias if tp is None else None)
@@ -197,10 +198,13 @@ class DecoderModel:
         step: StepInput,
         ops: ModuleType,
         window: int,
+        kv: dict,
     ) -> torch.Tensor:
-        """Attention of the step's queries: decode kernel, prefill kernel, or both on a split."""
+        """Attention of the step's queries: decode kernel, prefill kernel, or both on a split
+        (``kv``: the fp8 scale table, or nothing)."""
         kv_heads, scale, cap = self.spec.num_kv_heads, self.spec.attn_scale, self.spec.attn_softcap
         extra = dict(window=window, softcap=cap) if window or cap else {}
+        extra.update(kv)
         if step.decode_only:
             return ops.attention_decode(q, pool_layer, step.attn, kv_heads, scale, **extra)
         if step.attn_split is None:

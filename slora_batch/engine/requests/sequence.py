@@ -110,8 +110,8 @@ class Sequence:
         self.num_paged += 1
 
     def drop_pages(self) -> np.ndarray:
-        """Forgets every page and returns them (flat) for the pool."""
-        pages = self.pages.reshape(-1).copy()
+        """Forgets every page and returns them, [n, 2] (K page, V page) per token."""
+        pages = self.pages.copy()
         self.num_paged = 0
         return pages
 

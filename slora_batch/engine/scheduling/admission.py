@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from slora_batch.engine.requests.sequence import Sequence, Status
-from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
 from slora_batch.engine.scheduling.prefix_cache import Block
 
 if TYPE_CHECKING:
@@ -73,7 +72,7 @@ class Admission:
         if adapter:
             seq.slot = self.residency.acquire(adapter)
             self.pinned[adapter] += 1
-        need = PAGES_PER_TOKEN * n
+        need = self.pool.kv_pages_per_token * n
         if not self.pages.room(need):
             raise AssertionError(
                 f"admission counted {need} KV pages, {self.pool.num_free} free "

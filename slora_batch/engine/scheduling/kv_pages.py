@@ -17,7 +17,7 @@ from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.sequence import Sequence
 from slora_batch.engine.scheduling.prefix_cache import Block, PrefixCache, chain_key
 
-PAGES_PER_TOKEN = 2  # one K page and one V page
+PAGES_PER_TOKEN = 2  # one K page and one V page (``PagePool.kv_pages_per_token``: 1 with fp8)
 
 
 class KVPages:
@@ -38,7 +38,7 @@ class KVPages:
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a sequence could never run, even alone: its whole context's KV pages and its
         adapter's pages against the pools that hold them (one pool for both when unified)."""
-        kv = PAGES_PER_TOKEN * (len(seq.prompt_ids) + seq.max_new_tokens)
+        kv = self.pool.kv_pages_per_token * (len(seq.prompt_ids) + seq.max_new_tokens)
         adapter = self.residency.store.pages(seq.adapter) if seq.adapter else 0
         for pool, need in self.by_pool(kv, adapter).values():
             if need > pool.num_pages:
@@ -107,14 +107,16 @@ class KVPages:
             evictable -= self.residency.store.pages(adapter)
         cached = 0
         if self.cache is not None:
-            cached = self.cache.idle_pages - sum(b.pages.size for b in hit if b.refs == 0)
+            cached = self.cache.idle_pages - sum(
+                self.pool.own_pages(b.pages).size for b in hit if b.refs == 0
+            )
         # Room per pool, keyed by the pool object: under unified paging the KV pool and the
         # adapters' pool are one object, so free pages, idle blocks and idle adapters add into
         # one entry; with two pools (the bench's ablation) each counts only its own.
         room = {id(self.pool): self.pool.num_free + cached}
         lora_pool = self.residency.pool
         room[id(lora_pool)] = room.get(id(lora_pool), lora_pool.num_free) + evictable
-        demand = self.by_pool(PAGES_PER_TOKEN * n, self.residency.cost(adapter))
+        demand = self.by_pool(self.pool.kv_pages_per_token * n, self.residency.cost(adapter))
         return all(want <= room[key] for key, (_, want) in demand.items())
 
     def attach(self, seq: Sequence, hit: list[Block]) -> None:
@@ -135,17 +137,16 @@ class KVPages:
         start = seq.num_computed
         have = seq.pages.shape[0]
         if start + n > have:
-            new = self.pool.alloc(PAGES_PER_TOKEN * (start + n - have)).reshape(-1, PAGES_PER_TOKEN)
-            seq.add_pages(new)
+            seq.add_pages(self.pool.kv_pages(start + n - have))
 
     def take_one_each(self, seqs: list[Sequence]) -> bool:
         """A page pair for the next token of each sequence that lacks one, in one ``alloc``;
         False (nothing taken) when the pool has no room for all of them."""
         short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
-        if not self.room(PAGES_PER_TOKEN * len(short)):
+        if not self.room(self.pool.kv_pages_per_token * len(short)):
             return False
         if short:
-            pages = self.pool.alloc(PAGES_PER_TOKEN * len(short)).reshape(-1, PAGES_PER_TOKEN)
+            pages = self.pool.kv_pages(len(short))
             for seq, pair in zip(short, pages, strict=True):
                 seq.add_page(pair)
         return True
@@ -168,9 +169,9 @@ class KVPages:
         fewer (idempotent)."""
         pages = seq.drop_pages()
         if seq.blocks:
-            shared = len(seq.blocks) * self.block_tokens * PAGES_PER_TOKEN
+            shared = len(seq.blocks) * self.block_tokens
             self.cache.release(seq.blocks)
             pages = pages[shared:]
             seq.blocks = []
         seq.cache_done = False
-        self.pool.free(pages)
+        self.pool.free(self.pool.own_pages(pages))

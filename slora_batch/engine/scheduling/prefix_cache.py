@@ -76,7 +76,7 @@ class PrefixCache:
         for block in blocks:
             if block.refs == 0:
                 del self.idle[block.key]
-                self.idle_pages -= block.pages.size
+                self.idle_pages -= self.pool.own_pages(block.pages).size
             block.refs += 1
         self.hit_tokens += len(blocks) * self.block_tokens
 
@@ -87,7 +87,7 @@ class PrefixCache:
             if block.refs == 0:
                 block.last_used = self.clock
                 self.idle[block.key] = block
-                self.idle_pages += block.pages.size
+                self.idle_pages += self.pool.own_pages(block.pages).size
 
     def insert(
         self, parent: Block | None, adapter: str | None, tokens: list[int], pages: np.ndarray
@@ -114,11 +114,11 @@ class PrefixCache:
 
     def evict(self, block: Block) -> None:
         del self.idle[block.key]
-        self.idle_pages -= block.pages.size
+        self.idle_pages -= self.pool.own_pages(block.pages).size
         del self.blocks[block.key]
         if block.parent is not None:
             block.parent.children -= 1
-        self.pool.free(block.pages.reshape(-1))
+        self.pool.free(self.pool.own_pages(block.pages))
         self.evictions += 1
 
     def clear(self) -> None:

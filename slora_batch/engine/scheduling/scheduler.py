@@ -248,7 +248,7 @@ class Scheduler(Admission):
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
-        need = PAGES_PER_TOKEN * n
+        need = self.pool.kv_pages_per_token * n
         while not self.pages.room(need):
             victim = self.running[-1]
             self._preempt(victim)

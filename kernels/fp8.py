@@ -1,0 +1,77 @@
+"""FP8 (e4m3) KV cache: the page layout and the torch quantize / dequantize the twins use.
+
+With ``kv_cache_dtype: fp8`` a pool page (``page_size`` elements of the model dtype, at least
+2 * kv_dim bytes) holds one token's K in its first kv_dim bytes and its V in the next kv_dim
+bytes, both e4m3; a token takes one page instead of a K page and a V page, and its page-table
+row names that page twice (K page, V page). Scales are per token and KV head, amax / 448, fp32,
+in a side table beside the pool: ``scales[page, h]`` for K head h, ``scales[page, kv_heads + h]``
+for V head h. Running example: kv_heads 2, head_dim 4 (kv_dim 8), bf16 page of 8 elements = 16
+bytes; token at page 5: K bytes 0..7 of page 5 (head 1 at bytes 4..7, scale scales[5, 1]), V
+bytes 8..15 (head 1 at 12..15, scale scales[5, 3]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def bytes_view(pool_layer: torch.Tensor) -> torch.Tensor:
+    """The pool layer as e4m3 bytes: [P, page_size] -> [P, page_size * element bytes]."""
+    return pool_layer.view(FP8)
+
+
+def quantize(rows: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and head e4m3 quantization.
+
+    Semantics: s[t, h] = amax(|rows[t, h-th head]|) / 448 (1 for an all-zero head);
+      q[t, h * d + i] = e4m3(rows[t, h * d + i] / s[t, h]) (round to nearest even).
+    Shape: rows [T, kv_dim] -> q [T, kv_dim] float8_e4m3fn, s [T, kv_heads] fp32.
+    """
+    heads = rows.float().view(rows.shape[0], kv_heads, rows.shape[1] // kv_heads)  # [T, kvh, d]
+    s = heads.abs().amax(-1) / FP8_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (heads / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(rows.shape), s
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``quantize``'s inverse: q [..., kv_dim] e4m3, s [..., kv_heads] -> [..., kv_dim] fp32."""
+    heads = q.float().unflatten(-1, (s.shape[-1], q.shape[-1] // s.shape[-1]))  # [..., kvh, d]
+    return (heads * s[..., None]).flatten(-2)
+
+
+def kv_write(
+    pool_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_pages: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """``kernels.ref.kv_write`` on fp8 pages: K quantized into bytes 0 .. kv_dim of page
+    out_pages[t, 0], V into bytes kv_dim .. 2 * kv_dim of page out_pages[t, 1], their scales
+    into scales[page, :kv_heads] and scales[page, kv_heads:] (page -1: nothing written).
+    Shape: scales [P, 2 * kv_heads] fp32."""
+    kv_heads, kv_dim = scales.shape[1] // 2, k.shape[1]
+    data = bytes_view(pool_layer)
+    assert data.shape[1] >= 2 * kv_dim, f"a page of {data.shape[1]} B cannot hold {kv_dim} x 2"
+    pages = out_pages.long()
+    for which, rows in enumerate((k, v)):
+        keep = pages[:, which] >= 0
+        q, s = quantize(rows[keep], kv_heads)
+        data[pages[keep, which], which * kv_dim : (which + 1) * kv_dim] = q
+        scales[pages[keep, which], which * kv_heads : (which + 1) * kv_heads] = s
+
+
+def gather(
+    pool_layer: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor, kv_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K and V (fp32) at pages [..., 2] (K page, V page) -> k, v [..., kv_dim]."""
+    kv_heads = scales.shape[1] // 2
+    data = bytes_view(pool_layer)
+    pages = pages.long()
+    k = dequantize(data[pages[..., 0], :kv_dim], scales[pages[..., 0], :kv_heads])
+    v = dequantize(data[pages[..., 1], kv_dim : 2 * kv_dim], scales[pages[..., 1], kv_heads:])
+    return k, v
