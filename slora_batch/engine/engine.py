@@ -113,15 +113,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_path)
         make_info = partial(tokenizer_info, self.tokenizer, spec, grammar_tokens)
         self.grammars = GrammarService(make_info, config.grammar_threads)  # formats' compiler
-        scaling = spec.rope_scaling or {}
         self.scheduler = Scheduler(
-            config,
-            self.pool,
-            self.residency,
-            spec.eos_token_ids,
-            scaling.get("original_max_position_embeddings")
-            if scaling.get("rope_type") == "longrope"
-            else None,
+            config, self.pool, self.residency, spec.eos_token_ids, spec.long_rope_from
         )
         self.prepare = RequestPreparer(
             spec,

@@ -66,14 +66,9 @@ class DecoderModel:
         self.local_cos_sin = (  # the sliding layers' own RoPE (Gemma 3)
             rope_cos_sin(spec, max_pos, device, spec.local_rope) if spec.local_rope else None
         )
-        scaling = spec.rope_scaling or {}
         # longrope: positions of a sequence past the original context take the long factors
         # (the second half of the table): the token's position, or its prompt's length, past it.
-        self.long_from = (
-            scaling["original_max_position_embeddings"]
-            if scaling.get("rope_type") == "longrope"
-            else None
-        )
+        self.long_from = spec.long_rope_from
         self.rotary_dim = spec.rotary_dim or spec.head_dim
         self.embed_scale = (
             torch.tensor(spec.hidden_size**0.5, dtype=embed.dtype, device=device)

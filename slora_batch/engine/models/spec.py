@@ -106,6 +106,15 @@ class ModelSpec:
         return self.max_position_embeddings
 
     @property
+    def long_rope_from(self) -> int | None:
+        """longrope's original context: longer prompts, and positions past it, take the long
+        factors (None: no longrope)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return scaling["original_max_position_embeddings"]
+
+    @property
     def lora_targets(self) -> tuple[str, ...]:
         """The LoRA targets this model's adapters may have (fused modules for Phi-3)."""
         return FUSED_TARGETS if self.fused_projections else SPLIT_TARGETS
