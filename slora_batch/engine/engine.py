@@ -116,16 +116,9 @@ class Engine:
         self.scheduler = Scheduler(
             config, self.pool, self.residency, spec.eos_token_ids, spec.long_rope_from
         )
-        self.prepare = RequestPreparer(
-            spec,
-            self.store,
-            self.broken,
-            self.tokenizer,
-            sampling or SamplingConfig(),
-            self.max_model_len,
-            self.scheduler,
-            self.grammars,
-        )
+        self.prepare = RequestPreparer(spec, self.store, self.broken, self.tokenizer,
+                                       sampling or SamplingConfig(), self.max_model_len,
+                                       self.scheduler, self.grammars)  # fmt: skip
         warmup_s = time.perf_counter() - warmup
         stream = None
         if config.prefetch and self.device.type == "cuda":
