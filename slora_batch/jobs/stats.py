@@ -56,6 +56,8 @@ STATS_SCHEMA = pa.schema(
         ("prefix_hit_tokens", pa.int64()),  # prompt tokens whose KV came from the prefix cache
         ("cached_blocks", pa.int64()),  # prefix blocks in the pool at the end
         ("block_evictions", pa.int64()),  # idle prefix blocks evicted for room
+        ("grammar_rows", pa.int64()),  # draws under a response_format grammar
+        ("grammar_mask_s", pa.float64()),  # filling their token masks on the host
         ("device", pa.string()),
         ("dtype", pa.string()),
         ("tokens", pa.int64()),  # adapter rows: completion tokens of the adapter's rows
@@ -185,6 +187,8 @@ def stats_rows(
         "prefix_hit_tokens": getattr(counters, "prefix_hit_tokens", 0),
         "cached_blocks": getattr(counters, "cached_blocks", 0),
         "block_evictions": getattr(counters, "block_evictions", 0),
+        "grammar_rows": getattr(counters, "grammar_rows", 0),
+        "grammar_mask_s": getattr(counters, "grammar_mask_s", 0.0),
         # no engine this run (every row was done): the device of the run that made them
         "device": previous.get("device") or plan.job.engine.device,
         "dtype": previous.get("dtype") or plan.job.engine.dtype,

@@ -125,3 +125,36 @@ def test_schema_file_is_read_relative_to_the_job_file(tiny, tmp_path):
     (tmp_path / "schemas" / "person.json").write_text("{broken")
     with pytest.raises(Exception, match=r"schema_file .*person\.json"):
         load_jobs(tmp_path / "job.yaml")
+
+
+def test_data_parallel_workers_give_the_constrained_rows_of_one_process(tiny, tmp_path):
+    """Structured output x data parallel: two workers (each its own grammar compiler) write the
+    tokens one process writes, and the stats count the constrained draws."""
+    from slora_batch.jobs.stats import read_stats
+
+    model_dir, adapters = tiny
+    formats = [None, REGEX, CHOICE, {"type": "json_object"}] * 3
+    lines = [
+        {"id": f"d{i}", "adapter": [None, "r4", "r8"][i % 3], "prompt": PROMPTS[i % 5],
+         **({"response_format": f} if f is not None else {})}
+        for i, f in enumerate(formats)
+    ]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    one = write_job(tmp_path, model_dir, adapters, "rows.jsonl")
+    run_job(one)
+    single = outputs(one)
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    job["jobs"][0]["output"] = "out-dp"
+    job["jobs"][0]["engine"]["data_parallel"] = 2
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    (two,) = load_jobs(tmp_path / "job.yaml")
+    run_job(two)
+    parallel = outputs(two)
+    assert {i: (r["token_ids"], r["finish_reason"]) for i, r in parallel.items()} == {
+        i: (r["token_ids"], r["finish_reason"]) for i, r in single.items()
+    }
+    for line, fmt in zip(lines, formats, strict=True):
+        if fmt is None or fmt["type"] != "json_object":
+            check_row(parallel[line["id"]], fmt)
+    job_row, _ = read_stats(two.output)
+    assert job_row["grammar_rows"] > 0 and job_row["grammar_mask_s"] > 0
