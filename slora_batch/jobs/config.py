@@ -22,6 +22,7 @@ import yaml
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
 from slora_batch.engine.requests.request import SAMPLING_FIELDS
+from slora_batch.eval.config import EvalConfig, eval_job_raw
 from slora_batch.jobs.response_format import read_schema_file
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
@@ -54,6 +55,7 @@ class JobConfig:
     # what each choice index means, for the preference table's columns (the sample eval: one
     # style per position); None: the choices' texts when every row has the same, else indices
     choice_labels: list[str] | None = None
+    eval: EvalConfig | None = None  # lm-eval tasks in place of input rows (``eval/config.py``)
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):
@@ -284,6 +286,8 @@ def _merge(defaults: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
 
 def _build(raw: dict[str, Any], name: str, base_dir: Path, where: str) -> JobConfig:
     raw = {**raw, "name": name}
+    if raw.get("eval") is not None:
+        raw = eval_job_raw(raw, base_dir, where)
     for key in ("input", "output"):
         if key not in raw:
             raise ConfigError(f"{where}: missing required key {key!r}")
