@@ -83,16 +83,22 @@ class Encoder:
         )
         return [tuple(map(list, lm_utils.make_disjoint_window(w))) for w in windows]
 
-    def generation(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    def generation(
+        self, context: str, gen_kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[str]]:
         """(the ``Request`` fields of a generate_until request, its ``until`` strings)."""
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.eos_text)
         max_gen_toks = int(kwargs.pop("max_gen_toks"))
-        limit = self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
+        limit = (
+            self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
+        )
         fields: dict[str, Any] = {
             "prompt_token_ids": self.encode(context)[-limit:],
             "max_new_tokens": max_gen_toks,
-            "temperature": float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0,
+            "temperature": float(kwargs.get("temperature") or 0.0)
+            if kwargs.get("do_sample")
+            else 0.0,
             "stop": [u for u in until if u and u != self.eos_text] or None,
         }
         for name in ("top_p", "top_k", "seed"):

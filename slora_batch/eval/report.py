@@ -72,7 +72,9 @@ def eval_table(rows: list[dict[str, Any]]):
     cells: dict[tuple[str, str], dict[str | None, str]] = {}
     for row in rows:
         err = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
-        cells.setdefault((row["task"], row["metric"]), {})[row["adapter"]] = f"{row['value']:.4f}{err}"
+        cells.setdefault((row["task"], row["metric"]), {})[row["adapter"]] = (
+            f"{row['value']:.4f}{err}"
+        )
     for (task, metric), values in cells.items():
         table.add_row(task, metric, *(values.get(a, "") for a in adapters))
     return table
