@@ -137,6 +137,11 @@ def run(
                     err.print(f"[red]error:[/] {escape(outcome.error)}")
                 elif not quiet:
                     print_summary(outcome, next(j for j in jobs if j.name == outcome.job))
+                    if outcome.eval_results:  # an eval job: lm-eval's metrics per adapter
+                        from slora_batch.console import out
+                        from slora_batch.eval.report import eval_table
+
+                        out.print(eval_table(outcome.eval_results))
     except (JobError, *JOB_ERRORS) as exc:
         _fail(exc)
     except KeyboardInterrupt:

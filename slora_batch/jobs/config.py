@@ -22,6 +22,7 @@ import yaml
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
 from slora_batch.engine.requests.request import SAMPLING_FIELDS
+from slora_batch.eval.config import EvalConfig, eval_job_raw
 from slora_batch.jobs.response_format import read_schema_file
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
@@ -59,6 +60,7 @@ class JobConfig:
     # of a JSONL input has custom_id and body, else rows
     input_format: str = "auto"
     output_format: str = "parquet"  # "openai": also batch_output.jsonl / batch_errors.jsonl
+    eval: EvalConfig | None = None  # lm-eval tasks in place of input rows (``eval/config.py``)
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):
@@ -292,6 +294,8 @@ def _merge(defaults: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
 
 def _build(raw: dict[str, Any], name: str, base_dir: Path, where: str) -> JobConfig:
     raw = {**raw, "name": name}
+    if raw.get("eval") is not None:
+        raw = eval_job_raw(raw, base_dir, where)
     for key in ("input", "output"):
         if key not in raw:
             raise ConfigError(f"{where}: missing required key {key!r}")

@@ -81,6 +81,7 @@ class JobSummary:
     # the preference table's column labels: the job's choice_labels, else the choices every
     # choices row shares (None: the columns are headed by index)
     choice_labels: list[str] | None = None
+    eval_results: list[dict[str, Any]] | None = None  # an eval job's ``results.parquet`` rows
 
 
 @dataclass
@@ -97,26 +98,33 @@ def run_jobs(
     """Check every job, then run the good ones one by one, yielding each one's summary or
     failure: first the jobs that failed their check, then the runs in order. A job that fails
     while it runs does not stop the jobs after it."""
-    plans: list[JobPlan] = []
+    plans: list[JobPlan | JobConfig] = []
     for job in jobs:
-        try:
-            plans.append(check_job(job))
+        try:  # an eval job is checked when it runs: its input is built then (``eval/sweep``)
+            plans.append(job if job.eval is not None else check_job(job))
         except JobError as exc:
             yield JobFailure(job.name, str(exc))
     for plan in plans:
         try:
+            if isinstance(plan, JobConfig):
+                yield run_job(plan, overwrite=overwrite, progress=progress)
+                continue
             yield run_plan(plan, overwrite=overwrite, progress=progress)
         except JobError as exc:
-            yield JobFailure(plan.job.name, str(exc))
+            yield JobFailure(getattr(plan, "job", plan).name, str(exc))
         except Exception as exc:  # the engine or the disk: this job is lost, the next may run
-            logger.error("job %s failed", plan.job.name, exc_info=True)
-            message = f"job {plan.job.name!r} failed: {type(exc).__name__}: {exc}"
-            yield JobFailure(plan.job.name, message)
+            name = getattr(plan, "job", plan).name
+            logger.error("job %s failed", name, exc_info=True)
+            yield JobFailure(name, f"job {name!r} failed: {type(exc).__name__}: {exc}")
 
 
 def run_job(
     job: JobConfig, overwrite: bool = False, progress: ProgressCallback | None = None
 ) -> JobSummary:
+    if job.eval is not None:  # lm-eval tasks: the ``[eval]`` extra, imported only here
+        from slora_batch.eval.sweep import run_eval
+
+        return run_eval(job, run_plan, overwrite=overwrite, progress=progress)
     return run_plan(check_job(job), overwrite=overwrite, progress=progress)
 
 

@@ -1,0 +1,12 @@
+"""The lm-evaluation-harness bridge (the optional ``[eval]`` extra).
+
+- ``config``: the job file's ``eval:`` section (no lm-eval import: job files load without it);
+- ``encoding``: lm-eval's requests as token ids, by the rules of lm-eval's ``hf`` model (the
+  token boundary of a context ending in whitespace, rolling windows, left truncation);
+- ``rows``: one lm-eval request as engine ``Request`` fields, and results back as lm-eval answers;
+- ``lm``: the lm-eval model ``slora-batch`` (``import slora_batch.eval.lm`` registers it);
+- ``sweep``: an eval job: every task for the base model and every adapter in one engine pass,
+  scored per adapter by lm-eval's own ``evaluate``; ``report``: results.parquet and the JSONs.
+
+Only these modules import ``lm_eval``, and nothing outside an eval job imports them.
+"""

@@ -1,0 +1,80 @@
+"""An eval job's results: ``results.parquet`` (adapter, task, metric, value, stderr, n), one
+lm-eval results JSON per adapter (``eval-results/<adapter>.json``, the base model's
+``__base__.json``; lm-eval's ``evaluate`` output without its samples), and the summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slora_batch.jobs.outdir import commit_file
+
+RESULTS_FILE = "results.parquet"
+RESULTS_DIR = "eval-results"
+BASE_NAME = "__base__"  # the base model's JSON (an adapter may be called "base")
+SCHEMA = pa.schema([("adapter", pa.string()), ("task", pa.string()), ("metric", pa.string()),
+                    ("value", pa.float64()), ("stderr", pa.float64()), ("n", pa.int64())])  # fmt: skip
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def results_rows(per_adapter: dict[str | None, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (adapter, task, metric) of lm-eval's results; a metric's filter is kept
+    after a comma unless it is lm-eval's "none" (``acc``, ``exact_match,strict-match``)."""
+    rows = []
+    for adapter, output in per_adapter.items():
+        counts = output.get("n-samples", {})
+        for task, metrics in output["results"].items():
+            n = counts.get(task, {}).get("effective")
+            for key, value in metrics.items():
+                if "," not in key or "_stderr," in key or _number(value) is None:
+                    continue
+                metric, filter_name = key.split(",", 1)
+                stderr = _number(metrics.get(f"{metric}_stderr,{filter_name}"))
+                rows.append({
+                    "adapter": adapter, "task": task,
+                    "metric": metric if filter_name == "none" else key,
+                    "value": float(value),
+                    "stderr": None if stderr is None or math.isnan(stderr) else stderr,
+                    "n": n,
+                })  # fmt: skip
+    return rows
+
+
+def write_results(out: Path, per_adapter: dict[str | None, dict[str, Any]]) -> None:
+    table = pa.Table.from_pylist(results_rows(per_adapter), schema=SCHEMA)
+    commit_file(out / RESULTS_FILE, lambda handle: pq.write_table(table, handle))
+    (out / RESULTS_DIR).mkdir(exist_ok=True)
+    for adapter, output in per_adapter.items():
+        kept = {key: value for key, value in output.items() if key != "samples"}
+        text = json.dumps(kept, indent=2, default=str).encode()
+        path = out / RESULTS_DIR / f"{adapter or BASE_NAME}.json"
+        commit_file(path, lambda handle, text=text: handle.write(text))
+
+
+def eval_table(rows: list[dict[str, Any]]):
+    """A rich table: one line per (task, metric), one column per adapter ("base" first)."""
+    from rich.table import Table
+
+    adapters = list(dict.fromkeys(row["adapter"] for row in rows))
+    table = Table(title="lm-eval results", title_justify="left")
+    table.add_column("task")
+    table.add_column("metric")
+    for adapter in adapters:
+        table.add_column(adapter or "(base)", justify="right")
+    cells: dict[tuple[str, str], dict[str | None, str]] = {}
+    for row in rows:
+        err = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
+        cells.setdefault((row["task"], row["metric"]), {})[row["adapter"]] = (
+            f"{row['value']:.4f}{err}"
+        )
+    for (task, metric), values in cells.items():
+        table.add_row(task, metric, *(values.get(a, "") for a in adapters))
+    return table

@@ -1,0 +1,52 @@
+"""The eval job: every task for the base model and four adapters in one engine (one pass over
+the fanned-out requests), lm-eval's metrics per adapter equal to ``hf`` with ``peft=``, and a
+re-run that finds the job complete and writes nothing new."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import TASKS
+
+pytest.importorskip("lm_eval")
+
+
+def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
+    from test_lm import hf_reference
+
+    import slora_batch.engine.parallel.data_parallel as data_parallel
+    from slora_batch.jobs.config import load_jobs
+    from slora_batch.jobs.outdir import part_files
+    from slora_batch.jobs.run import run_job
+
+    model_dir, adapters, tasks_dir = eval_setup
+    job = {"name": "sweep", "model": str(model_dir), "adapters": str(adapters), "output": "out",
+           "eval": {"tasks": TASKS, "include_path": str(tasks_dir), "bootstrap_iters": 0},
+           "engine": {"device": "cpu", "dtype": "float32", "num_pages": 16384}}  # fmt: skip
+    (tmp_path / "jobs.yaml").write_text(yaml.safe_dump({"jobs": [job]}))
+    (config,) = load_jobs(tmp_path / "jobs.yaml")
+    built = []
+    open_engine = data_parallel.open_engine
+    monkeypatch.setattr(data_parallel, "open_engine",
+                        lambda *a, **k: built.append(1) or open_engine(*a, **k))  # fmt: skip
+    summary = run_job(config)
+    assert len(built) == 1  # one engine for every adapter and task
+    names = [None, "a", "b", "c", "d"]
+    assert {r["adapter"] for r in summary.eval_results} == set(names)
+    out = tmp_path / "out"
+    rows = pq.read_table(out / "results.parquet").to_pylist()
+    assert rows == summary.eval_results
+    parts = pq.read_table([p for _, p in part_files(out)]).to_pylist()
+    per_adapter = {a: sum(r["adapter"] == a for r in parts) for a in names}
+    assert len(set(per_adapter.values())) == 1 and summary.stats["rows"] == len(parts)
+    for name in (None, "d"):
+        ref = hf_reference(model_dir, adapters / name if name else None, tasks_dir)
+        for task in TASKS:
+            for row in (r for r in rows if r["adapter"] == name and r["task"] == task):
+                want = ref["results"][task][f"{row['metric']},none"]
+                assert math.isclose(row["value"], want, rel_tol=1e-5), (name, task, row)
+    again = run_job(config)  # complete: nothing runs, the same results
+    assert again.complete_already and len(built) == 1 and again.eval_results == rows
