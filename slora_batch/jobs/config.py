@@ -127,19 +127,14 @@ def _check_fanout(
 ) -> str | list[str | None] | None:
     if fanout is None or fanout == "all":
         return fanout
-    check(
-        isinstance(fanout, list)
-        and fanout != []
-        and all(a is None or isinstance(a, str) for a in fanout),
-        f"fanout must be null, 'all' or a non-empty list of adapter names (null = base), got {fanout!r}",
+    ok = (
+        isinstance(fanout, list) and fanout and all(a is None or isinstance(a, str) for a in fanout)
     )
+    check(ok, f"fanout must be null, 'all' or a non-empty list of adapter names (null = base), got {fanout!r}")  # fmt: skip
     names = [a or None for a in fanout]
     check(len(set(names)) == len(names), f"fanout lists an adapter twice: {fanout!r}")
     for name in names:
-        check(
-            name is None or adapters is not None,
-            f"fanout names adapter {name!r} but the job has no adapters",
-        )
+        check(name is None or adapters is not None, f"fanout names adapter {name!r} but the job has no adapters")  # fmt: skip
         check(
             name is None or not isinstance(adapters, dict) or name in adapters,
             f"fanout names adapter {name!r}, which is not in adapters ({', '.join(sorted(adapters or ()))})",
