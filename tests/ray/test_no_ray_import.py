@@ -1,4 +1,5 @@
-"""The single-machine tool never imports Ray (an optional extra): not ``import cli``, not a run."""
+"""The single-machine tool never imports Ray nor lm-eval (optional extras): not ``import cli``,
+not a run."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from test_jobrun import build_tiny, make_rows, write_job, write_jsonl
 CHECK = """
 import sys
 import cli
-assert "ray" not in sys.modules and "torch" not in sys.modules, "import cli loaded ray or torch"
+assert not {"ray", "torch", "lm_eval"} & set(sys.modules), "import cli loaded ray, torch or lm_eval"
 from slora_batch.jobs.config import load_jobs
 from slora_batch.jobs.run import run_job
 (job,) = load_jobs(sys.argv[1])
 assert run_job(job).stats["rows"] == 6
 assert "ray" not in sys.modules, "a plain run imported ray"
+assert "lm_eval" not in sys.modules, "a plain run imported lm_eval (the eval extra)"
 """
 
 
