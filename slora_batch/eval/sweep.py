@@ -121,22 +121,15 @@ def read_results(out: Path) -> dict[str | None, dict[str, dict[str, Any]]]:
     return found
 
 
-def run_eval(
-    job: JobConfig,
-    run_plan: Callable[..., JobSummary],
-    overwrite: bool = False,
-    progress: Callable | None = None,
-) -> JobSummary:
-    """Run an eval job (``run_plan`` is ``jobs.run.run_plan``, handed in: no import circle)."""
-    from lm_eval.evaluator import evaluate
-
+def prepare(job: JobConfig, out: Path) -> tuple[Encoder, dict[str, Any], list]:
+    """The tasks' requests, built once and written to ``out``'s requests file: (the encoder,
+    the loaded tasks, the requests)."""
     from slora_batch.engine.hub import locate
     from slora_batch.engine.models.sample_model import resolve_model
     from slora_batch.engine.models.spec import read_spec
     from slora_batch.engine.requests.tokens import load_tokenizer
-    from slora_batch.jobs.check import check_job
 
-    config, out = job.eval, Path(job.output)
+    config = job.eval
     model_path = resolve_model(locate(job.model, None).model)
     spec = read_spec(model_path)
     max_length = min(job.engine.max_model_len or spec.max_context, spec.max_context)
@@ -146,6 +139,33 @@ def run_eval(
     rows = write_requests(out, encoder, requests)
     logger.info("job %s: %d lm-eval requests of %d tasks, %d engine rows per adapter", job.name,
                 len(requests), len(loaded["tasks"]), rows)  # fmt: skip
+    return encoder, loaded, requests
+
+
+def validate_with_requests(job: JobConfig, validate: Callable, limit: int | None):
+    """``validate`` (``jobs.validate.validate_job``) of an eval job that has not run yet: its
+    requests built into a temporary directory, the output directory untouched."""
+    import dataclasses
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(job, Path(tmp))
+        return validate(dataclasses.replace(job, input=str(Path(tmp) / REQUESTS_FILE)), limit)
+
+
+def run_eval(
+    job: JobConfig,
+    run_plan: Callable[..., JobSummary],
+    overwrite: bool = False,
+    progress: Callable | None = None,
+) -> JobSummary:
+    """Run an eval job (``run_plan`` is ``jobs.run.run_plan``, handed in: no import circle)."""
+    from lm_eval.evaluator import evaluate
+
+    from slora_batch.jobs.check import check_job
+
+    config, out = job.eval, Path(job.output)
+    encoder, loaded, _ = prepare(job, out)
     plan = check_job(job)
     summary = run_plan(plan, overwrite=overwrite, progress=progress)
     results = read_results(out)

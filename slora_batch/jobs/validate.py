@@ -55,6 +55,10 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     into requests and tokenized as the engine would. Builds no engine and loads no weights
     (only the sample alias's one-time conversion reads its GGUF); problems of rows are reported
     (a run writes error rows for them), problems of the job (duplicate rows included) raise."""
+    if job.eval is not None and not Path(job.input).is_file():  # built when an eval job runs
+        from slora_batch.eval.sweep import validate_with_requests
+
+        return validate_with_requests(job, validate_job, limit)
     plan = check_job(job)
     try:
         resumable_manifest(plan, fingerprint(plan))

@@ -50,3 +50,22 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
                 assert math.isclose(row["value"], want, rel_tol=1e-5), (name, task, row)
     again = run_job(config)  # complete: nothing runs, the same results
     assert again.complete_already and len(built) == 1 and again.eval_results == rows
+
+
+def test_validate_builds_the_requests_without_touching_the_output(tmp_path, eval_setup):
+    """An eval job that never ran validates: its requests are built in a temporary directory,
+    checked like any input, and no output directory appears."""
+    from slora_batch.jobs.config import load_jobs
+    from slora_batch.jobs.validate import validate_job
+
+    model_dir, adapters, tasks_dir = eval_setup
+    job = {"name": "sweep", "model": str(model_dir), "adapters": str(adapters), "output": "out",
+           "eval": {"tasks": TASKS, "include_path": str(tasks_dir), "limit": 2},
+           "engine": {"device": "cpu", "dtype": "float32"}}  # fmt: skip
+    (tmp_path / "jobs.yaml").write_text(yaml.safe_dump({"jobs": [job]}))
+    (config,) = load_jobs(tmp_path / "jobs.yaml")
+    report = validate_job(config)
+    assert not report.problems, report.problems
+    assert report.sweep is not None and len(report.sweep) == 5  # base + 4 adapters
+    assert report.rows_total > 0 and report.rows_checked > 0
+    assert not (tmp_path / "out").exists()
