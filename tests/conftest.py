@@ -21,12 +21,15 @@ def sample_model_dir() -> Path:
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
     pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) the Ray tests share
-    one worker: each starts a local cluster sized to the machine, two at once would starve."""
+    one worker: each starts a local cluster sized to the machine, two at once would starve; the
+    lm-eval tests share another, which builds their session's model and adapters once."""
     import torch
 
     for item in items:
         if "tests/ray/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("ray/"):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif "tests/eval/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("eval/"):
+            item.add_marker(pytest.mark.xdist_group("eval"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
