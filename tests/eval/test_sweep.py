@@ -13,8 +13,39 @@ from conftest import TASKS
 
 pytest.importorskip("lm_eval")
 
+# A sweep that kills itself (SIGKILL) right after committing its second part.
+KILL = """
+import os, signal, sys
+from slora_batch.jobs import writer
+from slora_batch.jobs.config import load_jobs
+from slora_batch.jobs.run import run_job
+
+parts = 0
+real_commit = writer.commit_file
+
+def commit(path, write):
+    global parts
+    real_commit(path, write)
+    if path.name.startswith("part-"):
+        parts += 1
+        if parts == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+writer.commit_file = commit
+(job,) = load_jobs(sys.argv[1])
+run_job(job)
+"""
+
 
 def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
+    """Killed (SIGKILL after its second part) and run again: the re-run computes only the
+    rest, in one engine for every adapter and task, every request once per adapter, and lm-eval's
+    metrics equal ``hf`` with ``peft=``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from test_lm import hf_reference
 
     import slora_batch.engine.parallel.data_parallel as data_parallel
@@ -24,15 +55,24 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
 
     model_dir, adapters, tasks_dir = eval_setup
     job = {"name": "sweep", "model": str(model_dir), "adapters": str(adapters), "output": "out",
-           "eval": {"tasks": TASKS, "include_path": str(tasks_dir), "bootstrap_iters": 0},
-           "engine": {"device": "cpu", "dtype": "float32", "num_pages": 16384}}  # fmt: skip
+           "part_rows": 6, "eval": {"tasks": TASKS, "include_path": str(tasks_dir),
+                                    "bootstrap_iters": 0},
+           "engine": {"device": "cpu", "dtype": "float32", "num_pages": 16384,
+                      "max_num_seqs": 4}}  # fmt: skip
     (tmp_path / "jobs.yaml").write_text(yaml.safe_dump({"jobs": [job]}))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILL, str(tmp_path / "jobs.yaml")], env=env,
+                          timeout=600, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert len(part_files(tmp_path / "out")) == 2
     (config,) = load_jobs(tmp_path / "jobs.yaml")
     built = []
     open_engine = data_parallel.open_engine
     monkeypatch.setattr(data_parallel, "open_engine",
                         lambda *a, **k: built.append(1) or open_engine(*a, **k))  # fmt: skip
     summary = run_job(config)
+    assert summary.rows_skipped > 0 and summary.rows_this_run > 0  # only the rest was computed
     assert len(built) == 1  # one engine for every adapter and task
     names = [None, "a", "b", "c", "d"]
     assert {r["adapter"] for r in summary.eval_results} == set(names)
@@ -42,6 +82,7 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
     parts = pq.read_table([p for _, p in part_files(out)]).to_pylist()
     per_adapter = {a: sum(r["adapter"] == a for r in parts) for a in names}
     assert len(set(per_adapter.values())) == 1 and summary.stats["rows"] == len(parts)
+    assert len({(r["adapter"], str(r["id"])) for r in parts}) == len(parts)  # each once
     for name in (None, "d"):
         ref = hf_reference(model_dir, adapters / name if name else None, tasks_dir)
         for task in TASKS:
