@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import logging
 import pstats
@@ -41,8 +42,9 @@ from slora_batch.engine.requests.request import Request
 # "outputs" is step_outputs less "sample": the sampler's tensor math, which runs on the device
 # on a GPU (queued, the host does not wait) and here on the CPU, so it is shown apart and left
 # out of "host".
+# "gc": Python's cyclic garbage collector, inside whichever phases it interrupted.
 PHASES = ("load_ahead", "schedule", "plan_step", "upload", "sampling_params", "outputs",
-          "launched", "read_back", "postprocess", "count_step", "host", "sample")  # fmt: skip
+          "launched", "read_back", "postprocess", "count_step", "gc", "host", "sample")  # fmt: skip
 
 
 class Timer:
@@ -50,6 +52,12 @@ class Timer:
 
     def __init__(self) -> None:
         self.turns: list[dict] = []
+
+    def collecting(self, phase: str, info: dict) -> None:  # a gc.callbacks entry
+        if phase == "start":
+            self._gc = time.perf_counter()
+        elif self.turns:
+            self.turns[-1]["gc"] += time.perf_counter() - self._gc
 
     def wrap(self, owner, name: str, phase: str) -> None:
         inner = getattr(owner, name)
@@ -83,10 +91,15 @@ def requests(count: int, adapters: int, context: int, args, vocab: int) -> list[
     outs = rng.integers(args.min_output, args.max_output + 1, size=count)
     which = rng.integers(0, adapters, size=count)
     return [
-        Request(id=i, adapter=f"a{int(which[i]):04d}",
-                prompt_token_ids=rng.integers(3, vocab, size=int(lens[i])).tolist(),
-                max_new_tokens=int(outs[i]), ignore_eos=True, temperature=args.temperature,
-                top_k=args.top_k)  # fmt: skip
+        Request(
+            id=i,
+            adapter=f"a{int(which[i]):04d}",
+            prompt_token_ids=rng.integers(3, vocab, size=int(lens[i])).tolist(),
+            max_new_tokens=int(outs[i]),
+            ignore_eos=True,
+            temperature=args.temperature,
+            top_k=args.top_k,
+        )  # fmt: skip
         for i in range(count)
     ]
 
@@ -162,6 +175,7 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
     sched.schedule = turn
     work = requests(args.requests_per_row * rows, args.adapters, args.context, args,
                     model.spec.vocab_size)  # fmt: skip
+    gc.callbacks.append(timer.collecting)
     profiler = cProfile.Profile() if args.profile else None
     results = engine.generate(iter(work))
     began = time.perf_counter()
@@ -175,6 +189,7 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - began
+    gc.callbacks.remove(timer.collecting)
     results.close()
     for a, b in zip(timer.turns, timer.turns[1:], strict=False):
         a["turn"] = b["began"] - a["began"]
@@ -215,10 +230,18 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=192)
     parser.add_argument("--requests-per-row", type=int, default=4)
     parser.add_argument("--turns", type=int, default=400, help="loop turns timed per row count")
-    parser.add_argument("--min-rows", type=float, default=0.75,
-                        help="decode turns counted: at least this fraction of rows running")
-    parser.add_argument("--adapter-pages", type=int, default=200_000,
-                        help="pool pages beyond the rows' KV (the adapters' room)")
+    parser.add_argument(
+        "--min-rows",
+        type=float,
+        default=0.75,
+        help="decode turns counted: at least this fraction of rows running",
+    )
+    parser.add_argument(
+        "--adapter-pages",
+        type=int,
+        default=200_000,
+        help="pool pages beyond the rows' KV (the adapters' room)",
+    )
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
