@@ -155,35 +155,47 @@ def _leading_ones(num_new: list[int]) -> int:
 
 
 def _plan_decode(step: ScheduledStep) -> HostStep:
-    """``plan_step`` when every sequence brings one token: one array op per field, no chunks."""
+    """``plan_step`` when every sequence brings one token: one pass over the sequences into
+    Python lists (a numpy scalar per row costs more than the row's work), then array ops."""
     seqs = step.seqs
     batch = len(seqs)
-    positions = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=batch)
-    seq_lens = positions + 1
-    # A one-token chunk draws a token unless it is a prefill cut short by the token budget.
-    ends = np.fromiter((s.num_computed + 1 == s.num_tokens for s in seqs), dtype=bool, count=batch)
+    lens, ends, prev, ids, slots, keys = [], [], [], [], [], []
+    for s in seqs:
+        position = s.num_computed
+        lens.append(position + 1)
+        # A one-token chunk draws a token unless it is a prefill cut short by the token budget.
+        ends.append(position + 1 == s.num_tokens)
+        # A sequence with a pending token brings that token, still on the device (overlapped
+        # steps).
+        if s.pending:
+            prev.append(s.last_row)
+            ids.append(0)
+        else:
+            prev.append(-1)
+            ids.append(s.token(position))
+        slots.append(s.slot)
+        keys.append((s.order, s.preemptions))
+    seq_lens = np.array(lens, dtype=np.int64)
+    positions = seq_lens - 1
     drawn = np.flatnonzero(ends).astype(np.int64)
     rows = np.full(batch, -1, dtype=np.int64)
     rows[drawn] = np.arange(drawn.size)
-    table = np.full((batch, int(seq_lens.max()), 2), -1, dtype=np.int32)
-    for b, seq in enumerate(seqs):
-        table[b, : seq_lens[b]] = seq.page_buf[: seq_lens[b]]
-    # A sequence with a pending token brings that token, still on the device (overlapped steps).
-    prev = np.fromiter((s.last_row if s.pending else -1 for s in seqs), dtype=np.int64, count=batch)
-    ids = (0 if s.pending else s.token(s.num_computed) for s in seqs)
+    table = np.full((batch, max(lens), 2), -1, dtype=np.int32)
+    for row, seq, n in zip(table, seqs, lens, strict=True):
+        row[:n] = seq.page_buf[:n]
     return HostStep(
-        input_ids=np.fromiter(ids, dtype=np.int64, count=batch),
+        input_ids=np.array(ids, dtype=np.int64),
         positions=positions,
         out_pages=table[np.arange(batch), positions],
         b1_start=np.arange(batch + 1, dtype=np.int32),
         b_seq_len=seq_lens.astype(np.int32),
         page_table=table,
-        b_slot=np.fromiter((s.slot for s in seqs), dtype=np.int64, count=batch),
+        b_slot=np.array(slots, dtype=np.int64),
         logits_index=drawn,
         logit_rows=rows.tolist(),
         max_new=1,
-        prev_rows=_prev_rows(prev),
-        seq_keys=[(s.order, s.preemptions) for s in seqs],
+        prev_rows=_prev_rows(np.array(prev, dtype=np.int64)),
+        seq_keys=keys,
     )
 
 

@@ -23,9 +23,10 @@ class Status(Enum):
     RELEASED = "released"  # pages and adapter returned
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One admitted row.
+    """One admitted row; a sequence is equal only to itself (the scheduler's ``list.remove``
+    and ``in`` then compare identities, in C, not every field of every row they pass).
 
     ``tokens`` = prompt ids + generated ids. ``num_computed`` tokens have their K/V in the pool at
     ``pages[:num_computed]`` (one (K page, V page) pair per token). After a preemption the pages

@@ -14,6 +14,7 @@ from slora_batch.engine.execution.batch import (
     upload,
 )
 from slora_batch.engine.execution.runner import fill_lora
+from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 
 def test_plan_and_upload_a_mixed_step():
@@ -159,3 +160,36 @@ def test_graph_buffers_get_each_steps_position_segments():
         assert vector.pos_seg is None
         built = device_position_segments(vector, bucket)
         assert built.tolist() == tiled.pos_seg.tolist() and vector.pos_seg is None
+
+
+def test_decode_plan_matches_each_rows_own_fields():
+    """A decode step planned in one pass (random contexts, pending tokens, adapter slots and a
+    one-token prefill chunk that draws nothing) holds, row by row, what each sequence says."""
+    rng = np.random.default_rng(3)
+    seqs = []
+    for i in range(40):
+        s = seq(int(rng.integers(1, 30)), max_new=50)
+        s.output_ids = rng.integers(3, 99, int(rng.integers(0, 20))).tolist()
+        s.pending = int(rng.integers(0, 2)) if s.output_ids else 0
+        s.last_row = int(rng.integers(0, 40))
+        s.num_computed = s.num_tokens - 1 - (i % 7 == 0)  # every 7th: a prefill cut short
+        s.add_pages(rng.permutation(10_000)[: 2 * (s.num_computed + 1)].reshape(-1, 2))
+        s.slot = int(rng.integers(-1, 8))
+        s.order, s.preemptions = i, int(rng.integers(0, 3))
+        seqs.append(s)
+    step = ScheduledStep(seqs, [1] * len(seqs))
+    host = plan_step(step)
+    ends = [s.num_computed + 1 == s.num_tokens for s in seqs]
+    assert host.logits_index.tolist() == [b for b, e in enumerate(ends) if e]
+    assert host.logit_rows == [sum(ends[:b]) if e else -1 for b, e in enumerate(ends)]
+    assert host.seq_keys == [(s.order, s.preemptions) for s in seqs]
+    assert host.b_slot.tolist() == [s.slot for s in seqs]
+    assert host.b1_start.tolist() == list(range(len(seqs) + 1))
+    assert host.prev_rows.tolist() == [s.last_row if s.pending else -1 for s in seqs]
+    for b, s in enumerate(seqs):
+        p = s.num_computed
+        assert host.positions[b] == p and host.b_seq_len[b] == p + 1
+        assert host.input_ids[b] == (0 if s.pending else s.token(p))
+        assert (host.page_table[b, : p + 1] == s.pages[: p + 1]).all()
+        assert (host.page_table[b, p + 1 :] == -1).all()
+        assert (host.out_pages[b] == s.pages[p]).all()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -233,3 +233,17 @@ def test_decode_fast_path_matches_growing_one_by_one(num_pages, monkeypatch):
         assert fast[1] > 0  # the fallback (preemption) was exercised
     if num_pages == 90:
         assert fast[1] > 0 and fast[2] > 0
+
+
+def test_sequences_are_equal_only_to_themselves():
+    """Two rows with the same fields are two rows: the scheduler's list removals take the one
+    named, and comparing never walks a row's fields (it compares identities)."""
+    sched, _, _ = make(1000)
+    a = seq(3, max_new=2)
+    b = replace(a)
+    assert a != b and len({a, b}) == 2
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish(b)
+    assert sched.running == [a] and sched.running[0] is a
