@@ -34,9 +34,9 @@ def fp8_attn_case(
                               head_dim=head_dim, dtype=dtype, device=device, seed=seed,
                               **kw)  # fmt: skip
     kv_dim = num_kv_heads * head_dim
-    gen = torch.Generator().manual_seed(seed + 100)
-    pool = torch.randn(full.shape, generator=gen).to(device=device, dtype=dtype)
-    scales = (torch.rand(full.shape[0], 2 * num_kv_heads, generator=gen) * 5).to(device)
+    gen = torch.Generator(device).manual_seed(seed + 100)
+    pool = torch.randn(full.shape, generator=gen, device=device).to(dtype)
+    scales = torch.rand(full.shape[0], 2 * num_kv_heads, generator=gen, device=device) * 5
     table = meta.page_table
     pages = table[table[..., 0] >= 0]  # [tokens, 2]: (K page, V page) of attn_case
     k = full[pages[:, 0].long(), :kv_dim] * K_GAIN
