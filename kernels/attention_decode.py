@@ -1,9 +1,9 @@
 """Split-KV ("flash-decoding") attention over the paged KV cache: one new query per sequence.
 
 The page layout, the exp2 softmax, the soft-cap and the fp8 pages (FP8: K scales folded into
-the scores, V scales into p) are those of ``kernels.attention``. Stage 1
-runs the query heads of one KV head over one split of the sequence's keys and writes the
-normalized partial output and its log2-sum-exp; stage 2 merges the splits.
+the scores, V scales into p) are those of ``kernels.attention``. Stage 1 runs the query heads
+of one KV head over one split of the sequence's keys and writes the normalized partial output
+and its log2-sum-exp; stage 2 merges the splits.
 
 Running example (2 splits, BLOCK_N 64): sequence b has b_seq_len 300: split_len =
 ceil(ceil(300 / 2) / 64) * 64 = 192, split 0 reads keys 0..191, split 1 keys 192..299; the merge
