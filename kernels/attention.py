@@ -9,6 +9,13 @@ natural-domain logit is capped first, ``_logits``). A sliding window (window > 0
 position p sees keys p - window < j <= p) and the soft-cap are constexpr switches (HAS_WINDOW,
 SOFTCAP) set on the host, so a model without them runs the kernels it ran before; with a window
 the kernels skip the key blocks wholly before it.
+
+FP8 KV pages (``kernels.fp8``; constexpr FP8, set when the launcher gets ``scales``): the kernels
+read the pool as e4m3 bytes, K of a token at bytes 0 .. kv_dim of its page and V at kv_dim ..
+2 * kv_dim, upcast them to q's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value)
+and fold the per-key scales in where they cost one multiply per key, not per element: the K
+scale into the raw scores (q . (s_k * k) = s_k * (q . k)), the V scale into the probabilities
+before p . V (sum_j p_j * s_j * v_j), while the softmax sums use the unscaled p.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8
 from kernels.meta import AttnMeta
 
 LOG2E = 1.4426950408889634
@@ -44,12 +52,21 @@ def _logits(raw, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
     return x
 
 
+@triton.jit
+def _kv_scale(scale_ptr, page, kv_head, live, WHICH: tl.constexpr, KV_HEADS: tl.constexpr):
+    """fp8 pages: the scales of one KV head at a block of keys' pages, K's (WHICH 0) or V's
+    (WHICH 1), from the table [P, 2 * KV_HEADS]; 0 for keys past the end (masked anyway)."""
+    return tl.load(scale_ptr + page * (2 * KV_HEADS) + WHICH * KV_HEADS + kv_head, mask=live,
+                   other=0.0)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["pt_stride"])
-def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, b1_start_ptr, b_seq_len_ptr,
-                    pt_ptr, pt_stride, qk_scale, cap_log2, window, PAGE: tl.constexpr,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, scale_ptr, b1_start_ptr,
+                    b_seq_len_ptr, pt_ptr, pt_stride, qk_scale, cap_log2, window,
+                    PAGE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                    FP8: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -67,7 +84,8 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, b1_start_ptr
     q = tl.load(
         q_ptr + q_rows[:, None] + d[None, :], mask=q_live[:, None] & d_live[None, :], other=0.0
     )
-    kv_cols = (h // GROUP) * HEAD_DIM + d
+    kv_head = h // GROUP
+    kv_cols = kv_head * HEAD_DIM + d
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -82,7 +100,9 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, b1_start_ptr
         kv_mask = k_live[:, None] & d_live[None, :]
         page_k = tl.load(pt_row + jj * 2, mask=k_live, other=0).to(tl.int64)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if FP8:
+            s = s * _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)[None, :]
         s = _logits(s, qk_scale, cap_log2, SOFTCAP)
         seen = (jj[None, :] <= q_pos[:, None]) & k_live[None, :]
         if HAS_WINDOW:
@@ -96,14 +116,26 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, b1_start_ptr
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
-        v = tl.load(pool_ptr + page_v[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v_cols = kv_cols
+        if FP8:  # V after the token's K bytes
+            v_cols = kv_cols + KV_HEADS * HEAD_DIM
+        v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            p = p * _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)[None, :]
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] + d[None, :], out, mask=q_live[:, None] & d_live[None, :])
 
 
-def _check(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_heads: int) -> None:
+def _check(
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: AttnMeta,
+    num_kv_heads: int,
+    scales: torch.Tensor | None,
+) -> None:
     assert q.dim() == 3 and q.is_contiguous(), "q must be a contiguous [T, num_heads, head_dim]"
     assert pool_layer.dim() == 2 and pool_layer.is_contiguous(), "pool_layer must be [P, page_size]"
     assert q.dtype == pool_layer.dtype, (q.dtype, pool_layer.dtype)
@@ -113,6 +145,20 @@ def _check(q: torch.Tensor, pool_layer: torch.Tensor, meta: AttnMeta, num_kv_hea
         tensor = getattr(meta, name)
         assert tensor.dtype == torch.int32 and tensor.is_contiguous(), f"{name}: contiguous int32"
     assert meta.page_table.dim() == 3 and meta.page_table.shape[2] == 2
+    if scales is not None:
+        kv_dim, page_bytes = num_kv_heads * q.shape[2], pool_layer.shape[1] * q.element_size()
+        assert scales.dtype == torch.float32 and scales.is_contiguous(), "scales: contiguous fp32"
+        assert scales.shape == (pool_layer.shape[0], 2 * num_kv_heads), (scales.shape, num_kv_heads)
+        assert page_bytes >= 2 * kv_dim, f"an fp8 page of {page_bytes} B holds K and V of {kv_dim}"
+
+
+def kv_pointers(pool_layer: torch.Tensor, scales: torch.Tensor | None) -> dict:
+    """The pool and scale arguments of the attention kernels: the pool as e4m3 bytes and its
+    scale table with fp8 pages (PAGE in bytes), else the pool itself (the scale pointer unused)."""
+    if scales is None:
+        return dict(pool=pool_layer, scales=pool_layer, page=pool_layer.shape[1], fp8=False)
+    data = fp8.bytes_view(pool_layer)
+    return dict(pool=data, scales=scales, page=data.shape[1], fp8=True)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -135,6 +181,7 @@ def attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
@@ -145,16 +192,18 @@ def attention(
       window > 0 only to keys j with p - window < j. Logits q.k * scale, soft-capped to
       softcap * tanh(q.k * scale / softcap) when softcap > 0.
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
-      meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
+      meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end);
+      scales [P, 2 * num_kv_heads] fp32: fp8 pages (module doc), None: the model dtype.
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
     Grid (ceil(max_new / BLOCK_M), B, num_heads): BLOCK_M queries x 64 keys per tile, one query
     head; BLOCK_M and warps from PREFILL_TILE (head_dim > WIDE_HEAD_DIM: PREFILL_WIDE). With a
     window a tile's key loop starts at its first query's first key.
     """
-    _check(q, pool_layer, meta, num_kv_heads)
+    _check(q, pool_layer, meta, num_kv_heads, scales)
     assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
+    kv = kv_pointers(pool_layer, scales)
     if q.shape[0] == 0 or num_seqs == 0:
         return out
     if head_dim <= WIDE_HEAD_DIM:
@@ -163,14 +212,14 @@ def attention(
         block_m, block_n, warps, stages = PREFILL_WIDE
     qk_scale, cap_log2 = _logit_args(scale, softcap)
     grid = (triton.cdiv(meta.max_new, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](q, q.stride(0), q.stride(1), out, pool_layer, meta.b1_start,
-                          meta.b_seq_len, meta.page_table, meta.page_table.stride(0), qk_scale,
-                          cap_log2, window, PAGE=pool_layer.shape[1],
-                          GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-                          BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-                          BLOCK_N=block_n, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-                          PRECISION=_precision(q.dtype), num_warps=warps,
-                          num_stages=stages)  # fmt: skip
+    _prefill_kernel[grid](q, q.stride(0), q.stride(1), out, kv["pool"], kv["scales"],
+                          meta.b1_start, meta.b_seq_len, meta.page_table,
+                          meta.page_table.stride(0), qk_scale, cap_log2, window, PAGE=kv["page"],
+                          KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
+                          HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                          BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window > 0,
+                          SOFTCAP=softcap > 0, FP8=kv["fp8"], PRECISION=_precision(q.dtype),
+                          num_warps=warps, num_stages=stages)  # fmt: skip
     return out
 
 

@@ -1,8 +1,9 @@
 """Split-KV ("flash-decoding") attention over the paged KV cache: one new query per sequence.
 
-The page layout, the exp2 softmax and the soft-cap are those of ``kernels.attention``. Stage 1
-runs the query heads of one KV head over one split of the sequence's keys and writes the
-normalized partial output and its log2-sum-exp; stage 2 merges the splits.
+The page layout, the exp2 softmax, the soft-cap and the fp8 pages (FP8: K scales folded into
+the scores, V scales into p) are those of ``kernels.attention``. Stage 1 runs the query heads
+of one KV head over one split of the sequence's keys and writes the normalized partial output
+and its log2-sum-exp; stage 2 merges the splits.
 
 Running example (2 splits, BLOCK_N 64): sequence b has b_seq_len 300: split_len =
 ceil(ceil(300 / 2) / 64) * 64 = 192, split 0 reads keys 0..191, split 1 keys 192..299; the merge
@@ -17,7 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import WIDE_HEAD_DIM, _check, _logit_args, _logits, _precision, sm_count
+from kernels.attention import (
+    WIDE_HEAD_DIM,
+    _check,
+    _kv_scale,
+    _logit_args,
+    _logits,
+    _precision,
+    kv_pointers,
+    sm_count,
+)
 from kernels.meta import AttnMeta
 
 MIN_KEYS_PER_SPLIT = 256  # a split reads at least this many keys
@@ -48,13 +58,13 @@ def _decode_span(ctx, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
-def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, b_seq_len_ptr, pt_ptr, pt_stride,
-                         qk_scale, cap_log2, window, part_o_ptr, part_lse_ptr, o_ptr,
-                         NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                         PRECISION: tl.constexpr):  # fmt: skip
+def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_seq_len_ptr, pt_ptr,
+                         pt_stride, qk_scale, cap_log2, window, part_o_ptr, part_lse_ptr, o_ptr,
+                         NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, KV_HEADS: tl.constexpr,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         USE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                         FP8: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,6 +84,9 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, b_seq_len_ptr,
         q_ptr + q_rows[:, None] + d[None, :], mask=g_live[:, None] & d_live[None, :], other=0.0
     )
     kv_cols = kv_head * HEAD_DIM + d
+    v_cols = kv_cols
+    if FP8:  # V after the token's K bytes
+        v_cols = kv_cols + KV_HEADS * HEAD_DIM
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -85,18 +98,22 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, b_seq_len_ptr,
         page_k = tl.load(pt_row + jj * 2, mask=k_live, other=0).to(tl.int64)
         page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(pool_ptr + page_v[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:  # GQA: the group's query heads form the rows of one tensor-core tile
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         else:  # one query head per KV head: a dot product per key on CUDA cores
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        if FP8:
+            s = s * _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)[None, :]
         s = tl.where(k_live[None, :], _logits(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            p = p * _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)[None, :]
         if USE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         else:
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
         acc = acc * alpha[:, None] + pv
@@ -156,6 +173,7 @@ def attention_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B):
     the query of sequence b at position L_b - 1 sees keys max(0, L_b - window) .. L_b - 1 (all
@@ -163,9 +181,10 @@ def attention_decode(
 
     Split-KV: see ``decode_splits``. Sequences with b_seq_len 0 (padding rows of a captured
     batch) get an unspecified output row. window and softcap are per-layer constants: the
-    splits depend on host ints only, so a CUDA graph captures the step.
+    splits depend on host ints only, so a CUDA graph captures the step (with fp8 pages the
+    scale table too: the pool's own buffer, at a fixed address). scales: ``attention``'s.
     """
-    return decode_splits(q, pool_layer, meta, num_kv_heads, scale, None, window, softcap)
+    return decode_splits(q, pool_layer, meta, num_kv_heads, scale, None, window, softcap, scales)
 
 
 def decode_splits(
@@ -177,6 +196,7 @@ def decode_splits(
     num_splits: int | None,
     window: int = 0,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention in two stages. Stage 1, grid (B, num_kv_heads, num_splits): the query
     heads of one KV head over one split of the keys (``_decode_span``), DECODE["gqa_block_n"]
@@ -187,7 +207,8 @@ def decode_splits(
     With one split, stage 1 writes the output and stage 2 is skipped. num_splits None:
     ``num_splits_for`` over the longest context, or the window when shorter.
     """
-    _check(q, pool_layer, meta, num_kv_heads)
+    _check(q, pool_layer, meta, num_kv_heads, scales)
+    kv = kv_pointers(pool_layer, scales)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
     assert q.shape[0] == num_seqs, "decode: one query per sequence"
     assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
@@ -210,12 +231,12 @@ def decode_splits(
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     qk_scale, cap_log2 = _logit_args(scale, softcap)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, q.stride(0), q.stride(1), pool_layer, meta.b_seq_len, meta.page_table,
+        q, q.stride(0), q.stride(1), kv["pool"], kv["scales"], meta.b_seq_len, meta.page_table,
         meta.page_table.stride(0), qk_scale, cap_log2, window, part_o, part_lse, out,
-        NUM_HEADS=num_heads, PAGE=pool_layer.shape[1], GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        USE_DOT=use_dot, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-        PRECISION=_precision(q.dtype), num_warps=tiles["warps"],
+        NUM_HEADS=num_heads, PAGE=kv["page"], KV_HEADS=num_kv_heads, GROUP=group,
+        HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, USE_DOT=use_dot, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
+        FP8=kv["fp8"], PRECISION=_precision(q.dtype), num_warps=tiles["warps"],
         num_stages=tiles["stages"])  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

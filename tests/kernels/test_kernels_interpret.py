@@ -590,6 +590,37 @@ class TestInterpreted:
         check_window_softcap(mine, q, pool, meta, num_kv_heads, scale, window, softcap, dtype,
                              ref.attention_decode)  # fmt: skip
 
+    # fp8 pages (tests/kernels/attn_fp8.py): the interpreter upcasts e4m3 bytes exactly (its
+    # cast error is on the way down, in kv_write), so the usual tolerances hold. bf16 is left
+    # to the GPU tests: the interpreter computes bf16 attention wrongly with or without fp8.
+    def test_attention_fp8_prefill(self, tk):
+        """fp16, a window and a soft-cap on prefill, chunk and decode rows (fp32: the decode test)."""
+        from attn_fp8 import check_fp8, fp8_attn_case
+
+        dtype, window, softcap = torch.float16, 16, 2.0
+        q, pool, scales, meta = fp8_attn_case(seqs=[(5, 5), (17, 40), (1, 7), (16, 16)],
+                                              num_heads=4, num_kv_heads=2, head_dim=16,
+                                              dtype=dtype, device="cpu", seed=11)  # fmt: skip
+        mine = tk.triton_ops.attention(q, pool, meta, 2, 0.25, window, softcap, scales=scales)
+        check_fp8(mine, q, pool, scales, meta, 2, 0.25, window, softcap, dtype, ref.attention)
+
+    @pytest.mark.parametrize("kind,splits,window", [("gqa", 4, 0), ("mha", None, 16)], ids=str)
+    def test_attention_fp8_decode(self, tk, monkeypatch, kind, splits, window):
+        """GQA on tensor-core tiles over 4 splits with a soft-cap; MHA on the CUDA-core path."""
+        from attn_fp8 import check_fp8, fp8_attn_case
+
+        monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
+        num_heads, num_kv_heads = HEADS[kind]
+        softcap = 1.0 if kind == "gqa" else 0.0
+        q, pool, scales, meta = fp8_attn_case(seqs=[(1, c) for c in (1, 9, 40, 300)],
+                                              num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                              head_dim=16, dtype=torch.float32, device="cpu",
+                                              seed=12)  # fmt: skip
+        mine = tk.attention_decode.decode_splits(q, pool, meta, num_kv_heads, 0.25, splits,
+                                                 window, softcap, scales=scales)  # fmt: skip
+        check_fp8(mine, q, pool, scales, meta, num_kv_heads, 0.25, window, softcap,
+                  torch.float32, ref.attention_decode)  # fmt: skip
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
     def test_kv_write(self, tk, dtype):
         gen = torch.Generator().manual_seed(0)

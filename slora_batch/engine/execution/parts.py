@@ -58,11 +58,6 @@ def build_parts(
     ``max_num_seqs: auto`` resolves here, from that page count (alike on every rank); on cuda
     the pool then takes the reserve that the resolved cap leaves (more pages, never fewer)."""
     check_kv_cache_dtype(config.kv_cache_dtype, device)
-    if config.kv_cache_dtype == "fp8" and backend_name(config.backend, device.type) == "triton":
-        raise ValueError(  # kernels/kv.py writes fp8 pages; attention.py does not read them yet
-            "engine setting kv_cache_dtype: fp8 runs on backend: torch only for now (the Triton "
-            "attention kernels do not read fp8 pages yet)"
-        )
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     pool_spec = spec.shard(size)
     cuda = device.type == "cuda"

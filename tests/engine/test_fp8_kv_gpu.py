@@ -1,0 +1,85 @@
+"""The fp8 KV cache on the Triton backend in bf16 on a GPU with fp8 (sm 8.9+, run on the device
+machine): the engine with ``kv_cache_dtype: fp8`` against the same engine with bf16 KV, on the
+random models of tests/engine/test_engine_gpu.py (GQA, MHA at Llama-2-7B's shape, Gemma 2's
+head_dim 256 with windows and soft-caps), CUDA graphs on and off.
+
+Widened margin: the bf16 tests call a step a near tie when the reference's top-2 margin is under
+max(MARGIN, NOISE_MARGINS x transformers' own bf16 logit noise). Here the noise is the fp8 KV
+engine's: the per-logit rms of its first-step logits minus the bf16 KV engine's, which e4m3's
+3 mantissa bits (a rounding step 16x bf16's) make several times larger; it is bounded in turn
+by FP8_REL_ERR against the fp32 reference, so a broken kernel cannot widen its own margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_gpu import MARGIN, NOISE_MARGINS, SHAPES, build_case, fp32_first_logits, rows
+
+from slora_batch import Engine, EngineConfig, Request
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA card with fp8",
+    ),
+]
+
+# First-step logits of the fp8 KV engine within this relative error (norm of the difference
+# over the norm) of the fp32 reference; ignored scales or V read from K's bytes give O(1).
+FP8_REL_ERR = 0.1
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "llama2-7b", "gemma2"])
+def fp8_case(request, tmp_path_factory):
+    return build_case(tmp_path_factory.mktemp(request.param), SHAPES[request.param])
+
+
+def _engine(model_dir, weights, adapters, **knobs) -> Engine:
+    pages = 60_000 if "llama" in str(model_dir) else 200_000
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, num_pages=pages,
+                          backend="triton", **knobs)  # fmt: skip
+    return Engine(model_dir, adapters=adapters, config=config, weights=weights)
+
+
+def _run(engine: Engine, cases: list[dict]) -> tuple[dict, dict]:
+    """(first-step logits by row id, results by row id) of the engine on the rows."""
+    first = {row["id"]: engine.prompt_logits(Request(**row)) for row in cases}
+    results = {r.id: r for r in engine.generate(Request(**row, logprobs=2) for row in cases)}
+    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
+    return first, results
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_fp8_kv_tokens_match_bf16_kv_up_to_widened_ties(fp8_case, graphs):
+    model_dir, weights, adapters, peft_model = fp8_case
+    bf16 = _engine(model_dir, weights, adapters, cuda_graphs=graphs)
+    cases = rows(bf16.spec.vocab_size)
+    want_first, want = _run(bf16, cases)
+    del bf16
+    torch.cuda.empty_cache()
+    fp8 = _engine(model_dir, weights, adapters, cuda_graphs=graphs, kv_cache_dtype="fp8")
+    assert fp8.pool.kv_pages_per_token == 1 and fp8.pool.scales is not None
+    got_first, got = _run(fp8, cases)
+    assert (fp8.counters.graph_steps > 0) == graphs
+    exact = fp32_first_logits(peft_model, cases)
+    compared = 0
+    for row in cases:
+        key = row["id"]
+        ref = exact[key]
+        err = float((got_first[key] - ref).norm() / ref.norm())
+        assert err < FP8_REL_ERR, (key, row["adapter"], err)
+        noise = float((got_first[key] - want_first[key]).pow(2).mean().sqrt())
+        margin = max(MARGIN, NOISE_MARGINS * noise)
+        g, w = got[key], want[key]
+        for step, (a, b) in enumerate(zip(g.token_ids, w.token_ids, strict=True)):
+            top = w.logprobs[step]["top"]
+            if top[0]["logprob"] - top[1]["logprob"] < margin:
+                break  # a near tie under fp8 rounding: the rest may differ
+            assert a == b, (key, row["adapter"], step, margin, g.token_ids, w.token_ids)
+            compared += 1
+    # the margin must leave steps to compare, or the test would check nothing of decode
+    assert compared > 0, "no step compared: every row began with a near tie"
+    del fp8
+    torch.cuda.empty_cache()
