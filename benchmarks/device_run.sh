@@ -4,8 +4,8 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: batch, job, rooms, families(-tests),
-#                                          # prefix, score, tp, dp-job
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, fp8(-tests), batch,
+#                                          # families(-tests), job, rooms, prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
 set -uo pipefail
@@ -130,6 +130,32 @@ case "$mode" in
         gpu_tests 150 tests/engine/execution/test_tensor_parallel_gpu.py
         bench tp/dp2-job 420 --data-parallel 2 --requests 4000 --systems slora-par,job-par \
           --adapters 1000 --max-seconds 0 --total-seconds 0
+        ;;
+      fp8)
+        # issue 28's fp8 points, uncut, one card: Llama-2-7B slora@1000 with fp8 KV against bf16
+        # KV (>= 1.4x), then Llama-3-8B base with fp8 weights + fp8 KV against bf16 (>= 1.35x),
+        # both at max_num_seqs auto; then the fp8 GPU tests
+        for kv in auto fp8; do
+          bench "fp8/llama2-7b-kv-$kv" 150 --requests 2000 --systems slora --adapters 1000 \
+            --kv-cache-dtype "$kv" --max-seconds 0 --total-seconds 0
+        done
+        bench fp8/llama3-8b-bf16 120 --model-preset llama3-8b --requests 2000 --systems base \
+          --max-seconds 0 --total-seconds 0
+        bench fp8/llama3-8b-fp8 120 --model-preset llama3-8b --requests 2000 --systems base \
+          --weights fp8 --kv-cache-dtype fp8 --max-seconds 0 --total-seconds 0
+        ;;
+      fp8-tests)
+        # the fp8 KV kernels and engine, and fp8 weights, on the card (issue 28)
+        gpu_tests 590 tests/kernels/test_attention_fp8_gpu.py tests/engine/test_fp8_kv_gpu.py \
+          tests/kernels/test_kernels_gpu.py -k "fp8"
+        ;;
+      json)
+        # issue 27: xgrammar travels as wheels (wheels/, carried); slora against json (the
+        # standard requests under a schema) at 1000 adapters, uncut, compared per token
+        python3 -m pip install -q --no-index --find-links wheels xgrammar \
+          || { echo "now json: install xgrammar from wheels/ (carry it)" >&2; exit 2; }
+        bench json 590 --requests 2000 --systems slora,json --adapters 1000 --max-seconds 0 \
+          --total-seconds 560
         ;;
       batch)
         # issue 28 (max_num_seqs: auto, the step-by-step floor): llama3-8b base and slora@1000

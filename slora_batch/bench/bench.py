@@ -69,6 +69,8 @@ class BenchConfig:
     device: str = "auto"  # auto: cuda when available
     backend: str = "auto"  # the engine's kernels (EngineConfig.backend)
     max_num_seqs: int | str = "auto"  # the engines' rows at once (EngineConfig.max_num_seqs)
+    kv_cache_dtype: str = "auto"  # the engines' KV pages: auto (the model dtype) or fp8
+    weights: str = "auto"  # the engines' base projections: auto or fp8 (W8A8)
     max_seconds: float = 0.0  # per engine run: stop there, count the work done; 0 = no limit
     peft_max_seconds: float = 0.0  # per peft run, the same; 0 = no limit
     total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit

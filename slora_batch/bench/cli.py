@@ -71,6 +71,12 @@ def bench(
     max_num_seqs: str = typer.Option(
         str(D.max_num_seqs), help="Rows at once per engine: auto (sized from the pool) or a number."
     ),
+    kv_cache_dtype: str = typer.Option(
+        D.kv_cache_dtype, help="Engines' KV cache: auto (the model dtype) or fp8 (e4m3)."
+    ),
+    weights: str = typer.Option(
+        D.weights, help="Engines' base weights: auto or fp8 (per channel, W8A8; LoRA stays bf16)."
+    ),
     max_seconds: float = typer.Option(
         D.max_seconds, help="Per engine run: stop there and count the work done (0: no limit)."
     ),
@@ -156,6 +162,8 @@ def bench(
             device=device,
             backend=backend,
             max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype,
+            weights=weights,
             max_seconds=max_seconds,
             peft_max_seconds=peft_max_seconds,
             total_seconds=total_seconds,

@@ -153,6 +153,8 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
             data_parallel=cfg.data_parallel,
             prefix_caching=caching,
             max_num_seqs=cfg.max_num_seqs,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            weights=cfg.weights,
         )
         weights = model.weights
         if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
@@ -169,6 +171,8 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
                 dtype=dtype,
                 prefix_caching=caching,
                 max_num_seqs=cfg.max_num_seqs,
+                kv_cache_dtype=cfg.kv_cache_dtype,
+                weights=cfg.weights,
             ),  # fmt: skip
             sampling=SamplingConfig(ignore_eos=True),
             weights=model.weights,
