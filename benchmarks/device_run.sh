@@ -170,7 +170,7 @@ case "$mode" in
           --max-seconds 0 --total-seconds 0
         ;;
       *)
-        echo "now needs an experiment: job, rooms, families, prefix, score, tp, dp-job or batch (got '${2:-}')" >&2
+        echo "now needs an experiment: json, fp8, fp8-tests, batch, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
         exit 2
         ;;
     esac
