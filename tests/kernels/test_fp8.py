@@ -113,28 +113,3 @@ def test_attention_decode_fp8_matches_prefill_twin(dtype):
     assert torch.allclose(
         got.float(), prefill.float(), atol=1e-2 if dtype != torch.float32 else 1e-5
     )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kv_write_fp8_matches_twin_interpreted(dtype, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from kernels import kv
-
-    torch.manual_seed(4)
-    kv_heads, head_dim, num_pages = 2, 16, 24
-    pools_ = [torch.zeros(num_pages, kv_heads * head_dim, dtype=dtype) for _ in range(2)]
-    scales = [torch.ones(num_pages, 2 * kv_heads) for _ in range(2)]
-    k = torch.randn(7, kv_heads * head_dim, dtype=dtype) * 3
-    v = torch.randn(7, kv_heads * head_dim, dtype=dtype)
-    pages = torch.randperm(num_pages)[:7].int()
-    out_pages = torch.stack([pages, pages], 1).contiguous()
-    out_pages[2] = -1  # the sentinel writes nothing
-    kv.kv_write(pools_[0], k, v, out_pages, scales=scales[0])
-    ref.kv_write(pools_[1], k, v, out_pages, scales=scales[1])
-    assert torch.equal(scales[0], scales[1])
-    # The interpreter's e4m3 cast (triton 3.6) rounds some values next to a power of two into
-    # the wrong binade (-6 -> -8 in a bare cast, no scaling involved), so here only most bytes
-    # must agree; tests/kernels/test_kernels_gpu.py checks byte equality on the card.
-    same = pools_[0].view(torch.uint8) == pools_[1].view(torch.uint8)
-    assert same.float().mean() > 0.95, float(same.float().mean())
-    assert torch.equal(pools_[0][pages[2]], torch.zeros_like(pools_[0][0]))
