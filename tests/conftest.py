@@ -26,7 +26,12 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     for item in items:
-        if "tests/ray/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("ray/"):
+        ray_test = "_ray_" in item.name  # a Ray run outside tests/ray (test_manifest's)
+        if (
+            ray_test
+            or "tests/ray/" in item.nodeid.replace("\\", "/")
+            or item.nodeid.startswith("ray/")
+        ):
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif "tests/eval/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("eval/"):
             item.add_marker(pytest.mark.xdist_group("eval"))
