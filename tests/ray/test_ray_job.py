@@ -189,7 +189,7 @@ def late_part(out: Path, reference_out: Path, committed: dict, like: Path) -> Pa
 
 
 def test_a_killed_driver_rerun_removes_late_parts_and_resumes(
-    tmp_path, tiny, reference, reference_out
+    tmp_path, tiny, reference, reference_out, monkeypatch
 ):
     directory = job_dir(tmp_path, tiny)
     out = directory / "out"
@@ -223,6 +223,13 @@ def test_a_killed_driver_rerun_removes_late_parts_and_resumes(
             time.sleep(0.02)
 
     orphan = threading.Thread(target=orphan_commits_late)
+    real_remove = ray_job.remove_late_parts
+
+    def remove_once_the_orphan_committed(out_dir, fence):  # the late part lands mid-run, as it
+        orphan.join()  # would from a slow actor: not after the run's last look (a race on a
+        return real_remove(out_dir, fence)  # loaded machine)
+
+    monkeypatch.setattr(ray_job, "remove_late_parts", remove_once_the_orphan_committed)
     orphan.start()
     summary = run_ray_job(job, RaySettings(**SETTINGS))  # another --replicas than the killed run
     orphan.join()
