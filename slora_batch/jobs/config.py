@@ -59,7 +59,7 @@ class JobConfig:
     # "openai": OpenAI Batch API lines (``openai_input.py``); "auto": that when the first line
     # of a JSONL input has custom_id and body, else rows
     input_format: str = "auto"
-    output_format: str = "parquet"  # "openai": also batch_output.jsonl / batch_errors.jsonl
+    output_format: str = "parquet"  # "openai": also output.jsonl / errors.jsonl
     eval: EvalConfig | None = None  # lm-eval tasks in place of input rows (``eval/config.py``)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
-"""OpenAI Batch API files out (``output_format: openai``): ``batch_output.jsonl`` and
-``batch_errors.jsonl`` rebuilt from the committed parts when a job completes, so a re-run after
+"""OpenAI Batch API files out (``output_format: openai``): ``output.jsonl`` and
+``errors.jsonl`` rebuilt from the committed parts when a job completes, so a re-run after
 a kill writes them whole, each custom_id once. The parts stay the source of truth for resume.
 
 Output line: ``{"id": "batch_req_...", "custom_id", "response": {"status_code": 200,
@@ -30,7 +30,7 @@ from slora_batch.jobs.outdir import commit_file, part_files
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_FILE, ERRORS_FILE = "batch_output.jsonl", "batch_errors.jsonl"
+OUTPUT_FILE, ERRORS_FILE = "output.jsonl", "errors.jsonl"
 COLUMNS = ("id", "adapter", "sample_index", "text", "prompt_tokens", "completion_tokens",
            "finish_reason", "error", "source", "logprobs", REQUEST_COLUMN)  # fmt: skip
 FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero (JSON has no -inf)
