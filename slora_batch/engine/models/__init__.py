@@ -11,6 +11,7 @@ gemma.py         Gemma 2 and 3: (1 + w) norms folded, the extra norms, q/k norms
 phi3.py          Phi-3/3.5/4: fused qkv and gate_up weights (and fused LoRA targets)
 layers.py        what the families share: RoPE variants, the LoRA deltas of a projection group
 shard.py         tensor parallelism's cuts of the weights that need no process group
+weights.py       the checkpoint's tensors by name, cut per rank, fp8 or (1 + w) as a family needs
 loader.py        weights from Hugging Face safetensors into the model of their family
 sample_model.py  the built-in sample (SmolLM2-135M-Instruct from its GGUF, converted once)
 

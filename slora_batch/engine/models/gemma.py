@@ -6,13 +6,9 @@ layers' own (``spec.local_rope``). The forward is ``decoder``'s."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from slora_batch.engine.models.llama import LlamaModel
 from slora_batch.engine.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from slora_batch.engine.models.loader import TensorReader
+from slora_batch.engine.models.weights import TensorReader
 
 
 class GemmaModel(LlamaModel):

@@ -4,14 +4,10 @@ scaling), GQA, tied embeddings, q/k/v bias (Qwen2), sliding windows (Mistral, Qw
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from slora_batch.engine.models.decoder import DecoderModel, LayerWeights
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.models.step import StepInput
-
-if TYPE_CHECKING:
-    from slora_batch.engine.models.loader import TensorReader
+from slora_batch.engine.models.weights import TensorReader
 
 __all__ = ["LayerWeights", "LlamaModel", "StepInput"]
 

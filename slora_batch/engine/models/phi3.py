@@ -6,14 +6,10 @@ q | k | v (gate | up) columns, added by the kernels over the whole fused output
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from slora_batch.engine.models.decoder import LayerWeights
 from slora_batch.engine.models.llama import LlamaModel
 from slora_batch.engine.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from slora_batch.engine.models.loader import TensorReader
+from slora_batch.engine.models.weights import TensorReader
 
 
 class Phi3Model(LlamaModel):
