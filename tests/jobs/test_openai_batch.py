@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
-from test_jobrun import PAGES, build_tiny, load_job, one_thread, write_job  # noqa: F401
+from test_jobrun import PAGES, WORDS, build_tiny, load_job, one_thread, write_job  # noqa: F401
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.jobs.check import check_job
@@ -25,22 +25,6 @@ from slora_batch.jobs.run import run_job
 from slora_batch.jobs.validate import validate_job
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "hex",
-]
 KEYS = dict(
     input="batch.jsonl", output_format="openai", part_rows=3, sampling={"max_new_tokens": 6}
 )
