@@ -12,6 +12,7 @@ block-wise (128 x 128) format, whose blocks are requantized per channel on load.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(x.float() / scale), scale
 
 
+@functools.lru_cache(maxsize=16)
 def fp8_matmul_supported(device: torch.device) -> bool:
-    """Whether ``device`` multiplies fp8 natively (Ada and Hopper: compute capability >= 8.9)."""
+    """Whether ``device`` multiplies fp8 natively (Ada and Hopper: compute capability >= 8.9);
+    cached: every fp8 projection of every step asks."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
