@@ -17,5 +17,5 @@ sample_model.py  the built-in sample (SmolLM2-135M-Instruct from its GGUF, conve
 
 RMSNorm, attention and the activation run through the kernel backend (``kernels``).
 May import: the foundations (``config``, ``counters``, ``device``, ``pool``) and ``kernels``;
-``execution.tp``'s ``TensorParallel`` for annotations only (TYPE_CHECKING).
+nothing of execution: a rank's group is ``shard.RankGroup`` (execution.tp's TensorParallel is one).
 """

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 
 from slora_batch.engine.models.layers import add_lora, rope_cos_sin
 from slora_batch.engine.models.quant import linear
+from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
 
-if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
+if TYPE_CHECKING:
     from kernels.meta import LoraMeta
-    from slora_batch.engine.execution.tp import TensorParallel
 
 
 @dataclass
@@ -55,7 +55,7 @@ class DecoderModel:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         max_pos: int,
-        tp: TensorParallel | None = None,
+        tp: RankGroup | None = None,
     ) -> None:
         self.spec = spec  # under tensor parallelism, this rank's shard of the model (spec.shard)
         self.tp = tp

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.meta import LoraMeta
+from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
-
-if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
-    from slora_batch.engine.execution.tp import TensorParallel
 
 TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 
@@ -90,7 +87,7 @@ def add_lora(
     meta: LoraMeta | None,
     buf: torch.Tensor | None,
     ops: ModuleType,
-    tp: TensorParallel | None = None,
+    tp: RankGroup | None = None,
     in_cols: tuple[int, int] | None = None,
 ) -> None:
     """Adds the LoRA deltas of a projection group (q, k, v; o; gate, up; down) into their

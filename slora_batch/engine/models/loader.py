@@ -6,19 +6,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.registry import model_class
-from slora_batch.engine.models.shard import vocab_shard
+from slora_batch.engine.models.shard import RankGroup, vocab_shard
 from slora_batch.engine.models.spec import ModelError, ModelSpec
 from slora_batch.engine.models.weights import TensorReader
-
-if TYPE_CHECKING:  # the type of the rank's group, handed in by execution.tp
-    from slora_batch.engine.execution.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +42,7 @@ def load_model(
     device: torch.device,
     max_pos: int,
     weights: dict[str, torch.Tensor] | None = None,
-    tp: TensorParallel | None = None,
+    tp: RankGroup | None = None,
     fp8_weights: bool = False,
 ) -> DecoderModel:
     """Builds the model of ``spec``'s family on ``device`` in ``dtype`` from the safetensors of

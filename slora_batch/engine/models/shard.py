@@ -3,7 +3,21 @@ holds the ranks, their group and the Megatron cuts' rationale)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class RankGroup(Protocol):
+    """What the models read of a tensor-parallel rank's group (``execution.tp.TensorParallel``
+    is one): its rank and size, and the two collectives of a step."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> None: ...
+
+    def gather_vocab(self, logits: torch.Tensor, vocab: int) -> torch.Tensor: ...
 
 
 def vocab_shard(head: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from slora_batch.engine.models.quant import FP8, Fp8Weight, dequantize_blocks
+from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import ModelError, ModelSpec
 
 
@@ -21,7 +22,7 @@ class TensorReader:
         raw,
         dtype: torch.dtype,
         device: torch.device,
-        tp,
+        tp: RankGroup | None,
         fp8: bool = False,
     ) -> None:
         self.spec, self.raw, self.dtype, self.device = spec, raw, dtype, device
