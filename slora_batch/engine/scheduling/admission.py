@@ -10,13 +10,22 @@ prompt continues with a block that a running row is computing waits for it to be
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from slora_batch.engine.requests.sequence import Sequence, Status
 from slora_batch.engine.scheduling.prefix_cache import Block
 
-if TYPE_CHECKING:
-    from slora_batch.engine.scheduling.scheduler import ScheduledStep
+
+@dataclass
+class ScheduledStep:
+    """One step's rows and the tokens each computes (``scheduler`` re-exports it)."""
+
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens computed for each sequence this step
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
 
 MAX_DEFERRED = 64  # waiting rows set aside in one step for a prefix being computed
 

@@ -22,28 +22,18 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.sequence import Sequence, Status
-from slora_batch.engine.scheduling.admission import Admission
+from slora_batch.engine.scheduling.admission import Admission, ScheduledStep
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.scheduling.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PAGES_PER_TOKEN", "ScheduledStep", "Scheduler"]
-
-
-@dataclass
-class ScheduledStep:
-    seqs: list[Sequence]
-    num_new: list[int]  # tokens computed for each sequence this step
-
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
 
 
 class Scheduler(Admission):
