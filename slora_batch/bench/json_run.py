@@ -36,14 +36,19 @@ PIECES = ['{"', '": ', '", "', '"}', ", ", '["', '"]', "true", "false", "title",
 
 def synthetic_vocab(vocab_size: int, eos: int = 2) -> list[str]:
     """``vocab_size`` distinct token strings: "<s0>" "<s1>" "<s2>", the printable ASCII
-    characters, JSON pieces, then two-letter pieces (and three-letter ones past those)."""
+    characters, JSON pieces, then two-letter pieces, three-letter ones past those and four-letter
+    ones past those (531,441 of them: every preset's vocabulary fits)."""
     vocab = ["<s0>", "<s1>", "<s2>", *string.printable[:95], *PIECES]
     letters = string.ascii_lowercase + " "
-    for size in (2, 3):
+    seen = set(vocab)
+    for size in (2, 3, 4):
         for combo in itertools.product(letters, repeat=size):
             if len(vocab) >= vocab_size:
                 return vocab[:vocab_size]
-            vocab.append("".join(combo))
+            piece = "".join(combo)
+            if piece not in seen:  # "true", "kind" and "meta" are pieces already
+                seen.add(piece)
+                vocab.append(piece)
     raise ValueError(f"synthetic vocabulary tops out below {vocab_size} tokens")
 
 
