@@ -146,6 +146,9 @@ def attention_decode(
         hidden |= k_pos < seq_len - window
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # keys past a sequence's length read page 0, whatever it holds: as e4m3 bytes an adapter's
+    # (or noise's) 0x7f is NaN, and 0 x NaN would reach the output
+    v = v.masked_fill((k_pos >= seq_len)[:, :, None, None], 0.0)
     return torch.einsum("bhgk,bkhd->bhgd", probs, v).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 

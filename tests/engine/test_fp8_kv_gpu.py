@@ -27,8 +27,12 @@ pytestmark = [
 ]
 
 # First-step logits of the fp8 KV engine within this relative error (norm of the difference
-# over the norm) of the fp32 reference; ignored scales or V read from K's bytes give O(1).
-FP8_REL_ERR = 0.1
+# over the norm) of the fp32 reference; ignored scales or V read from K's bytes give O(1). The
+# H200 measured 0.15 (smollm2-135m shape, rank-16 row) and 0.17 (llama2-7b shape, base row) on
+# these random models (2026-12-02): 3 mantissa bits per K and V element, over every layer. The
+# kernels themselves match the twin on the same bytes at bf16 tolerance
+# (tests/kernels/test_attention_fp8_gpu.py).
+FP8_REL_ERR = 0.3
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "llama2-7b", "gemma2"])

@@ -113,3 +113,24 @@ def test_attention_decode_fp8_matches_prefill_twin(dtype):
     assert torch.allclose(
         got.float(), prefill.float(), atol=1e-2 if dtype != torch.float32 else 1e-5
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_decode_fp8_ignores_nan_bytes_past_a_sequence(dtype):
+    """Keys past a sequence's length read the padding page (page 0 after the clamp); in a
+    unified pool it may hold an adapter's weights, whose bytes read as e4m3 include NaN (0x7f).
+    They must not reach the output: the H200's first fp8 run found the twin giving NaN there."""
+    seq_lens = [3, 17, 40, 1]
+    (_, packed, scales), metas, _ = case(seq_lens, [1] * 4, dtype=dtype, seed=3)
+    q = torch.randn(4, 4, 16, dtype=dtype)
+    want = ref.attention_decode(q, packed, metas[1], 2, 0.25, scales=scales)
+    table = metas[1].page_table
+    used = set(table[table >= 0].tolist())
+    free = next(p for p in range(packed.shape[0]) if p not in used)
+    fp8.bytes_view(packed)[free] = torch.tensor(0x7F, dtype=torch.uint8).view(fp8.FP8)
+    padded = table.clone()
+    padded[padded < 0] = free  # padding names a page full of NaN bytes
+    meta = AttnMeta(metas[1].b1_start, metas[1].b_seq_len, padded, metas[1].max_new)
+    got = ref.attention_decode(q, packed, meta, 2, 0.25, scales=scales)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, want)
