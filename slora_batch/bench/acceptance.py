@@ -46,6 +46,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"{'pass' if num / den >= need else 'FAIL'}{extra}"
             )
     lines += _score_acceptance(ok)
+    lines += _json_acceptance(ok)
     lines += _prefix_acceptance(ok)
     for r in ok:
         if r["system"] in ("base", "slora"):
@@ -90,6 +91,33 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f" (all steps {pct(r['host_share'])}) at a mean decode batch of "
                 f"{r['decode_batch']:.0f} (need < 10% at >= 128)"
             )
+    return lines
+
+
+JSON_TARGET = 0.9  # json@N / json-free@N output tok/s (issue 27)
+
+
+def _json_acceptance(ok: list[dict]) -> list[str]:
+    """Structured output's price: json against json-free (the same requests at the lengths json
+    produced, unconstrained) per adapter count, with both decode batches and the mask time."""
+    lines = []
+    for r in ok:
+        if r["system"] != "json":
+            continue
+        free = [f for f in ok if f["system"] == "json-free" and f["adapters"] == r["adapters"]]
+        mask = r.get("grammar_mask_s") or 0.0
+        where = f"json@{r['adapters']}"
+        if not free:
+            lines.append(f"- {where} / json-free: not measured; masks {mask:.1f} s on the host")
+            continue
+        ratio = r["output_tokens_per_s"] / free[0]["output_tokens_per_s"]
+        lines.append(
+            f"- {where} / json-free@{r['adapters']} = {ratio:.2f} (need >= {JSON_TARGET}): "
+            f"{'pass' if ratio >= JSON_TARGET else 'FAIL'}; decode batch "
+            f"{r.get('decode_batch') or 0:.0f} vs {free[0].get('decode_batch') or 0:.0f}; masks "
+            f"filled in {mask:.1f} s on the host for {r.get('grammar_rows', 0)} constrained draws, "
+            f"wall {r['wall_s']:.1f} s"
+        )
     return lines
 
 

@@ -44,7 +44,7 @@ SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
 PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
-SYSTEMS = ("base", "slora", "json", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
+SYSTEMS = ("base", "slora", "json", "json-free", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -184,6 +184,7 @@ class BenchConfig:
             "base": [0],
             "slora": self.adapters,
             "json": self.adapters,  # bench/json_run.py: slora's requests under a JSON schema
+            "json-free": self.adapters,  # json's requests at json's lengths, unconstrained
             "peft": self.peft_adapters
             or [n for n in self.adapters if n <= PEFT_MAX_ADAPTERS]
             or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],
@@ -208,6 +209,7 @@ class BenchContext:
     score_workload: ScoreWorkload | None = None  # only when a scoring system runs
     prefix_workload: PrefixWorkload | None = None  # only when prefix or prefix-off runs
     samples_workload: Workload | None = None  # only when samples or samples-separate runs
+    json_lengths: dict[int, dict[int, int]] = field(default_factory=dict)  # json's, per count
 
 
 def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:

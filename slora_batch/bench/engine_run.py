@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 from slora_batch.bench.floor import trace_steps
-from slora_batch.bench.json_run import grammar_tokens, json_requests
+from slora_batch.bench.json_run import free_requests, grammar_tokens, json_requests
 from slora_batch.bench.model import RandomWeights
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.row_fields import (
@@ -94,24 +94,32 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
         requests = ctx.workload.requests(0 if system.startswith("base") else n)
         if system not in ARRIVAL_ORDER:
             requests = group_by_adapter(requests)
-        if system == "json":
+        if system in ("json", "json-free"):
             requests = json_requests(requests)
+        if system == "json-free":  # json's requests at the lengths json produced, unconstrained
+            if n not in ctx.json_lengths:
+                raise ValueError(f"json-free@{n} needs json@{n} to run first (add json)")
+            requests = free_requests(requests, ctx.json_lengths[n])
     warmup_builds = warm_up(ctx, engine, requests, sources)
     trace = trace_steps(engine) if hasattr(engine, "_launch") else None  # the timed steps
     setup_s = time.perf_counter() - setup
     asked = {r.id: r.max_new_tokens for r in requests}
     outputs = sum(r.n or 1 for r in requests)
     work, finished, mismatches = Work(), 0, 0
+    produced: dict[int, int] = {}
 
     def count(result: Result) -> None:
         nonlocal finished, mismatches
         finished += 1
         mismatches += result.completion_tokens != asked[result.id]
+        produced[result.id] = result.completion_tokens
         work.add(result.prompt_tokens, result.completion_tokens)
 
     timed = timed_run(ctx, engine, requests, f"{system}@{n}", count)
     for prompt, generated in timed.partial:
         work.add(prompt, generated)
+    if system == "json" and not timed.partial:  # json-free's lengths: only from a whole run
+        ctx.json_lengths[n] = produced
     work.cached_tokens = timed.cached_tokens
     grammar = {k: getattr(engine.counters, k, 0) for k in ("grammar_rows", "grammar_mask_s")}
     max_seqs = engine.counters.max_num_seqs  # max_num_seqs: auto resolved

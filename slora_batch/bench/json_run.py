@@ -1,7 +1,10 @@
 """The ``json`` system: the standard workload's requests, each under one JSON schema (a nested
 object, an enum, an array of up to 8 strings of up to 32 characters), through the full engine.
-Outputs end at the grammar's end, so compare its output tokens/s with ``slora``'s at the same
-adapter count, not its request rate; the row adds the host seconds spent filling masks.
+Outputs end at the grammar's end, so they are shorter than slora's and prefill weighs more in
+them: the ``json-free`` system runs the same requests unconstrained, each asked for exactly the
+tokens its ``json`` run produced, on a fresh engine. ``json`` / ``json-free`` output tokens/s is
+then the price of the constraint alone (same prompts, same output lengths, same batches); the
+``json`` row adds the host seconds spent filling masks.
 
 The bench's models have random weights and no tokenizer: the grammar's vocabulary is a
 synthetic one over the model's ids (``synthetic_vocab``): special ids 0-2, every printable ASCII
@@ -58,6 +61,15 @@ def grammar_tokens(vocab_size: int, eos: int = 2):
 
     vocab = synthetic_vocab(vocab_size)
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[eos])
+
+
+def free_requests(requests: list, lengths: dict) -> list:
+    """``json-free``: the requests without their format, each asked for the ``lengths[id]``
+    tokens the json run produced (at least 1)."""
+    return [
+        dataclasses.replace(r, response_format=None, max_new_tokens=max(1, lengths[r.id]))
+        for r in requests
+    ]
 
 
 def json_requests(requests: list) -> list:

@@ -34,9 +34,19 @@ def test_synthetic_vocab_covers_every_preset(preset):
 
 
 @pytest.mark.slow
-def test_json_system_runs_beside_slora():
-    rows, _ = run_bench(BenchConfig(systems=["slora", "json"], adapters=[3], requests=6, **TINY))
+def test_json_system_runs_beside_slora(tmp_path):
+    config = BenchConfig(systems=["slora", "json", "json-free"], adapters=[3], requests=6,
+                         out=tmp_path, **TINY)  # fmt: skip
+    rows, _ = run_bench(config)
     by = {r["system"]: r for r in rows}
+    # json-free: json's requests unconstrained at json's lengths, so the same tokens come out
+    free = by["json-free"]
+    assert free["error"] is None and free["finished"] == 6 and free["length_mismatches"] == 0
+    assert free["output_tokens"] == by["json"]["output_tokens"]
+    assert free["prompt_tokens"] == by["json"]["prompt_tokens"]
+    assert not free.get("grammar_rows")
+    report = (config.out / "results.md").read_text()
+    assert "- json@3 / json-free@3 = " in report and "constrained draws" in report
     assert by["json"]["error"] is None and by["json"]["finished"] == 6
     assert by["json"]["error_rows"] == 0
     assert by["json"]["grammar_rows"] >= by["json"]["output_tokens"] - 6  # every draw masked
