@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, fp8(-tests), batch,
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, eval, fp8(-tests), batch,
 #                                          # families(-tests), job, rooms, prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
@@ -158,6 +158,16 @@ case "$mode" in
         bench json 590 --requests 2000 --systems json,json-free --adapters 1000 --max-seconds 0 \
           --total-seconds 560
         ;;
+      eval)
+        # issue 29: the lm-eval sweep (lm-eval and its missing dependencies travel in wheels/,
+        # carried, with the sample model's tokenizer in wheels/smollm2-tokenizer) of a
+        # 7B-shaped model over 100 adapters and the base on a 48-document multiple-choice task,
+        # beside the engine alone on the same rows (eval-score), uncut
+        python3 -m pip install -q --no-index --find-links wheels lm_eval==0.4.13 \
+          || { echo "now eval: install lm-eval from wheels/ (carry it)" >&2; exit 2; }
+        bench eval 450 --systems eval-score,eval --adapters 100 \
+          --tokenizer wheels/smollm2-tokenizer --eval-docs 48 --max-seconds 0 --total-seconds 0
+        ;;
       batch)
         # issue 28 (max_num_seqs: auto, the step-by-step floor): llama3-8b base and slora@1000
         # at 256 rows and at auto, uncut; compare output tok/s, floor fraction (and its parts),
@@ -171,7 +181,7 @@ case "$mode" in
           --max-seconds 0 --total-seconds 0
         ;;
       *)
-        echo "now needs an experiment: json, fp8, fp8-tests, batch, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
+        echo "now needs an experiment: json, eval, fp8, fp8-tests, batch, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
         exit 2
         ;;
     esac

@@ -47,6 +47,7 @@ def acceptance(rows: list[dict]) -> list[str]:
             )
     lines += _score_acceptance(ok)
     lines += _json_acceptance(ok)
+    lines += _eval_acceptance(ok)
     lines += _prefix_acceptance(ok)
     for r in ok:
         if r["system"] in ("base", "slora"):
@@ -117,6 +118,32 @@ def _json_acceptance(ok: list[dict]) -> list[str]:
             f"{r.get('decode_batch') or 0:.0f} vs {free[0].get('decode_batch') or 0:.0f}; masks "
             f"filled in {mask:.1f} s on the host for {r.get('grammar_rows', 0)} constrained draws, "
             f"wall {r['wall_s']:.1f} s"
+        )
+    return lines
+
+
+EVAL_TARGET = 0.9  # eval@N / eval-score@N rows/s (issue 29)
+
+
+def _eval_acceptance(ok: list[dict]) -> list[str]:
+    """The lm-eval sweep against the engine alone on its rows, and where the sweep's time went."""
+    lines = []
+    for r in ok:
+        if r["system"] != "eval":
+            continue
+        alone = [a for a in ok if a["system"] == "eval-score" and a["adapters"] == r["adapters"]]
+        where = f"eval@{r['adapters']}"
+        parts = (f"{r['finished']} rows in {r['wall_s']:.1f} s past start-up: engine "
+                 f"{r['eval_engine_s']:.1f} s, the rest (lm-eval, the job's files) "
+                 f"{r['eval_rest_s']:.1f} s; start-up {r['setup_s']:.1f} s")  # fmt: skip
+        if not alone:
+            lines.append(f"- {where} / eval-score: not measured; {parts}")
+            continue
+        ratio = r["rows_per_s"] / alone[0]["rows_per_s"]
+        lines.append(
+            f"- {where} / eval-score@{r['adapters']} rows/s = {ratio:.2f} (need >= "
+            f"{EVAL_TARGET}): {'pass' if ratio >= EVAL_TARGET else 'FAIL'}; {r['rows_per_s']:.1f} "
+            f"vs {alone[0]['rows_per_s']:.1f}; {parts}"
         )
     return lines
 

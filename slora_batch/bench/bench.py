@@ -23,6 +23,12 @@ from pathlib import Path
 import torch
 
 from slora_batch.bench.engine_run import ABLATIONS, run_engine
+from slora_batch.bench.eval_run import (
+    copy_tokenizer,
+    run_eval_score,
+    run_eval_system,
+    tokenizer_vocab,
+)
 from slora_batch.bench.model import PRESETS, RANKS, BenchModel, build_model
 from slora_batch.bench.prefix_run import PREFIX_ROWS, SAMPLES, run_prefix, run_samples
 from slora_batch.bench.report import write_outputs
@@ -44,7 +50,7 @@ SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
 PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
-SYSTEMS = ("base", "slora", "json", "json-free", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
+SYSTEMS = ("base", "slora", "json", "json-free", "eval-score", "eval", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -93,6 +99,11 @@ class BenchConfig:
     # samples, samples-separate: prompts of the standard shapes, samples_n samples of each
     samples_prompts: int = 500
     samples_n: int = 8
+    # the lm-eval sweep (eval, eval-score): a tokenizer directory (the model's vocabulary
+    # becomes its size), documents of a local multiple-choice task, words per passage
+    tokenizer: str | None = None
+    eval_docs: int = 64
+    eval_context: int = 120
     out: Path = Path("benchmarks/results")
     tensor_parallel: int = 1  # the layout of the -par systems: devices per engine
     data_parallel: int = 1  # ... and engines (workers)
@@ -162,7 +173,7 @@ class BenchConfig:
         )
         for name in ("requests", "peft_requests", "peft_batch", "score_rows", "score_choices",
                      "peft_score_rows", "peft_score_batch", "prefix_rows", "prefix_tokens",
-                     "prefix_output", "samples_prompts"):  # fmt: skip
+                     "prefix_output", "samples_prompts", "eval_docs", "eval_context"):  # fmt: skip
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(
             self.warmup_requests >= 0, f"warmup_requests must be >= 0, got {self.warmup_requests}"
@@ -177,6 +188,14 @@ class BenchConfig:
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
         )
+        check(
+            not {"eval", "eval-score"} & set(self.systems) or self.tokenizer is not None,
+            "systems eval and eval-score need --tokenizer (a directory with a tokenizer)",
+        )
+        check(
+            self.tokenizer is None or Path(self.tokenizer).is_dir(),
+            f"tokenizer must be a directory, got {self.tokenizer!r}",
+        )
 
     def plan(self) -> list[tuple[str, int]]:
         """(system, adapter count) of every run, in run order; base runs once, at 0 adapters."""
@@ -185,6 +204,8 @@ class BenchConfig:
             "slora": self.adapters,
             "json": self.adapters,  # bench/json_run.py: slora's requests under a JSON schema
             "json-free": self.adapters,  # json's requests at json's lengths, unconstrained
+            "eval-score": self.adapters,  # bench/eval_run.py: the lm-eval sweep's rows alone
+            "eval": self.adapters,  # ... and the sweep itself
             "peft": self.peft_adapters
             or [n for n in self.adapters if n <= PEFT_MAX_ADAPTERS]
             or [min(min(self.adapters), PEFT_MAX_ADAPTERS)],
@@ -230,7 +251,10 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
         # transformers' model only where PEFT runs: the engines make RandomWeights themselves
         # (the same values on one device, per tensor-parallel rank and per worker)
         hf = bool(set(PEFT_SYSTEMS) & set(config.systems))
-        model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed, hf)
+        vocab = tokenizer_vocab(config.tokenizer) if config.tokenizer else None
+        model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed, hf, vocab)
+        if config.tokenizer:  # beside the config: the eval systems' requests need it
+            copy_tokenizer(Path(config.tokenizer), model.model_dir)
         rank_dirs = model.write_adapters(Path(tmp) / "adapters", config.seed)
         rates = measure_rates(device, dtype)
         log.info(
@@ -285,6 +309,10 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             from slora_batch.bench.job_run import run_job_system
 
             row = run_job_system(ctx, n, system)
+        elif system == "eval-score":
+            row = run_eval_score(ctx, n)
+        elif system == "eval":
+            row = run_eval_system(ctx, n)
         elif system == "score":
             from slora_batch.bench.score_run import run_score
 

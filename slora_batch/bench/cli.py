@@ -126,6 +126,16 @@ def bench(
     samples_n: int = typer.Option(
         D.samples_n, help="Samples per prompt: n of one request (samples) or separate requests."
     ),
+    tokenizer: str = typer.Option(
+        None,
+        help="A tokenizer directory for eval and eval-score (the model's vocabulary becomes "
+        "its size).",
+        show_default=False,
+    ),
+    eval_docs: int = typer.Option(D.eval_docs, help="Documents of the eval systems' task."),
+    eval_context: int = typer.Option(
+        D.eval_context, help="Most words of an eval document's passage."
+    ),
     out: str = typer.Option(str(D.out), help="Output directory (rewritten after every run)."),
     tensor_parallel: int = typer.Option(
         D.tensor_parallel, help="Devices per engine of the -par systems (base, slora, job)."
@@ -183,6 +193,9 @@ def bench(
             prefix_output=prefix_output,
             samples_prompts=samples_prompts,
             samples_n=samples_n,
+            tokenizer=tokenizer,
+            eval_docs=eval_docs,
+            eval_context=eval_context,
             out=Path(out),
             tensor_parallel=tensor_parallel,
             data_parallel=data_parallel,

@@ -231,17 +231,25 @@ def _peft_config(rank: int) -> dict:
 
 
 def build_model(
-    preset: str, device: torch.device, dtype: torch.dtype, root: Path, seed: int, hf: bool = True
+    preset: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    root: Path,
+    seed: int,
+    hf: bool = True,
+    vocab_size: int | None = None,
 ) -> BenchModel:
     """A random model of the preset's family and shapes, initialized on ``device`` in ``dtype``;
     its config.json (nothing else) goes to ``root / "model"`` for the engine. Without ``hf`` no
     transformers model is built: the engine runs take ``RandomWeights`` (every rank or worker
-    makes its own), and PEFT cannot run."""
+    makes its own), and PEFT cannot run. ``vocab_size`` replaces the preset's (a tokenizer's)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
     fields = dict(PRESETS[preset])
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
     config_class = getattr(transformers, fields.pop("config", "LlamaConfig"))
     fields.setdefault("tie_word_embeddings", False)
     config = config_class(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=0)
