@@ -120,6 +120,34 @@ def reuse_instances(loaded: dict[str, Any]) -> None:
         task.build_all_requests = rebuild
 
 
+DOC_TEMPLATES = ("doc_to_text", "doc_to_target", "doc_to_choice")
+
+
+def reuse_doc_templates(loaded: dict[str, Any]) -> None:
+    """Render each document's text, target and choices once for all adapters: ``evaluate``
+    renders them again for every document of every adapter (``process_results``), and the
+    templates were most of what an adapter's ``evaluate`` cost after ``reuse_instances``. Keyed
+    by the document's JSON; a call with arguments besides the document is not cached."""
+
+    for task in loaded["tasks"].values():
+        for name in DOC_TEMPLATES:
+            method = getattr(task, name, None)
+            if method is None:
+                continue
+            cache: dict[str, Any] = {}
+
+            def cached(doc, *args, method=method, cache=cache, **kwargs):
+                if args or kwargs:
+                    return method(doc, *args, **kwargs)
+                key = json.dumps(doc, sort_keys=True, default=repr)
+                if key not in cache:
+                    cache[key] = method(doc)
+                found = cache[key]
+                return list(found) if isinstance(found, list) else found
+
+            setattr(task, name, cached)
+
+
 class Replay(LM):
     """An lm-eval model answering from one adapter's finished rows."""
 
@@ -199,6 +227,7 @@ def run_eval(
     summary = run_plan(plan, overwrite=overwrite, progress=progress)
     results = read_results(out)
     reuse_instances(loaded)
+    reuse_doc_templates(loaded)
     per_adapter = {}
     for adapter in plan.sweep or [None]:
         reseed(loaded)

@@ -110,3 +110,35 @@ def test_validate_builds_the_requests_without_touching_the_output(tmp_path, eval
     assert report.sweep is not None and len(report.sweep) == 5  # base + 4 adapters
     assert report.rows_total > 0 and report.rows_checked > 0
     assert not (tmp_path / "out").exists()
+
+
+def test_adapters_share_the_built_instances_and_rendered_documents(eval_setup):
+    """Every adapter's evaluate gets the instances built once, emptied of the last answers, and
+    each document's templates rendered once (a caller mutating a returned list changes no
+    later answer)."""
+    from slora_batch.eval.config import EvalConfig
+    from slora_batch.eval.sweep import (
+        build_requests,
+        load_tasks,
+        reuse_doc_templates,
+        reuse_instances,
+    )
+
+    _, _, tasks = eval_setup
+    loaded = load_tasks(EvalConfig(tasks=["tiny_mc"], include_path=str(tasks)))
+    build_requests(loaded, None)
+    task = loaded["tasks"]["tiny_mc"]
+    built = list(task.instances)
+    built[0].resps.append((-1.0, False))
+    reuse_instances(loaded)
+    task.build_all_requests(limit=None, rank=0, world_size=1)
+    assert task.instances == built and all(i.resps == [] for i in task.instances)
+
+    calls = []
+    render = type(task).doc_to_choice.__get__(task)
+    task.doc_to_choice = lambda doc, *a, **k: calls.append(doc) or render(doc, *a, **k)
+    reuse_doc_templates(loaded)
+    doc = next(iter(task.eval_docs))
+    first = task.doc_to_choice(doc)
+    first.append("mutated by a caller")
+    assert task.doc_to_choice(dict(doc)) == render(doc) and len(calls) == 1
