@@ -206,6 +206,7 @@ def run_eval_system(ctx, n: int) -> dict:
     rows, errors = summary.rows_this_run, summary.error_rows_this_run
     work = Work()  # every row's context and continuation, as eval-score counts them
     work.add(scored_tokens(out) * (n + 1), 0)
+    work.cached_tokens = stats.get("prefix_hit_tokens") or 0  # answers after the first
     metrics = {(r["adapter"], r["metric"]): r["value"] for r in summary.eval_results or []}
     result = dict(
         system="eval",
