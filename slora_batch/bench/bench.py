@@ -29,6 +29,7 @@ from slora_batch.bench.eval_run import (
     run_eval_system,
     tokenizer_vocab,
 )
+from slora_batch.bench.formatting import brief
 from slora_batch.bench.model import PRESETS, RANKS, BenchModel, build_model
 from slora_batch.bench.prefix_run import PREFIX_ROWS, SAMPLES, run_prefix, run_samples
 from slora_batch.bench.report import write_outputs
@@ -50,7 +51,8 @@ SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
 PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
-SYSTEMS = ("base", "slora", "json", "json-free", "eval-score", "eval", "peft", *ABLATIONS, "job", *SCORING, *PREFIX, *PARALLEL)
+SYSTEMS = ("base", "slora", "json", "json-free", "eval-score", "eval", "peft", *ABLATIONS,
+           "job", *SCORING, *PREFIX, *PARALLEL)  # fmt: skip
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -344,21 +346,5 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             )
     row.setdefault("error", None)
     row["weight_sets"] = min(n, len(RANKS))
-    log.info("%s@%d: %s", system, n, _brief(row))
+    log.info("%s@%d: %s", system, n, brief(row))
     return row
-
-
-def _brief(row: dict) -> str:
-    if row.get("error"):
-        return f"FAILED ({row['error']})"
-    if "rows_per_s" in row:  # a scoring run: no output tokens
-        return (
-            f"{row['rows_per_s']:.2f} rows/s, {row['scored_tokens_per_s']:.1f} scored tok/s, "
-            f"{row['wall_s']:.1f} s, roofline {row['roofline_fraction']:.3f}"
-            f"{' (cut at the time limit)' if row['truncated'] else ''}"
-        )
-    return (
-        f"{row['output_tokens_per_s']:.1f} output tok/s, {row['requests_per_s']:.2f} req/s, "
-        f"{row['wall_s']:.1f} s, roofline {row['roofline_fraction']:.3f}"
-        f"{' (cut at the time limit)' if row['truncated'] else ''}"
-    )

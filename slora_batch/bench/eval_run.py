@@ -43,12 +43,56 @@ from slora_batch.engine.requests.request import Request, Result
 TASK = "bench_mc"
 CHOICES = 4
 TOKENIZER_SKIP = {"config.json", "generation_config.json"}  # the model's, not the tokenizer's
-WORDS = (
-    "river stone light market garden window letter winter morning signal harbor forest "
-    "engine valley silver mirror candle bridge orbit meadow copper thunder lantern castle "
-    "pepper rocket island canvas velvet marble anchor compass feather glacier hammer jungle "
-    "ladder magnet needle oyster pillow quartz saddle tunnel violin wagon yarn zebra"
-).split()
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "market",
+    "garden",
+    "window",
+    "letter",
+    "winter",
+    "morning",
+    "signal",
+    "harbor",
+    "forest",
+    "engine",
+    "valley",
+    "silver",
+    "mirror",
+    "candle",
+    "bridge",
+    "orbit",
+    "meadow",
+    "copper",
+    "thunder",
+    "lantern",
+    "castle",
+    "pepper",
+    "rocket",
+    "island",
+    "canvas",
+    "velvet",
+    "marble",
+    "anchor",
+    "compass",
+    "feather",
+    "glacier",
+    "hammer",
+    "jungle",
+    "ladder",
+    "magnet",
+    "needle",
+    "oyster",
+    "pillow",
+    "quartz",
+    "saddle",
+    "tunnel",
+    "violin",
+    "wagon",
+    "yarn",
+    "zebra",
+]
 TASK_YAML = """task: {task}
 dataset_path: json
 dataset_kwargs: {{data_files: {{test: {data}}}}}
