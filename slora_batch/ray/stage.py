@@ -53,7 +53,9 @@ COUNTERS = (
     "prefix_hit_tokens",
     "cached_blocks",
     "block_evictions",
+    "grammar_rows",
 )
+TIMERS = ("grammar_mask_s",)  # the actor's engine seconds so far, added up over actors as COUNTERS
 SUMMARY_SCHEMA = pa.schema(
     [
         ("unit", pa.string()),
@@ -73,6 +75,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("device", pa.string()),
         ("dtype", pa.string()),
         *((name, pa.int64()) for name in COUNTERS),  # the actor's engine counters so far
+        *((name, pa.float64()) for name in TIMERS),
     ]
 )
 ERROR_EXAMPLES = 3
@@ -190,6 +193,7 @@ class EngineActor:
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             **{name: int(getattr(counters, name, 0)) for name in COUNTERS},
+            **{name: float(getattr(counters, name, 0.0)) for name in TIMERS},
         }
         return pa.Table.from_pylist([row], schema=SUMMARY_SCHEMA)
 
