@@ -2,7 +2,8 @@
 the base model, read from JSONL (the format as an object) and Parquet (as a JSON string), give
 on 2 engine actors the rows of the single-process run; the constrained ones that stop are valid
 documents; the stats count the constrained draws of every actor; a schema the compiler rejects
-is an error row naming the row and the reason, and harms no other row."""
+is an error row naming the row and the reason, and harms no other row. The ``generate`` stage
+gives the same rows from a dataset whose formats are objects (an Arrow struct column)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ from slora_batch.jobs.config import load_jobs  # noqa: E402
 from slora_batch.jobs.feed import RunRecord  # noqa: E402
 from slora_batch.jobs.run import run_job  # noqa: E402
 from slora_batch.jobs.stats import read_stats  # noqa: E402
-from slora_batch.ray import RaySettings, run_ray_job  # noqa: E402
+from slora_batch.ray import RaySettings, generate, run_ray_job  # noqa: E402
 from slora_batch.ray import job as ray_job  # noqa: E402
-from slora_batch.ray.stage import COUNTERS  # noqa: E402
+from slora_batch.ray.stage import COUNTERS, struct_value  # noqa: E402
 
 LABEL = {
     "type": "object",
@@ -60,6 +61,7 @@ BROKEN = {  # a reference to a definition the schema lacks: xgrammar rejects it
 }  # fmt: skip
 MAX_NEW_TOKENS = 32  # enough for every format but the person schema's (per row: 96)
 JSONL_ROWS = 8  # the first rows go to rows.jsonl, the rest to rows.parquet
+ENGINE = {"device": "cpu", "dtype": "float32", "num_pages": 4000}
 
 
 def make_rows() -> list[dict]:
@@ -103,7 +105,7 @@ def load_job(root, model_dir, adapters, output: str):
         "output": output,
         "part_rows": 4,
         "sampling": {"max_new_tokens": MAX_NEW_TOKENS},
-        "engine": {"device": "cpu", "dtype": "float32", "num_pages": 4000},
+        "engine": ENGINE,
     }
     (root / f"{output}.yaml").write_text(yaml.safe_dump({"jobs": [job]}))
     (config,) = load_jobs(root / f"{output}.yaml")
@@ -130,45 +132,88 @@ def check_document(row: dict, fmt: dict) -> None:
         jsonschema.validate(value, fmt["json_schema"]["schema"])
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny):  # noqa: F811
+    """The inputs' directory and the single-process run's output rows by id."""
+    root = tmp_path_factory.mktemp("ray-structured")
+    write_inputs(root, make_rows())
+    job = load_job(root, *tiny, "out-single")
+    run_job(job)
+    return root, outputs(job)
+
+
 def test_two_actors_give_the_constrained_rows_of_the_single_process_run(
-    tmp_path,
     tiny,  # noqa: F811
+    single,
 ):
-    model_dir, adapters = tiny
+    root, want = single
     rows = make_rows()
-    write_inputs(tmp_path, rows)
-    single_job = load_job(tmp_path, model_dir, adapters, "out-single")
-    run_job(single_job)
-    on_ray_job = load_job(tmp_path, model_dir, adapters, "out-ray")
-    summary = run_ray_job(on_ray_job, RaySettings(**{**SETTINGS, "buckets": 3, "block_rows": 3}))
-    single, on_ray = outputs(single_job), outputs(on_ray_job)
+    job = load_job(root, *tiny, "out-ray")
+    summary = run_ray_job(job, RaySettings(**{**SETTINGS, "buckets": 3, "block_rows": 3}))
+    got = outputs(job)
 
     fields = ("token_ids", "text", "finish_reason", "error")
-    assert {i: tuple(r[f] for f in fields) for i, r in on_ray.items()} == {
-        i: tuple(r[f] for f in fields) for i, r in single.items()
+    assert {i: tuple(r[f] for f in fields) for i, r in got.items()} == {
+        i: tuple(r[f] for f in fields) for i, r in want.items()
     }
-    assert len(on_ray) == len(rows) and summary.stats["rows"] == len(rows)
-    actors = json.loads((tmp_path / "out-ray" / "_ray.json").read_text())["actors"]
+    assert len(got) == len(rows) and summary.stats["rows"] == len(rows)
+    actors = json.loads((root / "out-ray" / "_ray.json").read_text())["actors"]
     assert sum(a["rows"] for a in actors) == len(rows)  # Ray may give every unit to one actor
 
-    for out in (single, on_ray):
+    for out in (want, got):
         broken = out["broken"]
         assert broken["finish_reason"] == "error" and broken["token_ids"] == []
         assert "rows.parquet" in broken["error"] and "row 'broken'" in broken["error"]
         assert "json_schema does not compile" in broken["error"] and "$defs" in broken["error"]
     for row in rows[:-1]:
-        got, fmt = on_ray[row["id"]], row.get("response_format")
-        assert got["error"] is None, got["error"]
+        result, fmt = got[row["id"]], row.get("response_format")
+        assert result["error"] is None, result["error"]
         if fmt is None:
             continue
-        check_document(got, fmt)
+        check_document(result, fmt)
         if fmt["type"] != "json_object":  # the others are short enough to finish
-            assert got["finish_reason"] == "stop", (row["id"], got["text"])
+            assert result["finish_reason"] == "stop", (row["id"], result["text"])
 
-    stats = {kind: read_stats(tmp_path / f"out-{kind}")[0] for kind in ("single", "ray")}
+    stats = {kind: read_stats(root / f"out-{kind}")[0] for kind in ("single", "ray")}
     assert stats["ray"]["grammar_rows"] == stats["single"]["grammar_rows"] > 0
     assert stats["ray"]["grammar_mask_s"] > 0
     assert stats["ray"]["error_rows"] == stats["single"]["error_rows"] == 1
+
+
+def test_generate_stage_takes_formats_as_a_struct_column(tiny, single):  # noqa: F811
+    """The Ray Data stage on a dataset whose formats are objects (an Arrow struct column, its
+    fields the union of every row's: Ray fills the others with nulls, and a row without a format
+    may arrive as a struct of nulls): the single-process run's rows."""
+    model_dir, adapters = tiny
+    _, want = single
+    items = [{"adapter": None, "max_new_tokens": None, "response_format": None, **r}
+             for r in make_rows()]  # fmt: skip
+    result = generate(
+        ray.data.from_items(items),
+        str(model_dir),
+        {name: str(path) for name, path in adapters.items()},
+        engine=ENGINE,
+        sampling={"max_new_tokens": MAX_NEW_TOKENS},
+        batch_rows=4,
+    )
+    got = {r["id"]: r for r in result.take_all()}
+    fields = ("token_ids", "text", "finish_reason")
+    assert {i: tuple(r[f] for f in fields) for i, r in got.items()} == {
+        i: tuple(r[f] for f in fields) for i, r in want.items()
+    }
+    assert [i for i, r in got.items() if r["error"]] == ["broken"]
+    assert "dataset row 'broken'" in got["broken"]["error"]
+    assert "json_schema does not compile" in got["broken"]["error"]
+
+
+def test_a_struct_value_loses_its_null_fields_at_every_depth():
+    union = {"type": "json_schema", "regex": None, "choice": None, "json_schema": {
+        "name": "label", "schema": {"type": "object", "required": ["label"], "properties": {
+            "label": {"enum": ["yes", None], "maxLength": None}, "name": None}}}}  # fmt: skip
+    assert struct_value(union) == {"type": "json_schema", "json_schema": {
+        "name": "label", "schema": {"type": "object", "required": ["label"], "properties": {
+            "label": {"enum": ["yes", None]}}}}}  # fmt: skip
+    assert struct_value({"type": None, "regex": None, "json_schema": None}) is None
 
 
 def test_the_grammar_counters_of_every_actor_add_up():
