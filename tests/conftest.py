@@ -18,26 +18,48 @@ def sample_model_dir() -> Path:
     return resolve_model(SAMPLE_MODEL_ALIAS)
 
 
+def xdist_group(nodeid: str) -> str | None:
+    """A test's pytest-xdist group: "ray" for the Ray tests (each starts a local cluster sized to
+    the machine, two at once would starve), "eval" for the lm-eval tests (which build their
+    session's model and adapters once), None for the rest."""
+    path, name = nodeid.replace("\\", "/"), nodeid.rsplit("::", 1)[-1]
+    if "_ray_" in name or "tests/ray/" in path or path.startswith("ray/"):
+        return "ray"  # "_ray_": a Ray run outside tests/ray (test_manifest's)
+    if "tests/eval/" in path or path.startswith("eval/"):
+        return "eval"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
-    pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) the Ray tests share
-    one worker: each starts a local cluster sized to the machine, two at once would starve; the
-    lm-eval tests share another, which builds their session's model and adapters once."""
+    pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) each group of
+    ``xdist_group`` shares one worker."""
     import torch
 
     for item in items:
-        ray_test = "_ray_" in item.name  # a Ray run outside tests/ray (test_manifest's)
-        if (
-            ray_test
-            or "tests/ray/" in item.nodeid.replace("\\", "/")
-            or item.nodeid.startswith("ray/")
-        ):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif "tests/eval/" in item.nodeid.replace("\\", "/") or item.nodeid.startswith("eval/"):
-            item.add_marker(pytest.mark.xdist_group("eval"))
+        group = xdist_group(item.nodeid)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent on the GPU machine
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` whose groups the controller reads from the node ids (``xdist_group``).
+    xdist 3.8 carries a group's mark to the controller as a node id suffix, which pytest 9.2's
+    structured node ids drop (pytest-xdist issue 1386): the marks alone grouped nothing, and the
+    Ray tests ran on both workers at once."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class PathGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or super()._split_scope(nodeid)
+
+    return PathGroups(config, log)

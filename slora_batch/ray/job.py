@@ -53,7 +53,7 @@ from slora_batch.jobs.stats import stats_rows, write_stats
 from slora_batch.ray.execute import execute
 from slora_batch.ray.fence import FENCE_FILE, open_run, read_fence, remove_late_parts
 from slora_batch.ray.fs import output_lock, remove_leftovers, remove_name, resolved, shown
-from slora_batch.ray.stage import COUNTERS
+from slora_batch.ray.stage import COUNTERS, TIMERS
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def _account(run: RunRecord, summaries: list[dict[str, Any]], settings: RaySetti
     for s in summaries:  # counters are each actor's totals so far: keep its latest call's
         if s["actor"] not in last or s["calls"] > last[s["actor"]]["calls"]:
             last[s["actor"]] = s
-    counters = {name: sum(s[name] for s in last.values()) for name in COUNTERS}
+    counters = {name: sum(s[name] for s in last.values()) for name in COUNTERS + TIMERS}
     counters["peak_pages"] = max((s["peak_pages"] for s in last.values()), default=0)
     run.counters = SimpleNamespace(
         **counters,

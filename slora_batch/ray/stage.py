@@ -53,7 +53,9 @@ COUNTERS = (
     "prefix_hit_tokens",
     "cached_blocks",
     "block_evictions",
+    "grammar_rows",
 )
+TIMERS = ("grammar_mask_s",)  # the actor's engine seconds so far, added up over actors as COUNTERS
 SUMMARY_SCHEMA = pa.schema(
     [
         ("unit", pa.string()),
@@ -73,6 +75,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("device", pa.string()),
         ("dtype", pa.string()),
         *((name, pa.int64()) for name in COUNTERS),  # the actor's engine counters so far
+        *((name, pa.float64()) for name in TIMERS),
     ]
 )
 ERROR_EXAMPLES = 3
@@ -148,6 +151,8 @@ class EngineActor:
 
     def _request(self, row: dict[str, Any]) -> Request | Result:
         values = {k: v for k, v in row.items() if v is not None and k not in self.kept}
+        if isinstance(values.get("response_format"), dict):  # a struct column: JSON strings pass
+            values["response_format"] = struct_value(values["response_format"])
         kept = {k: row[k] for k in self.kept if row.get(k) is not None}
         where = row.get("source") or f"dataset row {row.get('id')!r}"
         return to_request(DatasetRow(values, str(where), kept=kept), self.sampling)
@@ -190,6 +195,7 @@ class EngineActor:
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype).removeprefix("torch."),
             **{name: int(getattr(counters, name, 0)) for name in COUNTERS},
+            **{name: float(getattr(counters, name, 0.0)) for name in TIMERS},
         }
         return pa.Table.from_pylist([row], schema=SUMMARY_SCHEMA)
 
@@ -248,6 +254,20 @@ def _with_sort_key(batch: pa.Table) -> pa.Table:
     else:
         adapters = [""] * batch.num_rows
     return batch.append_column(SORT, pa.array(adapters, pa.string()))
+
+
+def struct_value(value: Any) -> Any:
+    """The object an Arrow struct value stands for: null fields are absent, at every depth, and
+    a struct left with none is itself absent (None). A dataset's struct column has the union of
+    every row's fields, the others null: one row's JSON schema gets each other row's property
+    names as null schemas, which the compiler rejects; and Ray Data, concatenating blocks whose
+    struct types differ, may turn a row's null struct into a struct of nulls (2.60)."""
+    if isinstance(value, dict):
+        present = {k: struct_value(v) for k, v in value.items()}
+        return {k: v for k, v in present.items() if v is not None} or None
+    if isinstance(value, list):
+        return [struct_value(v) for v in value]
+    return value
 
 
 def _config(cls, value):
