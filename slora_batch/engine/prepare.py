@@ -14,7 +14,7 @@ from slora_batch.engine.adapters.store import AdapterError, AdapterStore
 from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.requests.formats import parse_format
-from slora_batch.engine.requests.grammar import GrammarService, GrammarState
+from slora_batch.engine.requests.grammar import JSON_KINDS, GrammarService, GrammarState
 from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.engine.requests.sampling import noise_key
 from slora_batch.engine.requests.scoring import (
@@ -103,8 +103,9 @@ class RequestPreparer:
                 future = self.grammars.submit(fmt)
             except ValueError as exc:  # no tokenizer to build the grammar's vocabulary from
                 return Result.failed(request, str(exc), prompt_tokens=n)
+            only = self.grammars.json_allowed if fmt.kind in JSON_KINDS else None
             for seq in seqs:
-                seq.grammar = GrammarState(future)
+                seq.grammar = GrammarState(future, only)
         seqs[0].followers = seqs[1:]  # queued when the first one's prompt is computed
         seqs[0].context_tokens = n
         return seqs[0]

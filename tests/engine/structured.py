@@ -104,6 +104,9 @@ def constrained_reference(model_dir: Path, adapters: dict, rows: list[dict]) -> 
         AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab, stop_token_ids=[EOS]
     )
     compiler = xgr.GrammarCompiler(info)
+    # JSON allows no raw control character (xgrammar's bounded strings do): JSON rows never
+    # draw a token holding one
+    controls = [t for t, piece in enumerate(info.decoded_vocab) if any(b < 0x20 for b in piece)]
     names = list(adapters)
     model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -125,6 +128,8 @@ def constrained_reference(model_dir: Path, adapters: dict, rows: list[dict]) -> 
                 if matcher is not None:
                     matcher.fill_next_token_bitmask(bitmask)
                     xgr.apply_token_bitmask_inplace(logits, bitmask)
+                    if row["response_format"]["type"] in ("json_object", "json_schema"):
+                        logits[:, controls] = float("-inf")
                 token = int(logits.argmax(dim=-1))
                 tokens.append(token)
                 if matcher is not None:

@@ -26,6 +26,29 @@ log = logging.getLogger(__name__)
 _LOCATION = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
 
 
+JSON_KINDS = ("json_object", "json_schema")  # compact JSON: never a raw control character
+CONTROL_BYTES = bytes(range(0x20))
+
+
+def without_control_bytes(decoded_vocab: list[bytes], vocab_size: int):
+    """An xgrammar bitmask row (int32 [ceil(vocab_size / 32)], bit j of word i for token
+    32 i + j) allowing every token whose bytes hold no control character (0x00-0x1f).
+
+    JSON allows none outside escapes, and compact JSON (no whitespace but single spaces) none
+    between values either; xgrammar 0.2.9's string with ``maxLength`` accepts them raw (a row
+    once ended with 0x14 inside a string, which ``json.loads`` rejects). JSON rows AND this in.
+    """
+    import numpy as np
+    import torch
+
+    words = (vocab_size + 31) // 32
+    allowed = np.zeros(words * 32, dtype=np.uint64)
+    for token, piece in enumerate(decoded_vocab[:vocab_size]):
+        allowed[token] = len(piece.translate(None, CONTROL_BYTES)) == len(piece)
+    packed = (allowed.reshape(words, 32) << np.arange(32, dtype=np.uint64)).sum(1)
+    return torch.from_numpy(packed.astype(np.uint32).view(np.int32))
+
+
 class GrammarError(ValueError):
     """The compiler rejected a format (its message, without xgrammar's source location)."""
 
@@ -70,6 +93,7 @@ class GrammarService:
         self.make_info, self.threads = make_info, threads
         self.compiler = None  # built with the first format
         self.vocab_size = 0
+        self.json_allowed = None  # without_control_bytes over the vocabulary, for JSON rows
         self.pool: cf.ThreadPoolExecutor | None = None
         self.compiled: dict[str, cf.Future] = {}
         self.parked: list = []  # sequences whose grammar is compiling, in arrival order
@@ -87,6 +111,7 @@ class GrammarService:
             info = self.make_info()
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self.vocab_size = info.vocab_size
+            self.json_allowed = without_control_bytes(info.decoded_vocab, info.vocab_size)
             self.pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="grammar")
         future = self.compiled.get(fmt.key)
         if future is None:
@@ -131,9 +156,11 @@ class GrammarService:
 @dataclass
 class GrammarState:
     """One sample's matcher over its format's compiled grammar (``future``), created when the
-    grammar is ready. ``accepted``: how many of the sample's output tokens it has taken."""
+    grammar is ready. ``accepted``: how many of the sample's output tokens it has taken;
+    ``only``: a bitmask row ANDed into every mask (JSON rows: ``without_control_bytes``)."""
 
     future: cf.Future
+    only: Any = None
     matcher: Any = None
     accepted: int = 0
 
@@ -167,4 +194,6 @@ class GrammarState:
         if matcher.is_terminated():
             return False
         matcher.fill_next_token_bitmask(bitmask, index)
+        if self.only is not None:
+            bitmask[index] &= self.only
         return True

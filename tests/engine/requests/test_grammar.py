@@ -151,3 +151,36 @@ def test_no_tokenizer_is_an_error_row(tmp_path):
     got = {r.id: r for r in engine.generate(rows)}
     assert got[1].finish_reason == "error" and "needs a tokenizer" in got[1].error
     assert got[2].error is None and len(got[2].token_ids) == 3
+
+
+def test_json_rows_never_draw_a_raw_control_character():
+    """xgrammar 0.2.9's string with maxLength accepts a raw 0x14, which no JSON parser takes:
+    a JSON row's mask ANDs in the tokens without control bytes; a regex row's does not."""
+    import concurrent.futures as cf
+
+    import xgrammar as xgr
+
+    from slora_batch.engine.requests.grammar import GrammarState, without_control_bytes
+
+    vocab = ["<s>", "</s>", '"', "a", "\x14", "a\nb", "{", "}"]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=40, stop_token_ids=[1])
+    only = without_control_bytes(info.decoded_vocab, info.vocab_size)
+    assert only.shape == (2,) and only.dtype.is_signed
+    assert [bool(int(only[t // 32]) >> (t % 32) & 1) for t in range(8)] == [
+        True, True, True, True, False, False, True, True]  # fmt: skip
+    assert int(only[1]) == 0  # ids past the tokenizer: never
+    compiler = xgr.GrammarCompiler(info)
+    bounded = json.dumps({"type": "string", "maxLength": 8})
+
+    def allowed(grammar, only=None) -> set[int]:
+        state = GrammarState(cf.Future(), only)
+        state.future.set_result(grammar)
+        state.accept([2, 3], 2, "row")  # '"a' so far
+        bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        state.fill(bitmask, 0)
+        return {t for t in range(8) if int(bitmask[0, t // 32]) >> (t % 32) & 1}
+
+    grammar = compiler.compile_json_schema(bounded, any_whitespace=False)
+    assert 4 in allowed(grammar)  # the defect this guards against
+    assert allowed(grammar, only) == allowed(grammar) - {4, 5}
+    assert 4 in allowed(compiler.compile_regex('"a[\\x14]*"'))  # regex rows keep theirs
