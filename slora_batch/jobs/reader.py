@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from slora_batch.jobs import fsio
 from slora_batch.jobs.config import COLUMN_KEYS, ROW_OPTIONS
 from slora_batch.jobs.openai_input import OpenAIBatch, OpenAIReading
+from slora_batch.jobs.response_format import struct_value
 from slora_batch.jobs.text import type_name
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -229,8 +230,14 @@ def _parquet_records(
         parquet = parquet_file(file, fs)
         names = parquet.schema_arrow.names
         wanted = names if columns is None else [c for c in dict.fromkeys(columns) if c in names]
+        # a response_format struct column holds every row's fields, the others null: each row
+        # reads back as its own object (kept columns stay as Arrow gives them)
+        structs = [c for c in wanted if c == "response_format"
+                   and pa.types.is_struct(parquet.schema_arrow.field(c).type)]  # fmt: skip
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
             for record in batch.to_pylist():
+                for name in structs:
+                    record[name] = struct_value(record[name])
                 yield number, record, None
                 number += 1
     except (OSError, pa.ArrowException) as exc:

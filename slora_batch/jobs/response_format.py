@@ -1,6 +1,7 @@
 """The job file's structured-output default: ``sampling: {response_format: {type: json_schema,
 schema_file: schemas/person.json}}`` reads the schema from a JSON file relative to the job file;
-``validate`` compiles every distinct format of the rows it checks."""
+``validate`` compiles every distinct format of the rows it checks; ``struct_value`` reads a
+Parquet (or Ray Data) struct column's value back as the object it stands for."""
 
 from __future__ import annotations
 
@@ -50,3 +51,17 @@ def format_problem(request, default: Any, grammars) -> str | None:
     except ValueError as exc:  # GrammarError is one, as is "no tokenizer"
         return str(exc)
     return None
+
+
+def struct_value(value: Any) -> Any:
+    """The object an Arrow struct value stands for: null fields are absent, at every depth, and
+    a struct left with none is itself absent (None). A dataset's struct column has the union of
+    every row's fields, the others null: one row's JSON schema gets each other row's property
+    names as null schemas, which the compiler rejects; and Ray Data, concatenating blocks whose
+    struct types differ, may turn a row's null struct into a struct of nulls (2.60)."""
+    if isinstance(value, dict):
+        present = {k: struct_value(v) for k, v in value.items()}
+        return {k: v for k, v in present.items() if v is not None} or None
+    if isinstance(value, list):
+        return [struct_value(v) for v in value]
+    return value

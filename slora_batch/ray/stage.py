@@ -32,6 +32,7 @@ from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key
+from slora_batch.jobs.response_format import struct_value
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.samples import SamplesDue
 from slora_batch.jobs.schema import part_schema
@@ -254,20 +255,6 @@ def _with_sort_key(batch: pa.Table) -> pa.Table:
     else:
         adapters = [""] * batch.num_rows
     return batch.append_column(SORT, pa.array(adapters, pa.string()))
-
-
-def struct_value(value: Any) -> Any:
-    """The object an Arrow struct value stands for: null fields are absent, at every depth, and
-    a struct left with none is itself absent (None). A dataset's struct column has the union of
-    every row's fields, the others null: one row's JSON schema gets each other row's property
-    names as null schemas, which the compiler rejects; and Ray Data, concatenating blocks whose
-    struct types differ, may turn a row's null struct into a struct of nulls (2.60)."""
-    if isinstance(value, dict):
-        present = {k: struct_value(v) for k, v in value.items()}
-        return {k: v for k, v in present.items() if v is not None} or None
-    if isinstance(value, list):
-        return [struct_value(v) for v in value]
-    return value
 
 
 def _config(cls, value):

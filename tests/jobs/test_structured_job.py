@@ -114,6 +114,29 @@ def test_jsonl_and_parquet_formats_and_the_default(tiny, tmp_path):
     check_row(rows["s2"], None)  # null: the job's default
     assert rows["s3"]["error"] is None  # text: unconstrained
 
+    # two schemas in one inferred struct column: each row's schema gets the other's property
+    # names as null fields, which must read back as absent (else xgrammar rejects "null")
+    name = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+            "required": ["name"]}  # fmt: skip
+    age = {"type": "object", "properties": {"age": {"type": "integer", "maximum": 99}},
+           "required": ["age"]}  # fmt: skip
+    schemas = [{"type": "json_schema", "json_schema": {"name": n, "schema": s}}
+               for n, s in (("name", name), ("age", age))]  # fmt: skip
+    table = pa.table({"id": ["n", "a"], "prompt": PROMPTS[:2],
+                      "response_format": pa.array(schemas)})  # fmt: skip
+    assert pa.types.is_struct(table["response_format"].type)
+    pq.write_table(table, tmp_path / "schemas.parquet")
+    schema_job = write_job(tmp_path, model_dir, adapters, "schemas.parquet")
+    run_job(schema_job)
+    rows = outputs(schema_job)
+    import jsonschema
+
+    for key, schema in (("n", name), ("a", age)):
+        assert rows[key]["error"] is None, rows[key]["error"]
+        if rows[key]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(rows[key]["text"]), schema)
+    assert any(r["finish_reason"] == "stop" for r in rows.values())
+
 
 def test_schema_file_is_read_relative_to_the_job_file(tiny, tmp_path):
     model_dir, adapters = tiny
