@@ -11,8 +11,10 @@ static buffers, ``ModelRunner._fill``; other steps ``upload``) and returns rando
 right shape. This stub exists for timing alone; no test of behaviour uses it.
 
 Prints, per row count, the mean ms of each phase over the decode turns (a turn schedules and
-launches step N+1 and reads step N back), the mean rows of those steps, and with ``--profile``
-cProfile's top functions of the whole run by own time.
+launches step N+1 and reads step N back), the mean rows of those steps, the same over the mixed
+turns (a step with a prefill chunk: eager on the GPU) with their mean prefill tokens, and with
+``--profile`` cProfile's top functions of the whole run by own time. ``--kv-cache-dtype fp8``
+runs the engine with fp8 KV pages (one page per token, ``PagePool.use_fp8_kv``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.execution import outputs as outputs_module
 from slora_batch.engine.execution.batch import upload
+from slora_batch.engine.execution.memory import graph_buckets
 from slora_batch.engine.requests.request import Request
 
 # "outputs" is step_outputs less "sample": the sampler's tensor math, which runs on the device
@@ -45,6 +48,7 @@ from slora_batch.engine.requests.request import Request
 # "gc": Python's cyclic garbage collector, inside whichever phases it interrupted.
 PHASES = ("load_ahead", "schedule", "plan_step", "upload", "sampling_params", "outputs",
           "launched", "read_back", "postprocess", "count_step", "gc", "host", "sample")  # fmt: skip
+COUNTS = ("rows", "adapters", "prefill")  # per turn: rows, distinct adapters, prefill tokens
 
 
 class Timer:
@@ -113,7 +117,7 @@ def stub_forward(engine: Engine, timer: Timer, vocab: int):
     runner._graph_page_table = torch.zeros(
         engine.config.max_num_seqs, engine.max_model_len, 2, dtype=torch.int32
     )
-    buckets = [1, 2, 4, 8] + list(range(16, engine.config.max_num_seqs + 16, 16))
+    buckets = graph_buckets(engine.config.max_num_seqs)  # the runner's
     logits = torch.randn(engine.config.max_num_seqs + 64, vocab)
 
     def forward(host, prev_tokens=None):
@@ -146,7 +150,8 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
     kv = 2 * rows * int(args.context * 1.1 + args.max_output + 1)
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=rows,
                           num_pages=int(kv * 1.05) + args.adapter_pages, cuda_graphs=False,
-                          lookahead=max(1024, 2 * rows))  # fmt: skip
+                          lookahead=max(1024, 2 * rows),
+                          kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine = Engine(model.model_dir, adapters=adapters, config=config, weights=model.weights)
     timer = Timer()
     stub_forward(engine, timer, model.spec.vocab_size)
@@ -168,6 +173,7 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
         timer.turns.append(defaultdict(float, began=time.perf_counter()))
         step = schedule()
         timer.turns[-1]["decode"] = bool(step) and max(step.num_new) == 1
+        timer.turns[-1]["prefill"] = sum(n for n in step.num_new if n > 1)
         timer.turns[-1]["rows"] = len(step.seqs)
         timer.turns[-1]["adapters"] = len({s.adapter for s in step.seqs})
         return step
@@ -195,12 +201,18 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
         a["turn"] = b["began"] - a["began"]
         a["outputs"] -= a["sample"] + a["sampling_params"]
         a["host"] = a["turn"] - a["sample"]
-    decode = [t for t in timer.turns[:-1] if t["decode"] and t["rows"] >= args.min_rows * rows]
-    figures = dict(max_rows=rows, turns=len(timer.turns), decode_turns=len(decode), wall_s=wall,
-                   results=done)  # fmt: skip
-    for key in (*PHASES, "rows", "adapters"):
-        scale = 1 if key in ("rows", "adapters") else 1e3
-        figures[key] = scale * float(np.mean([t[key] for t in decode])) if decode else float("nan")
+    busy = [t for t in timer.turns[:-1] if t["rows"] >= args.min_rows * rows]
+    decode = [t for t in busy if t["decode"]]
+    mixed = [t for t in busy if not t["decode"]]
+    figures = dict(max_rows=rows, turns=len(timer.turns), decode_turns=len(decode),
+                   mixed_turns=len(mixed), wall_s=wall, results=done)  # fmt: skip
+    for kind, turns in (("decode", decode), ("mixed", mixed)):
+        figures[kind] = {
+            key: (1 if key in COUNTS else 1e3) * float(np.mean([t[key] for t in turns]))
+            if turns
+            else float("nan")
+            for key in (*PHASES, *COUNTS)
+        }
     if profiler:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
@@ -209,12 +221,13 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
     return figures
 
 
-def table(results: list[dict]) -> str:
-    head = ["rows", "mean rows", "adapters", *PHASES]
+def table(results: list[dict], kind: str) -> str:
+    head = ["rows", "turns", "mean rows", "adapters", "prefill tok", *PHASES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for f in results:
-        cells = [str(f["max_rows"]), f"{f['rows']:.0f}",
-                 f"{f['adapters']:.0f}"] + [f"{f[p]:.2f}" for p in PHASES]  # fmt: skip
+        k = f[kind]
+        cells = [str(f["max_rows"]), str(f[f"{kind}_turns"])]
+        cells += [f"{k[c]:.0f}" for c in COUNTS] + [f"{k[p]:.2f}" for p in PHASES]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -234,7 +247,7 @@ def main() -> None:
         "--min-rows",
         type=float,
         default=0.75,
-        help="decode turns counted: at least this fraction of rows running",
+        help="turns counted: at least this fraction of rows running",
     )
     parser.add_argument(
         "--adapter-pages",
@@ -242,6 +255,8 @@ def main() -> None:
         default=200_000,
         help="pool pages beyond the rows' KV (the adapters' room)",
     )
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="EngineConfig.kv_cache_dtype: fp8 pages hold a token's K and V")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -259,12 +274,15 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             figures = run(rows, model, rank_dirs, args)
             results.append(figures)
-            print(f"rows {rows}: {figures['decode_turns']} decode turns of {figures['turns']}, "
-                  f"{figures['results']} results, {figures['wall_s']:.1f} s")  # fmt: skip
+            print(f"rows {rows}: {figures['decode_turns']} decode and {figures['mixed_turns']} "
+                  f"mixed turns of {figures['turns']}, {figures['results']} results, "
+                  f"{figures['wall_s']:.1f} s")  # fmt: skip
             if "profile" in figures:
                 print(figures["profile"])
-    print("ms per decode turn (CPU host time, model forward stubbed):")
-    print(table(results))
+    print(f"kv_cache_dtype {args.kv_cache_dtype}: ms per turn (CPU host time, forward stubbed)")
+    for kind in ("decode", "mixed"):
+        print(f"{kind} turns:")
+        print(table(results, kind))
 
 
 if __name__ == "__main__":

@@ -110,8 +110,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # tokens per step (decode + prefill chunks): large, so
     # the fixed cost of a step (launches, LoRA metadata) is spread over many prefill tokens
     admit_batch: int | None = None  # new requests join a running batch only when this many
-    # seats are free (or every waiting one fits), so most steps stay pure decode steps that
-    # replay CUDA graphs; None: max_num_seqs // 16 (at least 1); 1 admits on every step
+    # can join (seats free and room under the adapter cap, or every waiting one), so most steps
+    # stay pure decode steps that replay CUDA graphs; None: max_num_seqs // 16 (at least 1); 1
+    # admits on every step
     max_adapters_per_batch: int = 256  # adapter clustering cap: distinct adapters running
     max_resident_adapters: int = 1024  # adapter slots on the device
     max_model_len: int | None = None  # context cap; None takes the model's

@@ -1,11 +1,13 @@
 """How waiting sequences join a step: ``Scheduler``'s admission half (a mixin over its state:
 ``waiting``, ``running``, ``pinned``, ``pages``, ``computing``, ``residency``, ``config``).
 
-A running batch takes newcomers once ``admit_batch`` seats are free. The next waiting row is
-picked by adapter clustering (a preempted row first; then a row whose adapter is pinned, then
-resident, then in host memory), admitted while the token budget, the sequence cap, the adapter
-cap and the pages allow (``KVPages.admissible``), and starts past its cached prefix. A row whose
-prompt continues with a block that a running row is computing waits for it to be cached.
+A running batch takes newcomers once ``admit_batch`` of them can join: seats free, and room under
+the adapter cap (``max_adapters_per_batch``), which with many adapters fills first. The next
+waiting row is picked by adapter clustering (a preempted row first; then a row whose adapter is
+pinned, then resident, then in host memory), admitted while the token budget, the sequence cap,
+the adapter cap and the pages allow (``KVPages.admissible``), and starts past its cached prefix.
+A row whose prompt continues with a block that a running row is computing waits for it to be
+cached.
 """
 
 from __future__ import annotations
@@ -65,12 +67,37 @@ class Admission:
 
     def _admitting(self) -> bool:
         """Whether waiting requests may join this step. A running batch takes newcomers only once
-        ``admit_seats`` seats are free (or all waiting ones fit): one prefill step for many new
-        requests instead of one mixed, graph-less step per finished request."""
+        ``admit_seats`` of them can join (or all waiting ones): ``admit_seats`` seats free, and
+        the adapter cap letting that many in (``_joinable``). One prefill step for many new
+        requests instead of one mixed, graph-less step per finished request: with many adapters
+        the cap fills before the seats do (1000 adapters, fp8 KV: 591 seats, ~300 rows on 256
+        adapters), and free seats alone admitted the row or two of each freed adapter in a
+        mixed step of its own, one step in two."""
         if not self.running or not self.waiting:
             return True
+        want = min(self.config.admit_seats, len(self.waiting))
         free = self.config.seats_bound - len(self.running)
-        return free >= min(self.config.admit_seats, len(self.waiting))
+        return free >= want and self._joinable(want) >= want
+
+    def _joinable(self, want: int) -> int:
+        """How many waiting rows the adapter cap lets join now, counted up to ``want``: rows of
+        the base model or of a pinned adapter, and the rows of as many other adapters as the cap
+        has slots left. Running example, cap 256 with 255 pinned: of waiting rows [p, q, q, r]
+        (p pinned), p and both q rows may join, r waits for a second slot: 3."""
+        slots = self.config.max_adapters_per_batch - len(self.pinned)
+        if slots >= want:  # a row brings at most one adapter
+            return want
+        count, new = 0, set()
+        for seq in self.waiting:
+            adapter = seq.adapter
+            if adapter and adapter not in self.pinned and adapter not in new:
+                if len(new) == slots:
+                    continue
+                new.add(adapter)
+            count += 1
+            if count == want:
+                break
+        return count
 
     def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
         adapter = seq.adapter

@@ -10,10 +10,10 @@ only those of running rows: admission can then never take an adapter that has no
 
 Every step: running sequences first (decodes take one token, unfinished prefills a chunk), each
 getting pages for its new tokens -- evicting idle adapters, then preempting the latest arrivals
-(recompute later) when the pool runs dry. Then, once enough seats are free (``admit_batch``),
-waiting sequences join while the token budget, the sequence cap, the adapter cap and the free
-pages (counting the pages of an adapter not yet resident) allow, preferring adapters already
-running, then adapters already resident (``admission.Admission``, this class's other half).
+(recompute later) when the pool runs dry. Then, once ``admit_batch`` newcomers can join (free
+seats and room under the adapter cap), waiting sequences join while the token budget, the
+sequence cap, the adapter cap and the free pages (counting the pages of an adapter not yet
+resident) allow, preferring adapters already running, then adapters already resident (``admission.Admission``, this class's other half).
 Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s.
 """
 

@@ -199,6 +199,38 @@ def test_newcomers_wait_for_admit_batch_seats():
     assert rows[6] in step.seqs  # the last waiting one joins alone: every waiting one fits
 
 
+def test_newcomers_wait_for_admit_batch_rows_the_adapter_cap_lets_in():
+    """With the adapter cap full and seats to spare (many adapters, max_num_seqs large), free
+    seats alone would admit each freed adapter's row in a mixed step of its own; newcomers wait
+    until admit_batch of them can join, then join in one step."""
+    ranks = {name: 1 for name in "abcd"}
+    sched, _, _ = make(10_000, ranks, max_num_seqs=8, admit_batch=2, max_adapters_per_batch=2)
+    base = seq(3, max_new=30)  # the base model: keeps the batch running, needs no adapter slot
+    a, b = seq(3, "a", max_new=2), seq(3, "b", max_new=4)
+    c, d = seq(3, "c", max_new=5), seq(3, "d", max_new=5)
+    for row in (base, a, b, c, d):
+        sched.add(row)
+    joined = []  # per step, the rows starting their prefill
+    while c.num_computed == 0 or d.num_computed == 0:
+        fresh = [s for s in sched.waiting if s.num_computed == 0]
+        step = advance(sched)
+        joined.append([s for s in step.seqs if s in fresh])
+    assert joined[0] == [base, a, b]  # an empty batch admits at once; the cap stops c and d
+    assert joined[1:] == [[]] * (len(joined) - 2) + [[c, d]]  # a's slot alone did not let c in
+
+
+def test_rows_of_running_adapters_join_under_a_full_adapter_cap():
+    sched, _, _ = make(10_000, {"x": 1}, max_num_seqs=4, admit_batch=2, max_adapters_per_batch=1)
+    rows = [seq(3, "x", max_new=n) for n in (2, 3, 9, 9)] + [seq(3, "x", 5) for _ in range(2)]
+    for row in rows:
+        sched.add(row)
+    assert advance(sched).seqs == rows[:4]
+    advance(sched)  # rows[0] finishes: one seat free, two wanted
+    advance(sched)  # rows[1] finishes
+    step = advance(sched)
+    assert step.seqs == rows[2:6] and step.num_new == [1, 1, 3, 3]  # x is pinned: no new slot
+
+
 def test_admit_batch_default_and_range():
     assert EngineConfig(max_num_seqs=256).admit_seats == 16
     assert EngineConfig(max_num_seqs=8).admit_seats == 1
