@@ -96,56 +96,56 @@ def acceptance(rows: list[dict]) -> list[str]:
 
 
 JSON_TARGET = 0.9  # json@N / json-free@N output tok/s (issue 27)
+EVAL_TARGET = 0.9  # eval@N / eval-score@N rows/s (issue 29)
+
+
+def _paired(ok: list[dict], system: str, other: str, key: str, need: float, detail) -> list[str]:
+    """``system``@N against ``other``@N on ``key`` for every N that ``system`` ran at, each
+    line ending with ``detail(row, other's row or None)``."""
+    lines = []
+    for r in ok:
+        if r["system"] != system:
+            continue
+        found = [o for o in ok if o["system"] == other and o["adapters"] == r["adapters"]]
+        where = f"{system}@{r['adapters']}"
+        if not found:
+            lines.append(f"- {where} / {other}: not measured; {detail(r, None)}")
+            continue
+        ratio = r[key] / found[0][key]
+        unit = " rows/s" if key == "rows_per_s" else ""
+        lines.append(
+            f"- {where} / {other}@{r['adapters']}{unit} = {ratio:.2f} (need >= {need}): "
+            f"{'pass' if ratio >= need else 'FAIL'}; {detail(r, found[0])}"
+        )
+    return lines
 
 
 def _json_acceptance(ok: list[dict]) -> list[str]:
     """Structured output's price: json against json-free (the same requests at the lengths json
     produced, unconstrained) per adapter count, with both decode batches and the mask time."""
-    lines = []
-    for r in ok:
-        if r["system"] != "json":
-            continue
-        free = [f for f in ok if f["system"] == "json-free" and f["adapters"] == r["adapters"]]
-        mask = r.get("grammar_mask_s") or 0.0
-        where = f"json@{r['adapters']}"
-        if not free:
-            lines.append(f"- {where} / json-free: not measured; masks {mask:.1f} s on the host")
-            continue
-        ratio = r["output_tokens_per_s"] / free[0]["output_tokens_per_s"]
-        lines.append(
-            f"- {where} / json-free@{r['adapters']} = {ratio:.2f} (need >= {JSON_TARGET}): "
-            f"{'pass' if ratio >= JSON_TARGET else 'FAIL'}; decode batch "
-            f"{r.get('decode_batch') or 0:.0f} vs {free[0].get('decode_batch') or 0:.0f}; masks "
-            f"filled in {mask:.1f} s on the host for {r.get('grammar_rows', 0)} constrained draws, "
-            f"wall {r['wall_s']:.1f} s"
-        )
-    return lines
 
+    def detail(r: dict, free: dict | None) -> str:
+        mask = f"masks filled in {r.get('grammar_mask_s') or 0.0:.1f} s on the host"
+        if free is None:
+            return mask
+        return (f"decode batch {r.get('decode_batch') or 0:.0f} vs "
+                f"{free.get('decode_batch') or 0:.0f}; {mask} for {r.get('grammar_rows', 0)} "
+                f"constrained draws, wall {r['wall_s']:.1f} s")  # fmt: skip
 
-EVAL_TARGET = 0.9  # eval@N / eval-score@N rows/s (issue 29)
+    return _paired(ok, "json", "json-free", "output_tokens_per_s", JSON_TARGET, detail)
 
 
 def _eval_acceptance(ok: list[dict]) -> list[str]:
     """The lm-eval sweep against the engine alone on its rows, and where the sweep's time went."""
-    lines = []
-    for r in ok:
-        if r["system"] != "eval":
-            continue
-        alone = [a for a in ok if a["system"] == "eval-score" and a["adapters"] == r["adapters"]]
-        where = f"eval@{r['adapters']}"
+
+    def detail(r: dict, alone: dict | None) -> str:
         parts = (f"{r['finished']} rows in {r['wall_s']:.1f} s past start-up: engine "
                  f"{r['eval_engine_s']:.1f} s, the rest (lm-eval, the job's files) "
                  f"{r['eval_rest_s']:.1f} s; start-up {r['setup_s']:.1f} s")  # fmt: skip
-        if not alone:
-            lines.append(f"- {where} / eval-score: not measured; {parts}")
-            continue
-        ratio = r["rows_per_s"] / alone[0]["rows_per_s"]
-        lines.append(
-            f"- {where} / eval-score@{r['adapters']} rows/s = {ratio:.2f} (need >= "
-            f"{EVAL_TARGET}): {'pass' if ratio >= EVAL_TARGET else 'FAIL'}; {r['rows_per_s']:.1f} "
-            f"vs {alone[0]['rows_per_s']:.1f}; {parts}"
-        )
-    return lines
+        return parts if alone is None else (
+            f"{r['rows_per_s']:.1f} vs {alone['rows_per_s']:.1f}; {parts}")  # fmt: skip
+
+    return _paired(ok, "eval", "eval-score", "rows_per_s", EVAL_TARGET, detail)
 
 
 def _score_acceptance(ok: list[dict]) -> list[str]:

@@ -33,66 +33,22 @@ from pathlib import Path
 
 from slora_batch.bench.job_run import write_adapters, write_model
 from slora_batch.bench.roofline import Work
-from slora_batch.bench.row_fields import build_counts, engine_row, figures, step_fields
-from slora_batch.bench.timed_run import timed_run
-from slora_batch.bench.warmup import warm_up
-from slora_batch.bench.workload import adapter_name, group_by_adapter
+from slora_batch.bench.row_fields import figures
+from slora_batch.bench.workload import adapter_name
 from slora_batch.engine.config import EngineConfig, SamplingConfig
-from slora_batch.engine.requests.request import Request, Result
+from slora_batch.engine.requests.request import Request
 
 TASK = "bench_mc"
 CHOICES = 4
 TOKENIZER_SKIP = {"config.json", "generation_config.json"}  # the model's, not the tokenizer's
-WORDS = [
-    "river",
-    "stone",
-    "light",
-    "market",
-    "garden",
-    "window",
-    "letter",
-    "winter",
-    "morning",
-    "signal",
-    "harbor",
-    "forest",
-    "engine",
-    "valley",
-    "silver",
-    "mirror",
-    "candle",
-    "bridge",
-    "orbit",
-    "meadow",
-    "copper",
-    "thunder",
-    "lantern",
-    "castle",
-    "pepper",
-    "rocket",
-    "island",
-    "canvas",
-    "velvet",
-    "marble",
-    "anchor",
-    "compass",
-    "feather",
-    "glacier",
-    "hammer",
-    "jungle",
-    "ladder",
-    "magnet",
-    "needle",
-    "oyster",
-    "pillow",
-    "quartz",
-    "saddle",
-    "tunnel",
-    "violin",
-    "wagon",
-    "yarn",
-    "zebra",
-]
+WORDS = (
+    "river", "stone", "light", "market", "garden", "window", "letter", "winter", "morning",
+    "signal", "harbor", "forest", "engine", "valley", "silver", "mirror", "candle",
+    "bridge", "orbit", "meadow", "copper", "thunder", "lantern", "castle", "pepper",
+    "rocket", "island", "canvas", "velvet", "marble", "anchor", "compass", "feather",
+    "glacier", "hammer", "jungle", "ladder", "magnet", "needle", "oyster", "pillow",
+    "quartz", "saddle", "tunnel", "violin", "wagon", "yarn", "zebra"
+)  # fmt: skip
 TASK_YAML = """task: {task}
 dataset_path: json
 dataset_kwargs: {{data_files: {{test: {data}}}}}
@@ -195,32 +151,9 @@ def scored_tokens(out: Path) -> int:
 
 def run_eval_score(ctx, n: int) -> dict:
     """``eval-score``: the sweep's rows straight into a fresh engine, timed like ``score``."""
-    from slora_batch.bench.engine_run import open_bench_engine
+    from slora_batch.bench.score_run import run_score
 
-    requests = group_by_adapter(sweep_rows(ctx, n))
-    engine, sources, setup = open_bench_engine(ctx, "eval-score", n)
-    warmup_builds = warm_up(ctx, engine, requests, sources)
-    setup_s = time.perf_counter() - setup
-    work, finished = Work(), 0
-
-    def count(result: Result) -> None:
-        nonlocal finished
-        finished += 1
-        work.add(result.prompt_tokens + (result.continuation_tokens or 0), 0)
-
-    timed = timed_run(ctx, engine, requests, f"eval-score@{n}", count)
-    for computed, _ in timed.partial:
-        work.add(computed, 0)
-    work.cached_tokens = timed.cached_tokens
-    del engine
-    row = engine_row(ctx, "eval-score", n, len(requests), finished, 0, setup_s, timed)
-    row.update(figures(ctx, work, finished, timed.wall_s))
-    row.update(output_tokens_per_s=math.nan, rows_per_s=row["requests_per_s"],
-               scored_tokens=work.prompt_tokens,
-               scored_tokens_per_s=work.prompt_tokens / timed.wall_s)  # fmt: skip
-    row.update(step_fields(timed), decode_batch=math.nan)
-    row.update(build_counts(warmup_builds, timed.builds))
-    return row
+    return run_score(ctx, n, sweep_rows(ctx, n), "eval-score")
 
 
 def run_eval_system(ctx, n: int) -> dict:

@@ -26,9 +26,19 @@ from slora_batch.bench.workload import group_by_adapter
 from slora_batch.engine.requests.request import Result
 
 
-def run_score(ctx, n: int) -> dict:
-    engine, sources, setup = open_bench_engine(ctx, "score", n)
-    requests = group_by_adapter(ctx.score_workload.requests(n))
+def computed_tokens(result: Result) -> int:
+    """A scored row's tokens: its context once per choice, then every choice (a row of one
+    continuation: the context and the continuation)."""
+    if result.choice_tokens is None:
+        return result.prompt_tokens + (result.continuation_tokens or 0)
+    return len(result.choice_tokens) * result.prompt_tokens + sum(result.choice_tokens)
+
+
+def run_score(ctx, n: int, requests: list | None = None, system: str = "score") -> dict:
+    """``system``'s row: ``requests`` (None: the scoring workload at ``n`` adapters) grouped
+    by adapter through a fresh engine, timed (``eval-score`` hands in an lm-eval sweep's)."""
+    engine, sources, setup = open_bench_engine(ctx, system, n)
+    requests = group_by_adapter(ctx.score_workload.requests(n) if requests is None else requests)
     warmup_builds = warm_up(ctx, engine, requests, sources)
     setup_s = time.perf_counter() - setup
     work, finished = Work(), 0
@@ -36,16 +46,14 @@ def run_score(ctx, n: int) -> dict:
     def count(result: Result) -> None:
         nonlocal finished
         finished += 1
-        # a prefill-only row: its context again for every choice, then the choice
-        computed = len(result.choice_tokens) * result.prompt_tokens + sum(result.choice_tokens)
-        work.add(computed, 0)
+        work.add(computed_tokens(result), 0)
 
-    timed = timed_run(ctx, engine, requests, f"score@{n}", count)
+    timed = timed_run(ctx, engine, requests, f"{system}@{n}", count)
     for computed, _ in timed.partial:  # generated is 0: nothing is drawn
         work.add(computed, 0)
     work.cached_tokens = timed.cached_tokens  # the contexts the choices after the first shared
     del engine
-    row = engine_row(ctx, "score", n, len(requests), finished, 0, setup_s, timed)
+    row = engine_row(ctx, system, n, len(requests), finished, 0, setup_s, timed)
     row.update(figures(ctx, work, finished, timed.wall_s))
     row.update(
         output_tokens_per_s=math.nan,

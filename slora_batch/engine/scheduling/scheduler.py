@@ -13,7 +13,8 @@ getting pages for its new tokens -- evicting idle adapters, then preempting the 
 (recompute later) when the pool runs dry. Then, once ``admit_batch`` newcomers can join (free
 seats and room under the adapter cap), waiting sequences join while the token budget, the
 sequence cap, the adapter cap and the free pages (counting the pages of an adapter not yet
-resident) allow, preferring adapters already running, then adapters already resident (``admission.Admission``, this class's other half).
+resident) allow, preferring adapters already running, then adapters already resident
+(``admission.Admission``, this class's other half).
 Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s.
 """
 
