@@ -31,7 +31,7 @@ from slora_batch.jobs.outdir import commit_file, part_files
 
 if TYPE_CHECKING:
     from slora_batch.jobs.config import JobConfig
-    from slora_batch.jobs.run import JobSummary
+    from slora_batch.jobs.summary import JobSummary
 
 logger = logging.getLogger(__name__)
 SEEDS = {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}  # simple_evaluate's

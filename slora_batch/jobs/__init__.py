@@ -21,6 +21,7 @@ feed.py      RunRecord: requests into the engine, results to the writer, this ru
 stats.py     _stats.parquet: its schema, the job and adapter rows, output counts, accuracy
 preference.py  which choice each adapter prefers, from the parts (for the run summary)
 run.py       running jobs: lock, fingerprint, scan, resume, feed the engine, summarize
+summary.py   JobSummary and JobFailure: what a run returns (the eval sweep names them too)
 preview.py   a few finished outputs next to their prompts
 validate.py  every check a run makes, and a sample of rows, without running
 """

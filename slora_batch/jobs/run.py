@@ -27,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -55,41 +54,10 @@ from slora_batch.jobs.resume import done_samples, pending_items
 from slora_batch.jobs.scan import InputScan, scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
 from slora_batch.jobs.stats import read_stats, stats_rows, write_stats
+from slora_batch.jobs.summary import JobFailure, JobSummary
 from slora_batch.jobs.writer import OutputWriter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class JobSummary:
-    """A finished job: the stats rows as written to ``_stats.parquet`` and this run's share."""
-
-    job: str
-    output: Path
-    stats: dict[str, Any]
-    adapters: list[dict[str, Any]]
-    rows_skipped: int  # already in the output when this run started
-    rows_this_run: int
-    errors: list[str] = field(default_factory=list)  # a few error messages of this run
-    error_rows_this_run: int = 0  # all of them: ``errors`` holds the first few
-    # this run's share of the stats' whole-output token counts (error rows compute nothing)
-    prompt_tokens_this_run: int = 0
-    completion_tokens_this_run: int = 0
-    notes: list[str] = field(default_factory=list)  # input columns neither used nor kept, ...
-    broken: dict[str, str] = field(default_factory=dict)  # adapter -> why it cannot run
-    complete_already: bool = False  # the job was complete: nothing ran, nothing was written
-    # the preference table's column labels: the job's choice_labels, else the choices every
-    # choices row shares (None: the columns are headed by index)
-    choice_labels: list[str] | None = None
-    eval_results: list[dict[str, Any]] | None = None  # an eval job's ``results.parquet`` rows
-
-
-@dataclass
-class JobFailure:
-    """A job of ``run_jobs`` that failed; the message names the job and the reason."""
-
-    job: str
-    error: str
 
 
 def run_jobs(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -20,13 +20,19 @@ from slora_batch.engine.execution.seats import auto_num_seqs, resolved
 from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.loader import load_model
 from slora_batch.engine.models.quant import fp8_matmul_supported
+from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
 
-if TYPE_CHECKING:  # tp builds a rank's parts through build_parts
-    from slora_batch.engine.execution.tp import TensorParallel
+
+class RankSetup(RankGroup, Protocol):
+    """What building a rank's parts reads of its group (``execution.tp.TensorParallel``, which
+    builds them through ``build_parts``, is one): the models' ``RankGroup`` and an agreement on
+    the pool's size."""
+
+    def min_over_ranks(self, value: int) -> int: ...
 
 
 @dataclass
@@ -50,7 +56,7 @@ def build_parts(
     max_model_len: int,
     weights=None,
     pools: PoolFactory = unified_pool,
-    tp: TensorParallel | None = None,
+    tp: RankSetup | None = None,
 ) -> DeviceParts:
     """The device side of an engine. Under tensor parallelism (``tp``) every rank calls it in
     the same order: its shard of the model and of each adapter, and the page count of the
