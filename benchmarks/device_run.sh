@@ -144,6 +144,47 @@ case "$mode" in
         bench fp8/llama3-8b-fp8 120 --model-preset llama3-8b --requests 2000 --systems base \
           --weights fp8 --kv-cache-dtype fp8 --max-seconds 0 --total-seconds 0
         ;;
+      fp8-kernels)
+        # issue 28: decode / prefill attention on fp8 pages against bf16 pages and the decode
+        # tile variants on fp8 (benchmarks/fp8_kernels.py), then Llama-2-7B slora@1000 uncut
+        # with bf16 KV, fp8 KV, and fp8 KV with the adapter cap at 512 (fp8 seats 2x the rows)
+        timeout 150 python3 -m benchmarks.fp8_kernels > "$out/fp8-kernels.md" 2>&1
+        cat "$out/fp8-kernels.md"
+        for kv in auto fp8; do
+          bench "fp8/llama2-7b-kv-$kv" 130 --requests 2000 --systems slora --adapters 1000 \
+            --kv-cache-dtype "$kv" --max-seconds 0 --total-seconds 0
+        done
+        bench fp8/llama2-7b-kv-fp8-cap512 130 --requests 2000 --systems slora --adapters 1000 \
+          --kv-cache-dtype fp8 --max-adapters-per-batch 512 --max-seconds 0 --total-seconds 0
+        ;;
+      fp8-next)
+        # issue 28 after fp8-kernels: the fp8 GPU tests (fp16 dots on fp8 pages), then
+        # Llama-3-8B base with fp8 weights + fp8 KV against bf16, uncut, max_num_seqs auto
+        gpu_tests 280 tests/kernels/test_attention_fp8_gpu.py tests/engine/test_fp8_kv_gpu.py \
+          tests/kernels/test_kernels_gpu.py -k "fp8"
+        bench fp8/llama3-8b-bf16 120 --model-preset llama3-8b --requests 2000 --systems base \
+          --max-seconds 0 --total-seconds 0
+        bench fp8/llama3-8b-fp8 120 --model-preset llama3-8b --requests 2000 --systems base \
+          --weights fp8 --kv-cache-dtype fp8 --max-seconds 0 --total-seconds 0
+        ;;
+      fp8-w)
+        # issue 28, the fused activation quantizer: its GPU test and the fp8 weight tests, then
+        # Llama-3-8B base bf16 against fp8 weights + fp8 KV, uncut, max_num_seqs auto
+        gpu_tests 120 tests/kernels/test_kernels_gpu.py tests/engine/models -k "act_quant or fp8"
+        bench fp8/llama3-8b-bf16 110 --model-preset llama3-8b --requests 2000 --systems base \
+          --max-seconds 0 --total-seconds 0
+        bench fp8/llama3-8b-fp8 110 --model-preset llama3-8b --requests 2000 --systems base \
+          --weights fp8 --kv-cache-dtype fp8 --max-seconds 0 --total-seconds 0
+        ;;
+      fp8-v)
+        # issue 28: the quick fp8 kernel table, the fp8 kernel GPU tests and the activation
+        # quantizer's, then Llama-2-7B slora@1000 uncut with fp8 KV (bf16 KV: now fp8-kernels)
+        timeout 60 python3 -m benchmarks.fp8_kernels --quick 2>&1 | tee "$out/fp8-kernels.md"
+        gpu_tests 70 tests/kernels/test_attention_fp8_gpu.py tests/kernels/test_kernels_gpu.py \
+          -k "fp8 or act_quant"
+        bench fp8/llama2-7b-kv-fp8 110 --requests 2000 --systems slora --adapters 1000 \
+          --kv-cache-dtype fp8 --max-seconds 0 --total-seconds 0
+        ;;
       fp8-tests)
         # the fp8 KV kernels and engine, and fp8 weights, on the card (issue 28)
         gpu_tests 590 tests/kernels/test_attention_fp8_gpu.py tests/engine/test_fp8_kv_gpu.py \
@@ -181,7 +222,7 @@ case "$mode" in
           --max-seconds 0 --total-seconds 0
         ;;
       *)
-        echo "now needs an experiment: json, eval, fp8, fp8-tests, batch, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
+        echo "now needs an experiment: json, eval, fp8, fp8-kernels, fp8-tests, batch, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
         exit 2
         ;;
     esac

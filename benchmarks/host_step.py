@@ -238,7 +238,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--min-rank", type=int, default=8)
     parser.add_argument("--max-rank", type=int, default=64)
-    parser.add_argument("--context", type=int, default=500, help="prompt tokens, +-10%")
+    parser.add_argument("--context", type=int, default=500, help="prompt tokens, +-10%%")
     parser.add_argument("--min-output", type=int, default=64)
     parser.add_argument("--max-output", type=int, default=192)
     parser.add_argument("--requests-per-row", type=int, default=4)

@@ -16,6 +16,12 @@ read the pool as e4m3 bytes, K of a token at bytes 0 .. kv_dim of its page and V
 and fold the per-key scales in where they cost one multiply per key, not per element: the K
 scale into the raw scores (q . (s_k * k) = s_k * (q . k)), the V scale into the probabilities
 before p . V (sum_j p_j * s_j * v_j), while the softmax sums use the unscaled p.
+
+With a 16-bit q (constexpr F16, ``FP8_F16``) the tensor-core dots run in fp16, not bf16: e4m3
+widens to fp16 in one instruction per pair (to bf16 it goes through fp32), and fp16 holds every
+e4m3 value and every bf16 q under 65504 exactly (q is clamped to +-65504 first). fp16's range is
+narrow where p * s_v is small, so each key block's p * s_v is divided by the block's largest s_v
+before the dot and the dot's result multiplied by it: p_j * s_j / max(s) stays in [0, 1].
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ WIDE_HEAD_DIM = 128  # head_dim past it (Gemma 2: 256) takes the wide tiles
 # bf16, window 4096, softcap 50: 8 x 1024 new + 4 x 512 new on 5000 ran in 0.96 ms, where
 # (64, 64, 4, 2) (the head_dim 128 tile) took 1.78 ms and (64, 32, 4, 3) 1.04 ms.
 PREFILL_WIDE = (128, 64, 8, 2)
+FP8_F16 = True  # fp8 pages under a 16-bit q: fp16 dots (module doc); False: q's dtype
 
 
 @triton.jit
@@ -60,13 +67,30 @@ def _kv_scale(scale_ptr, page, kv_head, live, WHICH: tl.constexpr, KV_HEADS: tl.
                    other=0.0)  # fmt: skip
 
 
+@triton.jit
+def _f16_query(q):
+    """q as fp16 for the dots on fp8 pages (module doc), clamped to fp16's finite range."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _v_scaled(p, sv, F16: tl.constexpr):
+    """(p * s_v, factor) for the p . V dot on fp8 pages: factor 1, or with F16 the block's
+    largest s_v, p * s_v divided by it (module doc); the dot's result is multiplied by factor."""
+    if F16:
+        top = tl.maximum(tl.max(sv, 0), 1e-30)
+        return p * (sv / top)[None, :], top
+    return p * sv[None, :], 1.0
+
+
 @triton.jit(do_not_specialize=["pt_stride"])
 def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, scale_ptr, b1_start_ptr,
                     b_seq_len_ptr, pt_ptr, pt_stride, qk_scale, cap_log2, window,
                     PAGE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    FP8: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    FP8: tl.constexpr, F16: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -84,6 +108,8 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, scale_ptr, b
     q = tl.load(
         q_ptr + q_rows[:, None] + d[None, :], mask=q_live[:, None] & d_live[None, :], other=0.0
     )
+    if F16:
+        q = _f16_query(q)
     kv_head = h // GROUP
     kv_cols = kv_head * HEAD_DIM + d
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
@@ -120,9 +146,11 @@ def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, scale_ptr, b
         if FP8:  # V after the token's K bytes
             v_cols = kv_cols + KV_HEADS * HEAD_DIM
         v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+        factor = 1.0
         if FP8:
-            p = p * _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)[None, :]
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            sv = _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)
+            p, factor = _v_scaled(p, sv, F16)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * factor
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
@@ -159,6 +187,11 @@ def kv_pointers(pool_layer: torch.Tensor, scales: torch.Tensor | None) -> dict:
         return dict(pool=pool_layer, scales=pool_layer, page=pool_layer.shape[1], fp8=False)
     data = fp8.bytes_view(pool_layer)
     return dict(pool=data, scales=scales, page=data.shape[1], fp8=True)
+
+
+def fp8_f16(fp8_pages: bool, dtype: torch.dtype, enabled: bool) -> bool:
+    """The kernels' F16 switch: fp8 pages under a 16-bit q, when ``enabled``."""
+    return fp8_pages and enabled and dtype != torch.float32
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -218,8 +251,9 @@ def attention(
                           KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
                           HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                           BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window > 0,
-                          SOFTCAP=softcap > 0, FP8=kv["fp8"], PRECISION=_precision(q.dtype),
-                          num_warps=warps, num_stages=stages)  # fmt: skip
+                          SOFTCAP=softcap > 0, FP8=kv["fp8"],
+                          F16=fp8_f16(kv["fp8"], q.dtype, FP8_F16),
+                          PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)  # fmt: skip
     return out
 
 

@@ -21,10 +21,13 @@ import triton.language as tl
 from kernels.attention import (
     WIDE_HEAD_DIM,
     _check,
+    _f16_query,
     _kv_scale,
     _logit_args,
     _logits,
     _precision,
+    _v_scaled,
+    fp8_f16,
     kv_pointers,
     sm_count,
 )
@@ -37,7 +40,15 @@ MAX_SPLITS = 64
 # mha_dot: MHA on tensor cores too, the one query row padded to a 16-row tile (as GQA groups
 # under 16 are); False: CUDA-core dot products (H200, B=256, contexts 256-1024: 0.54 of the copy
 # bandwidth for every tile tried, where GQA's tensor-core path reached 0.83).
-DECODE = {"mha_block_n": 32, "gqa_block_n": 128, "warps": 4, "stages": 3, "mha_dot": True}
+# fp8_f16: fp8 pages under a 16-bit q take fp16 dots (``kernels.attention``'s FP8_F16);
+# fp8_stages: the stages on fp8 pages. H200, B=256, contexts 256-1024 (benchmarks/fp8_kernels.py):
+# MHA 737 us with 3 stages, 703 with 4, 811 with bf16 dots; bf16 pages 659 us. The fp8 kernel
+# reads half the bytes in about the same time. Triton loads V (the B operand of p . V, reduced
+# along the keys) byte by byte from shared memory (128 ld.shared.b8 a thread and block of keys,
+# where bf16 takes ldmatrix.trans); neither PV on CUDA cores (830 us) nor V converted along its
+# rows and staged as fp16 in shared memory for ldmatrix.trans (1016 us) was faster.
+DECODE = {"mha_block_n": 32, "gqa_block_n": 128, "warps": 4, "stages": 3, "mha_dot": True,
+          "fp8_f16": True, "fp8_stages": 4}  # fmt: skip
 # head_dim past WIDE_HEAD_DIM (Gemma 2: 256): DECODE with these overrides. H200, 16/8 heads of
 # 256, bf16, B=64 at 8192 keys (window 4096): 0.52 ms, 4.1 TB/s of K/V read; GQA blocks of 128
 # keys and 3 stages took 0.67 ms, 64 keys and 2 stages 0.73 ms.
@@ -64,7 +75,8 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_s
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          USE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                         FP8: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                         FP8: tl.constexpr, F16: tl.constexpr,
+                         PRECISION: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,6 +95,8 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_s
     q = tl.load(
         q_ptr + q_rows[:, None] + d[None, :], mask=g_live[:, None] & d_live[None, :], other=0.0
     )
+    if F16:
+        q = _f16_query(q)
     kv_cols = kv_head * HEAD_DIM + d
     v_cols = kv_cols
     if FP8:  # V after the token's K bytes
@@ -102,7 +116,7 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_s
         if USE_DOT:  # GQA: the group's query heads form the rows of one tensor-core tile
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         else:  # one query head per KV head: a dot product per key on CUDA cores
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(q.dtype).to(tl.float32)[None, :, :], 2)
         if FP8:
             s = s * _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)[None, :]
         s = tl.where(k_live[None, :], _logits(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
@@ -110,13 +124,15 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_s
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        factor = 1.0
         if FP8:
-            p = p * _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)[None, :]
+            sv = _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)
+            p, factor = _v_scaled(p, sv, F16)
         if USE_DOT:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        acc = acc * alpha[:, None] + pv
+            pv = tl.sum(p[:, :, None] * v.to(q.dtype).to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + pv * factor
         m_i = m_new
     out = acc / l_i[:, None]
     live = g_live[:, None] & d_live[None, :]
@@ -236,8 +252,9 @@ def decode_splits(
         NUM_HEADS=num_heads, PAGE=kv["page"], KV_HEADS=num_kv_heads, GROUP=group,
         HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, USE_DOT=use_dot, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-        FP8=kv["fp8"], PRECISION=_precision(q.dtype), num_warps=tiles["warps"],
-        num_stages=tiles["stages"])  # fmt: skip
+        FP8=kv["fp8"], F16=fp8_f16(kv["fp8"], q.dtype, tiles["fp8_f16"]),
+        PRECISION=_precision(q.dtype), num_warps=tiles["warps"],
+        num_stages=tiles["fp8_stages" if kv["fp8"] else "stages"])  # fmt: skip
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, meta.b_seq_len, window, out, out.stride(0), out.stride(1),

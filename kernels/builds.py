@@ -28,6 +28,7 @@ class BuildLog:
     def __init__(self) -> None:
         self.builds: list[tuple[str, float]] = []  # (kernel name, seconds)
         self.details: list[str] = []  # Triton's text for each build: its argument specialization
+        self.ended: list[float] = []  # each build's end, time.perf_counter()
         runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
         hooks = ("jit_cache_hook", "jit_post_compile_hook")
         self._runtime = runtime if all(hasattr(runtime, h) for h in hooks) else None
@@ -45,6 +46,12 @@ class BuildLog:
     @property
     def seconds(self) -> float:
         return sum(seconds for _, seconds in self.builds)
+
+    def since(self, moment: float) -> tuple[int, float]:
+        """(builds, their seconds) of the builds that ended after ``moment`` (perf_counter)."""
+        late = [seconds for (_, seconds), end in zip(self.builds, self.ended, strict=True)
+                if end > moment]  # fmt: skip
+        return len(late), sum(late)
 
     @property
     def names(self) -> list[str]:
@@ -69,7 +76,9 @@ class BuildLog:
 
     def _after(self, *args, **kwargs):
         fn = kwargs.get("fn")
-        self.builds.append((getattr(fn, "name", "?"), time.perf_counter() - self._started))
+        now = time.perf_counter()
+        self.builds.append((getattr(fn, "name", "?"), now - self._started))
+        self.ended.append(now)
         self.details.append(str(kwargs.get("repr", "")))
         earlier = self._saved[1]
         return earlier(*args, **kwargs) if earlier is not None else None

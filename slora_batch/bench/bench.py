@@ -79,6 +79,7 @@ class BenchConfig:
     max_num_seqs: int | str = "auto"  # the engines' rows at once (EngineConfig.max_num_seqs)
     kv_cache_dtype: str = "auto"  # the engines' KV pages: auto (the model dtype) or fp8
     weights: str = "auto"  # the engines' base projections: auto or fp8 (W8A8)
+    max_adapters_per_batch: int = 256  # the engines' adapter cap (EngineConfig's)
     max_seconds: float = 0.0  # per engine run: stop there, count the work done; 0 = no limit
     peft_max_seconds: float = 0.0  # per peft run, the same; 0 = no limit
     total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit
@@ -98,9 +99,8 @@ class BenchConfig:
     prefix_min_suffix: int = 32
     prefix_max_suffix: int = 128
     prefix_output: int = 64
-    # samples, samples-separate: prompts of the standard shapes, samples_n samples of each
-    samples_prompts: int = 500
-    samples_n: int = 8
+    samples_prompts: int = 500  # samples, samples-separate: prompts of the standard shapes,
+    samples_n: int = 8  # ... and samples of each
     # the lm-eval sweep (eval, eval-score): a tokenizer directory (the model's vocabulary
     # becomes its size), documents of a local multiple-choice task, words per passage
     tokenizer: str | None = None

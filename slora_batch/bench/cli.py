@@ -77,6 +77,9 @@ def bench(
     weights: str = typer.Option(
         D.weights, help="Engines' base weights: auto or fp8 (per channel, W8A8; LoRA stays bf16)."
     ),
+    max_adapters_per_batch: int = typer.Option(
+        D.max_adapters_per_batch, help="Engines' adapter cap: distinct adapters running at once."
+    ),
     max_seconds: float = typer.Option(
         D.max_seconds, help="Per engine run: stop there and count the work done (0: no limit)."
     ),
@@ -174,6 +177,7 @@ def bench(
             max_num_seqs=max_num_seqs,
             kv_cache_dtype=kv_cache_dtype,
             weights=weights,
+            max_adapters_per_batch=max_adapters_per_batch,
             max_seconds=max_seconds,
             peft_max_seconds=peft_max_seconds,
             total_seconds=total_seconds,

@@ -163,6 +163,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
             max_num_seqs=cfg.max_num_seqs,
             kv_cache_dtype=cfg.kv_cache_dtype,
             weights=cfg.weights,
+            max_adapters_per_batch=cfg.max_adapters_per_batch,
         )
         weights = model.weights
         if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
@@ -181,6 +182,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
                 max_num_seqs=cfg.max_num_seqs,
                 kv_cache_dtype=cfg.kv_cache_dtype,
                 weights=cfg.weights,
+                max_adapters_per_batch=cfg.max_adapters_per_batch,
             ),  # fmt: skip
             sampling=SamplingConfig(ignore_eos=True),
             weights=model.weights,

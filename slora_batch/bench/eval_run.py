@@ -31,6 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
+from kernels.builds import BuildLog
 from slora_batch.bench.job_run import write_adapters, write_model
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.row_fields import figures
@@ -142,11 +143,12 @@ def sweep_rows(ctx, n: int) -> list[Request]:
 
 
 def scored_tokens(out: Path) -> int:
-    """Context and continuation tokens of one adapter's rows in a sweep's requests file."""
+    """The fed tokens of one adapter's rows in a sweep's requests file: context and
+    continuation less its last token, never fed (``score_run.computed_tokens``)."""
     from slora_batch.eval.config import REQUESTS_FILE
 
     rows = map(json.loads, (out / REQUESTS_FILE).read_text().splitlines())
-    return sum(len(r["prompt_token_ids"]) + len(r["continuation_token_ids"]) for r in rows)
+    return sum(len(r["prompt_token_ids"]) + len(r["continuation_token_ids"]) - 1 for r in rows)
 
 
 def run_eval_score(ctx, n: int) -> dict:
@@ -175,10 +177,13 @@ def run_eval_system(ctx, n: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     began = time.perf_counter()
-    summary = run_job(eval_job(ctx, n, model_dir, adapters, out))
+    with BuildLog() as builds:  # the job has no warm-up: builds past start-up slow its rows
+        summary = run_job(eval_job(ctx, n, model_dir, adapters, out))
     wall_s = time.perf_counter() - began
     stats = summary.stats
     startup_s = (stats["load_s"] or 0.0) + (stats["warmup_s"] or 0.0)
+    # the engine's start-up begins with the job (eval/early.py): builds ending later are the run's
+    run_builds, run_build_s = builds.since(began + startup_s)
     timed_s = wall_s - startup_s  # what eval-score's clock covers, and the integration's work
     rows, errors = summary.rows_this_run, summary.error_rows_this_run
     work = Work()  # every row's context and continuation, as eval-score counts them
@@ -209,6 +214,9 @@ def run_eval_system(ctx, n: int) -> dict:
         eval_rest_s=timed_s - stats["engine_s"],  # lm-eval, the job's files, the passes over them
         eval_files_s=files_s,
         eval_metrics=len(metrics),
+        prefix_hit_tokens=stats.get("prefix_hit_tokens") or 0,  # beside eval-score's
+        kernel_builds=run_builds if builds.available else math.nan,
+        kernel_build_s=run_build_s if builds.available else math.nan,
         eval_acc_base=metrics.get((None, "acc"), math.nan),
         decode_batch=math.nan,
         host_share=math.nan,

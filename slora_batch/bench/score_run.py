@@ -27,11 +27,12 @@ from slora_batch.engine.requests.request import Result
 
 
 def computed_tokens(result: Result) -> int:
-    """A scored row's tokens: its context once per choice, then every choice (a row of one
-    continuation: the context and the continuation)."""
+    """A scored row's fed tokens: its context once per choice, then every choice but its last
+    token, which is never fed (a row of one continuation: the context and the continuation)."""
     if result.choice_tokens is None:
-        return result.prompt_tokens + (result.continuation_tokens or 0)
-    return len(result.choice_tokens) * result.prompt_tokens + sum(result.choice_tokens)
+        return result.prompt_tokens + (result.continuation_tokens or 0) - 1
+    choices = len(result.choice_tokens)
+    return choices * (result.prompt_tokens - 1) + sum(result.choice_tokens)
 
 
 def run_score(ctx, n: int, requests: list | None = None, system: str = "score") -> dict:

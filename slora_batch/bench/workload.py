@@ -106,9 +106,10 @@ class ScoreWorkload:
         return drawn_adapters(self.draws, n)
 
     def tokens(self, row: int) -> int:
-        """Tokens the row computes: its context once per choice, and every choice."""
+        """Tokens the row computes: its context once per choice, and every choice but its last
+        token, never fed (``score_run.computed_tokens``; both scoring systems count these)."""
         choices = self.choices[row]
-        return len(choices) * len(self.contexts[row]) + sum(map(len, choices))
+        return len(choices) * (len(self.contexts[row]) - 1) + sum(map(len, choices))
 
     def requests(self, n: int, count: int | None = None) -> list[Request]:
         count = len(self.contexts) if count is None else min(count, len(self.contexts))

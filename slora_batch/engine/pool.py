@@ -79,6 +79,10 @@ class PagePool:
         """Keywords of the KV kernels for one layer: its scale table with fp8, else none."""
         return {} if self.scales is None else {"scales": self.scales[index]}
 
+    def free_pages(self) -> np.ndarray:
+        """The ids of the pages not in use, ascending."""
+        return np.flatnonzero(~self._used).astype(np.int32)
+
     @property
     def num_free(self) -> int:
         return self._top

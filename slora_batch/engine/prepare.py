@@ -147,18 +147,19 @@ class RequestPreparer:
         seqs = []
         for index, ids in enumerate(continuations):
             what = f"choice {index}" if choices else "continuation"
-            if n + len(ids) > self.max_model_len:
+            if n + len(ids) - 1 > self.max_model_len:  # the last token is never fed
                 return Result.failed(
                     request,
                     f"context of {n} tokens + {what} of {len(ids)} tokens does not fit the "
-                    f"context of {self.max_model_len} tokens",
+                    f"context of {self.max_model_len} tokens (a scored row is fed all its "
+                    f"tokens but the last: at most {self.max_model_len + 1} in all)",
                     prompt_tokens=n,
                 )
             self.arrivals += 1
             seq = Sequence(request=request, order=self.arrivals, adapter=request.adapter or None,
-                           prompt_ids=context + ids, max_new_tokens=0, temperature=0.0, top_k=0,
-                           top_p=1.0, key=0, stop=[], ignore_eos=True,
-                           scores=ScoreBuffer.empty(n, len(ids)), group=group, choice=index,
+                           prompt_ids=context + ids[:-1], max_new_tokens=0, temperature=0.0,
+                           top_k=0, top_p=1.0, key=0, stop=[], ignore_eos=True,
+                           scores=ScoreBuffer.empty(n, ids), group=group, choice=index,
                            context_tokens=n)  # fmt: skip
             problem = self.scheduler.never_fits(seq)
             if problem:

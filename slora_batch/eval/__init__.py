@@ -6,7 +6,8 @@
 - ``rows``: one lm-eval request as engine ``Request`` fields, and results back as lm-eval answers;
 - ``lm``: the lm-eval model ``slora-batch`` (``import slora_batch.eval.lm`` registers it);
 - ``sweep``: an eval job: every task for the base model and every adapter in one engine pass,
-  scored per adapter by lm-eval's own ``evaluate``; ``report``: results.parquet and the JSONs.
+  scored per adapter by lm-eval's own ``evaluate`` (``tasks``) as soon as its rows are in
+  (``scoring``), in a process of its own (``worker``); ``report``: results.parquet and the JSONs.
 
 Only these modules import ``lm_eval``, and nothing outside an eval job imports them.
 """

@@ -9,9 +9,9 @@ this engine and ``hf`` score the same tokens:
   a pair longer than the engine takes loses context tokens from the left;
 - loglikelihood_rolling: lm-eval's disjoint rolling windows.
 
-One difference: HFLM scores ``max_length + 1`` tokens per pass (the last one is never fed),
-the engine feeds every scored token and so takes ``max_length``; pairs and rolling windows are
-cut one token shorter here than in ``hf``, which changes nothing for requests that fit.
+Both score up to ``max_length + 1`` tokens per pass: the last continuation token is never fed
+(the engine's scored rows feed all their tokens but the last), so pairs are cut and rolling
+windows made exactly as in ``hf``.
 - generate_until: the context left-truncated to ``max_length - max_gen_toks``, the answer
   decoded without special tokens and cut at the first ``until`` string.
 """
@@ -68,9 +68,10 @@ class Encoder:
         return self.truncate(ctx, cont)
 
     def truncate(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
-        """The context loses its oldest tokens so that the pair fits the engine (e.g.
-        max_length 4, ctx [1,2,3], cont [7,8] -> [2,3], [7,8]), as HFLM's ``[-(max_length+1):]``."""
-        excess = len(ctx) + len(cont) - self.max_length
+        """The context loses its oldest tokens so that the pair fits the engine, which feeds
+        all but the last token (e.g. max_length 4, ctx [1,2,3,4], cont [7,8] -> [2,3,4], [7,8]),
+        as HFLM's ``[-(max_length+1):]``."""
+        excess = len(ctx) + len(cont) - (self.max_length + 1)
         return (ctx[excess:], cont) if excess > 0 else (ctx, cont)
 
     def rolling(self, text: str) -> list[tuple[list[int], list[int]]]:
@@ -78,7 +79,7 @@ class Encoder:
         windows = lm_utils.get_rolling_token_windows(
             token_list=self.encode(text),
             prefix_token=self.prefix_token_id,
-            max_seq_len=self.max_length - 1,  # a window: max_length tokens
+            max_seq_len=self.max_length,  # a window: max_length + 1 tokens, the last not fed
             context_len=1,
         )
         return [tuple(map(list, lm_utils.make_disjoint_window(w))) for w in windows]

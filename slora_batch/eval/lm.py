@@ -19,15 +19,10 @@ from lm_eval.api.registry import register_model
 
 from slora_batch.eval.encoding import Encoder
 from slora_batch.eval.rows import answer, request_rows
+from slora_batch.eval.scoring import result_fields
 
 logger = logging.getLogger(__name__)
 IGNORED = ("batch_size", "max_batch_size")  # lm-eval passes these; the engine sizes its batches
-
-
-def result_fields(result) -> dict[str, Any]:
-    """What ``rows.answer`` reads of an engine ``Result``."""
-    return {"logprob": result.logprob, "is_greedy": result.is_greedy,
-            "token_ids": result.token_ids, "error": result.error}  # fmt: skip
 
 
 @register_model("slora-batch")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,36 @@ def results_rows(per_adapter: dict[str | None, dict[str, Any]]) -> list[dict[str
     return rows
 
 
-def write_results(out: Path, per_adapter: dict[str | None, dict[str, Any]]) -> None:
-    table = pa.Table.from_pylist(results_rows(per_adapter), schema=SCHEMA)
-    commit_file(out / RESULTS_FILE, lambda handle: pq.write_table(table, handle))
-    (out / RESULTS_DIR).mkdir(exist_ok=True)
-    for adapter, output in per_adapter.items():
-        kept = {key: value for key, value in output.items() if key != "samples"}
-        text = json.dumps(kept, indent=2, default=str).encode()
+@dataclass
+class Scored:
+    """One adapter's lm-eval output as the job keeps it: its ``results_rows`` and its JSON
+    (lm-eval's ``evaluate`` output without its samples; None once ``written``)."""
+
+    rows: list[dict[str, Any]]
+    text: bytes | None
+
+    def written(self, out: Path, adapter: str | None) -> Scored:
+        """This adapter's JSON committed into ``out``; the rows alone."""
+        (out / RESULTS_DIR).mkdir(exist_ok=True)
         path = out / RESULTS_DIR / f"{adapter or BASE_NAME}.json"
-        commit_file(path, lambda handle, text=text: handle.write(text))
+        commit_file(path, lambda handle: handle.write(self.text))
+        return Scored(self.rows, None)
+
+
+def scored(adapter: str | None, output: dict[str, Any]) -> Scored:
+    kept = {key: value for key, value in output.items() if key != "samples"}
+    return Scored(results_rows({adapter: output}), json.dumps(kept, indent=2, default=str).encode())
+
+
+def write_results(out: Path, per_adapter: dict[str | None, Scored]) -> list[dict[str, Any]]:
+    """``results.parquet`` and the JSONs not written yet; the rows of ``results.parquet``."""
+    rows = [row for one in per_adapter.values() for row in one.rows]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    commit_file(out / RESULTS_FILE, lambda handle: pq.write_table(table, handle))
+    for adapter, one in per_adapter.items():
+        if one.text is not None:
+            one.written(out, adapter)
+    return rows
 
 
 def eval_table(rows: list[dict[str, Any]]):

@@ -58,6 +58,9 @@ class JobPlan:
     sources: Any = None
     snapshots: dict[str, Snapshot] = field(default_factory=dict)  # "model" / "adapter 'x'"
     openai: OpenAIBatch | None = None  # the input holds OpenAI Batch lines (``openai_input``)
+    # ``manifest.fingerprint`` of this plan when taken before its run (an eval job takes it
+    # while its engine starts up); None: the run takes it
+    taken: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.sources is None:

@@ -8,7 +8,7 @@ of n samples is n rows; one that fails is one error row, and the total drops by 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
@@ -21,8 +21,16 @@ ERROR_EXAMPLES = 3  # error messages of a run kept for the summary
 class RunRecord:
     """This run's accounting: progress, times, per-adapter spans, a few error messages."""
 
-    def __init__(self, job: str, done: int, total: int | None, notify: ProgressCallback) -> None:
+    def __init__(
+        self,
+        job: str,
+        done: int,
+        total: int | None,
+        notify: ProgressCallback,
+        on_result: Callable[[Result], None] | None = None,
+    ) -> None:
         self.job, self.done, self.total, self.notify = job, done, total, notify
+        self.on_result = on_result  # handed every result once it is written (an eval job's)
         self.due = SamplesDue()
         self.counters = None  # the engine's, once it runs
         self.device: str | None = None  # the engine's device and dtype, once it runs
@@ -84,6 +92,8 @@ class RunRecord:
         """Write ``result``, which stands for ``samples`` rows of the total (an error row for
         a row of n samples stands for n)."""
         writer.write(result)
+        if self.on_result is not None:
+            self.on_result(result)
         if self.total is not None:
             self.total -= samples - 1
         self.done += 1

@@ -26,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from slora_batch.engine.requests.request import Result
 from slora_batch.jobs.check import (
     JOB_ERRORS,
     JobError,
@@ -107,9 +108,16 @@ def _build_engine(plan: JobPlan):
 
 
 def run_plan(
-    plan: JobPlan, overwrite: bool = False, progress: ProgressCallback | None = None
+    plan: JobPlan,
+    overwrite: bool = False,
+    progress: ProgressCallback | None = None,
+    on_result: Callable[[Result], None] | None = None,
+    build_engine: Callable[[JobPlan], Any] | None = None,
 ) -> JobSummary:
-    """Run a checked job over its output directory: resume unless ``overwrite``."""
+    """Run a checked job over its output directory: resume unless ``overwrite``. ``on_result``
+    is handed every result of this run once it is written (an eval job's scoring);
+    ``build_engine`` gives the engine when a row is left (an eval job's, built beside lm-eval's
+    preparation), else ``_build_engine``; either way the run closes it."""
     job, started = plan.job, time.perf_counter()
     notify = progress or (lambda update: None)
     out = Path(job.output)
@@ -122,7 +130,7 @@ def run_plan(
         try:
             if overwrite:
                 clear_output(out)
-            current = fingerprint(plan)
+            current = plan.taken if plan.taken is not None else fingerprint(plan)
             manifest = resumable_manifest(plan, current)
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest)
@@ -159,13 +167,15 @@ def run_plan(
             rows = _count(len(done), "row")
             logger.info("job %s: %s already in %s, skipping them", job.name, rows, out)
         schema = part_schema(scan.id_type, scan.keep, scan.json_text)
-        items = sorted_windows(
-            pending_items(plan, scan, done),
-            window=job.window,
-            key=lambda pair: sort_key(pair[0]),
-            group=lambda pair: adapter_group(pair[0]),
-        )
-        run = RunRecord(job.name, len(done), total, notify)
+        items = pending_items(plan, scan, done)
+        if job.eval is None:  # an eval job's come in order already (``resume.adapter_major``)
+            items = sorted_windows(
+                items,
+                window=job.window,
+                key=lambda pair: sort_key(pair[0]),
+                group=lambda pair: adapter_group(pair[0]),
+            )
+        run = RunRecord(job.name, len(done), total, notify, on_result)
         with OutputWriter(
             out, job.part_rows, lock=lock, schema=schema, part_seconds=job.part_seconds
         ) as writer:
@@ -176,7 +186,7 @@ def run_plan(
                 if first is not None:
                     notify(JobProgress(job.name, "loading", len(done), total, 0, 0.0, 0))
                     built = time.perf_counter()
-                    engine = _build_engine(plan)
+                    engine = (build_engine or _build_engine)(plan)
                     run.load_s = time.perf_counter() - built
                     with contextlib.closing(engine):  # frees the device for the next job
                         check_resolution(job, engine, manifest["fingerprint"]["engine"])

@@ -51,7 +51,7 @@ def test_score_workload_is_seeded_in_range_and_draws_adapters_like_the_workload(
     requests = a.requests(3, count=5)
     assert [r.id for r in requests] == list(range(5)) and all(r.scored for r in requests)
     assert [r.choices_token_ids for r in requests] == a.choices[:5]
-    assert a.tokens(0) == 4 * len(a.contexts[0]) + sum(map(len, a.choices[0]))
+    assert a.tokens(0) == 4 * (len(a.contexts[0]) - 1) + sum(map(len, a.choices[0]))  # last: unfed
 
 
 def test_scoring_systems_are_planned_on_request_and_validated():

@@ -4,12 +4,21 @@ preemption, and the refusal on a CUDA card without fp8."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
+import pool_garbage
 import pytest
 import torch
 from factory import make_adapters, make_model, make_rows
 
+import kernels
+import slora_batch
 from kernels import fp8, ref
 from slora_batch import Engine, EngineConfig, Request
 
@@ -107,6 +116,88 @@ def test_fp8_equals_rounded_kv_with_prefix_hits_and_preemption(case, monkeypatch
         assert tight[key].token_ids == w.token_ids, key
         if w.token_logprobs is not None:
             assert tight[key].token_logprobs == pytest.approx(w.token_logprobs, abs=1e-4), key
+
+
+# Issue 28 ("the error that doubled"): does any path read bytes nobody wrote for the sequence?
+# The second test's tight pool (preemption, prefix-cache hits, adapters loaded and evicted),
+# every free page and its scale rows poisoned before the first step (tests/engine/pool_garbage.py).
+TIGHT = dict(dtype="float32", max_num_batched_tokens=64, num_pages=1300, max_adapters_per_batch=3)
+
+
+def assert_garbage_unread(clean: dict, poisoned: dict, stats: dict) -> None:
+    """The poisoned run equals the clean one bit for bit, and its poisoned pages were handed
+    out: as KV pages, as KV pages after an adapter's, and as KV pages twice."""
+    assert stats["kv"] and stats["kv_after_adapter"] and stats["kv_twice"], stats
+    assert stats["preemptions"] and stats["prefix_hit_tokens"] and stats["evictions"], stats
+    values = pool_garbage.logprob_values(poisoned)
+    assert values and all(math.isfinite(x) for x in values)
+    assert poisoned.keys() == clean.keys()
+    for key, want in clean.items():
+        assert poisoned[key] == want, key
+
+
+@pytest.fixture(scope="module")
+def clean_tight(case):
+    model_dir, adapters, rows = case
+    return pool_garbage.run(model_dir, adapters, rows, **TIGHT)[0]
+
+
+@pytest.mark.parametrize("kind", list(pool_garbage.GARBAGE))
+def test_fp8_twins_read_no_garbage(case, clean_tight, monkeypatch, kind):
+    """The torch twins (CI's backend) with every free page NaN or huge: the same tokens and
+    logprobs. The decode twin does gather garbage (page 0, for keys past a sequence's end) and
+    must mask it out."""
+    model_dir, adapters, rows = case
+    gathered, gather = [], ref.gather_kv
+
+    def counting(*args, **kwargs):
+        k, v = gather(*args, **kwargs)
+        gathered.append(sum(int((~x.isfinite() | (x.abs() > 1e29)).sum()) for x in (k, v)))
+        return k, v
+
+    monkeypatch.setattr(ref, "gather_kv", counting)
+    poisoned, _, stats = pool_garbage.run(model_dir, adapters, rows, (kind,), **TIGHT)
+    assert sum(gathered) > 0
+    assert_garbage_unread(clean_tight, poisoned, stats)
+
+
+def tiny_rows(names: list[str]) -> list[dict]:
+    """Rows for the interpreter: 8-token prefixes per adapter (hits in blocks of 4), a scored
+    row; on 64 pages with one adapter resident they preempt and evict in 8 steps."""
+    rng = random.Random(2)
+    shared = {a: [rng.randrange(3, VOCAB) for _ in range(8)] for a in [None, *names]}
+    rows = []
+    for i in range(5):
+        adapter = [None, *names][i % 3]
+        prompt = shared[adapter] + [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 2]))]
+        rows.append(dict(id=i, adapter=adapter, prompt_token_ids=prompt, logprobs=1,
+                         max_new_tokens=rng.choice([2, 4])))  # fmt: skip
+    rows.append(dict(id="s", adapter=names[0], prompt_token_ids=shared[names[0]] + [5, 6],
+                     continuation_token_ids=[7, 8, 9]))  # fmt: skip
+    return rows
+
+
+def test_fp8_triton_kernels_read_no_garbage(case):
+    """The same on the Triton kernels (kv_write, prefill and decode attention on fp8 pages with
+    fp16 dots, as on the H200 in bf16; the LoRA kernels too), in the
+    Triton interpreter: a child process (TRITON_INTERPRET=1 before the kernels are imported),
+    on a tiny workload (the interpreter takes ms per program)."""
+    model_dir, adapters, _ = case
+    names = ["r5-qo", "r1-attn"]  # r5-qo's 40 pages freed for r1-attn: KV pages after it
+    knobs = dict(backend="triton", dtype="float16", max_num_batched_tokens=64, num_pages=64,
+                 max_resident_adapters=1, max_adapters_per_batch=1, prefix_block_tokens=4)  # fmt: skip
+    spec = dict(model=str(model_dir), adapters={n: str(adapters[n]) for n in names},
+                rows=tiny_rows(names), kinds=list(pool_garbage.GARBAGE), knobs=knobs)  # fmt: skip
+    roots = {str(Path(m.__file__).resolve().parents[1]) for m in (slora_batch, kernels)}
+    path = [*roots, str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.run([sys.executable, "-m", "pool_garbage", json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = report["poisoned"]["stats"]
+    assert stats["ops"] == "kernels.triton_ops", stats
+    assert_garbage_unread(report["clean"]["outcome"], report["poisoned"]["outcome"], stats)
 
 
 def test_fp8_takes_one_page_per_token(case):

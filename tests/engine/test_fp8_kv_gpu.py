@@ -28,11 +28,13 @@ pytestmark = [
 
 # First-step logits of the fp8 KV engine within this relative error (norm of the difference
 # over the norm) of the fp32 reference; ignored scales or V read from K's bytes give O(1). The
-# H200 measured 0.15 (smollm2-135m shape, rank-16 row) and 0.17 (llama2-7b shape, base row) on
-# these random models (2026-12-02): 3 mantissa bits per K and V element, over every layer. The
-# kernels themselves match the twin on the same bytes at bf16 tolerance
+# H200 measured up to 0.317 (llama2-7b shape, row 3 on adapter r16; the same with bf16 and with
+# fp16 dots on the fp8 pages, commits 75e871d and f917561, graphs and eager alike) and 0.15-0.17
+# on the other rows and shapes: 3 mantissa bits per K and V element, over 32 layers of a random
+# model. The bound was 0.3 from the first run's other rows; widened to 0.4, under the O(1) of a
+# broken read. The kernels themselves match the twin on the same bytes at bf16 tolerance
 # (tests/kernels/test_attention_fp8_gpu.py).
-FP8_REL_ERR = 0.3
+FP8_REL_ERR = 0.4
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "llama2-7b", "gemma2"])

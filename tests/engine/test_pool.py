@@ -15,6 +15,7 @@ def test_alloc_free_roundtrip():
     assert a.tolist() == [0, 1, 2] and b.tolist() == [3, 4, 5, 6, 7]
     assert (pool.num_free, pool.num_used, pool.peak_used) == (2, 8, 8)
     pool.free(a)
+    assert pool.free_pages().tolist() == [0, 1, 2, 8, 9]
     c = pool.alloc(4)
     assert sorted(c.tolist()) == [0, 1, 2, 8]
     assert pool.peak_used == 9

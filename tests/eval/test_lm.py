@@ -65,3 +65,30 @@ def test_slora_batch_model_equals_hf_with_peft(eval_setup, adapter):
     ref = hf_reference(model_dir, adapters / adapter if adapter else None, tasks_dir)
     assert_same(ours, ref)
     assert any(len(s["resps"][0]) for s in ours["samples"]["tiny_gen"])
+
+
+def test_requests_past_the_context_equal_hf(eval_setup):
+    """A context of 12 tokens on both sides (``max_model_len`` here, ``max_length`` there):
+    the multiple-choice contexts lose their oldest tokens, the long rolling documents span
+    several windows and the generations' contexts are cut, exactly as in ``hf``: the engine
+    scores max_length + 1 tokens a pass, as HFLM does."""
+    import slora_batch.eval.lm  # noqa: F401
+
+    model_dir, adapters, tasks_dir = eval_setup
+    ours = evaluate(
+        "slora-batch",
+        f"pretrained={model_dir},adapters={adapters},adapter=a,dtype=float32,device=cpu,"
+        "num_pages=16384,max_model_len=12",
+        tasks_dir,
+    )
+    ref = evaluate("hf", f"pretrained={model_dir},peft={adapters / 'a'},dtype=float32,"
+                   "device=cpu,max_length=12", tasks_dir)  # fmt: skip
+    assert_same(ours, ref)
+    from slora_batch.engine.requests.tokens import load_tokenizer
+    from slora_batch.eval.encoding import Encoder
+
+    encoder = Encoder(load_tokenizer(model_dir), 12)  # what was compared: truncation, windows
+    docs = [s["doc"] for s in ref["samples"]["tiny_ppl"]]
+    assert max(len(encoder.rolling(doc["text"])) for doc in docs) >= 3
+    pairs = [args for s in ref["samples"]["tiny_mc"] for args in s["arguments"]]
+    assert any(sum(map(len, encoder.pair(*args))) == 13 for args in pairs)  # cut to 13

@@ -32,6 +32,15 @@ def commit(path, write):
             os.kill(os.getpid(), signal.SIGKILL)
 
 writer.commit_file = commit
+from slora_batch.eval import worker
+
+start = worker.ScoringProcess.__init__
+
+def started(self, *args, **kwargs):
+    start(self, *args, **kwargs)
+    print("scoring process", self.process.pid, flush=True)
+
+worker.ScoringProcess.__init__ = started
 (job,) = load_jobs(sys.argv[1])
 run_job(job)
 """
@@ -66,6 +75,9 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
                           timeout=600, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert len(part_files(tmp_path / "out")) == 2
+    (pid,) = [int(line.split()[-1]) for line in proc.stdout.splitlines()
+              if line.startswith("scoring process")]  # fmt: skip
+    assert gone(pid, 120), "the scoring process outlived the job's process"
     (config,) = load_jobs(tmp_path / "jobs.yaml")
     built = []
     open_engine = data_parallel.open_engine
@@ -89,8 +101,28 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
             for row in (r for r in rows if r["adapter"] == name and r["task"] == task):
                 want = ref["results"][task][f"{row['metric']},none"]
                 assert math.isclose(row["value"], want, rel_tol=1e-5), (name, task, row)
-    again = run_job(config)  # complete: nothing runs, the same results
+    texts = {p.name: p.read_bytes() for p in (out / "eval-results").iterdir()}
+    again = run_job(config)  # complete: nothing runs, the same results, all scored here
     assert again.complete_already and len(built) == 1 and again.eval_results == rows
+    assert {p.name: p.read_bytes() for p in (out / "eval-results").iterdir()} == texts
+    assert len(texts) == len(names)
+
+
+def gone(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` ends (or is a zombie) within ``seconds``."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return True
+        if "\nState:\tZ" in status:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_validate_builds_the_requests_without_touching_the_output(tmp_path, eval_setup):
@@ -117,7 +149,7 @@ def test_adapters_share_the_built_instances_and_rendered_documents(eval_setup):
     each document's templates rendered once (a caller mutating a returned list changes no
     later answer)."""
     from slora_batch.eval.config import EvalConfig
-    from slora_batch.eval.sweep import (
+    from slora_batch.eval.tasks import (
         build_requests,
         load_tasks,
         reuse_doc_templates,

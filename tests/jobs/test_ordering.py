@@ -108,3 +108,46 @@ def test_fan_out_requests_and_errors():
     assert items[0].adapter == "x"  # inputs untouched
     with pytest.raises(ValueError, match="at least one adapter"):
         list(fan_out(items, []))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eval_jobs_fan_out_adapter_by_adapter(tmp_path, seed):
+    """An eval job's items (``resume.adapter_major``): each (row, adapter) not done exactly
+    once, as the windowed fan-out yields them, but adapter by adapter in ``sort_key``'s order
+    (base first), each adapter's rows sorted by prompt: every adapter's rows run together."""
+    import json
+    from types import SimpleNamespace
+
+    from slora_batch.eval.config import EvalConfig
+    from slora_batch.jobs.config import JobConfig
+    from slora_batch.jobs.resume import pending_items
+    from slora_batch.jobs.rows import row_key
+    from slora_batch.jobs.samples import DoneSamples
+
+    rng = random.Random(seed)
+    rows = [{"id": f"r{i}", "prompt_token_ids": [rng.randint(1, 9) for _ in range(rng.randint(1, 4))],
+             "continuation_token_ids": [rng.randint(1, 9)]} for i in range(rng.randint(1, 30))]  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sweep = rng.sample([None, "b", "a", "c", "z1"], rng.randint(1, 5))
+    adapters = {a: str(tmp_path / a) for a in sweep if a}
+    done = DoneSamples()
+    for row in rows:
+        for adapter in sweep:
+            if rng.random() < 0.3:
+                done.add(row_key(row["id"], adapter), 0, rng.random() < 0.2)
+
+    def items(eval_job: bool) -> list:
+        job = JobConfig(name="t", model="m", adapters=adapters or None, input=str(tmp_path),
+                        output=str(tmp_path / "out"), fanout=list(sweep),
+                        eval=EvalConfig(tasks=["t"]) if eval_job else None)  # fmt: skip
+        plan = SimpleNamespace(job=job, sweep=list(sweep), files=[tmp_path / "in.jsonl"],
+                               input_fs=None, openai=None)  # fmt: skip
+        return [item for item, _ in pending_items(plan, SimpleNamespace(keep={}), done)]
+
+    ours, theirs = items(True), items(False)
+    pairs = [(r.id, r.adapter) for r in ours]
+    assert Counter(pairs) == Counter((r.id, r.adapter) for r in theirs)
+    assert len(set(pairs)) == len(pairs)
+    assert not any(done.bits.get(row_key(i, a)) for i, a in pairs)
+    assert [sort_key(r) for r in ours] == sorted(sort_key(r) for r in ours)
+    assert all(r.continuation_token_ids for r in ours)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from test_kernels_interpret import assert_close, attn_case
 
-from kernels import ref
+from kernels import fp8, ref
 from kernels.meta import AttnMeta
 
 # K twice and V half the size of attn_case's randn rows: their per token and head scales
@@ -56,3 +56,25 @@ def check_fp8(mine, q, pool, scales, meta, kv_heads, scale, window, softcap, dty
     ones = torch.ones_like(scales)
     assert not torch.allclose(fn(q, pool, meta, kv_heads, scale, window, softcap, scales=ones),
                               expected, atol=0.1)  # fmt: skip
+
+
+def poisoned(
+    pool: torch.Tensor, scales: torch.Tensor, meta: AttnMeta, kv_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    """Issue 28's question on the kernels: copies of ``fp8_attn_case``'s pages and scales with
+    e4m3 NaN (bytes 0xff, NaN scales) in everything no sequence wrote (the pages no table names,
+    every page's bytes past its token's K and V, their scale rows), and a page table that names
+    such a page past each sequence's end, as a CUDA graph's static table holds stale pages
+    there. A kernel reading any of it returns NaN, or a result that differs. Page 0, where the
+    kernels' masked page-table loads fall back to (other=0), must be one of them."""
+    table = meta.page_table
+    owned = torch.zeros(pool.shape[0], dtype=torch.bool)
+    owned[table[table >= 0].long()] = True
+    assert not owned[0], "a case whose sequences leave page 0 unwritten (pick another seed)"
+    pool, scales = pool.clone(), scales.clone()
+    data = fp8.bytes_view(pool).view(torch.uint8)
+    data[~owned] = 0xFF
+    data[:, 2 * kv_dim :] = 0xFF
+    scales[~owned] = float("nan")
+    stale = torch.where(table >= 0, table, int(torch.nonzero(~owned)[0])).contiguous()
+    return pool, scales, AttnMeta(meta.b1_start, meta.b_seq_len, stale, meta.max_new)

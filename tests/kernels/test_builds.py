@@ -47,6 +47,9 @@ def test_hooks_set_inside_the_block_and_chained(monkeypatch):
     assert builds.builds == [("_shrink_kernel", 0.25), ("_expand_kernel", 0.5)]
     assert builds.seconds == 0.75
     assert builds.details == ["_shrink_kernel[num_warps=4](x)", ""]
+    assert builds.ended == [10.25, 20.5]  # since(t): the builds that ended after t
+    assert builds.since(10.25) == (1, 0.5) and builds.since(0.0) == (2, 0.75)
+    assert builds.since(20.5) == (0, 0)
     assert calls == [
         ("before", "_shrink_kernel"),
         ("after", "_shrink_kernel"),

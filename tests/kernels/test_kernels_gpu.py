@@ -388,3 +388,21 @@ def test_kv_write_fp8_bytes_equal_twin():
     ref.kv_write(pools_[1], k, v, out_pages, scales=scales[1])
     assert torch.equal(scales[0], scales[1])
     assert torch.equal(pools_[0].view(torch.uint8), pools_[1].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA card with fp8",
+)
+def test_act_quant_bytes_equal_twin():
+    from kernels import act_quant
+
+    torch.manual_seed(0)
+    x = torch.randn(1021, 14336, dtype=torch.bfloat16, device="cuda")
+    x[3] = 0
+    x[7] *= 1e4
+    q, s = act_quant.quantize_rows(x, pad_to=16)
+    q_ref, s_ref = act_quant.quantize_rows_ref(x, pad_to=16)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

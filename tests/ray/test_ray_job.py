@@ -27,6 +27,7 @@ from slora_batch.jobs.run import run_job  # noqa: E402
 from slora_batch.jobs.stats import read_stats  # noqa: E402
 from slora_batch.ray import RaySettings, generate, run_ray_job  # noqa: E402
 from slora_batch.ray import job as ray_job  # noqa: E402
+from slora_batch.ray.fence import part_run  # noqa: E402
 
 ADAPTERS = 50
 ROWS = 150
@@ -213,10 +214,12 @@ def test_a_killed_driver_rerun_removes_late_parts_and_resumes(
     (job,) = load_jobs(directory / "jobs.yaml")
     late: list[Path] = []
 
+    killed_run = max(part_run(name) for name in killed_parts)
+
     def orphan_commits_late():  # once the re-run commits, an old actor's part lands too
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if {p.name for _, p in part_files(out)} - killed_parts:
+        deadline = time.monotonic() + 180  # (a part of the killed run's own surviving actors,
+        while time.monotonic() < deadline:  # committed before the re-run's fence, is no trigger)
+            if any(part_run(p.name) > killed_run for _, p in part_files(out)):
                 like = out / sorted(killed_parts)[0]
                 late.append(late_part(out, reference_out, committed, like))
                 return

@@ -75,29 +75,37 @@ class HostStep:
 def plan_step(step: ScheduledStep) -> HostStep:
     if max(step.num_new) == 1 and all(seq.draws for seq in step.seqs):
         return _plan_decode(step)
-    ids, positions, slots, out_pages, prev = [], [], [], [], []
+    # per sequence only Python scalars and list slices: its tokens' positions and adapter slots
+    # are spread over its tokens by array ops after the loop (an arange and a full a sequence
+    # cost more than the sequence's own work)
+    ids, slots, out_pages, prev = [], [], [], []
     b1_start, seq_lens, logit_rows, logits_index = [0], [], [], []
     scored: list[tuple[int, int, int, int]] = []  # (token index, target, owner, position)
     for b, (seq, n) in enumerate(zip(step.seqs, step.num_new, strict=True)):
         start = seq.num_computed
         if not seq.draws:  # positions that predict a continuation token: p -> token p + 1
-            first = seq.scores.start
-            for p in range(max(start, first - 1), min(start + n, seq.num_tokens - 1)):
-                scored.append((b1_start[-1] + p - start, seq.prompt_ids[p + 1], b, p + 1 - first))
-        positions.append(np.arange(start, start + n))
+            first, lo, hi = seq.scores.start, max(start, seq.scores.start - 1), start + n
+            targets = seq.scores.targets(seq.prompt_ids, lo, hi)  # the last one is not fed
+            row = b1_start[-1] - start
+            for p, target in zip(range(lo, hi), targets, strict=True):
+                scored.append((row + p, target, b, p + 1 - first))
+        slots.append(seq.slot)
         if seq.pending:  # its one new token is the previous step's draw, still on the device
             assert n == 1 and seq.pending == 1, (n, seq.pending)
-            ids.append([0])
+            ids.append(0)
             prev.append(seq.last_row)
         else:
-            ids.append(
-                [seq.token(start)]
-                if n == 1
-                else (seq.prompt_ids + seq.output_ids)[start : start + n]
-            )
+            if n == 1:
+                ids.append(seq.token(start))
+            else:
+                prompt = seq.prompt_ids
+                ids.extend(prompt[start : start + n])
+                if start + n > len(prompt):  # a recomputed (preempted) row's outputs
+                    ids.extend(
+                        seq.output_ids[max(start - len(prompt), 0) : start + n - len(prompt)]
+                    )
             prev.extend([-1] * n)
         out_pages.append(seq.pages[start : start + n])
-        slots.append(np.full(n, seq.slot, dtype=np.int64))
         b1_start.append(b1_start[-1] + n)
         seq_lens.append(start + n)
         if start + n == seq.num_tokens and seq.draws:  # the chunk ends it: a token is drawn
@@ -113,16 +121,20 @@ def plan_step(step: ScheduledStep) -> HostStep:
     for b, seq in enumerate(step.seqs):
         table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
     score = np.asarray(scored, dtype=np.int64).reshape(-1, 4).T if scored else None
+    starts = np.asarray(b1_start, dtype=np.int64)
+    counts = np.diff(starts)  # token i of the step, of sequence b, sits at position
+    computed = np.asarray(seq_lens, dtype=np.int64) - counts  # computed[b] + i - starts[b]
+    positions = np.arange(starts[-1], dtype=np.int64) + np.repeat(computed - starts[:-1], counts)
     if score is not None:
         logits_index.extend(score[0].tolist())
     return HostStep(
-        input_ids=np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64),
-        positions=np.concatenate(positions),
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=positions,
         out_pages=np.concatenate(out_pages).astype(np.int32),
         b1_start=np.asarray(b1_start, dtype=np.int32),
         b_seq_len=np.asarray(seq_lens, dtype=np.int32),
         page_table=table,
-        b_slot=np.concatenate(slots),
+        b_slot=np.repeat(np.asarray(slots, dtype=np.int64), counts),
         logits_index=np.asarray(logits_index, dtype=np.int64),
         logit_rows=logit_rows,
         max_new=max(step.num_new),

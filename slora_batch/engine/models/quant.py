@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import act_quant
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
 _TINY = 1e-12
@@ -52,10 +54,13 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization: (x_fp8 [..., T, in], scales [..., T, 1] fp32)."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
-    return to_fp8(x.float() / scale), scale
+def quantize_rows(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization (``kernels.act_quant``): (x_fp8 [T + pad, in],
+    scales [T + pad, 1] fp32), rows padded with zeros to a multiple of pad_to. On CUDA one
+    Triton launch, elsewhere its torch twin (the same values)."""
+    if x.is_cuda:
+        return act_quant.quantize_rows(x.contiguous(), pad_to)
+    return act_quant.quantize_rows_ref(x, pad_to)
 
 
 @functools.lru_cache(maxsize=16)
@@ -69,16 +74,13 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
     """``F.linear`` for a weight in the model's dtype or in fp8 (out: x's dtype)."""
     if not isinstance(w, Fp8Weight):
         return F.linear(x, w, bias)
-    xq, x_scale = quantize_rows(x)
     if fp8_matmul_supported(x.device):
         rows = x.shape[0]
-        pad = -rows % 16  # the fp8 GEMM wants every dimension a multiple of 16
-        if pad:
-            xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
-            x_scale = torch.cat([x_scale, x_scale.new_ones(pad, 1)])
+        xq, x_scale = quantize_rows(x, pad_to=16)  # the fp8 GEMM wants multiples of 16
         out = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=w.scale[None, :],
                                bias=bias, out_dtype=x.dtype)  # fmt: skip
         return out[:rows]
+    xq, x_scale = quantize_rows(x)
     out = (xq.float() * x_scale) @ (w.weight.float() * w.scale[:, None]).t()
     if bias is not None:
         out = out + bias.float()

@@ -31,15 +31,29 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class ScoreBuffer:
-    """Per continuation token: its log-probability and whether it was the most likely token."""
+    """Per continuation token: its log-probability and whether it was the most likely token.
+
+    A scored sequence is fed its context and every continuation token but the last (``last``):
+    no position predicts from the last token, so computing it would be waste, and a pair of
+    ``max_model_len + 1`` tokens fits, as in transformers' (lm-eval ``hf``'s) scoring."""
 
     start: int  # index of the first continuation token in the sequence's prompt_ids
+    last: int  # the last continuation token, never fed: the target of the last position
     logprobs: np.ndarray  # [n] float64
     greedy: np.ndarray  # [n] bool
 
     @classmethod
-    def empty(cls, start: int, n: int) -> ScoreBuffer:
-        return cls(start, np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool))
+    def empty(cls, start: int, continuation: list[int]) -> ScoreBuffer:
+        n = len(continuation)
+        return cls(start, continuation[-1], np.zeros(n, dtype=np.float64), np.zeros(n, dtype=bool))
+
+    def targets(self, prompt_ids: list[int], lo: int, hi: int) -> list[int]:
+        """The tokens that positions ``lo`` to ``hi`` - 1 of the sequence (fed ``prompt_ids``)
+        predict: the fed tokens after them, then ``last`` for the last fed position."""
+        out = prompt_ids[lo + 1 : hi + 1]
+        if hi == len(prompt_ids) and hi > lo:
+            out.append(self.last)
+        return out
 
 
 @dataclass(eq=False)

@@ -112,19 +112,27 @@ class PrefixCache:
                 return block
         return None
 
-    def evict(self, block: Block) -> None:
+    def evict(self, block: Block, free: bool = True) -> np.ndarray:
+        """Drops an idle block and returns its pool pages, given back to the pool unless
+        ``free`` is False (the caller frees many blocks' pages in one ``PagePool.free``)."""
+        pages = self.pool.own_pages(block.pages)
         del self.idle[block.key]
-        self.idle_pages -= self.pool.own_pages(block.pages).size
+        self.idle_pages -= pages.size
         del self.blocks[block.key]
         if block.parent is not None:
             block.parent.children -= 1
-        self.pool.free(self.pool.own_pages(block.pages))
+        if free:
+            self.pool.free(pages)
         self.evictions += 1
+        return pages
 
     def clear(self) -> None:
         """Frees every idle block (at the end of a stream nothing references any)."""
+        pages = []
         while self.idle:
             block = self.oldest_idle()
             if block is None:
                 break
-            self.evict(block)
+            pages.append(self.evict(block, free=False))
+        if pages:
+            self.pool.free(np.concatenate(pages))

@@ -224,6 +224,61 @@ def test_bad_scoring_rows_are_error_rows_naming_the_reason(case):
     assert results["good"].finish_reason == "score" and len(results["good"].token_logprobs) == 2
 
 
+def test_a_scored_row_of_one_token_past_the_context_fits_and_equals_peft(case):
+    """A scored row is fed every token but its last (no position predicts from it): a context
+    and continuation of max_model_len + 1 tokens fit, as in transformers' scoring (lm-eval's
+    ``hf`` scores such pairs), and score as PEFT does, in chunks, with choices that share the
+    context's cached blocks and a one-token continuation after a context of max_model_len;
+    max_model_len + 2 is an error row. The engine computes one token fewer per continuation."""
+    kind, model_dir, adapters, model = case
+    if kind != "gqa":
+        pytest.skip("one model is enough")
+    limit, names = 48, [None, *adapters]
+    rng = random.Random(11)
+    rows = []
+    for i in range(6):
+        n = rng.randint(1, limit)
+        context = [rng.randrange(3, VOCAB) for _ in range(n)]
+        tail = [rng.randrange(3, VOCAB) for _ in range(limit + 1 - n)]  # limit + 1 in all
+        if i % 2:
+            other = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, limit + 1 - n))]
+            rows.append(Request(id=f"c{i}", adapter=names[i % len(names)],
+                                prompt_token_ids=context, choices_token_ids=[tail, other]))  # fmt: skip
+        else:
+            rows.append(Request(id=f"s{i}", adapter=names[i % len(names)],
+                                prompt_token_ids=context, continuation_token_ids=tail))  # fmt: skip
+    full = [rng.randrange(3, VOCAB) for _ in range(limit)]
+    rows.append(Request(id="one", adapter=names[1], prompt_token_ids=full,
+                        continuation_token_ids=[7]))  # fmt: skip
+    rows.append(Request(id="over", prompt_token_ids=full, continuation_token_ids=[7, 8]))
+    engine = Engine(model_dir, adapters=adapters,
+                    config=EngineConfig(**KNOBS, max_model_len=limit, max_num_batched_tokens=20,
+                                        prefix_block_tokens=4))  # fmt: skip
+    results = {r.id: r for r in engine.generate(rows)}
+    over = results.pop("over")
+    assert over.finish_reason == "error" and f"at most {limit + 1} in all" in over.error
+    for row in rows[:-1]:
+        got = results[row.id]
+        assert got.error is None, got.error
+        conts = row.choices_token_ids or [row.continuation_token_ids]
+        for k, cont in enumerate(conts):
+            logp = reference_logprobs(model, row.adapter, row.prompt_token_ids + cont)
+            n = len(row.prompt_token_ids)
+            want = [logp[n - 1 + j, t].item() for j, t in enumerate(cont)]
+            scores = got.token_logprobs if row.choices_token_ids is None else None
+            if scores is not None:
+                assert scores == pytest.approx(want, abs=1e-4), row.id
+                greedy = all(int(logp[n - 1 + j].argmax()) == t for j, t in enumerate(cont))
+                assert got.is_greedy == greedy
+            else:
+                assert got.choice_logprobs[k] == pytest.approx(sum(want), abs=1e-4), row.id
+    assert engine.counters.prefix_hit_tokens > 0  # the second choices past the cached context
+    fed = sum(len(r.prompt_token_ids) + len(c) - 1 for r in rows[:-1]
+              for c in (r.choices_token_ids or [r.continuation_token_ids]))  # fmt: skip
+    c = engine.counters  # (a one-token chunk counts as a decode token)
+    assert c.prefill_tokens + c.decode_tokens == fed - c.prefix_hit_tokens
+
+
 def test_scores_under_tensor_parallelism(case):
     kind, model_dir, adapters, model = case
     if kind != "qwen2":

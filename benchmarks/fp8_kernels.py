@@ -1,0 +1,121 @@
+"""FP8 KV pages on the card: decode and prefill attention on e4m3 pages against the bf16 pages
+of the same sequences, and the decode tile variants on fp8 pages (issue 28).
+
+    python3 -m benchmarks.fp8_kernels [--quick]   # from the repo root, on a CUDA device
+
+Decode: B sequences with contexts U[256, 1024] (the acceptance workload's), Llama-2-7B (MHA,
+32 KV heads) and Llama-3-8B (GQA, 8 KV heads) shapes, head_dim 128, graph-replayed. Each row
+gives the time, the KV bytes read per second (fp8: 1 byte an element plus a 4-byte scale per
+token and head; bf16: 2 bytes) as a fraction of the measured copy bandwidth, and the largest
+difference to the twin on the same pages (fp32 inside, bf16 out).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from benchmarks.kernels import DTYPE, SHAPES, Table, _graph_us, _us, attn_meta, copy_gbps
+from kernels import attention, attention_decode, fp8, ref, triton_ops
+from kernels.meta import AttnMeta
+
+VARIANTS = [  # attention_decode.DECODE overrides on fp8 pages
+    {},
+    {"fp8_f16": False},
+    {"fp8_stages": 3},
+    {"gqa_block_n": 64},
+    {"warps": 8},
+]
+
+
+def fp8_pages(pool: torch.Tensor, meta: AttnMeta, kv_heads: int):
+    """The bf16 pages of ``attn_meta`` rewritten as fp8 pages: each token's K and V quantized
+    into its K page (one page a token, named twice), scales per token and head."""
+    kv_dim = pool.shape[1]
+    packed = torch.empty_like(pool)
+    scales = torch.ones(pool.shape[0], 2 * kv_heads, device=pool.device)
+    table = meta.page_table
+    pages = table[table[..., 0] >= 0]  # [tokens, 2]
+    k, v = pool[pages[:, 0].long()], pool[pages[:, 1].long()]
+    one = pages[:, :1].repeat(1, 2).contiguous()
+    assert 2 * kv_dim <= packed.shape[1] * packed.element_size()
+    fp8.kv_write(packed, k, v, one, scales)
+    table8 = torch.where(table >= 0, table[..., :1].expand_as(table), table).contiguous()
+    return packed, scales, AttnMeta(meta.b1_start, meta.b_seq_len, table8, meta.max_new)
+
+
+def decode_rows(kind: str, batch: int, bw: float) -> list[tuple]:
+    heads, kv_heads, _, _ = SHAPES[kind]
+    kv_dim, rows = kv_heads * 128, []
+    gen = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(256, 1025, (batch,), generator=gen).tolist()
+    pool, meta = attn_meta(contexts, [1] * batch, kv_dim)
+    q = torch.randn(batch, heads, 128, dtype=DTYPE, device="cuda")
+    tokens = sum(contexts)
+    case = f"{kind} B={batch} ctx 256-1024"
+    fn = partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088)
+    want = ref.attention_decode(q, pool, meta, kv_heads, 0.088).float()
+    us = _graph_us(fn)
+    gbs = tokens * 2 * kv_dim * 2 / us / 1e3
+    diff = float((fn().float() - want).abs().max())
+    rows.append(
+        ("decode bf16 pages", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; diff {diff:.1e}")
+    )
+    packed, scales, meta8 = fp8_pages(pool, meta, kv_heads)
+    del pool
+    want = ref.attention_decode(q, packed, meta8, kv_heads, 0.088, scales=scales).float()
+    nbytes = tokens * 2 * (kv_dim + 4 * kv_heads)
+    saved = dict(attention_decode.DECODE)
+    for variant in VARIANTS:
+        attention_decode.DECODE.update(variant)
+        try:
+            fn = partial(triton_ops.attention_decode, q, packed, meta8, kv_heads, 0.088,
+                         scales=scales)  # fmt: skip
+            diff = float((fn().float() - want).abs().max())
+            us = _graph_us(fn)
+            gbs = nbytes / us / 1e3
+            rows.append(("decode fp8 pages", f"{case} {variant or 'default'}", us,
+                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; diff {diff:.1e}"))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile: say so, go on
+            rows.append(("decode fp8 pages", f"{case} {variant}", float("nan"),
+                         type(exc).__name__, str(exc)[:80]))  # fmt: skip
+        finally:
+            attention_decode.DECODE.clear()
+            attention_decode.DECODE.update(saved)
+    return rows
+
+
+def prefill_rows(kind: str, bw: float) -> list[tuple]:
+    heads, kv_heads, _, _ = SHAPES[kind]
+    kv_dim, rows = kv_heads * 128, []
+    pool, meta = attn_meta([1024] * 8, [512] * 8, kv_dim)
+    q = torch.randn(8 * 512, heads, 128, dtype=DTYPE, device="cuda")
+    packed, scales, meta8 = fp8_pages(pool, meta, kv_heads)
+    case = f"{kind} 8 x 512 new on 512 context"
+    us = _us(partial(triton_ops.attention, q, pool, meta, kv_heads, 0.088))
+    rows.append(("prefill bf16 pages", case, us, "", ""))
+    for f16 in (True, False):
+        attention.FP8_F16 = f16
+        us = _us(partial(triton_ops.attention, q, packed, meta8, kv_heads, 0.088, scales=scales))
+        rows.append(("prefill fp8 pages", f"{case} fp16 dots {f16}", us, "", ""))
+    attention.FP8_F16 = True
+    return rows
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv[1:]  # the default tiles only, MHA at B=256 and prefill
+    bw = copy_gbps()
+    rows = Table()
+    rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
+    if quick:
+        VARIANTS[1:] = []
+    for kind in ["mha"] if quick else SHAPES:
+        for batch in (256,) if quick else (256, 512):
+            rows += decode_rows(kind, batch, bw)
+        rows += prefill_rows(kind, bw)
+
+
+if __name__ == "__main__":
+    main()
