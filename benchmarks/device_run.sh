@@ -12,7 +12,13 @@ set -uo pipefail
 mode=${1:-tests}
 out=${OUT:-out/device}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the kernels import as slora_kernels (pyproject's package-dir): an editable install, offline, with
+# the image's own setuptools; where that fails, a link named slora_kernels on the path
+if ! python3 -c "import slora_kernels" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/slora-install.log 2>&1 \
+    || { mkdir -p /tmp/slora-path && ln -sfn "$PWD/kernels" /tmp/slora-path/slora_kernels; }
+fi
+export PYTHONPATH=$PWD:/tmp/slora-path PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export SLORA_BATCH_COMMIT=${SLORA_BATCH_COMMIT:-$(cat benchmarks/.commit 2>/dev/null || echo unknown)}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv

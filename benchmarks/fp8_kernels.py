@@ -18,8 +18,8 @@ from functools import partial
 import torch
 
 from benchmarks.kernels import DTYPE, SHAPES, Table, _graph_us, _us, attn_meta, copy_gbps
-from kernels import attention, attention_decode, fp8, ref, triton_ops
-from kernels.meta import AttnMeta
+from slora_kernels import attention, attention_decode, fp8, ref, triton_ops
+from slora_kernels.meta import AttnMeta
 
 VARIANTS = [  # attention_decode.DECODE overrides on fp8 pages
     {},

@@ -16,11 +16,11 @@ from functools import partial
 import torch
 import triton.testing
 
-from kernels import attention_decode, ref, triton_ops
-from kernels.lora_blocks import BLOCKS
-from kernels.lora_paths import position_segments
-from kernels.lora_shrink import shrink_splits
-from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_kernels import attention_decode, ref, triton_ops
+from slora_kernels.lora_blocks import BLOCKS
+from slora_kernels.lora_paths import position_segments
+from slora_kernels.lora_shrink import shrink_splits
+from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 
 DTYPE = torch.bfloat16
 SHAPES = {"mha": (32, 32, 4096, 11008), "gqa": (32, 8, 4096, 14336)}  # heads, kv heads, H, I

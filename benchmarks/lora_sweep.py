@@ -1,5 +1,5 @@
 """The LoRA kernel variant sweeps of ``benchmarks.kernels`` (``--vector-sweep``,
-``--tiled-sweep``): block-size overrides of ``kernels.lora_blocks.BLOCKS`` timed on decode steps
+``--tiled-sweep``): block-size overrides of ``slora_kernels.lora_blocks.BLOCKS`` timed on decode steps
 like the bench's (many adapters), on few adapters, and on a step with prefill chunks.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels import DTYPE, SHAPES, _graph_us, lora_meta
-from kernels import triton_ops
-from kernels.lora_blocks import BLOCKS
-from kernels.meta import VECTOR_ALL, LoraMeta
+from slora_kernels import triton_ops
+from slora_kernels.lora_blocks import BLOCKS
+from slora_kernels.meta import VECTOR_ALL, LoraMeta
 from slora_batch.engine.execution import batch as step_batch
 
 SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone

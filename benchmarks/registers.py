@@ -10,8 +10,8 @@ before spending device time on them; it says nothing about speed.
 
 from __future__ import annotations
 
-from kernels import lora_expand, lora_shrink
-from kernels.build_check import (
+from slora_kernels import lora_expand, lora_shrink
+from slora_kernels.build_check import (
     EXPAND_ALIGNED,
     REGISTERS_PER_SM,
     VECTOR_SHRINK_ALIGNED,

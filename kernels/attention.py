@@ -1,5 +1,5 @@
 """Triton attention over the paged KV cache: the prefill kernel (prefill with earlier context,
-chunked prefill), and what it shares with the split-KV decode of ``kernels.attention_decode``.
+chunked prefill), and what it shares with the split-KV decode of ``slora_kernels.attention_decode``.
 
 Keys and values of sequence b at position j live in pages page_table[b, j, 0] (K) and
 page_table[b, j, 1] (V); KV head h occupies elements h * head_dim .. (h + 1) * head_dim of a page.
@@ -10,7 +10,7 @@ position p sees keys p - window < j <= p) and the soft-cap are constexpr switche
 SOFTCAP) set on the host, so a model without them runs the kernels it ran before; with a window
 the kernels skip the key blocks wholly before it.
 
-FP8 KV pages (``kernels.fp8``; constexpr FP8, set when the launcher gets ``scales``): the kernels
+FP8 KV pages (``slora_kernels.fp8``; constexpr FP8, set when the launcher gets ``scales``): the kernels
 read the pool as e4m3 bytes, K of a token at bytes 0 .. kv_dim of its page and V at kv_dim ..
 2 * kv_dim, upcast them to q's dtype (exact: every e4m3 value is a bf16, fp16 and fp32 value)
 and fold the per-key scales in where they cost one multiply per key, not per element: the K
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8
-from kernels.meta import AttnMeta
+from slora_kernels import fp8
+from slora_kernels.meta import AttnMeta
 
 LOG2E = 1.4426950408889634
 # Prefill: queries per tile and warps (the kernel also runs 128 on 8, as the interpreter tests

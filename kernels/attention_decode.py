@@ -1,7 +1,7 @@
 """Split-KV ("flash-decoding") attention over the paged KV cache: one new query per sequence.
 
 The page layout, the exp2 softmax, the soft-cap and the fp8 pages (FP8: K scales folded into
-the scores, V scales into p) are those of ``kernels.attention``. Stage 1 runs the query heads
+the scores, V scales into p) are those of ``slora_kernels.attention``. Stage 1 runs the query heads
 of one KV head over one split of the sequence's keys and writes the normalized partial output
 and its log2-sum-exp; stage 2 merges the splits.
 
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import (
+from slora_kernels.attention import (
     WIDE_HEAD_DIM,
     _check,
     _f16_query,
@@ -31,7 +31,7 @@ from kernels.attention import (
     kv_pointers,
     sm_count,
 )
-from kernels.meta import AttnMeta
+from slora_kernels.meta import AttnMeta
 
 MIN_KEYS_PER_SPLIT = 256  # a split reads at least this many keys
 MAX_SPLITS = 64
@@ -40,7 +40,7 @@ MAX_SPLITS = 64
 # mha_dot: MHA on tensor cores too, the one query row padded to a 16-row tile (as GQA groups
 # under 16 are); False: CUDA-core dot products (H200, B=256, contexts 256-1024: 0.54 of the copy
 # bandwidth for every tile tried, where GQA's tensor-core path reached 0.83).
-# fp8_f16: fp8 pages under a 16-bit q take fp16 dots (``kernels.attention``'s FP8_F16);
+# fp8_f16: fp8 pages under a 16-bit q take fp16 dots (``slora_kernels.attention``'s FP8_F16);
 # fp8_stages: the stages on fp8 pages. H200, B=256, contexts 256-1024 (benchmarks/fp8_kernels.py):
 # MHA 737 us with 3 stages, 703 with 4, 811 with bf16 dots; bf16 pages 659 us. The fp8 kernel
 # reads half the bytes in about the same time. Triton loads V (the B operand of p . V, reduced

@@ -2,15 +2,15 @@
 largest rank in the step, and applied by a padded batched matmul (torch.bmm).
 
 This is what S-LoRA's heterogeneous kernels avoid: the copies (every layer, every target, every
-step) and the arithmetic on padding. Same signatures and semantics as ``kernels.ref``'s LoRA ops.
+step) and the arithmetic on padding. Same signatures and semantics as ``slora_kernels.ref``'s LoRA ops.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.meta import LoraMeta
-from kernels.ref import lora_group
+from slora_kernels.meta import LoraMeta
+from slora_kernels.ref import lora_group
 
 
 def _padded_weights(
@@ -48,7 +48,7 @@ def lora_shrink(
     target: int | tuple[int, ...],
     out: torch.Tensor,
 ) -> None:
-    """Semantics of ``kernels.ref.lora_shrink``, by padded bmm (one per target of the group)."""
+    """Semantics of ``slora_kernels.ref.lora_shrink``, by padded bmm (one per target of the group)."""
     if meta.seg_slot.numel() == 0:
         return
     targets = lora_group(target)
@@ -71,7 +71,7 @@ def lora_expand(
     out: torch.Tensor,
     cols: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
-    """Semantics of ``kernels.ref.lora_expand``, by padded bmm (one per target of the group)."""
+    """Semantics of ``slora_kernels.ref.lora_expand``, by padded bmm (one per target of the group)."""
     if meta.seg_slot.numel() == 0:
         return
     targets = lora_group(target)

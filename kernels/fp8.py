@@ -50,7 +50,7 @@ def kv_write(
     out_pages: torch.Tensor,
     scales: torch.Tensor,
 ) -> None:
-    """``kernels.ref.kv_write`` on fp8 pages: K quantized into bytes 0 .. kv_dim of page
+    """``slora_kernels.ref.kv_write`` on fp8 pages: K quantized into bytes 0 .. kv_dim of page
     out_pages[t, 0], V into bytes kv_dim .. 2 * kv_dim of page out_pages[t, 1], their scales
     into scales[page, :kv_heads] and scales[page, kv_heads:] (page -1: nothing written).
     Shape: scales [P, 2 * kv_heads] fp32."""

@@ -1,7 +1,7 @@
 """Small fused Triton ops: residual add + RMSNorm, RoPE in place, SiLU-and-multiply and
 GELU(tanh)-and-multiply.
 
-Each rounds where its torch twin in ``kernels.ref`` rounds (to the activation dtype after the add,
+Each rounds where its torch twin in ``slora_kernels.ref`` rounds (to the activation dtype after the add,
 after the normalization and after the activation), computing in fp32 in between.
 """
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8
+from slora_kernels import fp8
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def kv_write_fp8(
     out_pages: torch.Tensor,
     scales: torch.Tensor,
 ) -> None:
-    """``kernels.fp8.kv_write``: e4m3 K and V of a token side by side in one page, scales per
+    """``slora_kernels.fp8.kv_write``: e4m3 K and V of a token side by side in one page, scales per
     token and KV head. Grid (T, kv_heads): one program quantizes one head of K and of V."""
     data = fp8.bytes_view(pool_layer)
     kv_heads, kv_dim = scales.shape[1] // 2, k.shape[1]

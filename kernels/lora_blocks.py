@@ -1,7 +1,7 @@
 """Block sizes of the LoRA kernels: the ``BLOCKS`` knobs, and the tiles the shrink and expand
 launchers pick from them for a step (tokens per block, rank rows, row elements).
 
-``BLOCKS`` is one dict that ``kernels.lora_shrink`` and ``kernels.lora_expand`` import: change
+``BLOCKS`` is one dict that ``slora_kernels.lora_shrink`` and ``slora_kernels.lora_expand`` import: change
 its items (``monkeypatch.setitem``, ``BLOCKS.update``), never rebind the name, which the
 launchers would not see.
 """

@@ -1,7 +1,7 @@
 """LoRA expand, the second factor (scale * v B^T per token's adapter, added in place into the
 base projection's output): the vector kernel (``_expand_vector_kernel``), the tiled kernel
 (``_expand_kernel``) and the launcher ``lora_expand``. The paths and the page layout:
-``kernels.lora_paths``.
+``slora_kernels.lora_paths``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, expand_rank_block, vector_block
-from kernels.lora_paths import (
+from slora_kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, expand_rank_block, vector_block
+from slora_kernels.lora_paths import (
     _check,
     _factor,
     _padded,
@@ -21,8 +21,8 @@ from kernels.lora_paths import (
     _vector_token,
     position_segments,
 )
-from kernels.meta import LoraMeta
-from kernels.ref import lora_group
+from slora_kernels.meta import LoraMeta
+from slora_kernels.ref import lora_group
 
 
 @triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
@@ -151,7 +151,7 @@ def lora_expand(
     cols: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
     """Second LoRA factor, added in place into the base projection's output: the semantics of
-    ``kernels.ref.lora_expand``, in one launch of each kernel family for the whole group.
+    ``slora_kernels.ref.lora_expand``, in one launch of each kernel family for the whole group.
 
     Vector grid (tokens, see ``_vector_pick``; column blocks of all G targets), one token each,
     stepping through its adapter's rank. Tiled grid (ceil(T / BLOCK_T), column blocks of all G

@@ -6,7 +6,7 @@ device), and the launchers' argument checks.
 Adapter rows are gathered straight from pool pages, a different rank per adapter, no padding to
 the largest rank (S-LoRA's MBGMM/MBGMV, tiled as SGLang's chunked SGMV).
 
-Page layout (``kernels.ref.gather_lora_rows``): row j of slot s's factor lies in the pages
+Page layout (``slora_kernels.ref.gather_lora_rows``): row j of slot s's factor lies in the pages
 slot_pages[s, start + j * per_row + c], c = 0 .. per_row - 1, with start = slot_offsets[s, target,
 which] and per_row = ceil(width / page_size); element k of the row is at offset k % page_size of
 page c = k // page_size. Running example: page_size 4096, gate (d_in 4096, d_out 11008): an A row
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.meta import VECTOR_ALL, LoraMeta
+from slora_kernels.meta import VECTOR_ALL, LoraMeta
 
 
 @triton.jit

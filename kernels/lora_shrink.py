@@ -1,7 +1,7 @@
 """LoRA shrink, the first factor (x A^T per token's adapter): the tiled kernel
 (``_shrink_kernel``), the vector kernel (``_shrink_vector_kernel`` and its ``_row_dots``), the
 split reduction (``_shrink_reduce_kernel``) and the launcher ``lora_shrink``. The paths and the
-page layout: ``kernels.lora_paths``.
+page layout: ``slora_kernels.lora_paths``.
 
 Either shrink splits the long reduction (d_in) over programs when the grid alone would leave the
 GPU idle, writing fp32 partial sums that a second kernel adds into ``out``.
@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import sm_count
-from kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, tiled_rank_block, vector_block
-from kernels.lora_paths import (
+from slora_kernels.attention import sm_count
+from slora_kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, tiled_rank_block, vector_block
+from slora_kernels.lora_paths import (
     _check,
     _factor,
     _padded,
@@ -25,8 +25,8 @@ from kernels.lora_paths import (
     _vector_token,
     position_segments,
 )
-from kernels.meta import LoraMeta
-from kernels.ref import lora_group
+from slora_kernels.meta import LoraMeta
+from slora_kernels.ref import lora_group
 
 # The most splits of d_in a shrink uses (tiled, vector). The reduction kernel's split block is
 # that bound, not the step's count, so steps of any size share its two builds.
@@ -214,7 +214,7 @@ def lora_shrink(
     out: torch.Tensor,
 ) -> None:
     """First LoRA factor, gathered from pool pages, a different rank per adapter: the semantics
-    of ``kernels.ref.lora_shrink``, in one launch of each kernel family for the whole group.
+    of ``slora_kernels.ref.lora_shrink``, in one launch of each kernel family for the whole group.
 
     Tiled grid (ceil(T / BLOCK_T), G * ceil(max_rank / BLOCK_R), splits): tl.dot tiles
     [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_R] on BLOCKS["twarps"] warps. Vector grid (tokens, see

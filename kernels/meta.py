@@ -64,7 +64,7 @@ class LoraMeta:
     # Targets (indices into TARGETS) that some adapter of the step has; the model launches no
     # LoRA kernels for the others. Host-side; every target by default.
     targets: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
-    # Which Triton kernels run (results are the same either way; kernels.ref ignores these):
+    # Which Triton kernels run (results are the same either way; slora_kernels.ref ignores these):
     # segments of at most vector_max tokens go token by token through the vector kernels
     # (S-LoRA's MBGMV), longer ones through the tiled matrix kernels (MBGMM). longest and
     # shortest are host hints of the step's segment lengths that let a launcher skip a kernel
@@ -82,7 +82,7 @@ class LoraMeta:
     # the adapter tokens), where the tiled kernels' blocks start their walk. example: [0, 0, 1,
     # 1, 1]. ``slora_batch.engine.execution.batch.position_segments`` builds it (eager steps) and the runner
     # refills it (tiled CUDA-graph steps); without it each Triton launch builds it on the device
-    # (``kernels.lora_paths.position_segments``).
+    # (``slora_kernels.lora_paths.position_segments``).
     pos_seg: torch.Tensor | None = None
     # tiled_tokens (optional, host int): every segment longer than vector_max lies in the first
     # tiled_tokens sorted positions (``slora_batch.engine.execution.batch.lora_segments`` puts them first), so the

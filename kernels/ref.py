@@ -7,7 +7,7 @@ one page; an adapter's LoRA rows take whole pages (a row of width d takes ceil(d
 Sentinels: slot -1 means "no adapter", page -1 means "no page"; both cost nothing.
 
 FP8 KV cache: ``kv_write``, ``attention`` and ``attention_decode`` take ``scales`` (the pool's
-per token and head scale table, ``kernels.fp8``); with it a page holds a token's K and V in e4m3
+per token and head scale table, ``slora_kernels.fp8``); with it a page holds a token's K and V in e4m3
 and the attention dequantizes them (scores and softmax in fp32). Without it, the model dtype.
 
 Each function below has a Triton counterpart in ``kernels/`` with the same signature.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8
-from kernels.meta import AttnMeta, LoraMeta
+from slora_kernels import fp8
+from slora_kernels.meta import AttnMeta, LoraMeta
 
 
 def kv_write(
@@ -34,7 +34,7 @@ def kv_write(
     Semantics: pool_layer[out_pages[t, 0], :kv_dim] = k[t]; pool_layer[out_pages[t, 1], :kv_dim] = v[t]
       for every t whose page is not -1 (the sentinel writes nothing).
     Shape: pool_layer [P, page_size]; k, v [T, kv_dim]; out_pages [T, 2] int32 (K page, V page).
-    With scales [P, 2 * kv_heads] fp32: e4m3 pages (``kernels.fp8.kv_write``).
+    With scales [P, 2 * kv_heads] fp32: e4m3 pages (``slora_kernels.fp8.kv_write``).
     """
     if scales is not None:
         fp8.kv_write(pool_layer, k, v, out_pages, scales)

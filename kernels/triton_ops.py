@@ -1,20 +1,20 @@
-"""The Triton backend: every function of ``kernels.ref`` under the same name and signature.
+"""The Triton backend: every function of ``slora_kernels.ref`` under the same name and signature.
 
 The engine picks it with ``backend="triton"`` (``from kernels import triton_ops``). The host
 helpers ``gather_kv``, ``gather_lora_rows`` and ``lora_group`` are no per-step kernels and come from ``ref``.
-With ``scales`` (an fp8 KV cache, ``kernels.fp8``) ``kv_write`` writes e4m3 pages and
+With ``scales`` (an fp8 KV cache, ``slora_kernels.fp8``) ``kv_write`` writes e4m3 pages and
 ``attention`` / ``attention_decode`` read them, as the twins do.
 """
 
 from __future__ import annotations
 
-from kernels.attention import attention
-from kernels.attention_decode import attention_decode
-from kernels.fused import gelu_tanh_mul, rms_norm, rope, silu_mul
-from kernels.kv import kv_write
-from kernels.lora_expand import lora_expand
-from kernels.lora_shrink import lora_shrink
-from kernels.ref import gather_kv, gather_lora_rows, lora_group
+from slora_kernels.attention import attention
+from slora_kernels.attention_decode import attention_decode
+from slora_kernels.fused import gelu_tanh_mul, rms_norm, rope, silu_mul
+from slora_kernels.kv import kv_write
+from slora_kernels.lora_expand import lora_expand
+from slora_kernels.lora_shrink import lora_shrink
+from slora_kernels.ref import gather_kv, gather_lora_rows, lora_group
 
 CUDA_GRAPHS = True  # every op is capturable: the engine captures decode steps with this backend
 

@@ -3,7 +3,7 @@
 
 The ablations are composed from engine parts handed to ``Engine`` (its ``ops`` and ``pools``
 seams), never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for the padded
-batched matmul of ``kernels.bmm``; ``no-unified`` gives adapters a pool of their own.
+batched matmul of ``slora_kernels.bmm``; ``no-unified`` gives adapters a pool of their own.
 
 A run is the same pieces for every engine system: a fresh engine (``open_bench_engine``), the
 untimed warm-up (bench/warmup.py), the clock (bench/timed_run.py) and the row's fields
@@ -52,7 +52,7 @@ ARRIVAL_ORDER = ("arrival",)
 def bmm_ops(ops: ModuleType) -> ModuleType:
     """The backend ``ops`` with its LoRA ops replaced by the padded-bmm ablation; no CUDA
     graphs (its per-step copies allocate)."""
-    from kernels import bmm
+    from slora_kernels import bmm
 
     mixed = ModuleType(f"{ops.__name__}+bmm")
     mixed.__dict__.update({k: v for k, v in vars(ops).items() if not k.startswith("__")})

@@ -31,7 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
-from kernels.builds import BuildLog
+from slora_kernels.builds import BuildLog
 from slora_batch.bench.job_run import write_adapters, write_model
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.row_fields import figures

@@ -172,7 +172,7 @@ def _limit(seconds: float) -> str:
 
 
 def _builds_note(row: dict) -> str:
-    """Triton builds inside the timed run (they slow it down; see kernels.builds)."""
+    """Triton builds inside the timed run (they slow it down; see slora_kernels.builds)."""
     count = row.get("kernel_builds")
     if count is None or math.isnan(count) or count == 0:
         return ""

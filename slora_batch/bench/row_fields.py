@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels.builds import BuildLog
+from slora_kernels.builds import BuildLog
 from slora_batch.bench.floor import PARTS, StepWork, floor_parts, weight_bytes
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.timed_run import Timed

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels.builds import BuildLog
+from slora_kernels.builds import BuildLog
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.requests.request import Request, Result
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from kernels.builds import BuildLog
+from slora_kernels.builds import BuildLog
 from slora_batch.bench.timed_run import sync
 from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.engine import Engine

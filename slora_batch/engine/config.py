@@ -96,7 +96,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 K/V, one page per token
-    # (K and V side by side), scales per token and KV head (``kernels.fp8``); cuda needs sm 8.9+
+    # (K and V side by side), scales per token and KV head (``slora_kernels.fp8``); cuda needs sm 8.9+
     backend: str = "auto"  # kernels: "torch" (kernels/ref.py) or "triton"; auto: triton on cuda
     # base weights: "auto" as the checkpoint holds them (an FP8 checkpoint stays fp8); "fp8":
     # e4m3 per output channel, activations per token (models/quant.py); LoRA stays in dtype

@@ -56,7 +56,7 @@ class Engine:
     replaces reading the model directory's safetensors, for benchmarks on random weights.
 
     Two seams let the benchmark compose its ablations from engine parts: ``ops``, the kernel
-    backend (a module with ``kernels.ref``'s functions; default from ``config.backend``), and
+    backend (a module with ``slora_kernels.ref``'s functions; default from ``config.backend``), and
     ``pools``, the factory of the KV and adapter pools (default: one unified pool).
     ``grammar_tokens`` (an ``xgrammar.TokenizerInfo``) stands in for the tokenizer in structured
     output, for a model without one (benchmarks on random weights).

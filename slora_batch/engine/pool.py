@@ -4,7 +4,7 @@ A page is one vector of ``page_size`` elements in every layer: ``data[layer, pag
 and V take one page each; an adapter of rank r takes r rows per factor and target, each row
 ceil(width / page_size) pages, so its cost grows with r and never with another adapter's rank.
 
-With an fp8 KV cache (``use_fp8_kv``) a token's K and V share one page in e4m3 (``kernels.fp8``),
+With an fp8 KV cache (``use_fp8_kv``) a token's K and V share one page in e4m3 (``slora_kernels.fp8``),
 its page-table row names that page twice, and a side table holds the per token and head scales:
 KV pages per token drop from 2 to 1 while adapter pages stay as they are.
 """
@@ -54,7 +54,7 @@ class PagePool:
         self.scales: torch.Tensor | None = None  # fp8: [num_layers, num_pages, 2 * kv_heads] fp32
 
     def use_fp8_kv(self, kv_heads: int, kv_dim: int) -> None:
-        """KV in e4m3, one page per token, with its scale table (``kernels.fp8``)."""
+        """KV in e4m3, one page per token, with its scale table (``slora_kernels.fp8``)."""
         page_bytes = self.page_size * self.data.element_size()
         if page_bytes < 2 * kv_dim:
             raise ValueError(

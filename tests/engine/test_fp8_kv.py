@@ -17,9 +17,9 @@ import pytest
 import torch
 from factory import make_adapters, make_model, make_rows
 
-import kernels
+import slora_kernels
 import slora_batch
-from kernels import fp8, ref
+from slora_kernels import fp8, ref
 from slora_batch import Engine, EngineConfig, Request
 
 VOCAB = 300
@@ -196,7 +196,7 @@ def test_fp8_triton_kernels_read_no_garbage(case):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     stats = report["poisoned"]["stats"]
-    assert stats["ops"] == "kernels.triton_ops", stats
+    assert stats["ops"] == "slora_kernels.triton_ops", stats
     assert_garbage_unread(report["clean"]["outcome"], report["poisoned"]["outcome"], stats)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from test_kernels_interpret import assert_close, attn_case
 
-from kernels import fp8, ref
-from kernels.meta import AttnMeta
+from slora_kernels import fp8, ref
+from slora_kernels.meta import AttnMeta
 
 # K twice and V half the size of attn_case's randn rows: their per token and head scales
 # differ by about 4x, so a kernel that reads V's scale for K (or K's bytes for V) fails.

@@ -20,7 +20,7 @@ from attn_fp8 import check_fp8, fp8_attn_case
 from test_kernels_gpu import HEADS, PREFILL_SEQS, WINDOW_PREFILL_SEQS, WINDOW_RUNS, _scale
 from test_kernels_interpret import assert_close
 
-from kernels import ref
+from slora_kernels import ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +36,7 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels import attention_decode, triton_ops
+    from slora_kernels import attention_decode, triton_ops
 
     return attention_decode, triton_ops
 

@@ -1,4 +1,4 @@
-"""kernels.builds.BuildLog: the Triton builds inside a block, as the bench counts them in its
+"""slora_kernels.builds.BuildLog: the Triton builds inside a block, as the bench counts them in its
 timed runs."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import builds as builds_module
-from kernels.builds import BuildLog
+from slora_kernels import builds as builds_module
+from slora_kernels.builds import BuildLog
 
 runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
 hooked = pytest.mark.skipif(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fp8, ref
-from kernels.meta import AttnMeta
+from slora_kernels import fp8, ref
+from slora_kernels.meta import AttnMeta
 
 # e4m3: 3 mantissa bits, so a normal value rounds to within 2^-4 of itself (half an ulp,
 # relative); below 2^-6 (subnormals) the step is 2^-9, half of it 2^-10, absolute.

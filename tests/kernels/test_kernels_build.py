@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from kernels import lora_blocks, lora_expand, lora_shrink
-from kernels.build_check import (
+from slora_kernels import lora_blocks, lora_expand, lora_shrink
+from slora_kernels.build_check import (
     EXPAND_ALIGNED,
     SHRINK_ALIGNED,
     VECTOR_SHRINK_ALIGNED,

@@ -23,8 +23,8 @@ from test_kernels_interpret import (
     set_path,
 )
 
-from kernels import ref
-from kernels.meta import VECTOR_ALL
+from slora_kernels import ref
+from slora_kernels.meta import VECTOR_ALL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,7 +55,7 @@ LARGE_PAGE_OFFSET = 2**31  # elements: pages placed past it need int64 offsets
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels import attention, attention_decode, lora_blocks, triton_ops
+    from slora_kernels import attention, attention_decode, lora_blocks, triton_ops
 
     fields = ["lora_blocks", "attention", "attention_decode", "triton_ops"]
     return dataclasses.make_dataclass("Ops", fields)(
@@ -105,7 +105,7 @@ def test_lora(ops, dtype, model, num_tokens, popularity):
     _check_lora(shrink, expand, pool, meta, MODELS[model][0], dtype)
 
 
-# The tiled expand's rank rows a dot (kernels.lora_blocks.BLOCKS "er"): "launcher" runs the default,
+# The tiled expand's rank rows a dot (slora_kernels.lora_blocks.BLOCKS "er"): "launcher" runs the default,
 # "other" the other setting (the step's whole largest rank in one dot, or 16 rows a dot).
 EXPAND_KNOBS = ["launcher", "other"]
 
@@ -372,7 +372,7 @@ def test_fused_ops(ops, dtype):
     reason="needs a CUDA card with fp8",
 )
 def test_kv_write_fp8_bytes_equal_twin():
-    from kernels import kv, ref
+    from slora_kernels import kv, ref
 
     torch.manual_seed(0)
     kv_heads, head_dim, num_pages = 8, 128, 512
@@ -396,7 +396,7 @@ def test_kv_write_fp8_bytes_equal_twin():
     reason="needs a CUDA card with fp8",
 )
 def test_act_quant_bytes_equal_twin():
-    from kernels import act_quant
+    from slora_kernels import act_quant
 
     torch.manual_seed(0)
     x = torch.randn(1021, 14336, dtype=torch.bfloat16, device="cuda")

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import ref
-from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_kernels import ref
+from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 from slora_batch.engine.execution.batch import lora_layout, vector_tokens
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -87,7 +87,7 @@ if not INTERPRETED:
 @pytest.fixture(scope="module")
 def tk() -> SimpleNamespace:
     """The kernel modules, imported only once the process is known to interpret."""
-    from kernels import (
+    from slora_kernels import (
         act_quant,
         attention,
         attention_decode,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.meta import AttnMeta, LoraMeta
+from slora_kernels.meta import AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.device import to_device
 from slora_batch.engine.execution.lora_layout import (  # re-exported: tests and the runner

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.meta import LoraMeta
+from slora_kernels.meta import LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
 
 

@@ -117,11 +117,11 @@ def make_runner(
 
 
 def pick_backend(name: str, device: torch.device) -> ModuleType:
-    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``kernels.ref``."""
+    """The kernel backend: Triton on cuda (``auto``), else the torch twins of ``slora_kernels.ref``."""
     if backend_name(name, device.type) == "triton":
-        from kernels import triton_ops
+        from slora_kernels import triton_ops
 
         return triton_ops
-    from kernels import ref
+    from slora_kernels import ref
 
     return ref

@@ -17,7 +17,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.execution.batch import (

@@ -25,7 +25,7 @@ from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
 
 if TYPE_CHECKING:
-    from kernels.meta import LoraMeta
+    from slora_kernels.meta import LoraMeta
 
 
 @dataclass

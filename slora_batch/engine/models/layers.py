@@ -1,6 +1,6 @@
 """Layers the model families share: RoPE (default, linear and llama3 scaling) and the
 LoRA-decomposed projection ``h = x W + (x A) B * scale`` whose deltas ``add_lora`` adds. RMSNorm,
-attention and the activation run through the kernel backend (``kernels.ref`` and its Triton twins).
+attention and the activation run through the kernel backend (``slora_kernels.ref`` and its Triton twins).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.meta import LoraMeta
+from slora_kernels.meta import LoraMeta
 from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import act_quant
+from slora_kernels import act_quant
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
@@ -55,7 +55,7 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization (``kernels.act_quant``): (x_fp8 [T + pad, in],
+    """Dynamic per-token activation quantization (``slora_kernels.act_quant``): (x_fp8 [T + pad, in],
     scales [T + pad, 1] fp32), rows padded with zeros to a multiple of pad_to. On CUDA one
     Triton launch, elsewhere its torch twin (the same values)."""
     if x.is_cuda:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.meta import AttnMeta, LoraMeta
+from slora_kernels.meta import AttnMeta, LoraMeta
 
 
 @dataclass

@@ -4,8 +4,8 @@ import numpy as np
 import torch
 from test_scheduler import make, seq
 
-from kernels.lora_paths import position_segments as device_position_segments
-from kernels.meta import LoraMeta
+from slora_kernels.lora_paths import position_segments as device_position_segments
+from slora_kernels.meta import LoraMeta
 from slora_batch.engine.execution.batch import (
     lora_segments,
     plan_step,

@@ -1,1 +1,0 @@
-"""Kernels: Triton implementations and their torch twins (``kernels.ref``)."""
