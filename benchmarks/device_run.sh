@@ -210,8 +210,10 @@ case "$mode" in
         # carried, with the sample model's tokenizer in wheels/smollm2-tokenizer) of a
         # 7B-shaped model over 100 adapters and the base on a 48-document multiple-choice task,
         # beside the engine alone on the same rows (eval-score), uncut
-        python3 -m pip install -q --no-index --find-links wheels lm_eval==0.4.13 \
-          || { echo "now eval: install lm-eval from wheels/ (carry it)" >&2; exit 2; }
+        # (each wheel as it is, no resolution: the image's own pyarrow, fsspec and hub stay)
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+          wheels/*.whl || { echo "now eval: install lm-eval from wheels/ (carry it)" >&2; exit 2; }
+        export PYTHONPATH=$PYTHONPATH:/tmp/site
         bench eval 450 --systems eval-score,eval --adapters 100 \
           --tokenizer wheels/smollm2-tokenizer --eval-docs 48 --max-seconds 0 --total-seconds 0
         ;;

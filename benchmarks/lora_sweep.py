@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels import DTYPE, SHAPES, _graph_us, lora_meta
+from slora_batch.engine.execution import batch as step_batch
 from slora_kernels import triton_ops
 from slora_kernels.lora_blocks import BLOCKS
 from slora_kernels.meta import VECTOR_ALL, LoraMeta
-from slora_batch.engine.execution import batch as step_batch
 
 SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
     {},  # earlier sweeps (benchmarks/h200-tuning/) tried vk, vr, vstages, vwarps and vgrid

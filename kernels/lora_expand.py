@@ -10,7 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, expand_rank_block, vector_block
+from slora_kernels.lora_blocks import (
+    BLOCKS,
+    _pow2_divisor,
+    block_tokens,
+    expand_rank_block,
+    vector_block,
+)
 from slora_kernels.lora_paths import (
     _check,
     _factor,

@@ -14,7 +14,13 @@ import triton
 import triton.language as tl
 
 from slora_kernels.attention import sm_count
-from slora_kernels.lora_blocks import BLOCKS, _pow2_divisor, block_tokens, tiled_rank_block, vector_block
+from slora_kernels.lora_blocks import (
+    BLOCKS,
+    _pow2_divisor,
+    block_tokens,
+    tiled_rank_block,
+    vector_block,
+)
 from slora_kernels.lora_paths import (
     _check,
     _factor,

@@ -1,6 +1,6 @@
 """The Triton backend: every function of ``slora_kernels.ref`` under the same name and signature.
 
-The engine picks it with ``backend="triton"`` (``from kernels import triton_ops``). The host
+The engine picks it with ``backend="triton"`` (``from slora_kernels import triton_ops``). The host
 helpers ``gather_kv``, ``gather_lora_rows`` and ``lora_group`` are no per-step kernels and come from ``ref``.
 With ``scales`` (an fp8 KV cache, ``slora_kernels.fp8``) ``kv_write`` writes e4m3 pages and
 ``attention`` / ``attention_decode`` read them, as the twins do.

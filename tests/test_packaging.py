@@ -1,8 +1,12 @@
 """pyproject.toml's package list: every package of the tree, the kernels under their own name."""
 
 import importlib.util
-import tomllib
 from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,13 +31,13 @@ import shutil
 import time
 from pathlib import Path
 
-from slora_kernels.builds import BuildLog
 from slora_batch.bench.job_run import write_adapters, write_model
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.row_fields import figures
 from slora_batch.bench.workload import adapter_name
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.requests.request import Request
+from slora_kernels.builds import BuildLog
 
 TASK = "bench_mc"
 CHOICES = 4

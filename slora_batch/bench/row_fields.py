@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from slora_kernels.builds import BuildLog
 from slora_batch.bench.floor import PARTS, StepWork, floor_parts, weight_bytes
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.timed_run import Timed
+from slora_kernels.builds import BuildLog
 
 
 def engine_row(

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from slora_kernels.builds import BuildLog
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.requests.request import Request, Result
+from slora_kernels.builds import BuildLog
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from slora_kernels.builds import BuildLog
 from slora_batch.bench.timed_run import sync
 from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.requests.request import Request
+from slora_kernels.builds import BuildLog
 
 WARMUP_PROMPT = 64  # warm-up requests: prompts cut to this, a few new tokens each
 WARMUP_NEW_TOKENS = 8

@@ -17,10 +17,9 @@ import pytest
 import torch
 from factory import make_adapters, make_model, make_rows
 
-import slora_kernels
 import slora_batch
-from slora_kernels import fp8, ref
 from slora_batch import Engine, EngineConfig, Request
+from slora_kernels import fp8, ref
 
 VOCAB = 300
 # Criteria against the full-precision cache (fp32 model): a scored token's logprob moves by at
@@ -188,8 +187,8 @@ def test_fp8_triton_kernels_read_no_garbage(case):
                  max_resident_adapters=1, max_adapters_per_batch=1, prefix_block_tokens=4)  # fmt: skip
     spec = dict(model=str(model_dir), adapters={n: str(adapters[n]) for n in names},
                 rows=tiny_rows(names), kinds=list(pool_garbage.GARBAGE), knobs=knobs)  # fmt: skip
-    roots = {str(Path(m.__file__).resolve().parents[1]) for m in (slora_batch, kernels)}
-    path = [*roots, str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    # the checkout's root; slora_kernels resolves through the install (pyproject's package-dir)
+    path = [str(Path(slora_batch.__file__).resolve().parents[1]), str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, "-m", "pool_garbage", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip

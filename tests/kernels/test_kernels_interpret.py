@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
+from slora_batch.engine.execution.batch import lora_layout, vector_tokens
 from slora_kernels import ref
 from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
-from slora_batch.engine.execution.batch import lora_layout, vector_tokens
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
@@ -383,13 +383,24 @@ FUSED_DIMS = {"qkv": (64, 128), "o": (64, 64), "gate_up": (64, 192), "down": (96
 GROUPS = [(0, 1, 2), (3,), (4, 5), (6,), (0, 2), (1, 2)]  # q k v; o; gate up; down; partial groups
 
 
+def lora_groups(dims: dict[str, tuple[int, int]]) -> list[tuple[int, ...]]:
+    """The groups to launch: GROUPS on the seven separate targets; on another layout (phi3's
+    fused qkv and gate_up: 4 targets) each target alone and every target of the first one's
+    input width in one group (a launch only needs the input shared)."""
+    if list(dims) == ["q", "k", "v", "o", "gate", "up", "down"]:
+        return GROUPS
+    widths = [d_in for d_in, _ in dims.values()]
+    shared = tuple(i for i, d_in in enumerate(widths) if d_in == widths[0])
+    return [(i,) for i in range(len(widths))] + ([shared] if len(shared) > 1 else [])
+
+
 def check_lora_groups(shrink, expand, pool, meta, dims, dtype, seed) -> None:
     """One launch for a group of targets sharing an input equals one ref call per target: the
     group's rank columns of the buffer side by side, each target into its own output columns."""
     device = pool.device
     gen = torch.Generator(device).manual_seed(seed)
     widths = list(dims.values())
-    for group in GROUPS:
+    for group in lora_groups(dims):
         d_in = widths[group[0]][0]
         rank = meta.max_rank
         x = torch.randn(meta.b_slot.shape[0], d_in, generator=gen, device=device).to(dtype)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slora_kernels.meta import AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.device import to_device
 from slora_batch.engine.execution.lora_layout import (  # re-exported: tests and the runner
@@ -32,6 +31,7 @@ from slora_batch.engine.execution.lora_layout import (  # re-exported: tests and
 )
 from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
+from slora_kernels.meta import AttnMeta, LoraMeta
 
 
 @dataclass

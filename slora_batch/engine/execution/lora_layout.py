@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slora_kernels.meta import LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_kernels.meta import LoraMeta
 
 
 def lora_segments(

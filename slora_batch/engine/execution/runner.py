@@ -17,7 +17,6 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.execution.batch import (
@@ -32,6 +31,7 @@ from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
+from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ weights.py       the checkpoint's tensors by name, cut per rank, fp8 or (1 + w) 
 loader.py        weights from Hugging Face safetensors into the model of their family
 sample_model.py  the built-in sample (SmolLM2-135M-Instruct from its GGUF, converted once)
 
-RMSNorm, attention and the activation run through the kernel backend (``kernels``).
-May import: the foundations (``config``, ``counters``, ``device``, ``pool``) and ``kernels``;
+RMSNorm, attention and the activation run through the kernel backend (``slora_kernels``).
+May import: the foundations (``config``, ``counters``, ``device``, ``pool``) and ``slora_kernels``;
 nothing of execution: a rank's group is ``shard.RankGroup`` (execution.tp's TensorParallel is one).
 """

@@ -10,9 +10,9 @@ from types import ModuleType
 
 import torch
 
-from slora_kernels.meta import LoraMeta
 from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
+from slora_kernels.meta import LoraMeta
 
 TARGET_INDEX = {t: i for i, t in enumerate(TARGETS)}
 

@@ -4,8 +4,6 @@ import numpy as np
 import torch
 from test_scheduler import make, seq
 
-from slora_kernels.lora_paths import position_segments as device_position_segments
-from slora_kernels.meta import LoraMeta
 from slora_batch.engine.execution.batch import (
     lora_segments,
     plan_step,
@@ -15,6 +13,8 @@ from slora_batch.engine.execution.batch import (
 )
 from slora_batch.engine.execution.runner import fill_lora
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
+from slora_kernels.lora_paths import position_segments as device_position_segments
+from slora_kernels.meta import LoraMeta
 
 
 def test_plan_and_upload_a_mixed_step():

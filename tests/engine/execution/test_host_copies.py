@@ -13,10 +13,10 @@ import pytest
 import torch
 from factory import make_adapters, make_model, make_rows
 
-from slora_kernels.builds import BuildLog
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.requests.sampling import SamplingBatch
+from slora_kernels.builds import BuildLog
 
 pytestmark = pytest.mark.gpu
 
