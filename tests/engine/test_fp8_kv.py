@@ -188,7 +188,11 @@ def test_fp8_triton_kernels_read_no_garbage(case):
     spec = dict(model=str(model_dir), adapters={n: str(adapters[n]) for n in names},
                 rows=tiny_rows(names), kinds=list(pool_garbage.GARBAGE), knobs=knobs)  # fmt: skip
     # the checkout's root; slora_kernels resolves through the install (pyproject's package-dir)
-    path = [str(Path(slora_batch.__file__).resolve().parents[1]), str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    path = [
+        str(Path(slora_batch.__file__).resolve().parents[1]),
+        str(Path(__file__).resolve().parent),
+        os.environ.get("PYTHONPATH", ""),
+    ]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, "-m", "pool_garbage", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
