@@ -28,8 +28,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.fp8_accuracy import JOB, ROOT, Setting, compare, eval_requests, score
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.engine import Engine
@@ -118,7 +116,8 @@ def sample_case(device: str) -> dict[str, Any]:
 
 
 def random_case(kind: str, rows: int, device: str) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "tests"))
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
     from factory import make_adapters, make_model, make_rows  # the test suite's random models
 
     with tempfile.TemporaryDirectory(prefix=f"fp8-bounds-{kind}-") as tmp:
@@ -170,5 +169,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     main()
