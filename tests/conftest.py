@@ -21,13 +21,31 @@ def sample_model_dir() -> Path:
 def xdist_group(nodeid: str) -> str | None:
     """A test's pytest-xdist group: "ray" for the Ray tests (each starts a local cluster sized to
     the machine, two at once would starve), "eval" for the lm-eval tests (which build their
-    session's model and adapters once), None for the rest."""
+    session's model and adapters once), the module and model of a GPU model case, None for the
+    rest."""
     path, name = nodeid.replace("\\", "/"), nodeid.rsplit("::", 1)[-1]
     if "_ray_" in name or "tests/ray/" in path or path.startswith("ray/"):
         return "ray"  # "_ray_": a Ray run outside tests/ray (test_manifest's)
     if "tests/eval/" in path or path.startswith("eval/"):
         return "eval"
+    module = path.split("::", 1)[0]
+    if module.endswith(MODEL_CASE_MODULES) and "[" in name:
+        return f"{module}::{model_case(name)}"
     return None
+
+
+# GPU test modules whose module-scoped fixture builds a model per parameter: under xdist (the
+# device runs the GPU tests on several workers) each model's tests share one worker, so each
+# model is built once.
+MODEL_CASE_MODULES = ("test_engine_gpu.py", "test_fp8_kv_gpu.py")
+
+
+def model_case(name: str) -> str:
+    """The model parameter of a test id: ``test_x[llama2-7b-graphs]`` -> ``llama2-7b``."""
+    case = name[name.index("[") + 1 : name.rindex("]")]
+    for mode in ("-graphs", "-eager"):
+        case = case.removesuffix(mode)
+    return case
 
 
 def pytest_collection_modifyitems(config, items):
