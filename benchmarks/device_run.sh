@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU checks and times, one mode per device call (each fits the 600 s limit):
-#   bash benchmarks/device_run.sh tests [kernels|engine]  # the GPU tests (all: on 8 workers)
+#   bash benchmarks/device_run.sh tests [kernels|engine]  # the GPU tests (all: on 4 workers)
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
@@ -43,19 +43,20 @@ ACCEPTANCE=(--requests 2000 --peft-requests 64 --peft-batch 64 --peft-adapters 1
 
 case "$mode" in
   tests)
-    # every GPU test in one call: on 8 xdist workers (Triton's builds take most of a serial
-    # run), a GPU model case's tests on one worker (tests/conftest.py), then alone the tests
-    # that measure the card's free memory or a step's overlap, which other workers would upset
+    # every GPU test in one call: on 4 xdist workers (Triton's builds take most of a serial
+    # run; 8 ran an H100 out of memory), a GPU model's tests on one worker (tests/conftest.py),
+    # then alone the tests that read the card's free memory or a step's overlap, or take
+    # gigabytes, which other workers would upset
     # ("tests kernels" / "tests engine": the halves, serially, as before)
     case "${2:-all}" in
       kernels) gpu_tests 580 --durations=10 --maxfail=10 tests/kernels ;;
       engine) gpu_tests ${TESTS_LIMIT:-580} --durations=10 --maxfail=10 tests/engine ;;
       *)
-        alone="whole_pool or test_host_copies"
-        gpu_tests ${TESTS_LIMIT:-420} --durations=15 -n 8 --dist loadgroup tests/kernels \
+        alone="whole_pool or test_host_copies or past_2_31"
+        gpu_tests ${TESTS_LIMIT:-420} --durations=15 -n 4 --dist loadgroup tests/kernels \
           tests/engine -k "not ($alone)"
         mv "$out/gpu-tests.log" "$out/gpu-tests-workers.log"
-        gpu_tests 150 --durations=5 tests/engine -k "$alone"
+        gpu_tests 150 --durations=5 tests/kernels tests/engine -k "$alone"
         mv "$out/gpu-tests.log" "$out/gpu-tests-alone.log"
         cat "$out/gpu-tests-workers.log" "$out/gpu-tests-alone.log" > "$out/gpu-tests.log"
         ;;

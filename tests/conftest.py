@@ -21,8 +21,7 @@ def sample_model_dir() -> Path:
 def xdist_group(nodeid: str) -> str | None:
     """A test's pytest-xdist group: "ray" for the Ray tests (each starts a local cluster sized to
     the machine, two at once would starve), "eval" for the lm-eval tests (which build their
-    session's model and adapters once), the module and model of a GPU model case, None for the
-    rest."""
+    session's model and adapters once), the model of a GPU model case, None for the rest."""
     path, name = nodeid.replace("\\", "/"), nodeid.rsplit("::", 1)[-1]
     if "_ray_" in name or "tests/ray/" in path or path.startswith("ray/"):
         return "ray"  # "_ray_": a Ray run outside tests/ray (test_manifest's)
@@ -30,13 +29,14 @@ def xdist_group(nodeid: str) -> str | None:
         return "eval"
     module = path.split("::", 1)[0]
     if module.endswith(MODEL_CASE_MODULES) and "[" in name:
-        return f"{module}::{model_case(name)}"
+        return f"gpu-model::{model_case(name)}"
     return None
 
 
 # GPU test modules whose module-scoped fixture builds a model per parameter: under xdist (the
-# device runs the GPU tests on several workers) each model's tests share one worker, so each
-# model is built once.
+# device runs the GPU tests on several workers) a model's tests share one worker, so each
+# module builds it once and two workers never hold the largest one (llama2-7b: about 30 GiB
+# with its PEFT reference) at the same time.
 MODEL_CASE_MODULES = ("test_engine_gpu.py", "test_fp8_kv_gpu.py")
 
 
@@ -81,3 +81,14 @@ def pytest_xdist_make_scheduler(config, log):
             return xdist_group(nodeid) or super()._split_scope(nodeid)
 
     return PathGroups(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_cache():
+    """After each test on a CUDA machine, the caching allocator's unused blocks go back to the
+    card: the device runs the GPU tests on several workers that share its memory."""
+    yield
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
