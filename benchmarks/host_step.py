@@ -1,6 +1,6 @@
 """Host time of an engine step, per phase, without the model: CPU figures of this machine.
 
-    python3 -m benchmarks.host_step --rows 256,512 --adapters 1000 --profile 25
+    python3 -m benchmarks.host_step --rows 256,512,1024 --adapters 1000 --profile 25
 
 Builds a real CPU engine (the bench's tiny preset, random weights, ``--adapters`` adapter ids
 of random ranks in [8, 64] over one weight set per rank) and runs its real loop: scheduler,
@@ -114,9 +114,7 @@ def stub_forward(engine: Engine, timer: Timer, vocab: int):
     runner.scratch = engine.pool.alloc(2, "graph padding")
     runner.max_rank = max(engine.store.info(n).rank for n in engine.store.names)
     runner.targets = (0, 1, 2, 3)
-    runner._graph_page_table = torch.zeros(
-        engine.config.max_num_seqs, engine.max_model_len, 2, dtype=torch.int32
-    )
+    runner.graph_table(engine.config.max_num_seqs)
     buckets = graph_buckets(engine.config.max_num_seqs)  # the runner's
     logits = torch.randn(engine.config.max_num_seqs + 64, vocab)
 
@@ -234,7 +232,8 @@ def table(results: list[dict], kind: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="256,512", help="max_num_seqs values, comma-separated")
+    parser.add_argument("--rows", default="256,512,1024",
+                        help="max_num_seqs values, comma-separated")  # fmt: skip
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--min-rank", type=int, default=8)
     parser.add_argument("--max-rank", type=int, default=64)

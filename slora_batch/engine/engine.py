@@ -287,11 +287,14 @@ class Engine:
         with torch.inference_mode():
             prepared = time.perf_counter()
             logits = self.runner.forward(host, prev.tokens if prev is not None else None)
-            drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
+            if step.rows is not None:  # every row draws
+                drawn = list(step.seqs)
+            else:
+                drawn = [s for s, row in zip(step.seqs, host.logit_rows, strict=True) if row >= 0]
             # Filled while the forward runs (it does not need them; the sampler does).
             masks = grammar_masks(drawn, prev, self.grammars, logits.device)
             self.counters.count_masks(masks)
-            outputs = step_outputs(logits, host, drawn, masks)
+            outputs = step_outputs(logits, host, drawn, masks, step.rows)
             if not self.config.overlap:
                 self.prefetcher.prefetch()  # overlaps the step running on the GPU
         self.scheduler.launched(step, drawn, self._steps)

@@ -64,6 +64,10 @@ class HostStep:
     # Per sequence, a key that stays the same while its pages only grow: (arrival, preemptions).
     # Tensor parallelism sends the other ranks only the page-table entries a key adds.
     seq_keys: list[tuple[int, int]] | None = None
+    # Per sequence, a number unique to its run in the row table (``RowTable``), whose pages only
+    # grow while it lasts: a CUDA graph's page table then takes only the entries a row added
+    # since the last step that had it at that row (``ModelRunner._fill``). None: unknown.
+    b_tenure: np.ndarray | None = None  # [B] int64
     # Per sequence, its prompt's length (longrope models read it per token; ``upload``).
     prompt_lens: np.ndarray | None = None  # [B] int64
 
@@ -73,6 +77,8 @@ class HostStep:
 
 
 def plan_step(step: ScheduledStep) -> HostStep:
+    if step.rows is not None:
+        return _plan_rows(step)
     if max(step.num_new) == 1 and all(seq.draws for seq in step.seqs):
         return _plan_decode(step)
     # per sequence only Python scalars and list slices: its tokens' positions and adapter slots
@@ -194,7 +200,7 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
     rows[drawn] = np.arange(drawn.size)
     table = np.full((batch, max(lens), 2), -1, dtype=np.int32)
     for row, seq, n in zip(table, seqs, lens, strict=True):
-        row[:n] = seq.page_buf[:n]
+        row[:n] = seq.pages[:n]
     return HostStep(
         input_ids=np.array(ids, dtype=np.int64),
         positions=positions,
@@ -208,6 +214,39 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
         max_new=1,
         prev_rows=_prev_rows(np.array(prev, dtype=np.int64)),
         seq_keys=keys,
+    )
+
+
+def _plan_rows(step: ScheduledStep) -> HostStep:
+    """``plan_step`` of a step that is the row table's first B rows, one token each, each
+    drawing one (``ScheduledStep.rows``): the page table is a view of the table's, the slots
+    and keys its columns; per row only the sequences' plain fields are read.
+
+    Running example: rows [A, B], A at position 16 with its token pending (row 3 of the last
+    step's draws), B at position 7 not pending (its last token 42 read back):
+    positions [16, 7], prev_rows [3, -1], input_ids [0, 42], page_table = pages[:2, :17]."""
+    seqs, table = step.seqs, step.rows
+    batch = len(seqs)
+    positions = np.array([s.num_computed for s in seqs], dtype=np.int64)
+    prev = np.array([s.last_row if s.pending else -1 for s in seqs], dtype=np.int64)
+    ids = [0 if s.pending else s.token(s.num_computed) for s in seqs]
+    seq_lens = positions + 1
+    table_view = table.pages[:batch, : int(seq_lens.max())]
+    rows = np.arange(batch, dtype=np.int64)
+    return HostStep(
+        input_ids=np.array(ids, dtype=np.int64),
+        positions=positions,
+        out_pages=table_view[rows, positions],
+        b1_start=np.arange(batch + 1, dtype=np.int32),
+        b_seq_len=seq_lens.astype(np.int32),
+        page_table=table_view,
+        b_slot=table.b_slot[:batch].copy(),
+        logits_index=rows,
+        logit_rows=list(range(batch)),
+        max_new=1,
+        prev_rows=_prev_rows(prev),
+        seq_keys=table.keys[:batch],
+        b_tenure=table.b_tenure[:batch].copy(),
     )
 
 
@@ -242,7 +281,8 @@ def upload(
     attn = AttnMeta(
         b1_start=dev(host.b1_start, torch.int32),
         b_seq_len=dev(host.b_seq_len, torch.int32),
-        page_table=dev(host.page_table, torch.int32),
+        # contiguous for the kernels (a decode step's table is a view of the row table's)
+        page_table=dev(np.ascontiguousarray(host.page_table), torch.int32),
         max_new=host.max_new,
     )
     split = None

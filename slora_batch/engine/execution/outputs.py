@@ -19,6 +19,7 @@ from slora_batch.engine.execution.batch import HostStep
 from slora_batch.engine.execution.masks import GrammarMasks
 from slora_batch.engine.requests.sampling import SamplingBatch, sample
 from slora_batch.engine.requests.sequence import Sequence
+from slora_batch.engine.scheduling.rows import RowTable
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 
@@ -59,12 +60,17 @@ class Inflight:
 
 
 def step_outputs(
-    logits: torch.Tensor, host: HostStep, drawn: list[Sequence], masks: GrammarMasks | None = None
+    logits: torch.Tensor,
+    host: HostStep,
+    drawn: list[Sequence],
+    masks: GrammarMasks | None = None,
+    table: RowTable | None = None,
 ) -> dict:
     """The step's outputs on the device, from its logits: the drawn rows' first, then the
     scored tokens' (``HostStep.score_index``). ``masks`` (rows with a grammar) cut the drawn
     rows' logits before anything reads them: their tokens and logprobs come from the masked
-    distribution."""
+    distribution. ``table``: the row table whose first rows ``drawn`` are
+    (``ScheduledStep.rows``), whose columns give the sampling parameters."""
     outputs = {}
     if host.score_index is not None:
         outputs["scores"] = score_tokens(logits[len(drawn) :], host.score_targets)
@@ -72,10 +78,17 @@ def step_outputs(
     if masks is not None:
         logits = logits[: len(drawn)]
         masks.apply(logits)
-    if drawn and any(s.temperature > 0 for s in drawn):
-        params = SamplingBatch.build(
-            [(s.temperature, s.top_k, s.top_p, s.key, s.num_drawn) for s in drawn], logits.device
-        )
+    if drawn and _any_sampled(drawn, table):
+        steps = [s.num_drawn for s in drawn]
+        if table is not None:
+            d = len(drawn)
+            params = SamplingBatch.build(table.b_temperature[:d], table.b_top_k[:d],
+                                         table.b_top_p[:d], table.b_noise[:d], steps,
+                                         logits.device)  # fmt: skip
+        else:
+            params = SamplingBatch.build([s.temperature for s in drawn], [s.top_k for s in drawn],
+                                         [s.top_p for s in drawn], [s.key for s in drawn], steps,
+                                         logits.device)  # fmt: skip
         outputs["tokens"] = sample(logits, params)
     elif drawn:  # all greedy: sample()'s argmax, without building its parameters
         outputs["tokens"] = logits.argmax(dim=-1)
@@ -87,6 +100,12 @@ def step_outputs(
         tokens = outputs["tokens"][index]
         outputs["logprobs"] = top_logprobs(logits[index], tokens, temperatures, k)
     return outputs
+
+
+def _any_sampled(drawn: list[Sequence], table: RowTable | None) -> bool:
+    if table is not None:
+        return bool((table.b_temperature[: len(drawn)] > 0).any())
+    return any(s.temperature > 0 for s in drawn)
 
 
 def score_tokens(logits, targets):

@@ -93,12 +93,21 @@ class ModelRunner:
             self.targets = tuple(
                 i for i, t in enumerate(TARGETS) if any(t in info.targets for info in infos)
             )
-            # One page table for every bucket (graphs replay one at a time, each fills its rows):
-            # [max_batch, max_model_len, 2] int32 is 268 MB at 256 rows and a 128K context.
-            self._graph_page_table = torch.zeros(
-                max_batch, max_model_len, 2, dtype=torch.int32, device=device
-            )
+            self.graph_table(max_batch)
             self._capture(graph_buckets(max_batch))
+
+    def graph_table(self, max_batch: int) -> None:
+        """The decode graphs' page table, and what each of its rows holds.
+
+        One table for every bucket (graphs replay one at a time, each fills its rows):
+        [max_batch, max_model_len, 2] int32 is 268 MB at 256 rows and a 128K context. Row b
+        holds the first ``_graph_lens[b]`` entries of the row table's run ``_graph_tenure[b]``
+        (-1: none), so that a step writes only what its rows added (``_fill``)."""
+        self._graph_page_table = torch.zeros(
+            max_batch, self.max_model_len, 2, dtype=torch.int32, device=self.device
+        )
+        self._graph_tenure = np.full(max_batch, -1, dtype=np.int64)
+        self._graph_lens = np.zeros(max_batch, dtype=np.int64)
 
     def forward(self, host: HostStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
@@ -188,13 +197,40 @@ class ModelRunner:
         put(static.attn.b_seq_len, host.b_seq_len, 1)
         # The batch's rows; a padding row has length 1, so only its first entry is ever read
         # (entries past a row's length are stale from earlier steps and never read either).
-        ctx = host.page_table.shape[1]
-        copy_in(static.attn.page_table[:batch, :ctx], host.page_table)
+        self._fill_pages(host)
         if pad:
             copy_in(static.attn.page_table[batch:, 0], np.tile(scratch, (pad, 1)))
+            self._graph_tenure[batch:bucket] = -1
         if static.lora is not None:
             b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
             fill_lora(static.lora, b_slot)
+
+    def _fill_pages(self, host: HostStep) -> None:
+        """The step's page-table rows into the graphs' table: of a row that held the same run
+        of the row table (``HostStep.b_tenure``) at the last step, only the entries added since
+        (a decode step: one), of any other row all of them. Running example: row 0 held run 7's
+        16 entries and holds run 7 at length 17 now: entry 16 is written; row 1 held run 3 and
+        holds run 9 (run 3 left, run 9 moved in): entries 0..len-1."""
+        batch = len(host.b_seq_len)
+        table = self._graph_page_table
+        if host.b_tenure is None:  # every entry, and no row's run known afterwards
+            copy_in(table[:batch, : host.page_table.shape[1]], host.page_table)
+            self._graph_tenure[:batch] = -1
+            return
+        lens = host.b_seq_len.astype(np.int64)
+        held = self._graph_lens[:batch]
+        kept = (self._graph_tenure[:batch] == host.b_tenure) & (held <= lens)
+        start = np.where(kept, held, 0)
+        counts = lens - start
+        rows = np.repeat(np.arange(batch), counts)
+        # entry columns: start[b], start[b] + 1, ... of each row b, flat
+        cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts - start, counts)
+        if rows.size:
+            index = (to_device(rows, self.device), to_device(cols, self.device))
+            values = to_device(host.page_table[rows, cols], self.device, torch.int32)
+            table.index_put_(index, values)
+        self._graph_tenure[:batch] = host.b_tenure
+        self._graph_lens[:batch] = lens
 
     def _capture(self, buckets: list[int]) -> None:
         mempool = torch.cuda.graph_pool_handle()

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from slora_batch.engine.device import to_device
@@ -48,18 +49,17 @@ class SamplingBatch:
     any_sampled: bool = True
 
     @classmethod
-    def build(
-        cls, rows: list[tuple[float, int, float, int, int]], device: torch.device
-    ) -> SamplingBatch:
-        """rows: (temperature, top_k, top_p, key, step) per sampled row."""
-        t, k, p, key, step = zip(*rows, strict=True)
+    def build(cls, temperature, top_k, top_p, key, step, device: torch.device) -> SamplingBatch:
+        """Per sampled row (sequences or numpy arrays, [S] each): temperature, top_k, top_p,
+        key, step."""
+        temperature = np.asarray(temperature, dtype=np.float32)
         return cls(
-            temperature=to_device(t, device, torch.float32),
-            top_k=to_device(k, device, torch.int64),
-            top_p=to_device(p, device, torch.float32),
+            temperature=to_device(temperature, device),
+            top_k=to_device(top_k, device, torch.int64),
+            top_p=to_device(top_p, device, torch.float32),
             key=to_device(key, device, torch.int64),
             step=to_device(step, device, torch.int64),
-            any_sampled=any(x > 0 for x in t),
+            any_sampled=bool((temperature > 0).any()),
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,6 +12,9 @@ from slora_batch.engine.requests.grammar import GrammarState
 from slora_batch.engine.requests.request import Request
 from slora_batch.engine.requests.scoring import ChoiceGroup, ScoreBuffer
 from slora_batch.engine.requests.tokens import Detokenizer
+
+if TYPE_CHECKING:
+    from slora_batch.engine.scheduling.rows import RowTable
 
 
 class Status(Enum):
@@ -46,8 +50,12 @@ class Sequence:
     ignore_eos: bool
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    # Pages while not running (a running sequence's are in its row of ``table``): tokens with
+    # pages, and the buffer holding them, grown by doubling so appends stay O(1).
     page_buf: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
-    num_paged: int = 0  # tokens with pages; page_buf grows by doubling so appends stay O(1)
+    buf_paged: int = 0
+    table: RowTable | None = None  # while running: the scheduler's row table, and its row
+    row: int = -1
     slot: int = -1  # adapter slot while running, -1 for the base model
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -90,31 +98,47 @@ class Sequence:
 
     @property
     def pages(self) -> np.ndarray:
-        """[num_paged, 2] (K page, V page) per token, a view of the buffer."""
-        return self.page_buf[: self.num_paged]
+        """[num_paged, 2] (K page, V page) per token, a view (of the table's row while seated)."""
+        if self.table is not None:
+            return self.table.row_pages(self.row)
+        return self.page_buf[: self.buf_paged]
+
+    @property
+    def num_paged(self) -> int:
+        """Tokens with pages."""
+        if self.table is not None:
+            return int(self.table.b_paged[self.row])
+        return self.buf_paged
 
     def add_pages(self, new: np.ndarray) -> None:
-        end = self.num_paged + new.shape[0]
+        if self.table is not None:
+            self.table.add_pages(self.row, new)
+            return
+        end = self.buf_paged + new.shape[0]
         if end > self.page_buf.shape[0]:
             grown = np.zeros((max(end, 2 * self.page_buf.shape[0], 16), 2), dtype=np.int32)
-            grown[: self.num_paged] = self.pages
+            grown[: self.buf_paged] = self.pages
             self.page_buf = grown
-        self.page_buf[self.num_paged : end] = new
-        self.num_paged = end
-
-    def add_page(self, pair: np.ndarray) -> None:
-        """One token's (K page, V page): ``add_pages`` for the decode path."""
-        if self.num_paged == self.page_buf.shape[0]:
-            self.add_pages(pair[None])
-            return
-        self.page_buf[self.num_paged] = pair
-        self.num_paged += 1
+        self.page_buf[self.buf_paged : end] = new
+        self.buf_paged = end
 
     def drop_pages(self) -> np.ndarray:
-        """Forgets every page and returns them, [n, 2] (K page, V page) per token."""
+        """Forgets every page and returns them, [n, 2] (K page, V page) per token (a sequence
+        that no longer runs: ``RowTable.leave`` handed them back)."""
+        assert self.table is None, "a running sequence's pages are its row's"
         pages = self.pages.copy()
-        self.num_paged = 0
+        self.buf_paged = 0
         return pages
+
+    def seat(self, table: RowTable, row: int) -> None:
+        """Starts running in ``row`` of ``table``, which took its pages."""
+        self.table, self.row = table, row
+        self.page_buf, self.buf_paged = self.page_buf[:0], 0
+
+    def unseat(self, pages: np.ndarray) -> None:
+        """Stops running; ``pages`` [n, 2] are its own again."""
+        self.table, self.row = None, -1
+        self.page_buf, self.buf_paged = pages, pages.shape[0]
 
     @property
     def num_tokens(self) -> int:

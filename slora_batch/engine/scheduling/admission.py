@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from slora_batch.engine.requests.sequence import Sequence, Status
 from slora_batch.engine.scheduling.prefix_cache import Block
+from slora_batch.engine.scheduling.rows import RowTable
 
 
 @dataclass
@@ -24,6 +25,9 @@ class ScheduledStep:
 
     seqs: list[Sequence]
     num_new: list[int]  # tokens computed for each sequence this step
+    # Set when the step is every row of the scheduler's row table, in its order, one token
+    # each, each drawing one: the step is then built from the table's arrays.
+    rows: RowTable | None = None
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -117,6 +121,7 @@ class Admission:
         self.pages.take(seq, n)
         seq.status = Status.RUNNING
         self.running.append(seq)
+        self.rows.join(seq)
         return True
 
     def _pick(self) -> Sequence | None:

@@ -16,6 +16,7 @@ from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.sequence import Sequence
 from slora_batch.engine.scheduling.prefix_cache import Block, PrefixCache, chain_key
+from slora_batch.engine.scheduling.rows import RowTable
 
 PAGES_PER_TOKEN = 2  # one K page and one V page (``PagePool.kv_pages_per_token``: 1 with fp8)
 
@@ -139,16 +140,17 @@ class KVPages:
         if start + n > have:
             seq.add_pages(self.pool.kv_pages(start + n - have))
 
-    def take_one_each(self, seqs: list[Sequence]) -> bool:
-        """A page pair for the next token of each sequence that lacks one, in one ``alloc``;
-        False (nothing taken) when the pool has no room for all of them."""
-        short = [s for s in seqs if s.num_computed + 1 > s.num_paged]
-        if not self.room(self.pool.kv_pages_per_token * len(short)):
+    def take_one_each(self, seqs: list[Sequence], table: RowTable) -> bool:
+        """A page pair for the next token of each sequence that lacks one, in one ``alloc``,
+        written into the sequences' rows of ``table`` (running sequences: all seated); False
+        (nothing taken) when the pool has no room for all of them."""
+        rows = np.array([s.row for s in seqs], dtype=np.int64)
+        computed = np.array([s.num_computed for s in seqs], dtype=np.int64)
+        short = rows[computed + 1 > table.b_paged[rows]]
+        if not self.room(self.pool.kv_pages_per_token * short.size):
             return False
-        if short:
-            pages = self.pool.kv_pages(len(short))
-            for seq, pair in zip(short, pages, strict=True):
-                seq.add_page(pair)
+        if short.size:
+            table.add_one_each(short, self.pool.kv_pages(short.size))
         return True
 
     def cache_computed(self, seq: Sequence) -> None:

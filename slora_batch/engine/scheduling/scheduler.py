@@ -31,6 +31,7 @@ from slora_batch.engine.requests.sequence import Sequence, Status
 from slora_batch.engine.scheduling.admission import Admission, ScheduledStep
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.scheduling.prefix_cache import PrefixCache
+from slora_batch.engine.scheduling.rows import RowTable
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Scheduler(Admission):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.rows = RowTable()  # the running sequences' pages and fixed fields, one row each
         self.retired: list[Sequence] = []  # last token drawn, not read back: pages held
         self.held: list[Sequence] = []  # finished, pages used by a step in flight
         self.pinned: Counter[str] = Counter()  # adapter -> sequences holding its slot
@@ -94,9 +96,29 @@ class Scheduler(Admission):
         that draw a token) each have one token pending. A row whose pending token is its last
         (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
         set now but keeps its pages until read back."""
+        if step.rows is not None:  # every running row, one token each, each drawing one
+            self._launched_decode(step.seqs, number)
+            return
         for seq, n in zip(step.seqs, step.num_new, strict=True):
             self._computed_tokens(seq, n, number)
         self._pend(drawn, number)
+
+    def _launched_decode(self, seqs: list[Sequence], number: int) -> None:
+        """``launched`` for a step of the row table's rows (``ScheduledStep.rows``): one pass
+        over plain fields; only a row whose prompt ends with this token goes through
+        ``_computed_tokens`` (its last prompt block is cached, its followers released)."""
+        done = []
+        for row, seq in enumerate(seqs):
+            if seq.num_computed < len(seq.prompt_ids):
+                self._computed_tokens(seq, 1, number)
+            else:
+                seq.num_computed += 1
+            seq.pending += 1
+            seq.last_row, seq.last_step = row, number
+            if len(seq.output_ids) + seq.pending >= seq.max_new_tokens:
+                done.append(seq)
+        for seq in done:
+            self._retire(seq)
 
     def _computed_tokens(self, seq: Sequence, n: int, number: int) -> None:
         """``n`` more tokens of ``seq``'s K/V are computed (queued) by step ``number``: cache
@@ -138,7 +160,7 @@ class Scheduler(Admission):
 
     def _retire(self, seq: Sequence) -> None:
         """Out of the running set, pages kept until its last step is read back."""
-        self.running.remove(seq)
+        self._stop_running(seq)
         seq.status = Status.RETIRED
         self.retired.append(seq)
 
@@ -156,11 +178,22 @@ class Scheduler(Admission):
             seq.finish_reason = "score"  # its scores are read back with its last step
             self.finish(seq)
             finished.append(seq)
+        # One pass appends every token; only the rows that may finish (a stop string or a
+        # grammar to feed, an EOS token, their last token) are looked at further.
+        eos, watched = self.eos_token_ids, []
         for seq, token in zip(drawn, tokens, strict=True):
             seq.pending -= 1
             if seq.finish_reason is not None:  # finished a step earlier: a wasted row
                 continue
             seq.output_ids.append(token)
+            if (
+                token in eos
+                or len(seq.output_ids) >= seq.max_new_tokens
+                or seq.detok is not None
+                or seq.grammar is not None
+            ):
+                watched.append((seq, token))
+        for seq, token in watched:
             stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
             if seq.grammar is not None:  # a token taken already (masks.py) is not taken again
                 ids = seq.output_ids
@@ -184,6 +217,7 @@ class Scheduler(Admission):
         """Drop every sequence (the caller stopped pulling results, and no step is in flight):
         pages and adapters go back. Returns the dropped sequences that had not finished."""
         dropped = [*self.running, *self.retired, *self.waiting]
+        self.rows.clear()
         for seq in [*dropped, *self.held]:
             seq.pending = 0
             self._release(seq)
@@ -213,6 +247,8 @@ class Scheduler(Admission):
             i += 1
         if self._admitting():
             self._admit_waiting(step, budget)
+            if len(step.seqs) > i:  # newcomers: the step is no longer the table's rows alone
+                step.rows = None
         return step
 
     def finish(self, seq: Sequence) -> None:
@@ -225,11 +261,15 @@ class Scheduler(Admission):
         """Takes a sequence out of whichever list holds it (running, retired, or the queue when
         a token read back after its preemption finishes it)."""
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
         elif seq.status is Status.RETIRED:
             self.retired.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.rows.leave(seq)
 
     def _computed(self, seq: Sequence) -> None:
         """A sequence no longer computes its first uncached block (done, preempted, released)."""
@@ -253,23 +293,28 @@ class Scheduler(Admission):
         token each get their page pairs from one ``alloc``, when the pool has room for all of
         them. The same steps, page counts and evictions as growing them one by one (which
         ``schedule`` falls back to when room runs out, to preempt); only which free pages go to
-        whom may differ after an eviction. Returns how many it scheduled."""
-        count = 0
-        limit = min(len(self.running), budget)
-        while count < limit and self.running[count].remaining == 1:
-            count += 1
+        whom may differ. When that is every running row and each draws a token, the step lists
+        them in the row table's order and carries the table (``ScheduledStep.rows``). Returns how
+        many it scheduled."""
+        running = self.running
+        limit = min(len(running), budget)
+        remaining = [s.remaining for s in running[:limit]]
+        count = next((i for i, r in enumerate(remaining) if r != 1), limit)
         if count == 0:
             return 0
-        seqs = self.running[:count]
-        if not self.pages.take_one_each(seqs):
+        whole = count == len(running) and not self.rows.scored
+        seqs = list(self.rows.seqs) if whole else running[:count]
+        if not self.pages.take_one_each(seqs, self.rows):
             return 0
         step.seqs.extend(seqs)
         step.num_new.extend([1] * count)
+        if whole:
+            step.rows = self.rows
         return count
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
-        self.running.remove(seq)
+        self._stop_running(seq)
         self._release(seq)
         seq.num_computed = 0
         seq.preemptions += 1

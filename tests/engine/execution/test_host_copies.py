@@ -36,7 +36,7 @@ def test_host_arrays_reach_the_device_without_waiting_for_it():
     ids = to_device(np.arange(12).reshape(4, 3)[:, ::2], device, torch.int32)  # strided
     floats = to_device([0.5, 1.5], device, torch.float32)
     copy_in(dst, np.arange(12, dtype=np.int64).reshape(4, 3))  # int64 into int32
-    params = SamplingBatch.build([(1.0, 5, 0.9, 7, 3), (0.0, 0, 1.0, 8, 0)], device)
+    params = SamplingBatch.build([1.0, 0.0], [5, 0], [0.9, 1.0], [7, 8], [3, 0], device)
     assert not running.query(), "a host-to-device copy waited for the work queued before it"
     torch.cuda.synchronize()
     assert ids.tolist() == [[0, 2], [3, 5], [6, 8], [9, 11]]

@@ -8,7 +8,7 @@ from slora_batch.engine.requests.sampling import SamplingBatch, noise_key, sampl
 
 
 def batch(rows):
-    return SamplingBatch.build(rows, torch.device("cpu"))
+    return SamplingBatch.build(*zip(*rows, strict=True), torch.device("cpu"))
 
 
 def test_noise_key_stable_and_distinct():

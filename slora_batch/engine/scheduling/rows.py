@@ -1,0 +1,139 @@
+"""The running rows' table: one dense row per running sequence, holding what a decode step reads
+in preallocated arrays, so that the step is built by array slices instead of a Python pass over
+every row (issue 37: per-step host work grew with the rows and left the GPU waiting).
+
+A sequence takes the next row when it starts running and gives it up when it stops (retired,
+finished, preempted); the table's last row then moves into the hole, so rows stay dense in
+``[0, n)`` and a row keeps its place from step to step while nothing around it leaves. Running
+example: rows [A, B, C, D]; B finishes -> [A, D, C]; E joins -> [A, D, C, E]. A decode step of
+every running row is then the table's first n rows in this order (``Scheduler`` emits it so),
+its page table ``pages[:n, :width]`` with no copy, and a row that kept its place from one step
+to the next differs only by the page pair of its new token (``ModelRunner._fill`` writes just
+that into a CUDA graph's table).
+
+While a sequence is seated its pages live here (``Sequence.pages`` reads them); a new page
+pair is written into its row when allocated. Leaving, it takes them back into its own buffer.
+Entries past a row's pages are -1.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from slora_batch.engine.requests.sequence import Sequence
+
+MIN_ROWS, MIN_WIDTH = 16, 64  # first sizes; both double when a row or a page pair overflows
+
+
+class RowTable:
+    def __init__(self) -> None:
+        self.seqs: list[Sequence] = []  # row -> its sequence
+        # Per incarnation of a row (a preempted sequence comes back as a new one): the key of
+        # ``HostStep.seq_keys`` for tensor parallelism, and a number unique in this table's life
+        # whose pages only grow while it lasts (``HostStep.b_tenure``).
+        self.keys: list[tuple[int, int]] = []
+        self._tenures = itertools.count()
+        self.scored = 0  # seated sequences that draw nothing (scored): no step is all draws
+        self.pages = np.full((MIN_ROWS, MIN_WIDTH, 2), -1, dtype=np.int32)  # [rows, width, 2]
+        self.b_paged = np.zeros(MIN_ROWS, dtype=np.int64)  # tokens with pages
+        self.b_tenure = np.full(MIN_ROWS, -1, dtype=np.int64)
+        self.b_slot = np.full(MIN_ROWS, -1, dtype=np.int64)  # adapter slot, -1: base model
+        # sampling parameters (``SamplingBatch``): fixed while a row is seated
+        self.b_temperature = np.zeros(MIN_ROWS, dtype=np.float32)
+        self.b_top_k = np.zeros(MIN_ROWS, dtype=np.int64)
+        self.b_top_p = np.ones(MIN_ROWS, dtype=np.float32)
+        self.b_noise = np.zeros(MIN_ROWS, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def _columns(self) -> tuple[str, ...]:
+        return ("b_paged", "b_tenure", "b_slot", "b_temperature", "b_top_k", "b_top_p", "b_noise")
+
+    def join(self, seq: Sequence) -> None:
+        """``seq`` starts running: the next row, with its pages (a cached prefix, its first
+        chunk's) and its fixed fields."""
+        row = len(self.seqs)
+        if row == self.pages.shape[0]:
+            self._grow_rows()
+        pages = seq.pages
+        self._fit(pages.shape[0])
+        self.pages[row, : pages.shape[0]] = pages
+        self.b_paged[row] = pages.shape[0]
+        self.b_tenure[row] = next(self._tenures)
+        self.b_slot[row] = seq.slot
+        self.b_temperature[row] = seq.temperature
+        self.b_top_k[row] = seq.top_k
+        self.b_top_p[row] = seq.top_p
+        self.b_noise[row] = seq.key
+        self.seqs.append(seq)
+        self.keys.append((seq.order, seq.preemptions))
+        self.scored += not seq.draws
+        seq.seat(self, row)
+
+    def leave(self, seq: Sequence) -> None:
+        """``seq`` stops running: its pages go back into its own buffer, the last row moves
+        into its place."""
+        row, last = seq.row, len(self.seqs) - 1
+        self.scored -= not seq.draws
+        paged = int(self.b_paged[row])
+        seq.unseat(self.pages[row, :paged].copy())
+        self.pages[row, :paged] = -1
+        if row != last:
+            moved = int(self.b_paged[last])
+            self.pages[row, :moved] = self.pages[last, :moved]
+            self.pages[last, :moved] = -1
+            for name in self._columns():
+                column = getattr(self, name)
+                column[row] = column[last]
+            mover = self.seqs[last]
+            self.seqs[row], self.keys[row] = mover, self.keys[last]
+            mover.row = row
+        self.seqs.pop()
+        self.keys.pop()
+        self.b_tenure[last] = -1
+
+    def clear(self) -> None:
+        """Every sequence leaves (the scheduler dropped them all)."""
+        for seq in reversed(self.seqs):
+            self.leave(seq)
+
+    def row_pages(self, row: int) -> np.ndarray:
+        """[paged, 2] the row's (K page, V page) per token, a view."""
+        return self.pages[row, : self.b_paged[row]]
+
+    def add_pages(self, row: int, new: np.ndarray) -> None:
+        """A seated sequence's next pages, [k, 2]."""
+        start = int(self.b_paged[row])
+        end = start + new.shape[0]
+        self._fit(end)
+        self.pages[row, start:end] = new
+        self.b_paged[row] = end
+
+    def add_one_each(self, rows: np.ndarray, pairs: np.ndarray) -> None:
+        """One token's page pair for each of ``rows`` (distinct), [k] and [k, 2]."""
+        ends = self.b_paged[rows]
+        self._fit(int(ends.max()) + 1)
+        self.pages[rows, ends] = pairs
+        self.b_paged[rows] = ends + 1
+
+    def _fit(self, width: int) -> None:
+        have = self.pages.shape[1]
+        if width <= have:
+            return
+        wider = np.full((self.pages.shape[0], max(width, 2 * have), 2), -1, dtype=np.int32)
+        wider[:, :have] = self.pages
+        self.pages = wider
+
+    def _grow_rows(self) -> None:
+        rows = 2 * self.pages.shape[0]
+        pages = np.full((rows, *self.pages.shape[1:]), -1, dtype=np.int32)
+        pages[: self.pages.shape[0]] = self.pages
+        self.pages = pages
+        for name in self._columns():
+            column = getattr(self, name)
+            grown = np.zeros(rows, dtype=column.dtype)
+            grown[: column.size] = column
+            setattr(self, name, grown)

@@ -1,0 +1,121 @@
+"""The row table: what a decode step is built from equals a build from each sequence's own
+fields, step after step, across preemptions, prefix-cache hits, scored rows, n > 1 samples and
+overlapped steps; and a CUDA graph's page table written only where rows changed equals the
+whole table."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from factory import make_adapter, make_model
+
+import slora_batch.engine.engine as engine_module
+from slora_batch import Engine, EngineConfig, Request
+from slora_batch.engine.execution import batch as batch_module
+from slora_batch.engine.execution.runner import ModelRunner
+from slora_batch.engine.scheduling.admission import ScheduledStep
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rows")
+    model_dir = make_model(root, "gqa")
+    adapters = {
+        f"a{i}": make_adapter(
+            model_dir,
+            root / f"a{i}",
+            rank=2 + i,
+            targets=["q_proj", "v_proj"],
+            alpha=4,
+            rslora=False,
+            seed=i,
+        )  # fmt: skip
+        for i in range(3)
+    }
+    return model_dir, adapters
+
+
+def requests(count: int, seed: int) -> list[Request]:
+    """Shared prompt heads (prefix-cache hits), sampled and greedy rows, n = 2, scored rows."""
+    rng = random.Random(seed)
+    head = [rng.randrange(3, VOCAB) for _ in range(20)]
+    out = []
+    for i in range(count):
+        prompt = head[: rng.choice([0, 17, 20])] + [rng.randrange(3, VOCAB) for _ in range(3)]
+        kind = rng.random()
+        extra = {}
+        if kind < 0.15:
+            extra = dict(continuation_token_ids=[rng.randrange(3, VOCAB) for _ in range(3)])
+        elif kind < 0.3:
+            extra = dict(n=2)
+        out.append(Request(id=i, adapter=rng.choice([None, "a0", "a1", "a2"]),
+                           prompt_token_ids=prompt, max_new_tokens=rng.randrange(1, 12),
+                           ignore_eos=True, temperature=rng.choice([0.0, 0.9]),
+                           **extra))  # fmt: skip
+    return out
+
+
+def check_table(sched) -> None:
+    """Every running sequence has a row, rows are dense, and each row holds its sequence's
+    fixed fields and its pages (-1 past them)."""
+    table = sched.rows
+    assert set(table.seqs) == set(sched.running) and len(table.seqs) == len(sched.running)
+    for row, seq in enumerate(table.seqs):
+        assert seq.row == row and seq.table is table
+        assert table.keys[row] == (seq.order, seq.preemptions)
+        assert table.b_slot[row] == seq.slot and table.b_noise[row] == seq.key
+        assert table.b_temperature[row] == np.float32(seq.temperature)
+        assert (table.pages[row, seq.num_paged :] == -1).all()
+        assert seq.num_paged >= seq.num_computed
+    tenures = table.b_tenure[: len(table.seqs)]
+    assert np.unique(tenures).size == tenures.size and (tenures >= 0).all()
+    assert (table.pages[len(table.seqs) :] == -1).all()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypatch, overlap,
+                                                                 seed):  # fmt: skip
+    model_dir, adapters = tiny
+    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, num_pages=150,
+                          overlap=overlap, cuda_graphs=False, prefix_block_tokens=4,
+                          admit_batch=2)  # fmt: skip
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    graphs = ModelRunner.__new__(ModelRunner)  # the graphs' page table alone, on the CPU
+    graphs.device, graphs.max_model_len = torch.device("cpu"), engine.max_model_len
+    graphs.graph_table(16)
+    plan, checked = batch_module.plan_step, []
+
+    def checked_plan(step: ScheduledStep):
+        check_table(engine.scheduler)
+        host = plan(step)
+        if step.rows is not None:
+            rebuilt = batch_module.plan_step(ScheduledStep(step.seqs, step.num_new))
+            for name in ("input_ids", "positions", "out_pages", "b1_start", "b_seq_len",
+                         "b_slot", "logits_index", "prev_rows"):  # fmt: skip
+                mine, theirs = getattr(host, name), getattr(rebuilt, name)
+                assert (mine is None) == (theirs is None), name
+                assert mine is None or np.array_equal(mine, theirs), name
+            assert host.logit_rows == rebuilt.logit_rows and host.seq_keys == rebuilt.seq_keys
+            assert np.array_equal(host.page_table, rebuilt.page_table)
+            checked.append(len(step.seqs))
+        if host.decode_only and host.score_index is None:  # what a graph would replay
+            graphs._fill_pages(host)
+            for b, length in enumerate(host.b_seq_len):
+                table = graphs._graph_page_table[b, :length].numpy()
+                assert np.array_equal(table, host.page_table[b, :length])
+        return host
+
+    monkeypatch.setattr(engine_module, "plan_step", checked_plan)
+    work = requests(40, seed)
+    results = {r.id: r for r in engine.generate(work)}
+    assert len(results) == len(work) and all(r.finish_reason != "error" for r in results.values())
+    assert engine.scheduler.preemptions > 0 and engine.counters.prefix_hit_tokens > 0
+    assert sum(checked) > 50  # decode rows went through the table
+    assert not engine.scheduler.rows.seqs
+    engine.close()
