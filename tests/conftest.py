@@ -48,6 +48,18 @@ def model_case(name: str) -> str:
     return case
 
 
+def pytest_configure(config):
+    """An xdist worker's own torch ops (the transformers + PEFT references) run on one thread:
+    the suite's workers take the machine's cores, and OpenMP threads spin while they wait, so
+    two threads a worker on two cores stall each other and any busy neighbour."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
     pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) each group of
