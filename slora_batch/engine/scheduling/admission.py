@@ -86,22 +86,31 @@ class Admission:
     def _joinable(self, want: int) -> int:
         """How many waiting rows the adapter cap lets join now, counted up to ``want``: rows of
         the base model or of a pinned adapter, and the rows of as many other adapters as the cap
-        has slots left. Running example, cap 256 with 255 pinned: of waiting rows [p, q, q, r]
-        (p pinned), p and both q rows may join, r waits for a second slot: 3."""
+        has slots left, the first such adapters in queue order. Running example, cap 256 with
+        255 pinned: of waiting rows [p, q, q, r] (p pinned), p and both q rows may join, r waits
+        for a second slot: 3. Counted from the queue's rows per adapter
+        (``WaitingQueue.by_adapter``); only the new adapters are looked for in the queue, and
+        the walk stops once the cap's slots are named."""
         slots = self.config.max_adapters_per_batch - len(self.pinned)
         if slots >= want:  # a row brings at most one adapter
             return want
-        count, new = 0, set()
+        by_adapter = self.waiting.by_adapter
+        pinned = self.pinned
+        if len(pinned) < len(by_adapter):
+            count = by_adapter.get(None, 0) + sum(by_adapter.get(a, 0) for a in pinned)
+        else:
+            count = sum(n for a, n in by_adapter.items() if a is None or a in pinned)
+        if count >= want or slots <= 0:
+            return min(count, want)
+        new: set[str] = set()
         for seq in self.waiting:
             adapter = seq.adapter
-            if adapter and adapter not in self.pinned and adapter not in new:
-                if len(new) == slots:
-                    continue
+            if adapter and adapter not in pinned and adapter not in new:
                 new.add(adapter)
-            count += 1
-            if count == want:
-                break
-        return count
+                count += by_adapter[adapter]
+                if len(new) == slots or count >= want:
+                    break
+        return min(count, want)
 
     def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
         adapter = seq.adapter

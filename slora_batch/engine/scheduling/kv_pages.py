@@ -140,11 +140,15 @@ class KVPages:
         if start + n > have:
             seq.add_pages(self.pool.kv_pages(start + n - have))
 
-    def take_one_each(self, seqs: list[Sequence], table: RowTable) -> bool:
+    def take_one_each(self, seqs: list[Sequence], table: RowTable, whole: bool = False) -> bool:
         """A page pair for the next token of each sequence that lacks one, in one ``alloc``,
-        written into the sequences' rows of ``table`` (running sequences: all seated); False
-        (nothing taken) when the pool has no room for all of them."""
-        rows = np.array([s.row for s in seqs], dtype=np.int64)
+        written into the sequences' rows of ``table`` (running sequences: all seated; ``whole``:
+        ``seqs`` are the table's rows in order); False (nothing taken) when the pool has no room
+        for all of them."""
+        if whole:
+            rows = np.arange(len(seqs), dtype=np.int64)
+        else:
+            rows = np.array([s.row for s in seqs], dtype=np.int64)
         computed = np.array([s.num_computed for s in seqs], dtype=np.int64)
         short = rows[computed + 1 > table.b_paged[rows]]
         if not self.room(self.pool.kv_pages_per_token * short.size):

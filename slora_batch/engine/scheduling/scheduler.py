@@ -21,7 +21,7 @@ Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence as Seq
 
 from slora_batch.engine.adapters.residency import AdapterResidency
@@ -32,6 +32,7 @@ from slora_batch.engine.scheduling.admission import Admission, ScheduledStep
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.scheduling.prefix_cache import PrefixCache
 from slora_batch.engine.scheduling.rows import RowTable
+from slora_batch.engine.scheduling.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Scheduler(Admission):
         self.pool = pool
         self.residency = residency
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()  # counts its rows per adapter (admission)
         self.running: list[Sequence] = []
         self.rows = RowTable()  # the running sequences' pages and fixed fields, one row each
         self.retired: list[Sequence] = []  # last token drawn, not read back: pages held
@@ -298,13 +299,21 @@ class Scheduler(Admission):
         many it scheduled."""
         running = self.running
         limit = min(len(running), budget)
-        remaining = [s.remaining for s in running[:limit]]
-        count = next((i for i, r in enumerate(remaining) if r != 1), limit)
+        # the first row that brings more than one token (``remaining`` inlined: the property
+        # calls cost more than the rest of the row's work)
+        count = next(
+            (
+                i
+                for i, s in enumerate(running[:limit])
+                if len(s.prompt_ids) + len(s.output_ids) + s.pending - s.num_computed != 1
+            ),
+            limit,
+        )
         if count == 0:
             return 0
         whole = count == len(running) and not self.rows.scored
         seqs = list(self.rows.seqs) if whole else running[:count]
-        if not self.pages.take_one_each(seqs, self.rows):
+        if not self.pages.take_one_each(seqs, self.rows, whole):
             return 0
         step.seqs.extend(seqs)
         step.num_new.extend([1] * count)

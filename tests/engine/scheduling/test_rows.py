@@ -6,6 +6,7 @@ whole table."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -75,6 +76,7 @@ def check_table(sched) -> None:
     tenures = table.b_tenure[: len(table.seqs)]
     assert np.unique(tenures).size == tenures.size and (tenures >= 0).all()
     assert (table.pages[len(table.seqs) :] == -1).all()
+    assert sched.waiting.by_adapter == Counter(s.adapter or None for s in sched.waiting)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
