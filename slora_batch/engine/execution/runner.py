@@ -47,7 +47,10 @@ def tiled_decode(b_slot: np.ndarray) -> bool:
     adapter tokens per distinct adapter (example: 256 tokens on 8 adapters), else the vector ones
     (256 tokens on 200 adapters)."""
     used = b_slot[b_slot >= 0]
-    return used.size > 0 and used.size >= TILED_TOKENS_PER_ADAPTER * len(np.unique(used))
+    # distinct slots by a count per slot (slots are small table rows; np.unique sorts)
+    return used.size > 0 and used.size >= TILED_TOKENS_PER_ADAPTER * np.count_nonzero(
+        np.bincount(used)
+    )
 
 
 def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
@@ -61,6 +64,11 @@ def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
     copy_in(static.seg_slot, seg_slot)
     if static.pos_seg is not None:
         copy_in(static.pos_seg, position_segments(seg1_start, bucket))
+
+
+# A decode graph's per-row inputs staged on the host (``ModelRunner._staged``), and the value of
+# a padding row past the batch (out_pages: the scratch page pair); b_slot -1: no adapter.
+STAGED_PADDING = {"input_ids": 0, "positions": 0, "out_pages": None, "b_seq_len": 1, "b_slot": -1}
 
 
 class ModelRunner:
@@ -108,6 +116,8 @@ class ModelRunner:
         )
         self._graph_tenure = np.full(max_batch, -1, dtype=np.int64)
         self._graph_lens = np.zeros(max_batch, dtype=np.int64)
+        self._staging: dict[int, list[dict[str, tuple[torch.Tensor, np.ndarray]]]] = {}
+        self._fills = 0
 
     def forward(self, host: HostStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
@@ -179,31 +189,50 @@ class ModelRunner:
     def _fill(self, static: StepInput, host: HostStep, bucket: int) -> None:
         """Copies the step into the bucket's buffers; rows past the batch become padding."""
         batch = len(host.b_seq_len)
-        pad = bucket - batch
-
-        def put(dst: torch.Tensor, array: np.ndarray, fill) -> None:
-            if pad:
-                array = np.concatenate(
-                    [array, np.full((pad, *array.shape[1:]), fill, dtype=array.dtype)]
-                )
-            copy_in(dst, array)
-
-        scratch = self.scratch.astype(np.int32)
-        put(static.input_ids, host.input_ids, 0)
-        put(static.positions, host.positions, 0)
-        put(static.out_pages, host.out_pages, 0)
-        if pad:
-            copy_in(static.out_pages[batch:], np.tile(scratch, (pad, 1)))
-        put(static.attn.b_seq_len, host.b_seq_len, 1)
+        staged = self._staged(bucket)
+        for name, fill in STAGED_PADDING.items():
+            _, array = staged[name]
+            array[:batch] = getattr(host, name)
+            array[batch:] = self.scratch if name == "out_pages" else fill
+        for name, dst in (("input_ids", static.input_ids), ("positions", static.positions),
+                          ("out_pages", static.out_pages),
+                          ("b_seq_len", static.attn.b_seq_len)):  # fmt: skip
+            dst.copy_(staged[name][0], non_blocking=True)
         # The batch's rows; a padding row has length 1, so only its first entry is ever read
         # (entries past a row's length are stale from earlier steps and never read either).
         self._fill_pages(host)
-        if pad:
-            copy_in(static.attn.page_table[batch:, 0], np.tile(scratch, (pad, 1)))
+        if batch < bucket:
+            static.attn.page_table[batch:, 0].copy_(
+                staged["out_pages"][0][batch:], non_blocking=True
+            )
             self._graph_tenure[batch:bucket] = -1
         if static.lora is not None:
-            b_slot = np.concatenate([host.b_slot, np.full(pad, -1)]) if pad else host.b_slot
-            fill_lora(static.lora, b_slot)
+            fill_lora(static.lora, staged["b_slot"][1])
+
+    def _staged(self, bucket: int) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
+        """The bucket's host buffers of the step's rows (``STAGED_PADDING``), each a tensor
+        (pinned on CUDA) and its numpy view. Two sets, used in turn: a set is refilled two
+        steps after its last use, and the engine has read back that step by then, so its
+        copies from the set have run."""
+        sets = self._staging.get(bucket)
+        if sets is None:
+            pin = self.device.type == "cuda"
+            sets = self._staging[bucket] = [
+                {
+                    name: (tensor, tensor.numpy())
+                    for name, shape, dtype in (
+                        ("input_ids", (bucket,), torch.int64),
+                        ("positions", (bucket,), torch.int64),
+                        ("out_pages", (bucket, 2), torch.int32),
+                        ("b_seq_len", (bucket,), torch.int32),
+                        ("b_slot", (bucket,), torch.int64),
+                    )
+                    for tensor in (torch.empty(shape, dtype=dtype, pin_memory=pin),)
+                }
+                for _ in range(2)
+            ]
+        self._fills += 1
+        return sets[self._fills % 2]
 
     def _fill_pages(self, host: HostStep) -> None:
         """The step's page-table rows into the graphs' table: of a row that held the same run
@@ -222,13 +251,18 @@ class ModelRunner:
         kept = (self._graph_tenure[:batch] == host.b_tenure) & (held <= lens)
         start = np.where(kept, held, 0)
         counts = lens - start
-        rows = np.repeat(np.arange(batch), counts)
-        # entry columns: start[b], start[b] + 1, ... of each row b, flat
-        cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts - start, counts)
+        if counts.max(initial=0) <= 1:  # the decode step's common case: one entry a row
+            rows = np.flatnonzero(counts)
+            cols = start[rows]
+        else:
+            rows = np.repeat(np.arange(batch), counts)
+            # entry columns: start[b], start[b] + 1, ... of each row b, flat
+            cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts - start, counts)
         if rows.size:
-            index = (to_device(rows, self.device), to_device(cols, self.device))
-            values = to_device(host.page_table[rows, cols], self.device, torch.int32)
-            table.index_put_(index, values)
+            # one host-to-device copy: [4, n] rows, columns, K page, V page
+            entries = np.concatenate([rows[None], cols[None], host.page_table[rows, cols].T])
+            entries = to_device(entries, self.device)
+            table.index_put_((entries[0], entries[1]), entries[2:].T.to(torch.int32))
         self._graph_tenure[:batch] = host.b_tenure
         self._graph_lens[:batch] = lens
 
