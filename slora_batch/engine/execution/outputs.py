@@ -79,7 +79,7 @@ def step_outputs(
         logits = logits[: len(drawn)]
         masks.apply(logits)
     if drawn and _any_sampled(drawn, table):
-        steps = [s.num_drawn for s in drawn]
+        steps = [len(s.output_ids) + s.pending for s in drawn]  # num_drawn, inlined
         if table is not None:
             d = len(drawn)
             params = SamplingBatch.build(table.b_temperature[:d], table.b_top_k[:d],
@@ -92,7 +92,9 @@ def step_outputs(
         outputs["tokens"] = sample(logits, params)
     elif drawn:  # all greedy: sample()'s argmax, without building its parameters
         outputs["tokens"] = logits.argmax(dim=-1)
-    rows = [i for i, s in enumerate(drawn) if s.logprobs is not None]
+    rows = []
+    if table is None or table.logprobs:  # the table counts its rows that ask
+        rows = [i for i, s in enumerate(drawn) if s.logprobs is not None]
     if rows:  # rows asked for logprobs: theirs only
         index = to_device(rows, logits.device)
         temperatures = [drawn[i].temperature for i in rows]

@@ -36,6 +36,7 @@ class RowTable:
         self.keys: list[tuple[int, int]] = []
         self._tenures = itertools.count()
         self.scored = 0  # seated sequences that draw nothing (scored): no step is all draws
+        self.logprobs = 0  # seated sequences that read logprobs back (``step_outputs``)
         self.pages = np.full((MIN_ROWS, MIN_WIDTH, 2), -1, dtype=np.int32)  # [rows, width, 2]
         self.b_paged = np.zeros(MIN_ROWS, dtype=np.int64)  # tokens with pages
         self.b_tenure = np.full(MIN_ROWS, -1, dtype=np.int64)
@@ -71,6 +72,7 @@ class RowTable:
         self.seqs.append(seq)
         self.keys.append((seq.order, seq.preemptions))
         self.scored += not seq.draws
+        self.logprobs += seq.logprobs is not None
         seq.seat(self, row)
 
     def leave(self, seq: Sequence) -> None:
@@ -78,6 +80,7 @@ class RowTable:
         into its place."""
         row, last = seq.row, len(self.seqs) - 1
         self.scored -= not seq.draws
+        self.logprobs -= seq.logprobs is not None
         paged = int(self.b_paged[row])
         seq.unseat(self.pages[row, :paged].copy())
         self.pages[row, :paged] = -1

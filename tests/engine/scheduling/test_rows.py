@@ -42,7 +42,8 @@ def tiny(tmp_path_factory):
 
 
 def requests(count: int, seed: int) -> list[Request]:
-    """Shared prompt heads (prefix-cache hits), sampled and greedy rows, n = 2, scored rows."""
+    """Shared prompt heads (prefix-cache hits), sampled and greedy rows, n = 2, scored rows,
+    rows with logprobs."""
     rng = random.Random(seed)
     head = [rng.randrange(3, VOCAB) for _ in range(20)]
     out = []
@@ -54,6 +55,8 @@ def requests(count: int, seed: int) -> list[Request]:
             extra = dict(continuation_token_ids=[rng.randrange(3, VOCAB) for _ in range(3)])
         elif kind < 0.3:
             extra = dict(n=2)
+        elif i % 5 == 0:  # rows reading logprobs back (the table counts them)
+            extra = dict(logprobs=2)
         out.append(Request(id=i, adapter=rng.choice([None, "a0", "a1", "a2"]),
                            prompt_token_ids=prompt, max_new_tokens=rng.randrange(1, 12),
                            ignore_eos=True, temperature=rng.choice([0.0, 0.9]),
@@ -76,6 +79,8 @@ def check_table(sched) -> None:
     tenures = table.b_tenure[: len(table.seqs)]
     assert np.unique(tenures).size == tenures.size and (tenures >= 0).all()
     assert (table.pages[len(table.seqs) :] == -1).all()
+    assert table.logprobs == sum(s.logprobs is not None for s in table.seqs)
+    assert table.scored == sum(not s.draws for s in table.seqs)
     assert sched.waiting.by_adapter == Counter(s.adapter or None for s in sched.waiting)
 
 
