@@ -47,6 +47,10 @@ class PagePool:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._top = num_pages
         self._used = np.zeros(num_pages, dtype=bool)
+        # ``free``'s duplicate check without a sort: page -> the index it had in the last freed
+        # array. Running example: free [7, 9, 7] writes 0, 1, 2 at 7, 9, 7; page 7 then reads 2
+        # where index 0 expects 0: a duplicate.
+        self._last_index = np.zeros(num_pages, dtype=np.int64)
         self.peak_used = 0
         self.data = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
         # KV pages per token: a K page and a V page, or (fp8) one page holding both
@@ -106,7 +110,9 @@ class PagePool:
         pages = np.asarray(pages, dtype=np.int32).reshape(-1)
         if pages.size == 0:
             return
-        if not self._used[pages].all() or np.unique(pages).size != pages.size:
+        index = np.arange(pages.size)
+        self._last_index[pages] = index
+        if not self._used[pages].all() or not (self._last_index[pages] == index).all():
             bad = pages[~self._used[pages]][:5].tolist()
             raise ValueError(f"double free of pages {bad} (or duplicates in {pages.size} pages)")
         self._used[pages] = False

@@ -220,21 +220,25 @@ def _plan_decode(step: ScheduledStep) -> HostStep:
 def _plan_rows(step: ScheduledStep) -> HostStep:
     """``plan_step`` of a step that is the row table's first B rows, one token each, each
     drawing one (``ScheduledStep.rows``): the page table is a view of the table's, the slots
-    and keys its columns; per row only the sequences' plain fields are read.
+    and keys, positions and pending draws its columns; only a row whose token was read back
+    reads it from its sequence.
 
     Running example: rows [A, B], A at position 16 with its token pending (row 3 of the last
     step's draws), B at position 7 not pending (its last token 42 read back):
     positions [16, 7], prev_rows [3, -1], input_ids [0, 42], page_table = pages[:2, :17]."""
     seqs, table = step.seqs, step.rows
     batch = len(seqs)
-    positions = np.array([s.num_computed for s in seqs], dtype=np.int64)
-    prev = np.array([s.last_row if s.pending else -1 for s in seqs], dtype=np.int64)
-    ids = [0 if s.pending else s.token(s.num_computed) for s in seqs]
+    positions = table.b_computed[:batch].copy()
+    pending = table.b_pending[:batch] > 0
+    prev = np.where(pending, table.b_last_row[:batch], -1)
+    ids = np.zeros(batch, dtype=np.int64)
+    for b in np.flatnonzero(~pending).tolist():  # its token read back: known on the host
+        ids[b] = seqs[b].token(int(positions[b]))
     seq_lens = positions + 1
     table_view = table.pages[:batch, : int(seq_lens.max())]
     rows = np.arange(batch, dtype=np.int64)
     return HostStep(
-        input_ids=np.array(ids, dtype=np.int64),
+        input_ids=ids,
         positions=positions,
         out_pages=table_view[rows, positions],
         b1_start=np.arange(batch + 1, dtype=np.int32),

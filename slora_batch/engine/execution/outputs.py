@@ -79,13 +79,14 @@ def step_outputs(
         logits = logits[: len(drawn)]
         masks.apply(logits)
     if drawn and _any_sampled(drawn, table):
-        steps = [len(s.output_ids) + s.pending for s in drawn]  # num_drawn, inlined
         if table is not None:
             d = len(drawn)
+            steps = table.b_outputs[:d] + table.b_pending[:d]  # num_drawn
             params = SamplingBatch.build(table.b_temperature[:d], table.b_top_k[:d],
                                          table.b_top_p[:d], table.b_noise[:d], steps,
                                          logits.device)  # fmt: skip
         else:
+            steps = [s.num_drawn for s in drawn]
             params = SamplingBatch.build([s.temperature for s in drawn], [s.top_k for s in drawn],
                                          [s.top_p for s in drawn], [s.key for s in drawn], steps,
                                          logits.device)  # fmt: skip

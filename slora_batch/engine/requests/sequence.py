@@ -48,8 +48,12 @@ class Sequence:
     key: int  # sampling.noise_key(seed, id): the row's sampling noise
     stop: list[str]
     ignore_eos: bool
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    # The per-step state below (``_output_ids``, ``_num_computed``, ``_pending``, ``_last_row``,
+    # ``_last_step``) is the sequence's own while it is not running; while seated, its row of
+    # ``table`` holds it (a decode step updates every row by array ops) and the properties of the
+    # same names without "_" read and write that row.
+    _output_ids: list[int] = field(default_factory=list)
+    _num_computed: int = 0
     # Pages while not running (a running sequence's are in its row of ``table``): tokens with
     # pages, and the buffer holding them, grown by doubling so appends stay O(1).
     page_buf: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
@@ -63,9 +67,9 @@ class Sequence:
     detok: Detokenizer | None = None  # fed token by token only when ``stop`` is non-empty
     # Overlapped steps: tokens drawn on the device and not read back yet (counted in
     # num_tokens), the row of the latest one among its step's drawn rows, and that step's number.
-    pending: int = 0
-    last_row: int = -1
-    last_step: int = -1
+    _pending: int = 0
+    _last_row: int = -1
+    _last_step: int = -1
     # A scored sequence (prefill only, nothing drawn): its continuation tokens' scores, and for
     # a row with choices the group it belongs to and its index there.
     scores: ScoreBuffer | None = None
@@ -131,23 +135,99 @@ class Sequence:
         return pages
 
     def seat(self, table: RowTable, row: int) -> None:
-        """Starts running in ``row`` of ``table``, which took its pages."""
+        """Starts running in ``row`` of ``table``, which took its pages and per-step state."""
         self.table, self.row = table, row
         self.page_buf, self.buf_paged = self.page_buf[:0], 0
 
-    def unseat(self, pages: np.ndarray) -> None:
-        """Stops running; ``pages`` [n, 2] are its own again."""
+    def unseat(self, pages: np.ndarray, state: tuple[list[int], int, int, int, int]) -> None:
+        """Stops running; ``pages`` [n, 2] and ``state`` (output ids, computed, pending, last
+        row, last step) are its own again."""
         self.table, self.row = None, -1
         self.page_buf, self.buf_paged = pages, pages.shape[0]
+        (self._output_ids, self._num_computed, self._pending, self._last_row,
+         self._last_step) = state  # fmt: skip
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The tokens read back (while seated a new list: appending to it changes nothing)."""
+        if self.table is not None:
+            return self.table.outputs(self.row)
+        return self._output_ids
+
+    @output_ids.setter
+    def output_ids(self, ids: list[int]) -> None:
+        if self.table is not None:
+            self.table.set_outputs(self.row, ids)
+        else:
+            self._output_ids = ids
+
+    @property
+    def num_outputs(self) -> int:
+        """Tokens read back."""
+        if self.table is not None:
+            return int(self.table.b_outputs[self.row])
+        return len(self._output_ids)
+
+    @property
+    def num_computed(self) -> int:
+        if self.table is not None:
+            return int(self.table.b_computed[self.row])
+        return self._num_computed
+
+    @num_computed.setter
+    def num_computed(self, n: int) -> None:
+        if self.table is not None:
+            self.table.b_computed[self.row] = n
+        else:
+            self._num_computed = n
+
+    @property
+    def pending(self) -> int:
+        if self.table is not None:
+            return int(self.table.b_pending[self.row])
+        return self._pending
+
+    @pending.setter
+    def pending(self, n: int) -> None:
+        if self.table is not None:
+            self.table.b_pending[self.row] = n
+        else:
+            self._pending = n
+
+    @property
+    def last_row(self) -> int:
+        if self.table is not None:
+            return int(self.table.b_last_row[self.row])
+        return self._last_row
+
+    @last_row.setter
+    def last_row(self, row: int) -> None:
+        if self.table is not None:
+            self.table.b_last_row[self.row] = row
+        else:
+            self._last_row = row
+
+    @property
+    def last_step(self) -> int:
+        if self.table is not None:
+            return int(self.table.b_last_step[self.row])
+        return self._last_step
+
+    @last_step.setter
+    def last_step(self, number: int) -> None:
+        if self.table is not None:
+            self.table.b_last_step[self.row] = number
+        else:
+            self._last_step = number
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return len(self.prompt_ids) + self.num_outputs + self.pending
 
     @property
     def num_drawn(self) -> int:
         """Tokens drawn so far, read back or not: the index of the next one."""
-        return len(self.output_ids) + self.pending
+        return self.num_outputs + self.pending
 
     @property
     def remaining(self) -> int:
@@ -156,4 +236,8 @@ class Sequence:
 
     def token(self, position: int) -> int:
         n = len(self.prompt_ids)
-        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+        if position < n:
+            return self.prompt_ids[position]
+        if self.table is not None:
+            return int(self.table.out[self.row, position - n])
+        return self._output_ids[position - n]

@@ -149,8 +149,7 @@ class KVPages:
             rows = np.arange(len(seqs), dtype=np.int64)
         else:
             rows = np.array([s.row for s in seqs], dtype=np.int64)
-        computed = np.array([s.num_computed for s in seqs], dtype=np.int64)
-        short = rows[computed + 1 > table.b_paged[rows]]
+        short = rows[table.b_computed[rows] + 1 > table.b_paged[rows]]
         if not self.room(self.pool.kv_pages_per_token * short.size):
             return False
         if short.size:

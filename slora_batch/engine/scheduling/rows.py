@@ -13,7 +13,12 @@ that into a CUDA graph's table).
 
 While a sequence is seated its pages live here (``Sequence.pages`` reads them); a new page
 pair is written into its row when allocated. Leaving, it takes them back into its own buffer.
-Entries past a row's pages are -1.
+Entries past a row's pages are -1. So does its per-step state (tokens computed, pending, read
+back, the row and step of its latest draw): a decode step's ``launched`` and ``postprocess``
+update every row with a few array ops, and ``Sequence``'s properties read the row while seated.
+Running example: row 2 at 40 computed, 1 pending, 5 read back; its step launches -> 41
+computed, 2 pending; the earlier token 17 comes back -> ``out[2, 5] = 17``, 6 read back, 1
+pending.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from slora_batch.engine.requests.sequence import Sequence
 
 MIN_ROWS, MIN_WIDTH = 16, 64  # first sizes; both double when a row or a page pair overflows
+MIN_OUTPUTS = 64  # first width of the read-back tokens; doubles when a row's outputs overflow
 
 
 class RowTable:
@@ -46,12 +52,25 @@ class RowTable:
         self.b_top_k = np.zeros(MIN_ROWS, dtype=np.int64)
         self.b_top_p = np.ones(MIN_ROWS, dtype=np.float32)
         self.b_noise = np.zeros(MIN_ROWS, dtype=np.int64)
+        self.b_max_new = np.zeros(MIN_ROWS, dtype=np.int64)  # max_new_tokens
+        self.b_prompt_len = np.zeros(MIN_ROWS, dtype=np.int64)
+        # rows ``postprocess`` looks at on every token: a stop string or a grammar to feed
+        self.b_watched = np.zeros(MIN_ROWS, dtype=np.bool_)
+        # per-step state (``Sequence``'s properties of these names read them while seated)
+        self.b_computed = np.zeros(MIN_ROWS, dtype=np.int64)  # num_computed
+        self.b_pending = np.zeros(MIN_ROWS, dtype=np.int64)
+        self.b_last_row = np.full(MIN_ROWS, -1, dtype=np.int64)
+        self.b_last_step = np.full(MIN_ROWS, -1, dtype=np.int64)
+        self.b_outputs = np.zeros(MIN_ROWS, dtype=np.int64)  # tokens read back
+        self.out = np.zeros((MIN_ROWS, MIN_OUTPUTS), dtype=np.int64)  # [rows, width] their ids
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def _columns(self) -> tuple[str, ...]:
-        return ("b_paged", "b_tenure", "b_slot", "b_temperature", "b_top_k", "b_top_p", "b_noise")
+        return ("b_paged", "b_tenure", "b_slot", "b_temperature", "b_top_k", "b_top_p", "b_noise",
+                "b_max_new", "b_prompt_len", "b_watched", "b_computed", "b_pending", "b_last_row",
+                "b_last_step", "b_outputs")  # fmt: skip
 
     def join(self, seq: Sequence) -> None:
         """``seq`` starts running: the next row, with its pages (a cached prefix, its first
@@ -69,6 +88,15 @@ class RowTable:
         self.b_top_k[row] = seq.top_k
         self.b_top_p[row] = seq.top_p
         self.b_noise[row] = seq.key
+        self.b_max_new[row] = seq.max_new_tokens
+        self.b_prompt_len[row] = len(seq.prompt_ids)
+        self.b_watched[row] = seq.detok is not None or seq.grammar is not None
+        self.b_computed[row] = seq.num_computed
+        self.b_pending[row] = seq.pending
+        self.b_last_row[row] = seq.last_row
+        self.b_last_step[row] = seq.last_step
+        self.b_outputs[row] = 0
+        self.set_outputs(row, seq.output_ids)
         self.seqs.append(seq)
         self.keys.append((seq.order, seq.preemptions))
         self.scored += not seq.draws
@@ -82,12 +110,15 @@ class RowTable:
         self.scored -= not seq.draws
         self.logprobs -= seq.logprobs is not None
         paged = int(self.b_paged[row])
-        seq.unseat(self.pages[row, :paged].copy())
+        state = (self.outputs(row), int(self.b_computed[row]), int(self.b_pending[row]),
+                 int(self.b_last_row[row]), int(self.b_last_step[row]))  # fmt: skip
+        seq.unseat(self.pages[row, :paged].copy(), state)
         self.pages[row, :paged] = -1
         if row != last:
             moved = int(self.b_paged[last])
             self.pages[row, :moved] = self.pages[last, :moved]
             self.pages[last, :moved] = -1
+            self.out[row, : self.b_outputs[last]] = self.out[last, : self.b_outputs[last]]
             for name in self._columns():
                 column = getattr(self, name)
                 column[row] = column[last]
@@ -102,6 +133,30 @@ class RowTable:
         """Every sequence leaves (the scheduler dropped them all)."""
         for seq in reversed(self.seqs):
             self.leave(seq)
+
+    def outputs(self, row: int) -> list[int]:
+        """The row's tokens read back, a new list."""
+        return self.out[row, : self.b_outputs[row]].tolist()
+
+    def set_outputs(self, row: int, ids: list[int]) -> None:
+        self._fit_outputs(len(ids))
+        self.out[row, : len(ids)] = ids
+        self.b_outputs[row] = len(ids)
+
+    def add_outputs(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """One token read back for each of ``rows`` (distinct), [k] and [k]."""
+        ends = self.b_outputs[rows]
+        if rows.size:
+            self._fit_outputs(int(ends.max()) + 1)
+        self.out[rows, ends] = tokens
+        self.b_outputs[rows] = ends + 1
+
+    def _fit_outputs(self, width: int) -> None:
+        have = self.out.shape[1]
+        if width > have:
+            wider = np.zeros((self.out.shape[0], max(width, 2 * have)), dtype=np.int64)
+            wider[:, :have] = self.out
+            self.out = wider
 
     def row_pages(self, row: int) -> np.ndarray:
         """[paged, 2] the row's (K page, V page) per token, a view."""
@@ -135,6 +190,9 @@ class RowTable:
         pages = np.full((rows, *self.pages.shape[1:]), -1, dtype=np.int32)
         pages[: self.pages.shape[0]] = self.pages
         self.pages = pages
+        out = np.zeros((rows, self.out.shape[1]), dtype=np.int64)
+        out[: self.out.shape[0]] = self.out
+        self.out = out
         for name in self._columns():
             column = getattr(self, name)
             grown = np.zeros(rows, dtype=column.dtype)

@@ -24,6 +24,8 @@ import logging
 from collections import Counter
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.pool import PagePool
@@ -52,6 +54,7 @@ class Scheduler(Admission):
         self.pool = pool
         self.residency = residency
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.b_eos = np.array(sorted(self.eos_token_ids), dtype=np.int64)
         self.waiting = WaitingQueue()  # counts its rows per adapter (admission)
         self.running: list[Sequence] = []
         self.rows = RowTable()  # the running sequences' pages and fixed fields, one row each
@@ -105,35 +108,39 @@ class Scheduler(Admission):
         self._pend(drawn, number)
 
     def _launched_decode(self, seqs: list[Sequence], number: int) -> None:
-        """``launched`` for a step of the row table's rows (``ScheduledStep.rows``): one pass
-        over plain fields; only a row whose prompt ends with this token goes through
-        ``_computed_tokens`` (its last prompt block is cached, its followers released)."""
-        done = []
-        for row, seq in enumerate(seqs):
-            if seq.num_computed < len(seq.prompt_ids):
-                self._computed_tokens(seq, 1, number)
-            else:
-                seq.num_computed += 1
-            seq.pending += 1
-            seq.last_row, seq.last_step = row, number
-            if len(seq.output_ids) + seq.pending >= seq.max_new_tokens:
-                done.append(seq)
-        for seq in done:
-            self._retire(seq)
+        """``launched`` for a step of the row table's rows (``ScheduledStep.rows``): array ops
+        over the table's columns; only a row whose prompt ends with this token goes through
+        ``_computed`` (its last prompt block is cached, its followers released), and only the
+        rows whose pending token is their last are retired, one by one."""
+        table, n = self.rows, len(seqs)
+        prefilling = np.flatnonzero(table.b_computed[:n] < table.b_prompt_len[:n])
+        table.b_computed[:n] += 1
+        table.b_pending[:n] += 1
+        table.b_last_row[:n] = np.arange(n)
+        table.b_last_step[:n] = number
+        done = np.flatnonzero(table.b_outputs[:n] + table.b_pending[:n] >= table.b_max_new[:n])
+        for i in prefilling.tolist():
+            self._after_computed(seqs[i], number)
+        for i in done.tolist():
+            self._retire(seqs[i])
 
     def _computed_tokens(self, seq: Sequence, n: int, number: int) -> None:
-        """``n`` more tokens of ``seq``'s K/V are computed (queued) by step ``number``: cache
-        its prompt blocks that are now whole, end its claim on the block it was computing for
-        others, let its followers start past its context, and retire it if it is scored and
-        this was its last chunk."""
+        """``n`` more tokens of ``seq``'s K/V are computed (queued) by step ``number``."""
         seq.num_computed += n
+        self._after_computed(seq, number)
+
+    def _after_computed(self, seq: Sequence, number: int) -> None:
+        """``seq``'s K/V computed (queued) count grew: cache its prompt blocks that are now
+        whole, end its claim on the block it was computing for others, let its followers start
+        past its context, and retire it if it is scored and this was its last chunk."""
         if self.cache is not None and not seq.cache_done and self._uncached_prompt_block(seq):
             self.pages.cache_computed(seq)
-        if seq.computing is not None and seq.num_computed >= len(seq.prompt_ids):
+        computed = seq.num_computed
+        if seq.computing is not None and computed >= len(seq.prompt_ids):
             self._computed(seq)
-        if seq.followers and seq.num_computed >= seq.context_tokens:
+        if seq.followers and computed >= seq.context_tokens:
             self._release_followers(seq)
-        if not seq.draws and seq.num_computed == seq.num_tokens:  # scored: all computed
+        if not seq.draws and computed == seq.num_tokens:  # scored: all computed
             seq.last_step = number
             self._retire(seq)
 
@@ -179,21 +186,37 @@ class Scheduler(Admission):
             seq.finish_reason = "score"  # its scores are read back with its last step
             self.finish(seq)
             finished.append(seq)
-        # One pass appends every token; only the rows that may finish (a stop string or a
-        # grammar to feed, an EOS token, their last token) are looked at further.
-        eos, watched = self.eos_token_ids, []
-        for seq, token in zip(drawn, tokens, strict=True):
+        # The seated rows' tokens go into the row table by array ops; the others (retired,
+        # finished or preempted since their step launched) one by one. Only the rows that may
+        # finish (a stop string or a grammar to feed, an EOS token, their last token) are looked
+        # at further, in ``drawn`` order.
+        table, count = self.rows, len(drawn)
+        b_row = np.fromiter([s.row for s in drawn], np.int64, count)  # -1: not seated
+        b_token = np.fromiter(tokens, np.int64, count)
+        b_watch = np.zeros(count, dtype=np.bool_)
+        seated = np.flatnonzero(b_row >= 0)
+        rows = b_row[seated]
+        table.b_pending[rows] -= 1
+        table.add_outputs(rows, b_token[seated])
+        b_watch[seated] = (
+            table.b_watched[rows]
+            | (table.b_outputs[rows] >= table.b_max_new[rows])
+            | np.isin(b_token[seated], self.b_eos)
+        )
+        eos = self.eos_token_ids
+        for i in np.flatnonzero(b_row < 0).tolist():
+            seq, token = drawn[i], tokens[i]
             seq.pending -= 1
             if seq.finish_reason is not None:  # finished a step earlier: a wasted row
                 continue
             seq.output_ids.append(token)
-            if (
+            b_watch[i] = (
                 token in eos
                 or len(seq.output_ids) >= seq.max_new_tokens
                 or seq.detok is not None
                 or seq.grammar is not None
-            ):
-                watched.append((seq, token))
+            )
+        watched = [(drawn[i], tokens[i]) for i in np.flatnonzero(b_watch).tolist()]
         for seq, token in watched:
             stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
             if seq.grammar is not None:  # a token taken already (masks.py) is not taken again
@@ -201,7 +224,7 @@ class Scheduler(Admission):
                 stopped = seq.grammar.accept(ids, len(ids), seq.request.id) or stopped
             if stopped or (token in self.eos_token_ids and not seq.ignore_eos):
                 seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= seq.max_new_tokens:
+            elif seq.num_outputs >= seq.max_new_tokens:
                 seq.finish_reason = "length"
             else:
                 continue
@@ -297,18 +320,16 @@ class Scheduler(Admission):
         whom may differ. When that is every running row and each draws a token, the step lists
         them in the row table's order and carries the table (``ScheduledStep.rows``). Returns how
         many it scheduled."""
-        running = self.running
+        running, table = self.running, self.rows
         limit = min(len(running), budget)
-        # the first row that brings more than one token (``remaining`` inlined: the property
-        # calls cost more than the rest of the row's work)
-        count = next(
-            (
-                i
-                for i, s in enumerate(running[:limit])
-                if len(s.prompt_ids) + len(s.output_ids) + s.pending - s.num_computed != 1
-            ),
-            limit,
-        )
+        # the first row that brings more than one token; the table's columns tell at once when
+        # none does (every running row is seated)
+        n = len(table)
+        b_remaining = (table.b_prompt_len[:n] + table.b_outputs[:n] + table.b_pending[:n]
+                       - table.b_computed[:n])  # fmt: skip
+        count = limit
+        if (b_remaining != 1).any():
+            count = next((i for i, s in enumerate(running[:limit]) if s.remaining != 1), limit)
         if count == 0:
             return 0
         whole = count == len(running) and not self.rows.scored

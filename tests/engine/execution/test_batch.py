@@ -23,7 +23,7 @@ def test_plan_and_upload_a_mixed_step():
     sched.add(decode)
     step = sched.schedule()
     decode.num_computed = 3
-    decode.output_ids.append(9)
+    decode.output_ids = [9]  # seated: the row holds its outputs
     sched.add(prefill)
     step = sched.schedule()
     host = plan_step(step)
@@ -115,7 +115,7 @@ def test_decode_step_with_a_one_token_prefill_chunk():
     sched.add(decode)
     sched.schedule()
     decode.num_computed = 1
-    decode.output_ids.append(9)
+    decode.output_ids = [9]  # seated: the row holds its outputs
     sched.add(prefill)
     step = sched.schedule()
     assert step.num_new == [1, 1]

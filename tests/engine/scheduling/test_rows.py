@@ -76,6 +76,14 @@ def check_table(sched) -> None:
         assert table.b_temperature[row] == np.float32(seq.temperature)
         assert (table.pages[row, seq.num_paged :] == -1).all()
         assert seq.num_paged >= seq.num_computed
+        assert table.b_max_new[row] == seq.max_new_tokens
+        assert table.b_prompt_len[row] == len(seq.prompt_ids)
+        assert table.b_watched[row] == (seq.detok is not None or seq.grammar is not None)
+        # the per-step state the row holds for its sequence: within its bounds, and its
+        # outputs the row's own (a moved row brings them along)
+        assert 0 <= seq.pending <= 2 and seq.num_drawn <= seq.max_new_tokens
+        assert seq.num_computed <= seq.num_tokens
+        assert seq.output_ids == table.out[row, : table.b_outputs[row]].tolist()
     tenures = table.b_tenure[: len(table.seqs)]
     assert np.unique(tenures).size == tenures.size and (tenures >= 0).all()
     assert (table.pages[len(table.seqs) :] == -1).all()
@@ -122,6 +130,9 @@ def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypat
     work = requests(40, seed)
     results = {r.id: r for r in engine.generate(work)}
     assert len(results) == len(work) and all(r.finish_reason != "error" for r in results.values())
+    for request in work:  # no token lost or doubled through the table (ignore_eos: all drawn)
+        if request.continuation_token_ids is None:
+            assert len(results[request.id].token_ids) == request.max_new_tokens
     assert engine.scheduler.preemptions > 0 and engine.counters.prefix_hit_tokens > 0
     assert sum(checked) > 50  # decode rows went through the table
     assert not engine.scheduler.rows.seqs

@@ -91,7 +91,7 @@ def advance(sched):
     for s, n in zip(step.seqs, step.num_new, strict=True):
         s.num_computed += n
         if s.num_computed == s.num_tokens:
-            s.output_ids.append(7)
+            s.output_ids = [*s.output_ids, 7]  # seated: the row holds its outputs
             if len(s.output_ids) >= s.max_new_tokens:
                 sched.finish(s)
     return step
