@@ -163,9 +163,9 @@ def tokenize(request, tokenizer, vocab_size: int, model: object = "the model") -
             f"exactly one of prompt, messages, prompt_token_ids is needed, got {given or 'none'}"
         )
     if request.prompt_token_ids is not None:
-        ids = [int(t) for t in request.prompt_token_ids]
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
+        ids = list(map(int, request.prompt_token_ids))
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # min and max run in C
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             raise ValueError(f"token ids {bad[:3]} outside the vocabulary of {vocab_size}")
         return ids
     if tokenizer is None:

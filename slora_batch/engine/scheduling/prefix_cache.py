@@ -73,21 +73,23 @@ class PrefixCache:
         return found
 
     def acquire(self, blocks: list[Block]) -> None:
+        per_block = self.block_tokens * self.pool.kv_pages_per_token  # a block's own pages
         for block in blocks:
             if block.refs == 0:
                 del self.idle[block.key]
-                self.idle_pages -= self.pool.own_pages(block.pages).size
+                self.idle_pages -= per_block
             block.refs += 1
         self.hit_tokens += len(blocks) * self.block_tokens
 
     def release(self, blocks: list[Block]) -> None:
+        per_block = self.block_tokens * self.pool.kv_pages_per_token  # a block's own pages
         for block in blocks:
             block.refs -= 1
             assert block.refs >= 0, "a cached block released more often than acquired"
             if block.refs == 0:
                 block.last_used = self.clock
                 self.idle[block.key] = block
-                self.idle_pages += self.pool.own_pages(block.pages).size
+                self.idle_pages += per_block
 
     def insert(
         self, parent: Block | None, adapter: str | None, tokens: list[int], pages: np.ndarray
