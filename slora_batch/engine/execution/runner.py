@@ -249,20 +249,30 @@ class ModelRunner:
         lens = host.b_seq_len.astype(np.int64)
         held = self._graph_lens[:batch]
         kept = (self._graph_tenure[:batch] == host.b_tenure) & (held <= lens)
-        start = np.where(kept, held, 0)
-        counts = lens - start
-        if counts.max(initial=0) <= 1:  # the decode step's common case: one entry a row
-            rows = np.flatnonzero(counts)
-            cols = start[rows]
-        else:
-            rows = np.repeat(np.arange(batch), counts)
-            # entry columns: start[b], start[b] + 1, ... of each row b, flat
-            cols = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts - start, counts)
-        if rows.size:
-            # one host-to-device copy: [4, n] rows, columns, K page, V page
-            entries = np.concatenate([rows[None], cols[None], host.page_table[rows, cols].T])
+        # Kept rows: each row's last `added` entries, `added` the most any kept row added (1 in
+        # a decode step, 2 after a mixed step ran eagerly); a row that added fewer writes again
+        # an entry it had, with its value (a run's pages only grow). Example: lens [17, 9],
+        # held [16, 8], added 1 -> entries (0, 16), (1, 8).
+        added = int((lens - held).max(initial=0, where=kept))
+        if added:
+            b_kept = np.flatnonzero(kept)
+            b_cols = np.maximum(lens[b_kept, None] - np.arange(added, 0, -1), 0)  # [k, added]
+            b_rows = np.repeat(b_kept, added)
+            b_cols = b_cols.reshape(-1)
+            # one host-to-device copy: [n, 3] flat entry index (row * table width + column),
+            # K page, V page
+            entries = np.empty((b_rows.size, 3), dtype=np.int64)
+            entries[:, 0] = b_rows * table.shape[1] + b_cols
+            entries[:, 1:] = host.page_table[b_rows, b_cols]
             entries = to_device(entries, self.device)
-            table.index_put_((entries[0], entries[1]), entries[2:].T.to(torch.int32))
+            table.view(-1, 2).index_copy_(0, entries[:, 0], entries[:, 1:].to(torch.int32))
+        # Other rows (new to their place): their whole run, one block a row.
+        moved = np.flatnonzero(~kept)
+        if moved.size:
+            width = host.page_table.shape[1]
+            table[:, :width].index_copy_(
+                0, to_device(moved, self.device), to_device(host.page_table[moved], self.device)
+            )
         self._graph_tenure[:batch] = host.b_tenure
         self._graph_lens[:batch] = lens
 
