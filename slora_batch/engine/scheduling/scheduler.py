@@ -33,6 +33,7 @@ from slora_batch.engine.requests.sequence import Sequence, Status
 from slora_batch.engine.scheduling.admission import Admission, ScheduledStep
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
 from slora_batch.engine.scheduling.prefix_cache import PrefixCache
+from slora_batch.engine.scheduling.read_back import read_back
 from slora_batch.engine.scheduling.rows import RowTable
 from slora_batch.engine.scheduling.waiting import WaitingQueue
 
@@ -186,37 +187,7 @@ class Scheduler(Admission):
             seq.finish_reason = "score"  # its scores are read back with its last step
             self.finish(seq)
             finished.append(seq)
-        # The seated rows' tokens go into the row table by array ops; the others (retired,
-        # finished or preempted since their step launched) one by one. Only the rows that may
-        # finish (a stop string or a grammar to feed, an EOS token, their last token) are looked
-        # at further, in ``drawn`` order.
-        table, count = self.rows, len(drawn)
-        b_row = np.fromiter([s.row for s in drawn], np.int64, count)  # -1: not seated
-        b_token = np.fromiter(tokens, np.int64, count)
-        b_watch = np.zeros(count, dtype=np.bool_)
-        seated = np.flatnonzero(b_row >= 0)
-        rows = b_row[seated]
-        table.b_pending[rows] -= 1
-        table.add_outputs(rows, b_token[seated])
-        b_watch[seated] = (
-            table.b_watched[rows]
-            | (table.b_outputs[rows] >= table.b_max_new[rows])
-            | np.isin(b_token[seated], self.b_eos)
-        )
-        eos = self.eos_token_ids
-        for i in np.flatnonzero(b_row < 0).tolist():
-            seq, token = drawn[i], tokens[i]
-            seq.pending -= 1
-            if seq.finish_reason is not None:  # finished a step earlier: a wasted row
-                continue
-            seq.output_ids.append(token)
-            b_watch[i] = (
-                token in eos
-                or len(seq.output_ids) >= seq.max_new_tokens
-                or seq.detok is not None
-                or seq.grammar is not None
-            )
-        watched = [(drawn[i], tokens[i]) for i in np.flatnonzero(b_watch).tolist()]
+        watched = read_back(self.rows, drawn, tokens, self.b_eos, self.eos_token_ids)
         for seq, token in watched:
             stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
             if seq.grammar is not None:  # a token taken already (masks.py) is not taken again
