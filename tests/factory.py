@@ -150,6 +150,24 @@ def make_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
     }
 
 
+def gqa_with_adapters(root: Path, count: int) -> tuple[Path, dict[str, Path]]:
+    """The tiny GQA model and ``count`` adapters a0, a1, ... of ranks 2, 3, ... on q and v."""
+    model_dir = make_model(root, "gqa")
+    adapters = {
+        f"a{i}": make_adapter(
+            model_dir,
+            root / f"a{i}",
+            rank=2 + i,
+            targets=["q_proj", "v_proj"],
+            alpha=4,
+            rslora=False,
+            seed=i,
+        )  # fmt: skip
+        for i in range(count)
+    }
+    return model_dir, adapters
+
+
 def make_rows(n: int, vocab: int, adapters: list[str], seed: int = 0) -> list[dict]:
     """Rows with varied prompt lengths and max_new_tokens; every fifth on the base model."""
     rng = random.Random(seed)

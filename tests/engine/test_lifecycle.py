@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from factory import make_adapter, make_model
+from factory import gqa_with_adapters
 
 from slora_batch import Engine, EngineConfig, Request
 
@@ -15,21 +15,7 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lifecycle")
-    model_dir = make_model(root, "gqa")
-    adapters = {
-        f"a{i}": make_adapter(
-            model_dir,
-            root / f"a{i}",
-            rank=2 + i,
-            targets=["q_proj", "v_proj"],
-            alpha=4,
-            rslora=False,
-            seed=i,
-        )  # fmt: skip
-        for i in range(6)
-    }
-    return model_dir, adapters
+    return gqa_with_adapters(tmp_path_factory.mktemp("lifecycle"), 6)
 
 
 def rows(n: int, adapters: list[str], seed: int = 0) -> list[Request]:

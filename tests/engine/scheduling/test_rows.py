@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from factory import make_adapter, make_model
+from factory import gqa_with_adapters
 
 import slora_batch.engine.engine as engine_module
 from slora_batch import Engine, EngineConfig, Request
@@ -24,21 +24,7 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rows")
-    model_dir = make_model(root, "gqa")
-    adapters = {
-        f"a{i}": make_adapter(
-            model_dir,
-            root / f"a{i}",
-            rank=2 + i,
-            targets=["q_proj", "v_proj"],
-            alpha=4,
-            rslora=False,
-            seed=i,
-        )  # fmt: skip
-        for i in range(3)
-    }
-    return model_dir, adapters
+    return gqa_with_adapters(tmp_path_factory.mktemp("rows"), 3)
 
 
 def requests(count: int, seed: int) -> list[Request]:
