@@ -169,14 +169,22 @@ class KVPages:
                 return
             seq.blocks.append(block)
 
-    def free(self, seq: Sequence) -> None:
-        """A sequence's own pages go back to the pool; its cached blocks stay, one reference
-        fewer (idempotent)."""
-        pages = seq.drop_pages()
-        if seq.blocks:
-            shared = len(seq.blocks) * self.block_tokens
-            self.cache.release(seq.blocks)
-            pages = pages[shared:]
-            seq.blocks = []
-        seq.cache_done = False
-        self.pool.free(self.pool.own_pages(pages))
+    def free(self, seqs: list[Sequence]) -> None:
+        """The sequences' own pages go back to the pool in one ``PagePool.free``; their cached
+        blocks stay, one reference fewer (idempotent). The same pages, references and free-list
+        order as freeing them one by one in this order: the pool pushes a freed array reversed,
+        so the arrays go in last first. Running example: own pages a = [1, 2], b = [3, 4]
+        freed one by one push [2, 1] then [4, 3]; here ``free([3, 4, 1, 2])`` pushes [2, 1, 4, 3]."""
+        own = []
+        for seq in seqs:
+            pages = seq.drop_pages()
+            if seq.blocks:
+                self.cache.release(seq.blocks)
+                pages = pages[len(seq.blocks) * self.block_tokens :]
+                seq.blocks = []
+            seq.cache_done = False
+            own.append(self.pool.own_pages(pages))
+        if len(own) == 1:
+            self.pool.free(own[0])
+        elif own:
+            self.pool.free(np.concatenate(own[::-1]))

@@ -178,15 +178,16 @@ class Scheduler(Admission):
         string, the end of their grammar or their length, and release what no step in flight
         uses. Returns the rows finished by this step: scored sequences whose last chunk it ran,
         then the drawn rows in ``drawn`` order."""
-        still = []
-        for seq in self.held:  # held for a step up to this one: no step in flight uses it now
-            (self._release if seq.last_step <= number else still.append)(seq)
-        self.held = still
-        finished = []
-        for seq in [s for s in self.retired if not s.draws and s.last_step <= number]:
+        # Released together at the end (one ``PagePool.free``), in the order they come: held
+        # for a step up to this one (no step in flight uses them now), scored, then drawn.
+        release = [seq for seq in self.held if seq.last_step <= number]
+        self.held = [seq for seq in self.held if seq.last_step > number]
+        finished = [s for s in self.retired if not s.draws and s.last_step <= number]
+        for seq in finished:
             seq.finish_reason = "score"  # its scores are read back with its last step
-            self.finish(seq)
-            finished.append(seq)
+            self._leave(seq)
+            seq.status = Status.FINISHED
+            release.append(seq)
         watched = read_back(self.rows, drawn, tokens, self.b_eos, self.eos_token_ids)
         for seq, token in watched:
             stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
@@ -204,8 +205,9 @@ class Scheduler(Admission):
             if seq.last_step > number:  # also launched in the step now in flight
                 self.held.append(seq)
             else:
-                self._release(seq)
+                release.append(seq)
             finished.append(seq)
+        self._release(release)
         return finished
 
     def abort(self) -> list[Sequence]:
@@ -215,7 +217,7 @@ class Scheduler(Admission):
         self.rows.clear()
         for seq in [*dropped, *self.held]:
             seq.pending = 0
-            self._release(seq)
+        self._release([*dropped, *self.held])
         self.running, self.retired, self.held = [], [], []
         self.waiting.clear()
         if self.cache is not None:  # an abandoned stream leaves the pool as it found it
@@ -250,7 +252,7 @@ class Scheduler(Admission):
         """A sequence is done and no step in flight uses it: pages and adapter go back."""
         self._leave(seq)
         seq.status = Status.FINISHED
-        self._release(seq)
+        self._release([seq])
 
     def _leave(self, seq: Sequence) -> None:
         """Takes a sequence out of whichever list holds it (running, retired, or the queue when
@@ -316,7 +318,7 @@ class Scheduler(Admission):
     def _preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
         self._stop_running(seq)
-        self._release(seq)
+        self._release([seq])
         seq.num_computed = 0
         seq.preemptions += 1
         self.preemptions += 1
@@ -329,17 +331,18 @@ class Scheduler(Admission):
             self.pool.num_free,
         )
 
-    def _release(self, seq: Sequence) -> None:
-        """A sequence's pages go back to the pool (those of cached blocks stay, one reference
-        fewer) and its adapter is unpinned (idempotent: a preempted row holds neither)."""
-        self.pages.free(seq)
-        if seq.computing is not None:
-            self._computed(seq)
-        if seq.adapter and seq.slot >= 0:
-            self.residency.release(seq.adapter)
-            self.pinned[seq.adapter] -= 1
-            if not self.pinned[seq.adapter]:
-                del self.pinned[seq.adapter]
-        seq.slot = -1
-        if seq.status is Status.FINISHED:
-            seq.status = Status.RELEASED
+    def _release(self, seqs: list[Sequence]) -> None:
+        """The sequences' pages go back to the pool (those of cached blocks stay, one reference
+        fewer) and their adapters are unpinned (idempotent: a preempted row holds neither)."""
+        self.pages.free(seqs)
+        for seq in seqs:
+            if seq.computing is not None:
+                self._computed(seq)
+            if seq.adapter and seq.slot >= 0:
+                self.residency.release(seq.adapter)
+                self.pinned[seq.adapter] -= 1
+                if not self.pinned[seq.adapter]:
+                    del self.pinned[seq.adapter]
+            seq.slot = -1
+            if seq.status is Status.FINISHED:
+                seq.status = Status.RELEASED
