@@ -32,6 +32,7 @@ from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.sequence import Sequence, Status
 from slora_batch.engine.scheduling.admission import Admission, ScheduledStep
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
+from slora_batch.engine.scheduling.launches import Launches
 from slora_batch.engine.scheduling.prefix_cache import PrefixCache
 from slora_batch.engine.scheduling.read_back import read_back
 from slora_batch.engine.scheduling.rows import RowTable
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PAGES_PER_TOKEN", "ScheduledStep", "Scheduler"]
 
 
-class Scheduler(Admission):
+class Scheduler(Admission, Launches):
     def __init__(
         self,
         config: EngineConfig,
@@ -96,35 +97,6 @@ class Scheduler(Admission):
 
     # -- after a step: launch, read back ------------------------------------------------------
 
-    def launched(self, step: ScheduledStep, drawn: list[Sequence], number: int) -> None:
-        """Step ``number`` is on the device: its K/V counts as computed, and ``drawn`` (its rows
-        that draw a token) each have one token pending. A row whose pending token is its last
-        (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
-        set now but keeps its pages until read back."""
-        if step.rows is not None:  # every running row, one token each, each drawing one
-            self._launched_decode(step.seqs, number)
-            return
-        for seq, n in zip(step.seqs, step.num_new, strict=True):
-            self._computed_tokens(seq, n, number)
-        self._pend(drawn, number)
-
-    def _launched_decode(self, seqs: list[Sequence], number: int) -> None:
-        """``launched`` for a step of the row table's rows (``ScheduledStep.rows``): array ops
-        over the table's columns; only a row whose prompt ends with this token goes through
-        ``_computed`` (its last prompt block is cached, its followers released), and only the
-        rows whose pending token is their last are retired, one by one."""
-        table, n = self.rows, len(seqs)
-        prefilling = np.flatnonzero(table.b_computed[:n] < table.b_prompt_len[:n])
-        table.b_computed[:n] += 1
-        table.b_pending[:n] += 1
-        table.b_last_row[:n] = np.arange(n)
-        table.b_last_step[:n] = number
-        done = np.flatnonzero(table.b_outputs[:n] + table.b_pending[:n] >= table.b_max_new[:n])
-        for i in prefilling.tolist():
-            self._after_computed(seqs[i], number)
-        for i in done.tolist():
-            self._retire(seqs[i])
-
     def _computed_tokens(self, seq: Sequence, n: int, number: int) -> None:
         """``n`` more tokens of ``seq``'s K/V are computed (queued) by step ``number``."""
         seq.num_computed += n
@@ -157,15 +129,6 @@ class Scheduler(Admission):
             follower.status = Status.WAITING
             self.waiting.appendleft(follower)
         seq.followers = []
-
-    def _pend(self, drawn: list[Sequence], number: int) -> None:
-        """Each row of ``drawn`` has one more token pending (row ``row`` of step ``number``'s
-        draw); a row whose pending token is its last leaves the running set now."""
-        for row, seq in enumerate(drawn):
-            seq.pending += 1
-            seq.last_row, seq.last_step = row, number
-            if seq.num_drawn >= seq.max_new_tokens and seq.status is Status.RUNNING:
-                self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:
         """Out of the running set, pages kept until its last step is read back."""
