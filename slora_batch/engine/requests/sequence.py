@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -13,8 +13,45 @@ from slora_batch.engine.requests.request import Request
 from slora_batch.engine.requests.scoring import ChoiceGroup, ScoreBuffer
 from slora_batch.engine.requests.tokens import Detokenizer
 
-if TYPE_CHECKING:
-    from slora_batch.engine.scheduling.rows import RowTable
+
+class Seats(Protocol):
+    """What a sequence reads of the table it runs in (``scheduling.rows.RowTable``; named here
+    by its shape, so that requests import nothing of scheduling): per row, its pages, its read
+    back tokens and the per-step columns its properties of the same names read."""
+
+    b_paged: np.ndarray  # [rows] tokens with pages
+    b_outputs: np.ndarray  # [rows] tokens read back
+    out: np.ndarray  # [rows, width] the tokens read back
+    b_computed: np.ndarray
+    b_pending: np.ndarray
+    b_last_row: np.ndarray
+    b_last_step: np.ndarray
+
+    def row_pages(self, row: int) -> np.ndarray: ...
+
+    def add_pages(self, row: int, new: np.ndarray) -> None: ...
+
+    def outputs(self, row: int) -> list[int]: ...
+
+    def set_outputs(self, row: int, ids: list[int]) -> None: ...
+
+
+def _seated(column: str, own: str, doc: str) -> property:
+    """A per-step field: the sequence's row of the table's ``column`` while it runs (seated),
+    its own attribute ``own`` otherwise."""
+
+    def get(seq: Sequence) -> int:
+        table = seq.table
+        return getattr(seq, own) if table is None else int(getattr(table, column)[seq.row])
+
+    def put(seq: Sequence, value: int) -> None:
+        table = seq.table
+        if table is None:
+            setattr(seq, own, value)
+        else:
+            getattr(table, column)[seq.row] = value
+
+    return property(get, put, doc=doc)
 
 
 class Status(Enum):
@@ -58,7 +95,7 @@ class Sequence:
     # pages, and the buffer holding them, grown by doubling so appends stay O(1).
     page_buf: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))
     buf_paged: int = 0
-    table: RowTable | None = None  # while running: the scheduler's row table, and its row
+    table: Seats | None = None  # while running: the scheduler's row table, and its row
     row: int = -1
     slot: int = -1  # adapter slot while running, -1 for the base model
     status: Status = Status.WAITING
@@ -134,7 +171,7 @@ class Sequence:
         self.buf_paged = 0
         return pages
 
-    def seat(self, table: RowTable, row: int) -> None:
+    def seat(self, table: Seats, row: int) -> None:
         """Starts running in ``row`` of ``table``, which took its pages and per-step state."""
         self.table, self.row = table, row
         self.page_buf, self.buf_paged = self.page_buf[:0], 0
@@ -168,57 +205,10 @@ class Sequence:
             return int(self.table.b_outputs[self.row])
         return len(self._output_ids)
 
-    @property
-    def num_computed(self) -> int:
-        if self.table is not None:
-            return int(self.table.b_computed[self.row])
-        return self._num_computed
-
-    @num_computed.setter
-    def num_computed(self, n: int) -> None:
-        if self.table is not None:
-            self.table.b_computed[self.row] = n
-        else:
-            self._num_computed = n
-
-    @property
-    def pending(self) -> int:
-        if self.table is not None:
-            return int(self.table.b_pending[self.row])
-        return self._pending
-
-    @pending.setter
-    def pending(self, n: int) -> None:
-        if self.table is not None:
-            self.table.b_pending[self.row] = n
-        else:
-            self._pending = n
-
-    @property
-    def last_row(self) -> int:
-        if self.table is not None:
-            return int(self.table.b_last_row[self.row])
-        return self._last_row
-
-    @last_row.setter
-    def last_row(self, row: int) -> None:
-        if self.table is not None:
-            self.table.b_last_row[self.row] = row
-        else:
-            self._last_row = row
-
-    @property
-    def last_step(self) -> int:
-        if self.table is not None:
-            return int(self.table.b_last_step[self.row])
-        return self._last_step
-
-    @last_step.setter
-    def last_step(self, number: int) -> None:
-        if self.table is not None:
-            self.table.b_last_step[self.row] = number
-        else:
-            self._last_step = number
+    num_computed = _seated("b_computed", "_num_computed", "Tokens whose K/V is computed (queued).")
+    pending = _seated("b_pending", "_pending", "Tokens drawn on the device, not read back yet.")
+    last_row = _seated("b_last_row", "_last_row", "The latest draw's row among its step's.")
+    last_step = _seated("b_last_step", "_last_step", "The step of the latest draw.")
 
     @property
     def num_tokens(self) -> int:
