@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, eval, fp8(-tests), batch,
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, eval, fp8(-tests), batch(-7b),
 #                                          # families(-tests), job, rooms, prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
@@ -236,19 +236,27 @@ case "$mode" in
           --tokenizer wheels/smollm2-tokenizer --eval-docs 48 --max-seconds 0 --total-seconds 0
         ;;
       batch)
-        # issue 28 (max_num_seqs: auto, the step-by-step floor): llama3-8b base and slora@1000
-        # at 256 rows and at auto, uncut; compare output tok/s, floor fraction (and its parts),
-        # decode host share and decode batch; then llama2-7b at auto (its KV is 4x wider)
+        # issue 37 on Llama-3-8B shapes, uncut: base and slora@1000 at a 256-row cap and at
+        # auto (auto must never be slower; slora >= 0.85 of base at auto; base's floor
+        # fraction >= 0.8), then slora@1000 at 512 rows (decode host share < 10%)
         for seqs in 256 auto; do
           bench "batch/llama3-8b-$seqs" 200 --model-preset llama3-8b --requests 2000 \
             --systems base,slora --adapters 1000 --max-num-seqs "$seqs" --max-seconds 0 \
             --total-seconds 0
         done
-        bench batch/llama2-7b-auto 180 --requests 2000 --systems base,slora --adapters 1000 \
+        bench batch/llama3-8b-512 150 --model-preset llama3-8b --requests 2000 --systems slora \
+          --adapters 1000 --max-num-seqs 512 --max-seconds 0 --total-seconds 0
+        ;;
+      batch-7b)
+        # issue 37 on Llama-2-7B shapes (its KV is 4x wider), uncut: slora@1000 at 512 rows
+        # (decode host share < 10%), then base and slora@1000 at auto (base's floor fraction)
+        bench batch/llama2-7b-512 200 --requests 2000 --systems slora --adapters 1000 \
+          --max-num-seqs 512 --max-seconds 0 --total-seconds 0
+        bench batch/llama2-7b-auto 220 --requests 2000 --systems base,slora --adapters 1000 \
           --max-seconds 0 --total-seconds 0
         ;;
       *)
-        echo "now needs an experiment: json, eval, fp8, fp8-kernels, fp8-tests, batch, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
+        echo "now needs an experiment: json, eval, fp8, fp8-kernels, fp8-tests, batch, batch-7b, families, families-tests, job, rooms, prefix, score, tp or dp-job (got '${2:-}')" >&2
         exit 2
         ;;
     esac
