@@ -36,8 +36,10 @@ import torch
 import slora_batch.engine.engine as engine_module
 from slora_batch.bench.model import build_model
 from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.device import to_device
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.execution import outputs as outputs_module
+from slora_batch.engine.execution import runner as runner_module
 from slora_batch.engine.execution.batch import upload
 from slora_batch.engine.execution.memory import graph_buckets
 from slora_batch.engine.requests.request import Request
@@ -126,12 +128,12 @@ def stub_forward(engine: Engine, timer: Timer, vocab: int):
             tiled = runner._tiled(host.b_slot)
             if (bucket, tiled) not in statics:
                 statics[bucket, tiled] = runner._static_input(bucket, tiled)
-            static = statics[bucket, tiled]
-            runner._fill(static, host, bucket)
-            runner._previous(static.input_ids[:batch], host, prev_tokens)
+            runner._fill(host, bucket, tiled, prev_tokens)
         else:
             step = upload(host, engine.residency, engine.device)
-            runner._previous(step.input_ids, host, prev_tokens)
+            if host.prev_rows is not None:
+                rows = to_device(host.prev_rows, engine.device)
+                runner_module.gather_previous(step.input_ids, rows, prev_tokens)
         timer.turns[-1]["upload"] += time.perf_counter() - began
         rows = len(host.logits_index)
         start = engine._steps % 64

@@ -22,16 +22,16 @@ from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.execution.batch import (
     HostStep,
     lora_meta,
-    lora_segments,
     position_segments,
     upload,
 )
 from slora_batch.engine.execution.memory import graph_buckets
+from slora_batch.engine.execution.staging import StagedInputs
 from slora_batch.engine.models.decoder import DecoderModel
 from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
-from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
+from slora_kernels.meta import VECTOR_ALL, AttnMeta
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +53,39 @@ def tiled_decode(b_slot: np.ndarray) -> bool:
     )
 
 
-def fill_lora(static: LoraMeta, b_slot: np.ndarray) -> None:
-    """Copies a step's LoRA segments into a graph's static buffers, padded to the bucket
-    (b_slot.size) with empty segments of slot -1, and pos_seg where the graph has one."""
-    bucket = b_slot.size
-    order, seg1_start, seg_slot = lora_segments(b_slot, pad_to=bucket)
-    copy_in(static.b_slot, b_slot.astype(np.int32))
-    copy_in(static.token_order, order)
-    copy_in(static.seg1_start, seg1_start)
-    copy_in(static.seg_slot, seg_slot)
-    if static.pos_seg is not None:
-        copy_in(static.pos_seg, position_segments(seg1_start, bucket))
+def gather_previous(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens) -> None:
+    """Input ids drawn by the previous step, gathered on the device (no wait for it): row b
+    takes prev_tokens[rows[b]] where rows[b] >= 0 (-1: its id came from the host)."""
+    assert prev_tokens is not None, "a step needs the previous step's tokens"
+    taken = prev_tokens[rows.clamp(min=0)].to(input_ids.dtype)
+    input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
 
 
-# A decode graph's per-row inputs staged on the host (``ModelRunner._staged``), and the value of
-# a padding row past the batch (out_pages: the scratch page pair); b_slot -1: no adapter.
+def fill_lora(arrays: dict[str, np.ndarray], pos_seg: bool) -> None:
+    """A decode step's LoRA segments of its staged b_slot (padded to the bucket), as
+    ``lora_segments`` with ``pad_to`` lays them out, into the staged set's views, and pos_seg when
+    the graph reads it.
+    Segments by a count per slot: b_slot [5, 2, 2, -1] -> counts at slots 2 and 5 of [2, 1],
+    seg_slot [2, 5, -1, -1], seg1_start [0, 2, 3, 3, 3]; order [1, 2, 0, 3] (base tokens last)."""
+    b_slot = arrays["b_slot"]
+    used = b_slot >= 0
+    key = np.where(used, b_slot, np.iinfo(np.int32).max)  # base tokens last
+    arrays["token_order"][:] = np.argsort(key, kind="stable")
+    counts = np.bincount(b_slot[used])
+    seg_slot = np.flatnonzero(counts)
+    segments = seg_slot.size
+    seg1_start = arrays["seg1_start"]
+    seg1_start[0] = 0
+    np.cumsum(counts[seg_slot], out=seg1_start[1 : segments + 1])
+    seg1_start[segments + 1 :] = seg1_start[segments]
+    arrays["seg_slot"][:segments] = seg_slot
+    arrays["seg_slot"][segments:] = -1
+    if pos_seg:
+        arrays["pos_seg"][:] = position_segments(seg1_start, b_slot.size)
+
+
+# A decode graph's per-row inputs staged on the host (``StagedInputs``), and the value of a
+# padding row past the batch (out_pages: the scratch page pair); b_slot -1: no adapter.
 STAGED_PADDING = {"input_ids": 0, "positions": 0, "out_pages": None, "b_seq_len": 1, "b_slot": -1}
 
 
@@ -116,8 +134,9 @@ class ModelRunner:
         )
         self._graph_tenure = np.full(max_batch, -1, dtype=np.int64)
         self._graph_lens = np.zeros(max_batch, dtype=np.int64)
-        self._staging: dict[int, list[dict[str, tuple[torch.Tensor, np.ndarray]]]] = {}
-        self._fills = 0
+        self._staging: dict[int, StagedInputs] = {}
+        # (bucket, tiled LoRA) -> the graph's packed device inputs and their views
+        self._packed: dict[tuple[int, bool], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
 
     def forward(self, host: HostStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
@@ -127,112 +146,82 @@ class ModelRunner:
         if graphable and self.buckets and batch <= self.buckets[-1]:
             bucket = min(b for b in self.buckets if b >= batch)
             tiled = self._tiled(host.b_slot)
-            graph, static, logits = self.graphs[bucket, tiled]
-            self._fill(static, host, bucket)
-            self._previous(static.input_ids[:batch], host, prev_tokens)
+            graph, _, logits = self.graphs[bucket, tiled]
+            self._fill(host, bucket, tiled, prev_tokens)
             graph.replay()
             self.graph_steps += 1
             self.tiled_graph_steps += tiled
             return logits[:batch]
         step = upload(host, self.residency, self.device, self.model.needs_prompt_lens)
-        self._previous(step.input_ids, host, prev_tokens)
+        if host.prev_rows is not None:
+            gather_previous(step.input_ids, to_device(host.prev_rows, self.device), prev_tokens)
         return self.model.forward(step, self.pool, self.ops, self.lora_pool)
-
-    def _previous(self, input_ids: torch.Tensor, host: HostStep, prev_tokens) -> None:
-        """Input ids drawn by the previous step, gathered on the device (no wait for it)."""
-        if host.prev_rows is None:
-            return
-        assert prev_tokens is not None, "a step needs the previous step's tokens"
-        rows = to_device(host.prev_rows, self.device)
-        taken = prev_tokens[rows.clamp(min=0)].to(input_ids.dtype)
-        input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
 
     def _tiled(self, b_slot: np.ndarray) -> bool:
         return self.max_rank > 0 and tiled_decode(b_slot)
 
     def _static_input(self, bucket: int, tiled: bool) -> StepInput:
+        """The graph's inputs: the per-step ones views of its packed device buffer
+        (``StagedInputs``), refilled by ``_fill`` with one copy."""
         dev = self.device
-
-        def zeros(*shape, dtype=torch.int32):
-            return torch.zeros(*shape, dtype=dtype, device=dev)
+        if bucket not in self._staging:
+            self._staging[bucket] = StagedInputs(bucket, dev)
+        self._packed[bucket, tiled] = packed = self._staging[bucket].device_buffer(dev)
+        views = packed[1]
 
         attn = AttnMeta(
             b1_start=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
-            b_seq_len=zeros(bucket),
+            b_seq_len=views["b_seq_len"],
             page_table=self._graph_page_table[:bucket],
             max_new=1,
         )
         lora = None
         if self.max_rank > 0:
             lora = lora_meta(
-                zeros(bucket),
-                zeros(bucket),
-                zeros(bucket + 1),
-                zeros(bucket),
+                views["b_slot"],
+                views["token_order"],
+                views["seg1_start"],
+                views["seg_slot"],
                 self.residency,
                 self.max_rank,
                 self.targets,
             )
             lora.vector_max = 0 if tiled else VECTOR_ALL  # which LoRA kernels the graph holds
             if tiled:  # where each tiled block starts its segment walk, refilled every step
-                lora.pos_seg = zeros(bucket)
+                lora.pos_seg = views["pos_seg"]
         return StepInput(
-            input_ids=zeros(bucket, dtype=torch.int64),
-            positions=zeros(bucket, dtype=torch.int64),
-            out_pages=zeros(bucket, 2),
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            out_pages=views["out_pages"],
             attn=attn,
             lora=lora,
             logits_index=torch.arange(bucket, dtype=torch.int64, device=dev),
             decode_only=True,
         )
 
-    def _fill(self, static: StepInput, host: HostStep, bucket: int) -> None:
-        """Copies the step into the bucket's buffers; rows past the batch become padding."""
+    def _fill(self, host: HostStep, bucket: int, tiled: bool, prev_tokens=None) -> None:
+        """Copies the step into the graph's buffers (one copy of a staged set, then the page
+        table and the input ids drawn by the previous step); rows past the batch are padding."""
         batch = len(host.b_seq_len)
-        staged = self._staged(bucket)
+        packed, views = self._packed[bucket, tiled]
+        staged, arrays = self._staging[bucket].next()
         for name, fill in STAGED_PADDING.items():
-            _, array = staged[name]
+            array = arrays[name]
             array[:batch] = getattr(host, name)
             array[batch:] = self.scratch if name == "out_pages" else fill
-        for name, dst in (("input_ids", static.input_ids), ("positions", static.positions),
-                          ("out_pages", static.out_pages),
-                          ("b_seq_len", static.attn.b_seq_len)):  # fmt: skip
-            dst.copy_(staged[name][0], non_blocking=True)
+        if self.max_rank > 0:
+            fill_lora(arrays, tiled)
+        if host.prev_rows is not None:
+            arrays["prev_rows"][:batch] = host.prev_rows
+        packed.copy_(staged, non_blocking=True)
         # The batch's rows; a padding row has length 1, so only its first entry is ever read
         # (entries past a row's length are stale from earlier steps and never read either).
         self._fill_pages(host)
         if batch < bucket:
-            static.attn.page_table[batch:, 0].copy_(
-                staged["out_pages"][0][batch:], non_blocking=True
-            )
+            self._graph_page_table[batch:bucket, 0].copy_(views["out_pages"][batch:])
             self._graph_tenure[batch:bucket] = -1
-        if static.lora is not None:
-            fill_lora(static.lora, staged["b_slot"][1])
-
-    def _staged(self, bucket: int) -> dict[str, tuple[torch.Tensor, np.ndarray]]:
-        """The bucket's host buffers of the step's rows (``STAGED_PADDING``), each a tensor
-        (pinned on CUDA) and its numpy view. Two sets, used in turn: a set is refilled two
-        steps after its last use, and the engine has read back that step by then, so its
-        copies from the set have run."""
-        sets = self._staging.get(bucket)
-        if sets is None:
-            pin = self.device.type == "cuda"
-            sets = self._staging[bucket] = [
-                {
-                    name: (tensor, tensor.numpy())
-                    for name, shape, dtype in (
-                        ("input_ids", (bucket,), torch.int64),
-                        ("positions", (bucket,), torch.int64),
-                        ("out_pages", (bucket, 2), torch.int32),
-                        ("b_seq_len", (bucket,), torch.int32),
-                        ("b_slot", (bucket,), torch.int64),
-                    )
-                    for tensor in (torch.empty(shape, dtype=dtype, pin_memory=pin),)
-                }
-                for _ in range(2)
-            ]
-        self._fills += 1
-        return sets[self._fills % 2]
+        if host.prev_rows is not None:
+            gather_previous(views["input_ids"][:batch], views["prev_rows"][:batch], prev_tokens)
 
     def _fill_pages(self, host: HostStep) -> None:
         """The step's page-table rows into the graphs' table: of a row that held the same run
@@ -295,7 +284,7 @@ class ModelRunner:
                 logit_rows=list(range(bucket)),
                 max_new=1,
             )
-            self._fill(static, host, bucket)
+            self._fill(host, bucket, tiled)
             for _ in range(2):  # warm up: compile kernels outside the capture
                 self.model.forward(static, self.pool, self.ops, self.lora_pool)
             torch.cuda.synchronize()

@@ -1,17 +1,20 @@
 """Per-step tensors: positions, page tables, LoRA segments and the targets a step needs."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 from test_scheduler import make, seq
 
 from slora_batch.engine.execution.batch import (
+    HostStep,
     lora_segments,
     plan_step,
     position_segments,
     tiled_tokens,
     upload,
 )
-from slora_batch.engine.execution.runner import fill_lora
+from slora_batch.engine.execution.runner import ModelRunner
 from slora_batch.engine.scheduling.scheduler import ScheduledStep
 from slora_kernels.lora_paths import position_segments as device_position_segments
 from slora_kernels.meta import LoraMeta
@@ -137,29 +140,72 @@ def test_decode_graph_kernel_choice():
     assert tiled_decode(edge) and not tiled_decode(edge[1:])
 
 
-def test_graph_buffers_get_each_steps_position_segments():
-    """A tiled decode graph reads pos_seg from a static buffer that every step refills; a meta
-    without one never keeps what a launch built (a warm-up before capture would otherwise fix
-    the warm-up's segments into the graph, and every replay would skip its adapters)."""
-    bucket = 8
+def graph_runner(bucket: int) -> ModelRunner:
+    """A runner's decode-graph inputs alone, on the CPU: its tiled and vector graphs' static
+    inputs at ``bucket``, without a model."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.max_model_len = torch.device("cpu"), 32
+    runner.scratch, runner.max_rank, runner.targets = np.array([0, 1]), 8, (0, 1, 2, 3)
+    table = torch.zeros(1)
+    runner.residency = SimpleNamespace(dev_rank=table, dev_scale=table, dev_pages=table,
+                                       dev_offsets=table)  # fmt: skip
+    runner.graph_table(bucket)
+    return runner
 
-    def static_meta(with_pos_seg: bool) -> LoraMeta:
-        tensors = [torch.zeros(n, dtype=torch.int32) for n in (bucket, bucket, bucket + 1, bucket)]
-        meta = LoraMeta(*tensors, *(torch.zeros(1),) * 4, max_rank=1)
-        meta.pos_seg = torch.zeros(bucket, dtype=torch.int32) if with_pos_seg else None
-        return meta
 
-    tiled, vector = static_meta(True), static_meta(False)
-    for b_slot in ([3, 3, 3, 3, -1, -1, -1, -1], [1, 2, 1, 2, 1, 2, 1, -1]):
-        b_slot = np.array(b_slot)
-        _, starts, _ = lora_segments(b_slot, pad_to=bucket)
-        fill_lora(tiled, b_slot)
-        fill_lora(vector, b_slot)
-        assert tiled.seg1_start.tolist() == starts.tolist()
-        assert tiled.pos_seg.tolist() == position_segments(starts, bucket).tolist()
-        assert vector.pos_seg is None
-        built = device_position_segments(vector, bucket)
-        assert built.tolist() == tiled.pos_seg.tolist() and vector.pos_seg is None
+def test_graph_inputs_from_one_staged_copy_equal_a_rebuild():
+    """Each step's packed copy leaves in a graph's static inputs what ``lora_segments`` (padded
+    to the bucket), ``position_segments`` and the step's rows say, padding rows past the batch,
+    the previous step's tokens gathered where prev_rows points; steps alternate the two staged
+    sets and the tiled and vector graphs. A vector graph never keeps a pos_seg (a warm-up before
+    capture would otherwise fix the warm-up's segments into the graph, and every replay would
+    skip its adapters)."""
+    bucket, gen = 16, np.random.default_rng(4)
+    runner = graph_runner(bucket)
+    statics = {tiled: runner._static_input(bucket, tiled) for tiled in (False, True)}
+    prev_tokens = torch.arange(100, 100 + bucket)
+    for step in range(12):
+        batch = int(gen.integers(1, bucket + 1))
+        b_slot = gen.integers(-1, 6, size=batch)
+        if step % 3 == 0:
+            b_slot[:] = 2  # one long segment
+        lens = gen.integers(1, 20, size=batch).astype(np.int32)
+        prev = gen.integers(-1, bucket, size=batch) if step % 2 else None
+        host = HostStep(input_ids=gen.integers(0, 50, batch), positions=lens - 1,
+                        out_pages=gen.integers(0, 99, (batch, 2)).astype(np.int32),
+                        b1_start=np.arange(batch + 1, dtype=np.int32), b_seq_len=lens,
+                        page_table=gen.integers(0, 99, (batch, 20, 2)).astype(np.int32),
+                        b_slot=b_slot, logits_index=np.arange(batch),
+                        logit_rows=list(range(batch)), max_new=1, prev_rows=prev)  # fmt: skip
+        tiled = step % 4 < 2
+        static = statics[tiled]
+        runner._fill(host, bucket, tiled, prev_tokens)
+        padded = np.concatenate([b_slot, np.full(bucket - batch, -1)])
+        order, starts, slots = lora_segments(padded, pad_to=bucket)
+        lora = static.lora
+        assert lora.b_slot.tolist() == padded.tolist()
+        assert lora.token_order.tolist() == order.tolist()
+        assert lora.seg1_start.tolist() == starts.tolist()
+        assert lora.seg_slot.tolist() == slots.tolist()
+        if tiled:
+            assert lora.pos_seg.tolist() == position_segments(starts, bucket).tolist()
+        else:
+            assert lora.pos_seg is None
+            built = device_position_segments(lora, bucket)
+            assert built.tolist() == position_segments(starts, bucket).tolist()
+            assert lora.pos_seg is None
+        ids = host.input_ids.copy()
+        if prev is not None:
+            ids[prev >= 0] = 100 + prev[prev >= 0]
+        assert static.input_ids.tolist() == ids.tolist() + [0] * (bucket - batch)
+        assert static.positions.tolist() == host.positions.tolist() + [0] * (bucket - batch)
+        assert static.attn.b_seq_len.tolist() == lens.tolist() + [1] * (bucket - batch)
+        pages = static.out_pages.numpy()
+        assert np.array_equal(pages[:batch], host.out_pages) and (pages[batch:] == [0, 1]).all()
+        table = static.attn.page_table.numpy()
+        for b in range(batch):
+            assert np.array_equal(table[b, : lens[b]], host.page_table[b, : lens[b]])
+        assert (table[batch:, 0] == [0, 1]).all()
 
 
 def test_decode_plan_matches_each_rows_own_fields():
