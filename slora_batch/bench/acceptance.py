@@ -7,6 +7,7 @@ import math
 
 from slora_batch.bench.engine_run import ABLATIONS
 from slora_batch.bench.formatting import pct
+from slora_batch.engine.counters import TURN_PHASES
 
 SCORE_TARGET = 20.0  # score@N / peft-score best, rows/s (the issue's target)
 # the prefix cache's issue: (system, the one it is measured against, need >= this), per count
@@ -91,6 +92,14 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- decode host share slora@{r['adapters']} = {pct(r['decode_host_share'])}"
                 f" (all steps {pct(r['host_share'])}) at a mean decode batch of "
                 f"{r['decode_batch']:.0f} (need < 10% at >= 128)"
+            )
+        if r["system"] in ("base", "slora") and r.get("decode_turns", 0) > 0:
+            phases = ", ".join(
+                f"{p} {r[f'turn_{p}_s'] / r['decode_turns'] * 1e3:.2f}" for p in TURN_PHASES
+            )
+            lines.append(
+                f"- host ms per decode turn {r['system']}@{r['adapters']} (max_num_seqs "
+                f"{r.get('max_num_seqs', '?')}, {r['decode_turns']:.0f} turns): {phases}"
             )
     return lines
 

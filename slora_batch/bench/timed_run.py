@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from slora_batch.engine.counters import TURN_PHASES
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.requests.request import Request, Result
 from slora_kernels.builds import BuildLog
@@ -32,6 +33,8 @@ COUNTERS = (  # the engine's counters every engine row carries, over its timed r
     "step_s",
     "decode_host_s",
     "decode_step_s",
+    "decode_turns",
+    *(f"turn_{phase}_s" for phase in TURN_PHASES),
     "prefix_hit_tokens",
     "cached_blocks",
     "block_evictions",

@@ -5,6 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+# A loop turn of the engine, in order: pull rows (prepare and queue them), load_ahead and
+# schedule, build the step's inputs (plan_step), launch (forward, sampling, read-back copy),
+# wait (for the previous step's tokens, and take them), commit (postprocess: finish and free).
+TURN_PHASES = ("pull", "schedule", "build", "launch", "wait", "commit")
+
 
 @dataclass
 class EngineCounters:
@@ -26,6 +31,14 @@ class EngineCounters:
     step_s: float = 0.0  # wall time of all steps
     decode_host_s: float = 0.0  # the same two for decode-only steps
     decode_step_s: float = 0.0
+    # Loop turns that launched a decode-only step, and their host seconds per phase (TURN_PHASES)
+    decode_turns: int = 0
+    turn_pull_s: float = 0.0
+    turn_schedule_s: float = 0.0
+    turn_build_s: float = 0.0
+    turn_launch_s: float = 0.0
+    turn_wait_s: float = 0.0
+    turn_commit_s: float = 0.0
     load_s: float = 0.0  # building the engine: weights, tokenizer, adapter headers, pool
     warmup_s: float = 0.0  # kernel compilation and CUDA-graph capture at start
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -42,6 +55,8 @@ class EngineCounters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    _last: float = field(default_factory=time.perf_counter, repr=False)
+    _turn: dict = field(default_factory=lambda: dict.fromkeys(TURN_PHASES, 0.0), repr=False)
 
     def count_step(
         self, step, pool, scheduler, residency, host_s: float, step_s: float, graph: int
@@ -73,6 +88,24 @@ class EngineCounters:
             self.cached_blocks = len(cache.blocks)
             self.block_evictions = cache.evictions
 
+    def mark(self, phase: str) -> None:
+        """The seconds since the last mark are the current loop turn's ``phase``."""
+        now = time.perf_counter()
+        self._turn[phase] += now - self._last
+        self._last = now
+
+    def skip(self) -> None:
+        """The seconds since the last mark belong to no phase (the caller's, between results)."""
+        self._last = time.perf_counter()
+
+    def end_turn(self, decode: bool) -> None:
+        """The turn is over; its phases count when the step it launched is decode-only."""
+        if decode:
+            self.decode_turns += 1
+            for phase, seconds in self._turn.items():
+                setattr(self, f"turn_{phase}_s", getattr(self, f"turn_{phase}_s") + seconds)
+        self._turn = dict.fromkeys(TURN_PHASES, 0.0)
+
     def count_masks(self, masks) -> None:
         """A step's grammar masks (``execution.masks.GrammarMasks``, None without any)."""
         if masks is not None:
@@ -91,6 +124,7 @@ class EngineCounters:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out.pop("started")
+        for name in ("started", "_last", "_turn"):
+            out.pop(name)
         out["wall_s"] = time.perf_counter() - self.started
         return out

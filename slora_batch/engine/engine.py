@@ -135,22 +135,15 @@ class Engine:
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
         self.counters.max_num_seqs = config.max_num_seqs
+        pages = self.pool.num_pages
         size = page_bytes(self.pool_spec, self.dtype, config.kv_cache_dtype)
-        log.info(
-            "engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of %s KV), "
-            "%d adapters (%d unusable)",
-            spec.architecture,
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-            f" x{self.tp.size} (tensor parallel; pool per rank)" if self.tp else "",
-            self.pool.num_pages,
-            size,
-            self.pool.num_pages * size / 2**30,
-            self.pool.num_pages // self.pool.kv_pages_per_token,
-            "fp8" if self.pool.scales is not None else "model dtype",
-            len(self.store.names),
-            len(self.broken),
-        )
+        log.info("engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of %s KV), "
+                 "%d adapters (%d unusable)", spec.architecture, self.device,
+                 str(self.dtype).removeprefix("torch."),
+                 f" x{self.tp.size} (tensor parallel; pool per rank)" if self.tp else "", pages,
+                 size, pages * size / 2**30, pages // self.pool.kv_pages_per_token,
+                 "fp8" if self.pool.scales is not None else "model dtype", len(self.store.names),
+                 len(self.broken))  # fmt: skip
 
     @property
     def adapter_names(self) -> list[str]:
@@ -255,6 +248,7 @@ class Engine:
                 for result in failed:
                     self.counters.count_result(result)
                     yield result
+            self.counters.mark("pull")  # the turn's phases (counters.TURN_PHASES)
             if not sched.has_work() and self._inflight is None:
                 if exhausted and not grammars.parked:
                     return
@@ -265,6 +259,7 @@ class Engine:
             self._in_step, started = True, time.perf_counter()
             self.prefetcher.load_ahead()
             step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
+            self.counters.mark("schedule")
             done = self._inflight
             self._inflight = self._launch(step, started, done) if step else None
             if done is not None:
@@ -278,12 +273,14 @@ class Engine:
                 done, self._inflight = self._inflight, None
                 yield from self._complete(done, None)
             self._in_step = False
+            self.counters.end_turn(bool(step) and max(step.num_new) == 1)
 
     def _launch(self, step: ScheduledStep, started: float, prev: Inflight | None) -> Inflight:
         """Plans a step and queues its forward and sampling on the device; returns at once."""
         host = plan_step(step)
         self.prefetcher.order(self.device)
         self._steps += 1
+        self.counters.mark("build")
         with torch.inference_mode():
             prepared = time.perf_counter()
             logits = self.runner.forward(host, prev.tokens if prev is not None else None)
@@ -301,6 +298,7 @@ class Engine:
         launched = Inflight(self._steps, step, host, drawn, outputs, started, prepared - started)
         if outputs and self.device.type == "cuda":
             launched.copy_to_host()
+        self.counters.mark("launch")
         return launched
 
     def _complete(self, done: Inflight, next_started: float | None) -> Iterator[Result]:
@@ -308,6 +306,7 @@ class Engine:
         outputs = done.read()
         tokens = outputs["tokens"].tolist() if "tokens" in outputs else []
         take_outputs(done.host, done.step.seqs, done.drawn, outputs, tokens)
+        self.counters.mark("wait")
         now = time.perf_counter()
         self.counters.count_step(
             done.step,
@@ -318,15 +317,19 @@ class Engine:
             step_s=(next_started or now) - done.started,
             graph=self.runner.graph_steps,
         )
-        for seq in self.scheduler.postprocess(done.number, done.drawn, tokens):
+        finished = self.scheduler.postprocess(done.number, done.drawn, tokens)
+        self.counters.mark("commit")
+        for seq in finished:
             result = sequence_result(seq, self.tokenizer)
             if result is None:  # a choice of a row whose other choices are still running
                 continue
             self.counters.count_result(result)
             yield result
+        self.counters.skip()  # the caller's time between results
         if self.config.overlap:
             # Pages free now are used by no step in flight (held ones are not free yet).
             self.prefetcher.prefetch()
+        self.counters.mark("commit")
 
     def prompt_logits(self, request: Request) -> torch.Tensor:
         """Next-token logits after the request's prompt, fp32 [vocab]: for checking the engine

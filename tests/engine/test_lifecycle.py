@@ -148,3 +148,34 @@ def test_an_engine_whose_step_raised_refuses_further_use(tiny):
     step = f"its step {engine._steps} raised ValueError: device lost"
     with pytest.raises(RuntimeError, match=f"cannot be used again: {step}"):
         engine.generate(rows(3, list(adapters)))
+
+
+def test_turn_phases_count_decode_turns_and_none_of_the_callers_time(tiny, monkeypatch):
+    """The engine's host seconds per loop turn and phase (``counters.TURN_PHASES``, the bench's
+    "host ms per decode turn"): every decode step's turn counted once, each phase marked, and
+    the caller's time between results in no phase. The counters read a fake clock that moves
+    1 ms a read, and 1000 s while the caller holds a result."""
+    from types import SimpleNamespace
+
+    from slora_batch.engine import counters as counters_module
+    from slora_batch.engine.counters import TURN_PHASES
+
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-3
+        return clock[0]
+
+    monkeypatch.setattr(counters_module, "time", SimpleNamespace(perf_counter=perf_counter))
+    model_dir, adapters = tiny
+    config = EngineConfig(device="cpu", num_pages=4000, max_num_seqs=8, overlap=True)
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    engine.counters.skip()
+    requests = rows(40, sorted(adapters), seed=3)
+    for _ in engine.generate(requests):
+        clock[0] += 1000.0
+    counters = engine.counters
+    assert counters.decode_turns == counters.decode_steps > 0
+    for phase in TURN_PHASES:
+        seconds = getattr(counters, f"turn_{phase}_s")
+        assert counters.decode_turns * 0.9e-3 <= seconds < 1000.0, (phase, seconds)

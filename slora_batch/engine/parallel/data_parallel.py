@@ -307,7 +307,8 @@ class DataParallelEngine:
         return least
 
     def _combine(self) -> None:
-        for name in (f.name for f in dataclasses.fields(EngineCounters) if f.name != "started"):
+        for name in (f.name for f in dataclasses.fields(EngineCounters)
+                     if f.name != "started" and not f.name.startswith("_")):  # fmt: skip
             values = [getattr(w.counters, name) for w in self.workers]
             setattr(self.counters, name, max(values) if name in MAX_FIELDS else sum(values))
 
