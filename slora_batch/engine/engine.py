@@ -317,7 +317,7 @@ class Engine:
             step_s=(next_started or now) - done.started,
             graph=self.runner.graph_steps,
         )
-        finished = self.scheduler.postprocess(done.number, done.drawn, tokens)
+        finished = self.scheduler.postprocess(done.number, done.drawn, tokens, done.step)
         self.counters.mark("commit")
         for seq in finished:
             result = sequence_result(seq, self.tokenizer)

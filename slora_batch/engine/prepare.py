@@ -62,10 +62,11 @@ class RequestPreparer:
             )
         try:
             params = self.sampling_for(request)
-            fmt = None if request.scored else parse_format(params.response_format)
+            scored = request.scored  # a property over four fields: once
+            fmt = None if scored else parse_format(params.response_format)
             logprobs = check_logprobs(request)
             prompt_ids = tokenize(request, self.tokenizer, self.spec.vocab_size, self.spec.path)
-            if prompt_ids and request.scored:
+            if prompt_ids and scored:
                 vocab = self.spec.vocab_size
                 prompt_ids, continuations = scored_ids(request, prompt_ids, self.tokenizer, vocab)
                 answer_index(request, len(continuations))
@@ -74,7 +75,7 @@ class RequestPreparer:
         n = len(prompt_ids)
         if n == 0:
             return Result.failed(request, "empty prompt")
-        if request.scored:  # the engine's (or job's) n is for generated rows: only the row's own
+        if scored:  # the engine's (or job's) n is for generated rows: only the row's own
             if request.n not in (None, 1) or request.sample_indices:
                 asks = f"n={request.n}" if request.n not in (None, 1) else "sample_indices"
                 return Result.failed(

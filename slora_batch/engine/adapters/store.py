@@ -176,6 +176,7 @@ class AdapterStore:
         self.pin = pin
         self.dtype = dtype
         self._infos: dict[str, AdapterInfo] = {}
+        self._pages: dict[str, int] = {}  # pages(name), asked for every row and admission
         self._paged: OrderedDict[Path, PagedAdapter] = OrderedDict()
         self._paged_bytes = 0
         self._reading: dict[Path, Future[PagedAdapter]] = {}  # queued or running on the loader
@@ -204,6 +205,7 @@ class AdapterStore:
         leave it (their rows become error rows; the others run)."""
         infos, broken = check_adapters(self.spec, self.sources)
         self._infos.update((info.name, info) for info in infos)
+        self._pages.clear()
         for name in broken:
             del self.sources[name]
         return infos, broken
@@ -213,8 +215,11 @@ class AdapterStore:
         return difflib.get_close_matches(name, self.names, n=n, cutoff=0.5)
 
     def pages(self, name: str) -> int:
-        info = self.info(name)
-        return self.page_spec.adapter_pages(info.rank, info.targets)
+        pages = self._pages.get(name)
+        if pages is None:
+            info = self.info(name)
+            pages = self._pages[name] = self.page_spec.adapter_pages(info.rank, info.targets)
+        return pages
 
     def nbytes(self, name: str) -> int:
         """Host bytes of an adapter in page layout (known before reading it)."""

@@ -224,9 +224,9 @@ class ModelRunner:
             gather_previous(views["input_ids"][:batch], views["prev_rows"][:batch], prev_tokens)
 
     def _fill_pages(self, host: HostStep) -> None:
-        """The step's page-table rows into the graphs' table: of a row that held the same run
-        of the row table (``HostStep.b_tenure``) at the last step, only the entries added since
-        (a decode step: one), of any other row all of them. Running example: row 0 held run 7's
+        """A decode-only step's page-table rows into the graphs' table: of a row that held the
+        same run of the row table (``HostStep.b_tenure``) at the last step, only the entries
+        added since (one a step), of any other row all of them. Running example: row 0 held run 7's
         16 entries and holds run 7 at length 17 now: entry 16 is written; row 1 held run 3 and
         holds run 9 (run 3 left, run 9 moved in): entries 0..len-1."""
         batch = len(host.b_seq_len)
@@ -252,7 +252,11 @@ class ModelRunner:
             # K page, V page
             entries = np.empty((b_rows.size, 3), dtype=np.int64)
             entries[:, 0] = b_rows * table.shape[1] + b_cols
-            entries[:, 1:] = host.page_table[b_rows, b_cols]
+            # one entry a row: its last, the pair of the token the step computes (out_pages,
+            # dense, where the page table's entries lie a row apart)
+            entries[:, 1:] = (
+                host.out_pages[b_kept] if added == 1 else host.page_table[b_rows, b_cols]
+            )
             entries = to_device(entries, self.device)
             table.view(-1, 2).index_copy_(0, entries[:, 0], entries[:, 1:].to(torch.int32))
         # Other rows (new to their place): their whole run, one block a row.

@@ -28,6 +28,7 @@ class ScheduledStep:
     # Set when the step is every row of the scheduler's row table, in its order, one token
     # each, each drawing one: the step is then built from the table's arrays.
     rows: RowTable | None = None
+    mark: int | None = None  # the row table's ``mark()`` at launch (``Scheduler.postprocess``)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)

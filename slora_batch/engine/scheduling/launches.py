@@ -25,6 +25,7 @@ class Launches:
         that draw a token) each have one token pending. A row whose pending token is its last
         (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
         set now but keeps its pages until read back."""
+        step.mark = self.rows.mark()  # before its rows retire (``postprocess``)
         if step.rows is not None:  # every running row, one token each, each drawing one
             self._launched_decode(step.seqs, number)
             return

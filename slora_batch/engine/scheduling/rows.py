@@ -41,6 +41,10 @@ class RowTable:
         # whose pages only grow while it lasts (``HostStep.b_tenure``).
         self.keys: list[tuple[int, int]] = []
         self._tenures = itertools.count()
+        # (row, last row) of every leave, in order, from event number ``moves_base`` on: where
+        # the rows of a step launched at ``mark()`` are now (``rows_since``)
+        self.moves: list[tuple[int, int]] = []
+        self.moves_base = 0
         self.scored = 0  # seated sequences that draw nothing (scored): no step is all draws
         self.logprobs = 0  # seated sequences that read logprobs back (``step_outputs``)
         self.pages = np.full((MIN_ROWS, MIN_WIDTH, 2), -1, dtype=np.int32)  # [rows, width, 2]
@@ -128,6 +132,37 @@ class RowTable:
         self.seqs.pop()
         self.keys.pop()
         self.b_tenure[last] = -1
+        self.moves.append((row, last))
+
+    def mark(self) -> int:
+        """The number of leaves so far: ``rows_since`` reads where rows went after this point."""
+        return self.moves_base + len(self.moves)
+
+    def rows_since(self, mark: int, count: int) -> np.ndarray:
+        """[count] where the sequences that held rows 0..count-1 at ``mark`` are now, -1 for
+        one that left since (it may hold a row again: its own ``row`` says). By the leaves
+        since then, without reading the sequences. Running example: rows [A, B, C, D] at the
+        mark; B leaves (D moves to row 1), then D leaves (C moves to row 1), E joins at row 2
+        -> [0, -1, 1, -1]."""
+        b_row = np.arange(count, dtype=np.int64)
+        held: dict[int, int] = {}  # row -> index of the sequence in it now (-1: none of those)
+        for row, last in self.moves[mark - self.moves_base :]:
+            i = held.get(row, row if row < count else -1)
+            if i >= 0:
+                b_row[i] = -1
+            if last != row:
+                j = held[row] = held.get(last, last if last < count else -1)
+                if j >= 0:
+                    b_row[j] = row
+            held[last] = -1  # a row that joins later holds none of them
+        return b_row
+
+    def trim(self, mark: int) -> None:
+        """No step launched before ``mark`` is read back any more: its leaves are forgotten."""
+        drop = mark - self.moves_base
+        if drop > 0:
+            del self.moves[:drop]
+            self.moves_base = mark
 
     def clear(self) -> None:
         """Every sequence leaves (the scheduler dropped them all)."""

@@ -136,11 +136,12 @@ class Scheduler(Admission, Launches):
         seq.status = Status.RETIRED
         self.retired.append(seq)
 
-    def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int]) -> list[Sequence]:
+    def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int],
+                    step: ScheduledStep | None = None) -> list[Sequence]:  # fmt: skip
         """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
         string, the end of their grammar or their length, and release what no step in flight
         uses. Returns the rows finished by this step: scored sequences whose last chunk it ran,
-        then the drawn rows in ``drawn`` order."""
+        then the drawn rows in ``drawn`` order. ``step``: the step launched (its ``mark``)."""
         # Released together at the end (one ``PagePool.free``), in the order they come: held
         # for a step up to this one (no step in flight uses them now), scored, then drawn.
         release = [seq for seq in self.held if seq.last_step <= number]
@@ -151,7 +152,10 @@ class Scheduler(Admission, Launches):
             self._leave(seq)
             seq.status = Status.FINISHED
             release.append(seq)
-        watched = read_back(self.rows, drawn, tokens, self.b_eos, self.eos_token_ids)
+        mark = step.mark if step is not None and step.rows is not None else None
+        watched = read_back(self.rows, drawn, tokens, self.b_eos, self.eos_token_ids, mark)
+        if step is not None and step.mark is not None:  # read back in order: none before it
+            self.rows.trim(step.mark)
         for seq, token in watched:
             stopped = seq.detok is not None and seq.detok.add([token])  # only rows with stops
             if seq.grammar is not None:  # a token taken already (masks.py) is not taken again

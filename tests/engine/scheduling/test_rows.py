@@ -17,7 +17,9 @@ import slora_batch.engine.engine as engine_module
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.execution import batch as batch_module
 from slora_batch.engine.execution.runner import ModelRunner
+from slora_batch.engine.scheduling import scheduler as scheduler_module
 from slora_batch.engine.scheduling.admission import ScheduledStep
+from slora_batch.engine.scheduling.rows import RowTable
 
 VOCAB = 300
 
@@ -112,7 +114,20 @@ def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypat
                 assert np.array_equal(table, host.page_table[b, :length])
         return host
 
+    read_back, moved = scheduler_module.read_back, []
+
+    def checked_read_back(table, drawn, tokens, b_eos, eos, mark=None):
+        """Where a table step's rows are at read back, by the leaves since its launch, against
+        the sequences' own rows: the same sequence, or one that left (and may sit again)."""
+        if mark is not None:
+            b_row = table.rows_since(mark, len(drawn))
+            for seq, row in zip(drawn, b_row.tolist(), strict=True):
+                assert table.seqs[row] is seq if row >= 0 else seq.row < 0 or seq.table is table
+            moved.append(len(table.moves) - (mark - table.moves_base))
+        return read_back(table, drawn, tokens, b_eos, eos, mark)
+
     monkeypatch.setattr(engine_module, "plan_step", checked_plan)
+    monkeypatch.setattr(scheduler_module, "read_back", checked_read_back)
     work = requests(40, seed)
     results = {r.id: r for r in engine.generate(work)}
     assert len(results) == len(work) and all(r.finish_reason != "error" for r in results.values())
@@ -121,5 +136,31 @@ def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypat
             assert len(results[request.id].token_ids) == request.max_new_tokens
     assert engine.scheduler.preemptions > 0 and engine.counters.prefix_hit_tokens > 0
     assert sum(checked) > 50  # decode rows went through the table
+    assert len(moved) > 10 and sum(moved) > 10  # table steps read back after rows left
     assert not engine.scheduler.rows.seqs
+    engine.close()
+
+
+def test_rows_since_follows_the_leaves_after_a_mark(tiny):
+    """Rows [A, B, C, D] at the mark; B leaves (D moves to row 1), D leaves (C moves to row 1),
+    E joins (row 2): A at 0, B gone, C at 1, D gone. Trimmed to a later mark, the earlier
+    leaves are forgotten."""
+    model_dir, adapters = tiny
+    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(device="cpu",
+                                                                       num_pages=400))
+    table = RowTable()
+    seqs = [engine.prepare(Request(id=i, prompt_token_ids=[5, 6, 7])) for i in range(5)]
+    for seq in seqs[:4]:
+        table.join(seq)
+    mark = table.mark()
+    table.leave(seqs[1])
+    table.leave(seqs[3])
+    table.join(seqs[4])
+    assert table.rows_since(mark, 4).tolist() == [0, -1, 1, -1]
+    assert [s.row for s in seqs] == [0, -1, 1, -1, 2]
+    later = table.mark()
+    table.leave(seqs[0])  # E (row 2) moves to row 0
+    assert table.rows_since(later, 3).tolist() == [-1, 1, 0]
+    table.trim(later)
+    assert table.moves == [(0, 2)] and table.rows_since(later, 3).tolist() == [-1, 1, 0]
     engine.close()
