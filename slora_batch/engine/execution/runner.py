@@ -53,10 +53,16 @@ def tiled_decode(b_slot: np.ndarray) -> bool:
     )
 
 
-def gather_previous(input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens) -> None:
+def gather_previous(
+    input_ids: torch.Tensor, rows: torch.Tensor, prev_tokens, every: bool = False
+) -> None:
     """Input ids drawn by the previous step, gathered on the device (no wait for it): row b
-    takes prev_tokens[rows[b]] where rows[b] >= 0 (-1: its id came from the host)."""
+    takes prev_tokens[rows[b]] where rows[b] >= 0 (-1: its id came from the host). ``every``:
+    no row is -1 (a steady decode step), so one gather writes them all, one launch, not five."""
     assert prev_tokens is not None, "a step needs the previous step's tokens"
+    if every and prev_tokens.dtype == input_ids.dtype:
+        torch.index_select(prev_tokens, 0, rows, out=input_ids)
+        return
     taken = prev_tokens[rows.clamp(min=0)].to(input_ids.dtype)
     input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
 
@@ -221,7 +227,10 @@ class ModelRunner:
             self._graph_page_table[batch:bucket, 0].copy_(views["out_pages"][batch:])
             self._graph_tenure[batch:bucket] = -1
         if host.prev_rows is not None:
-            gather_previous(views["input_ids"][:batch], views["prev_rows"][:batch], prev_tokens)
+            every = bool((host.prev_rows >= 0).all())
+            gather_previous(
+                views["input_ids"][:batch], views["prev_rows"][:batch], prev_tokens, every
+            )
 
     def _fill_pages(self, host: HostStep) -> None:
         """A decode-only step's page-table rows into the graphs' table: of a row that held the

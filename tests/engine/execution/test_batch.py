@@ -156,10 +156,10 @@ def graph_runner(bucket: int) -> ModelRunner:
 def test_graph_inputs_from_one_staged_copy_equal_a_rebuild():
     """Each step's packed copy leaves in a graph's static inputs what ``lora_segments`` (padded
     to the bucket), ``position_segments`` and the step's rows say, padding rows past the batch,
-    the previous step's tokens gathered where prev_rows points; steps alternate the two staged
-    sets and the tiled and vector graphs. A vector graph never keeps a pos_seg (a warm-up before
-    capture would otherwise fix the warm-up's segments into the graph, and every replay would
-    skip its adapters)."""
+    the previous step's tokens gathered where prev_rows points (at some rows, or at every row);
+    steps alternate the two staged sets and the tiled and vector graphs. A vector graph never
+    keeps a pos_seg (a warm-up before capture would otherwise fix the warm-up's segments into
+    the graph, and every replay would skip its adapters)."""
     bucket, gen = 16, np.random.default_rng(4)
     runner = graph_runner(bucket)
     statics = {tiled: runner._static_input(bucket, tiled) for tiled in (False, True)}
@@ -170,7 +170,10 @@ def test_graph_inputs_from_one_staged_copy_equal_a_rebuild():
         if step % 3 == 0:
             b_slot[:] = 2  # one long segment
         lens = gen.integers(1, 20, size=batch).astype(np.int32)
-        prev = gen.integers(-1, bucket, size=batch) if step % 2 else None
+        # odd steps gather previous tokens: some rows' ids from the host, or (every fourth
+        # step from the second) none, the one-gather path
+        low = 0 if step % 4 == 1 else -1
+        prev = gen.integers(low, bucket, size=batch) if step % 2 else None
         host = HostStep(input_ids=gen.integers(0, 50, batch), positions=lens - 1,
                         out_pages=gen.integers(0, 99, (batch, 2)).astype(np.int32),
                         b1_start=np.arange(batch + 1, dtype=np.int32), b_seq_len=lens,
