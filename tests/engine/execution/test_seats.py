@@ -16,11 +16,11 @@ from slora_batch.engine.execution.seats import auto_num_seqs
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
 
 
-def test_rows_whose_kv_fits_after_the_largest_pinned_adapters():
+def test_rows_whose_kv_fits_after_the_pinned_adapters_of_mean_size():
     config = EngineConfig(auto_context_tokens=100, max_adapters_per_batch=2,
                           max_resident_adapters=2)  # fmt: skip
-    adapters = [30, 500, 70, 400]  # the two largest (900 pages) are held back
-    pages = 900 + 2 * 100 * 40 + 99  # 40 rows of 100 tokens, and not a 41st
+    adapters = [30, 500, 70, 401]  # two of their mean size (250.25): 501 pages held back
+    pages = 501 + 2 * 100 * 40 + 99  # 40 rows of 100 tokens, and not a 41st
     assert auto_num_seqs(config, pages, 2, adapters, max_model_len=4096) == 40
     # the model's context caps the planned one: 50 tokens a row, twice the rows
     assert auto_num_seqs(config, pages, 2, adapters, max_model_len=50) == 80
@@ -30,6 +30,9 @@ def test_rows_whose_kv_fits_after_the_largest_pinned_adapters():
     assert auto_num_seqs(config, 10**9, 2, adapters, 4096) == AUTO_MAX_SEQS
     wide = EngineConfig(admit_batch=64)
     assert auto_num_seqs(wide, 1000, 2, [], 4096) == 64
+    # fewer adapters than a batch may pin: all of them (here 1001 pages), not the cap's worth
+    few = EngineConfig(auto_context_tokens=100, max_adapters_per_batch=8)
+    assert auto_num_seqs(few, 1001 + 2 * 100 * 40 + 99, 2, adapters, 4096) == 40
 
 
 def test_config_takes_auto_or_a_positive_integer():
