@@ -177,12 +177,12 @@ class AdapterStore:
         self.dtype = dtype
         self._infos: dict[str, AdapterInfo] = {}
         self._pages: dict[str, int] = {}  # pages(name), asked for every row and admission
-        self._paged: OrderedDict[Path, PagedAdapter] = OrderedDict()
+        self._paged: OrderedDict[str, PagedAdapter] = OrderedDict()
         self._paged_bytes = 0
-        self._reading: dict[Path, Future[PagedAdapter]] = {}  # queued or running on the loader
+        self._reading: dict[str, Future[PagedAdapter]] = {}  # queued or running on the loader
         self._ahead_bytes = 0  # bytes of the reads in _reading
         self._loader: ThreadPoolExecutor | None = None
-        self._keys: dict[str, Path] = {}
+        self._keys: dict[str, str] = {}
         self.disk_loads = 0
         self.loader_waits = 0
 
@@ -285,11 +285,12 @@ class AdapterStore:
         self._paged.clear()
         self._paged_bytes = 0
 
-    def _key(self, name: str) -> Path:
-        """The cache key: the adapter's resolved directory (names sharing one share weights)."""
+    def _key(self, name: str) -> str:
+        """The cache key: the adapter's resolved directory (names sharing one share weights), as
+        text (a Path key compares in Python: ~1 us a lookup, a few hundred a step)."""
         key = self._keys.get(name)
         if key is None:
-            key = self._keys[name] = self.info(name).path.resolve()
+            key = self._keys[name] = str(self.info(name).path.resolve())
         return key
 
     def _read(self, info: AdapterInfo) -> PagedAdapter:
