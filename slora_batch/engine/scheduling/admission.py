@@ -13,6 +13,7 @@ cached.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 from slora_batch.engine.requests.sequence import Sequence, Status
 from slora_batch.engine.scheduling.prefix_cache import Block
@@ -98,7 +99,7 @@ class Admission:
         by_adapter = self.waiting.by_adapter
         pinned = self.pinned
         if len(pinned) < len(by_adapter):
-            count = by_adapter.get(None, 0) + sum(by_adapter.get(a, 0) for a in pinned)
+            count = by_adapter.get(None, 0) + sum(map(by_adapter.get, pinned, repeat(0)))
         else:
             count = sum(n for a, n in by_adapter.items() if a is None or a in pinned)
         if count >= want or slots <= 0:
