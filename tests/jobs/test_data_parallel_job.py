@@ -1,5 +1,7 @@
 """Jobs over two data-parallel workers (issue 16): the rows of one engine, and exactly-once
-resume after a worker is killed or the driver is killed."""
+resume after a worker is killed or the driver is killed: at data_parallel 2 after a killed
+worker, on one engine in the test's process after a stopped worker or driver (a job may resume
+with another data_parallel; it spares two worker start-ups a re-run)."""
 
 from __future__ import annotations
 
@@ -133,7 +135,7 @@ def test_a_worker_that_stops_answering_fails_the_run_naming_it(tmp_path, tiny, r
     assert 8 <= len(now) < ROWS and read_success(out) is None
     assert all(reference[key] == value for key, value in now.items())
     engines.append("rerun")
-    summary = run_job(load_job(tmp_path, tiny, **DP2))
+    summary = run_job(load_job(tmp_path, tiny, **KEYS))  # resumed on one engine, in here
     assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
 
@@ -184,7 +186,7 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
     now = committed(out)
     assert read_success(out) is None  # killed mid-job
     assert all(reference[key] == value for key, value in now.items())
-    summary = run_job(load_job(tmp_path, tiny, **DP2))
+    summary = run_job(load_job(tmp_path, tiny, **KEYS))  # resumed on one engine, in here
     assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
 
