@@ -142,11 +142,3 @@ def test_job_on_a_non_local_filesystem_runs_skips_and_resumes(
     assert rows_of(out) == reference and read_success(out)["rows"] == ROWS
     regenerated = [p for _, p in part_files(out) if part_run(p.name) == part_run(victim.name) + 1]
     assert [pq.read_metadata(p).num_rows for p in regenerated] == [missing]  # by the next run
-
-
-def test_file_uri_input_and_output_stay_on_the_local_path(tmp_path, tiny, reference):  # noqa: F811
-    directory = job_dir(tmp_path, tiny)
-    (job,) = load_jobs(directory / "jobs.yaml")
-    job.input, job.output = f"file://{directory}/rows.jsonl", f"file://{directory}/out"
-    summary = run_ray_job(job, RaySettings(**SETTINGS))
-    assert rows_of(directory / "out") == reference and summary.stats["rows"] == ROWS

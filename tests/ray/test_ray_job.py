@@ -102,7 +102,10 @@ def reference(reference_out) -> dict:
 
 
 def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, reference):
+    """Input and output given as file:// URIs (test_ray_fs takes another filesystem): they name
+    the local path, where the rows land as the single-process tool's would."""
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
+    job.input, job.output = f"file://{tmp_path}/rows.jsonl", f"file://{tmp_path}/out"
     summary = run_ray_job(job, RaySettings(**SETTINGS))
     out = tmp_path / "out"
     assert rows_of(out) == reference
