@@ -67,7 +67,9 @@ def test_trace_counts_tokens_positions_and_distinct_adapters(tmp_path):
                               targets=["q_proj", "v_proj"], alpha=4, rslora=False, seed=i)
         for i in range(3)
     }  # fmt: skip
-    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(device="cpu"))
+    engine = Engine(
+        model_dir, adapters=adapters, config=EngineConfig(device="cpu", num_pages=16384)
+    )
     trace = trace_steps(engine)
     rng = random.Random(0)
     requests = [

@@ -95,7 +95,8 @@ def test_an_engine_gives_n_results_per_sampled_prompt(tmp_path):
     sources = adapter_sources(2, model.write_adapters(tmp_path / "adapters", 0))
     prompts = Workload.generate(BenchConfig(**TINY), 300, count=4).requests(2)
     engine = Engine(model.model_dir, adapters=sources,
-                    config=EngineConfig(device="cpu", dtype="float32"), weights=model.weights)  # fmt: skip
+                    config=EngineConfig(device="cpu", dtype="float32", num_pages=16384),
+                    weights=model.weights)  # fmt: skip
     results = list(engine.generate(sample_requests(prompts, 3, separate=False)))
     assert sorted((r.id, r.sample_index) for r in results) == [(i, k) for i in range(4)
                                                                 for k in range(3)]  # fmt: skip

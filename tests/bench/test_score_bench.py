@@ -156,7 +156,8 @@ def test_engine_and_peft_score_the_same_choices(tmp_path):
     workload = ScoreWorkload.generate(BenchConfig(**TINY), 300)
     requests = group_by_adapter(workload.requests(3, count=6))
     engine = Engine(model.model_dir, adapters=sources,
-                    config=EngineConfig(device="cpu", dtype="float32"), weights=model.weights)  # fmt: skip
+                    config=EngineConfig(device="cpu", dtype="float32", num_pages=16384),
+                    weights=model.weights)  # fmt: skip
     results = {r.id: r for r in engine.generate(requests)}
     peft = load_peft(model.hf_model, sources)
     try:

@@ -193,7 +193,7 @@ def test_outputs_equal_the_engine_api(tmp_path, tiny):
     from slora_batch import EngineConfig, SamplingConfig
 
     engine = Engine(tiny.model, adapters=tiny.adapters,
-                    config=EngineConfig(device="cpu", dtype="float32"),
+                    config=EngineConfig(device="cpu", dtype="float32", num_pages=PAGES),
                     sampling=SamplingConfig(max_new_tokens=12))  # fmt: skip
     expected = {
         (r.id, r.adapter): (r.token_ids, r.text, r.finish_reason)

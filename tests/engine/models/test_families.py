@@ -146,8 +146,8 @@ def test_family_greedy_tokens_equal_transformers_peft(family):
 
 def test_family_parity_with_preemption_and_eviction(family):
     kind, model_dir, adapters, rows, expected = family
-    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(device="cpu"))
-    spec, store = engine.spec, engine.store
+    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(device="cpu", num_pages=64))
+    spec, store = engine.spec, engine.store  # the pool is not used: no 1 GiB default
     longest = max(2 * (len(r["prompt_token_ids"]) + r["max_new_tokens"]) for r in rows)
     biggest = max(store.pages(name) for name in adapters)
     pages = longest + 2 * biggest  # the longest row beside two adapters
