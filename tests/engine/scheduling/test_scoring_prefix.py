@@ -97,8 +97,9 @@ def test_repro_shared_choice_stems_and_repeated_rows(tiny):
         Request(id="first", prompt_token_ids=long_context, continuation_token_ids=cont),
         Request(id="again", prompt_token_ids=long_context, continuation_token_ids=cont),
     ]
-    off, _ = run(model_dir, adapters, rows, prefix_caching=False, max_num_seqs=1)
-    on, engine = run(model_dir, adapters, rows, prefix_block_tokens=4, max_num_seqs=1)
+    off, _ = run(model_dir, adapters, rows, prefix_caching=False, max_num_seqs=1, num_pages=4000)
+    on, engine = run(model_dir, adapters, rows, prefix_block_tokens=4, max_num_seqs=1,
+                     num_pages=4000)  # fmt: skip
     assert engine.counters.prefix_hit_tokens > 0
     for row in rows:
         assert scores(on[row.id]) == pytest.approx(scores(off[row.id]), abs=1e-5), row.id
