@@ -118,7 +118,8 @@ def test_job_on_a_non_local_filesystem_runs_skips_and_resumes(
     caplog,
 ):
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
-    run = lambda: run_ray_job(job, RaySettings(**SETTINGS), filesystem=wrapped_file_fs)  # noqa: E731
+    settings = RaySettings(**{**SETTINGS, "replicas": 1})  # the filesystem is the point here
+    run = lambda: run_ray_job(job, settings, filesystem=wrapped_file_fs)  # noqa: E731
     with caplog.at_level("WARNING", logger="slora_batch.ray.fs"):
         summary = run()
     out = tmp_path / "out"
