@@ -81,11 +81,13 @@ def test_fp8_kv_tokens_match_bf16_kv_up_to_widened_ties(fp8_case, graphs):
         g, w = got[key], want[key]
         for step, (a, b) in enumerate(zip(g.token_ids, w.token_ids, strict=True)):
             top = w.logprobs[step]["top"]
-            if top[0]["logprob"] - top[1]["logprob"] < margin:
-                break  # a near tie under fp8 rounding: the rest may differ
-            assert a == b, (key, row["adapter"], step, margin, g.token_ids, w.token_ids)
-            compared += 1
-    # the margin must leave steps to compare, or the test would check nothing of decode
-    assert compared > 0, "no step compared: every row began with a near tie"
+            tie = top[0]["logprob"] - top[1]["logprob"] < margin
+            if a != b:  # the first divergence must be a near tie under fp8 rounding
+                assert tie, (key, row["adapter"], step, margin, g.token_ids, w.token_ids)
+                break  # the rest follows other tokens
+            compared += not tie  # agreeing at a near tie checks little; the contexts stay equal
+    # the margin must leave decisive steps to compare, or the test would check nothing of decode
+    # (the random 7B shape's widened margin covers most first steps: agreeing ties go on)
+    assert compared > 0, "no decisive step compared"
     del fp8
     torch.cuda.empty_cache()
