@@ -65,13 +65,16 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
     pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) each group of
-    ``xdist_group`` shares one worker."""
+    ``xdist_group`` shares one worker. The Ray group is ``slow`` (a local cluster per module,
+    actors killed and restarted): the README's second test step."""
     import torch
 
     for item in items:
         group = xdist_group(item.nodeid)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+        if group == "ray":
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

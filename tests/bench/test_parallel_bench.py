@@ -16,6 +16,7 @@ TINY = dict(model_preset="tiny", device="cpu", min_input=8, max_input=16, min_ou
             max_output=6, warmup_requests=2, requests=16, adapters=[3])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_tensor_parallel_runs_beside_one_device(tmp_path):
     config = BenchConfig(tensor_parallel=2, out=tmp_path / "out", **TINY)
     assert config.systems == ["base", "slora", "base-par", "slora-par"]

@@ -176,6 +176,7 @@ def tiny_rows(names: list[str]) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_fp8_triton_kernels_read_no_garbage(case):
     """The same on the Triton kernels (kv_write, prefill and decode attention on fp8 pages with
     fp16 dots, as on the H200 in bf16; the LoRA kernels too), in the

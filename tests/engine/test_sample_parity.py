@@ -35,6 +35,7 @@ def sample_adapters(sample_model_dir, tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_sample_model_parity_fp32(sample_model_dir, sample_adapters):
     from transformers import AutoTokenizer
 

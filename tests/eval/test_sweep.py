@@ -46,6 +46,7 @@ run_job(job)
 """
 
 
+@pytest.mark.slow
 def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
     """Killed (SIGKILL after its second part) and run again: the re-run computes only the
     rest, in one engine for every adapter and task, every request once per adapter, and lm-eval's

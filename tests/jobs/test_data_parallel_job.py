@@ -71,6 +71,7 @@ def test_two_workers_write_the_rows_of_one_engine(tmp_path, tiny, reference):
     assert committed(tmp_path / "out") == reference
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_run_and_a_rerun_resumes_its_rows(
     tmp_path, tiny, reference, monkeypatch
 ):
@@ -99,6 +100,7 @@ def test_a_killed_worker_fails_the_run_and_a_rerun_resumes_its_rows(
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
 
 
+@pytest.mark.slow
 def test_a_worker_that_stops_answering_fails_the_run_naming_it(tmp_path, tiny, reference,
                                                                monkeypatch):  # fmt: skip
     """A stopped worker (SIGSTOP: alive, silent) is detected after worker_timeout_s, killed,
@@ -157,6 +159,7 @@ def parent_and_state(pid: int) -> tuple[int | None, str]:
     return int(fields[1]), fields[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny, reference, sig):
     """A killed driver's workers exit on their own (their pipe from it closes); a terminated
@@ -195,6 +198,7 @@ ACCEPTANCE_ROWS = 5000
 AT_SCALE = {"device": "cpu", "dtype": "float32", "num_pages": 8000, "data_parallel": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["scored", "equal-length"])
 def test_rows_that_finish_at_launch_complete_every_row_once(tmp_path, tiny, kind):
     """Issue 23's acceptance: 5000 scored rows, and 5000 generated rows of equal length, at

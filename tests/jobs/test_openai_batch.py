@@ -222,6 +222,7 @@ app(["run", job_file, "--quiet"])
 """
 
 
+@pytest.mark.slow
 def test_rerun_after_a_kill_writes_every_custom_id_once(tmp_path, tiny):
     lines = good_lines(10)
     write_batch(tmp_path / "batch.jsonl", lines + [lines[0]])  # one duplicate: an error line

@@ -110,6 +110,7 @@ def committed(out: Path) -> dict:
     return generated(outputs(out)) if part_files(out) else {}
 
 
+@pytest.mark.slow
 def test_sigkill_at_five_moments_then_resume_gives_every_row_once(tmp_path, tiny, reference):
     write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
     job_file = write_job(tmp_path, tiny, **KEYS)

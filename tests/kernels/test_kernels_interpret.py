@@ -55,6 +55,7 @@ CHILDREN = {  # one interpreter child each: its tests, as pytest's -k selects th
 
 if not INTERPRETED:
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("group", list(CHILDREN))
     def test_kernels_in_interpreter(group):
         env = dict(os.environ, TRITON_INTERPRET="1")
