@@ -146,8 +146,7 @@ def test_rows_since_follows_the_leaves_after_a_mark(tiny):
     E joins (row 2): A at 0, B gone, C at 1, D gone. Trimmed to a later mark, the earlier
     leaves are forgotten."""
     model_dir, adapters = tiny
-    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(device="cpu",
-                                                                       num_pages=400))
+    engine = Engine(model_dir, adapters=adapters, config=EngineConfig(device="cpu", num_pages=400))
     table = RowTable()
     seqs = [engine.prepare(Request(id=i, prompt_token_ids=[5, 6, 7])) for i in range(5)]
     for seq in seqs[:4]:
