@@ -142,21 +142,31 @@ def test_a_worker_that_stops_answering_fails_the_run_naming_it(tmp_path, tiny, r
     assert committed(out) == reference and read_success(out)["rows"] == ROWS
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and parent_and_state(int(entry.name))[0] == pid:
-            found.append(int(entry.name))
-    return found
-
-
 def parent_and_state(pid: int) -> tuple[int | None, str]:
     try:
         fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None, "gone"
     return int(fields[1]), fields[0]
+
+
+SIGNALLER = """
+import multiprocessing, os, sys
+from slora_batch.jobs import writer
+job_file, sig, n, pids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+real_write, rows = writer.OutputWriter.write, 0
+def write(self, result):
+    global rows
+    real_write(self, result)
+    rows += 1
+    if rows == n:
+        with open(pids, "w") as handle:
+            handle.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+        os.kill(os.getpid(), sig)
+writer.OutputWriter.write = write
+from cli import app
+app(["run", job_file, "--progress-every", "0"])
+"""
 
 
 @pytest.mark.slow
@@ -166,19 +176,16 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
     one stops them before it exits with 143."""
     write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
     job_file = write_job(tmp_path, tiny, **DP2)
-    command = [sys.executable, "-m", "cli", "run", str(job_file), "--progress-every", "0"]
-    driver = subprocess.Popen(command, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while True:  # progress lines: "... job tiny: 6/36 rows (16.7%), ..."
-        line = driver.stderr.readline()
-        assert line and time.monotonic() < deadline, driver.communicate()
-        if f"/{ROWS} rows" in line and int(line.split("job tiny: ")[1].split("/")[0]) >= 6:
-            break
-    workers = children(driver.pid)
-    assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
-    driver.send_signal(sig)
-    driver.communicate(timeout=30)
-    assert driver.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+    # the driver signals itself as its 6th row is written, naming its workers first: a signal
+    # from here after a progress line came after the last row when the run outpaced the test
+    pids = tmp_path / "workers.txt"
+    command = [sys.executable, "-c", SIGNALLER, str(job_file), str(int(sig)), "6", str(pids)]
+    driver = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    code = 143 if sig == signal.SIGTERM else -signal.SIGKILL
+    assert driver.returncode == code, driver.stderr[-3000:]
+    workers = [int(pid) for pid in pids.read_text().split()]
+    assert len(workers) >= 2, workers  # the two engine workers
     deadline = time.monotonic() + 15
     left = workers
     while left and time.monotonic() < deadline:
