@@ -167,14 +167,30 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path
     assert rows_of(out) == reference
 
 
+# The driver's one actor holds its fourth part back (Ray Data hands the driver a partition's
+# parts only once the partition is done): the test kills the run once three parts are on disk,
+# which, without the hold, a run that outpaced the test had passed (a loaded machine).
 DRIVER = """
-import sys
+import os, sys, time
+import fsspec
+import pyarrow.fs as pafs
+import ray
 from slora_batch.jobs.config import load_jobs
 from slora_batch.ray import RaySettings, run_ray_job
-import ray
+
+class HoldAfterThree(pafs.FSSpecHandler):  # the local disk; pickled by value into the actor
+    parts = 0
+    def open_output_stream(self, path, metadata):
+        if os.path.basename(path).startswith("part-"):
+            HoldAfterThree.parts += 1
+            if HoldAfterThree.parts > 3:
+                time.sleep(600)
+        return super().open_output_stream(path, metadata)
+
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 (job,) = load_jobs(sys.argv[1])
-run_ray_job(job, RaySettings(replicas=1, buckets=4, block_rows=10))
+filesystem = pafs.PyFileSystem(HoldAfterThree(fsspec.filesystem("file")))
+run_ray_job(job, RaySettings(replicas=1, buckets=4, block_rows=10), filesystem=filesystem)
 """
 
 
