@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh bench    # the acceptance run, 20 s a run (~8 minutes)
 #   bash benchmarks/device_run.sh profile  # device time per step kind and kernel family at 0, 10, 2000
 #   bash benchmarks/device_run.sh kernels  # LoRA and attention kernel timings, then the LoRA sweep
-#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, eval, fp8(-tests), batch(-7b),
+#   bash benchmarks/device_run.sh now EXP  # the current experiment EXP: json, eval, fp8(-tests), batch(-7b,-profile),
 #                                          # families(-tests), job, rooms, prefix, score, tp, dp-job
 # Writes logs and results under $OUT (or ./out/device when OUT is unset); copy the acceptance
 # run to benchmarks/results/<card>/ and commit it.
@@ -235,6 +235,18 @@ case "$mode" in
         export PYTHONPATH=$PYTHONPATH:/tmp/site
         bench eval "${EVAL_LIMIT:-450}" --systems eval-score,eval --adapters 100 \
           --tokenizer wheels/smollm2-tokenizer --eval-docs 48 --max-seconds 0 --total-seconds 0
+        ;;
+      batch-profile)
+        # issue 37's shortfalls on Llama-3-8B shapes at auto: where base's step time goes past
+        # its floor and what slora@1000 adds (steps by kind and kernels, torch.profiler), then
+        # slora@1000 with a 512-adapter cap (the 256 cap holds its decode batch at ~350 rows)
+        timeout 330 python3 -m benchmarks.profile_engine --preset llama3-8b --adapters 0,1000 \
+          --requests 2000 --profile-steps 60 --trace --out "$out/profile37" \
+          > "$out/profile37.log" 2>&1
+        grep -E "^adapters|profiled" "$out/profile37.log"; cat "$out"/profile37/steps-*.md
+        bench batch/llama3-8b-auto-cap512 150 --model-preset llama3-8b --requests 2000 \
+          --systems slora --adapters 1000 --max-adapters-per-batch 512 --max-seconds 0 \
+          --total-seconds 0
         ;;
       batch)
         # issue 37 on Llama-3-8B shapes, uncut: base and slora@1000 at a 256-row cap and at
