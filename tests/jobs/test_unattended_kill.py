@@ -85,8 +85,11 @@ app(["run", job_file, "--quiet"])
 
 
 SIGNALLER = """
-import os, sys
+import os, signal, sys
 from slora_batch.jobs import writer
+# SIGINT as a terminal's foreground job has it: a shell's background job (CI started from one)
+# starts with SIGINT ignored, which Python and the run then keep, as they should
+signal.signal(signal.SIGINT, signal.default_int_handler)
 job_file, sig, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 real_write, rows = writer.OutputWriter.write, 0
 def write(self, result):
