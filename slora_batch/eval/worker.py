@@ -57,6 +57,7 @@ class ScoringProcess:
         self.results = Connection(result_read, writable=False)
         self.ready = False
         self.error: str | None = None  # what it reported when it failed to prepare
+        self.expected: list[str | None] | None = None  # collect's adapters, once told to end
         self.answers: dict[str | None, tuple[Any, BaseException | None]] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._feeder = threading.Thread(target=self._feed, name="lm-eval-feeder", daemon=True)
@@ -78,6 +79,7 @@ class ScoringProcess:
         """{adapter: (scored, error)} for those of ``adapters`` the process answered; the
         process is stopped. One that is not ready yet is stopped at once (scoring here is no
         slower than waiting for its start)."""
+        self.expected = adapters
         self._queue.put(None)
         self._drain(wait=False)
         while self.ready and any(a not in self.answers for a in adapters):
@@ -94,6 +96,8 @@ class ScoringProcess:
             try:
                 adapter, scored, error = self.results.recv()
             except (EOFError, OSError):
+                if self.expected is not None and all(a in self.answers for a in self.expected):
+                    return False  # it ended as told, every answer in
                 if self.process.poll() is None:
                     self.process.terminate()
                 logger.warning("the lm-eval scoring process ended early; scoring here: %s",

@@ -5,6 +5,7 @@ rows, whichever adapters the process answered, on random rows and orders."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from types import SimpleNamespace
 
@@ -99,7 +100,7 @@ def random_rows(encoder, requests, rng: random.Random) -> dict:
     return rows
 
 
-def test_scoring_process_equals_scoring_here(tmp_path, eval_setup):
+def test_scoring_process_equals_scoring_here(tmp_path, eval_setup, caplog):
     """The scoring process (its own tasks, built there) gives each adapter the results rows
     and the JSON that scoring in the job's process gives, on random rows of all three task
     kinds; collect stops a process that is not ready at once, answering nothing."""
@@ -130,9 +131,15 @@ def test_scoring_process_equals_scoring_here(tmp_path, eval_setup):
     worker = ScoringProcess(config, str(model_dir), max_length, tmp_path)
     for adapter in adapters:
         worker.submit(adapter, rows[adapter])
-    while not worker.ready:  # collect waits for answers once the process is ready
+    while not all(a in worker.answers for a in adapters):
         assert worker._drain(wait=True), worker.failure()
-    answers = worker.collect(adapters)
+    worker._queue.put(None)  # the end collect asks for, seen before collect reads: a process
+    worker.process.wait(timeout=120)  # that answered everything and ended is no failure
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slora_batch.eval.worker"):
+        answers = worker.collect(adapters)
+    said = [r.getMessage() for r in caplog.records if r.name == "slora_batch.eval.worker"]
+    assert not said, said
     assert set(answers) == set(adapters)
     for adapter in adapters:
         scored, error = answers[adapter]
