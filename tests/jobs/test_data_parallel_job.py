@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_jobrun import (
+    SIGNALLER,
     build_tiny,
     generated,
     load_job,
@@ -150,25 +151,6 @@ def parent_and_state(pid: int) -> tuple[int | None, str]:
     return int(fields[1]), fields[0]
 
 
-SIGNALLER = """
-import multiprocessing, os, sys
-from slora_batch.jobs import writer
-job_file, sig, n, pids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-real_write, rows = writer.OutputWriter.write, 0
-def write(self, result):
-    global rows
-    real_write(self, result)
-    rows += 1
-    if rows == n:
-        with open(pids, "w") as handle:
-            handle.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
-        os.kill(os.getpid(), sig)
-writer.OutputWriter.write = write
-from cli import app
-app(["run", job_file, "--progress-every", "0"])
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny, reference, sig):
@@ -176,8 +158,7 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
     one stops them before it exits with 143."""
     write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
     job_file = write_job(tmp_path, tiny, **DP2)
-    # the driver signals itself as its 6th row is written, naming its workers first: a signal
-    # from here after a progress line came after the last row when the run outpaced the test
+    # the driver signals itself as its 6th row is written, naming its workers first (SIGNALLER)
     pids = tmp_path / "workers.txt"
     command = [sys.executable, "-c", SIGNALLER, str(job_file), str(int(sig)), "6", str(pids)]
     driver = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,

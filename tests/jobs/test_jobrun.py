@@ -54,6 +54,32 @@ class Tiny:
     bad: dict[str, Path]  # incompatible adapters: "rank-mismatch", "dora"
 
 
+# ``python -c SIGNALLER JOB SIGNAL N [PIDS]``: ``slora-batch run JOB`` that sends itself SIGNAL as
+# its N-th row is written (first naming its worker processes in the file PIDS, if given): a
+# signal at an exact row, where one from a test that watched the progress lines came after the
+# last row when the run outpaced it. SIGINT as a terminal's foreground job has it: a shell's
+# background job (CI started from one) starts with SIGINT ignored, which Python and the run keep.
+SIGNALLER = """
+import multiprocessing, os, signal, sys
+from slora_batch.jobs import writer
+signal.signal(signal.SIGINT, signal.default_int_handler)
+job_file, sig, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+real_write, rows = writer.OutputWriter.write, 0
+def write(self, result):
+    global rows
+    real_write(self, result)
+    rows += 1
+    if rows == n:
+        if len(sys.argv) > 4:
+            with open(sys.argv[4], "w") as handle:
+                handle.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+        os.kill(os.getpid(), sig)  # delivered to the CLI's handler before the next row
+writer.OutputWriter.write = write
+from cli import app
+app(["run", job_file, "--progress-every", "0"])
+"""
+
+
 def build_tiny(root: Path, sample_model_dir: Path) -> Tiny:
     """The tiny model, its adapters and two broken adapters under ``root`` (built once)."""
     tiny = Tiny(

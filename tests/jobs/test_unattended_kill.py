@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_jobrun import (
+    SIGNALLER,
     build_tiny,
     generated,
     load_job,
@@ -81,26 +82,6 @@ if moment == "before-marker":
 
 from cli import app
 app(["run", job_file, "--quiet"])
-"""
-
-
-SIGNALLER = """
-import os, signal, sys
-from slora_batch.jobs import writer
-# SIGINT as a terminal's foreground job has it: a shell's background job (CI started from one)
-# starts with SIGINT ignored, which Python and the run then keep, as they should
-signal.signal(signal.SIGINT, signal.default_int_handler)
-job_file, sig, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-real_write, rows = writer.OutputWriter.write, 0
-def write(self, result):
-    global rows
-    real_write(self, result)
-    rows += 1
-    if rows == n:
-        os.kill(os.getpid(), sig)  # delivered to the CLI's handler before the next row
-writer.OutputWriter.write = write
-from cli import app
-app(["run", job_file, "--progress-every", "0"])
 """
 
 
@@ -173,9 +154,7 @@ def test_a_signal_commits_every_finished_row_then_resume_completes(
     write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
     keys = {**KEYS, "part_rows": 1000, "part_seconds": 600}
     job_file = write_job(tmp_path, tiny, **keys)
-    # the run signals itself as its 12th row is written: a signal from a test that watched the
-    # progress lines came after the last row when the run outpaced it (a loaded CI machine)
-    finished = 12
+    finished = 12  # the run signals itself as its 12th row is written (SIGNALLER)
     command = [sys.executable, "-c", SIGNALLER, str(job_file), str(int(sig)), str(finished)]
     done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
