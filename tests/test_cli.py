@@ -3,8 +3,6 @@ job-level errors as one message without a traceback, and kill -9 mid-run then re
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +20,7 @@ from test_jobrun import (
     write_job,
     write_jsonl,
 )
+from test_unattended_kill import killed_run
 from typer.testing import CliRunner
 
 from cli import app
@@ -135,22 +134,6 @@ def test_validate_reports_without_loading_weights(tmp_path, tiny, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-KILLED_AFTER_TWO_PARTS = """
-import os, signal, sys
-from slora_batch.jobs import writer
-real_commit, parts = writer.commit_file, 0
-def commit(path, write):
-    global parts
-    real_commit(path, write)
-    parts += path.name.startswith("part-")
-    if parts == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-writer.commit_file = commit
-from cli import app
-app(["run", sys.argv[1], "--quiet"])
-"""
-
-
 def test_kill_9_mid_run_then_resume_yields_every_row_once(tmp_path, tiny):
     """A run killed after a few parts, then re-run, ends with exactly the rows (and outputs) of
     an uninterrupted run. The killed run is a process of its own; the re-run needs none."""
@@ -160,13 +143,9 @@ def test_kill_9_mid_run_then_resume_yields_every_row_once(tmp_path, tiny):
     keys = dict(part_rows=4, sampling={"max_new_tokens": 8},
                 engine={"device": "cpu", "dtype": "float32", "num_pages": 16384, "max_num_seqs": 4})  # fmt: skip
     job_file = write_job(tmp_path, tiny, **keys)
-    # the run kills itself once its second part is committed: a kill from here once the part
-    # appeared came after the last row when the run outpaced the test (a loaded machine)
-    command = [sys.executable, "-c", KILLED_AFTER_TWO_PARTS, str(job_file)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # the run kills itself once its second part is committed (test_unattended_kill's driver): a
+    # kill from here once the part appeared came after the last row when the run outpaced the test
+    killed_run(job_file, "after-part", 2)
     out = tmp_path / "out"
     assert read_success(out) is None
     killed_rows = len(outputs(out))
