@@ -1,8 +1,7 @@
 """The Ray job runner on a filesystem other than the local disk: input listing and reading, the
-output's files and parts through ``pyarrow.fs`` (fsspec's in-memory filesystem), and whole jobs
-on fsspec's "file" filesystem wrapped as a ``PyFileSystem``: not ``LocalFileSystem``, so the
-runner takes the non-local path (no flock, no rename, no ``os`` calls) on a directory every Ray
-worker process can reach (the in-memory store lives in one process)."""
+output's files and parts through ``pyarrow.fs`` (fsspec's in-memory filesystem). Whole jobs on a
+non-local filesystem (the local disk wrapped as a ``PyFileSystem``, which every Ray worker
+process can reach) run, skip and resume in test_ray_job's killed-actor test."""
 
 from __future__ import annotations
 
@@ -16,24 +15,11 @@ fsspec = pytest.importorskip("fsspec")
 import pyarrow as pa  # noqa: E402
 import pyarrow.fs as pafs  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from test_ray_job import (  # noqa: E402, F401, F811 -- the fixtures run once per module
-    ROWS,
-    SETTINGS,
-    job_dir,
-    local_ray,
-    reference,
-    reference_out,
-    rows_of,
-    tiny,
-)
 
-from slora_batch.jobs.config import load_jobs  # noqa: E402
 from slora_batch.jobs.fsio import FsDir  # noqa: E402
 from slora_batch.jobs.outdir import part_files, read_success, write_success  # noqa: E402
 from slora_batch.jobs.reader import InputError, iter_input_files, read_rows  # noqa: E402
 from slora_batch.jobs.scan import scan_input  # noqa: E402
-from slora_batch.ray import RaySettings, run_ray_job  # noqa: E402
-from slora_batch.ray.fence import part_run  # noqa: E402
 from slora_batch.ray.fs import commit_table  # noqa: E402
 
 COLUMNS = {"id": "id", "adapter": "adapter", "prompt": "prompt", "messages": "messages"}
@@ -102,44 +88,3 @@ def test_output_files_and_parts_are_committed_through_the_filesystem(memory):
     assert [(n, str(p)) for n, p in part_files(out)] == [(3, "/out/job/part-00003.parquet")]
     assert read_success(out)["rows"] == 1
     assert out.names() == ["_SUCCESS", "part-00003.parquet"]  # no temp name was left
-
-
-@pytest.fixture
-def wrapped_file_fs():
-    """The local disk behind a non-local pyarrow filesystem (fsspec's "file", wrapped)."""
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("file")))
-
-
-def test_job_on_a_non_local_filesystem_runs_skips_and_resumes(
-    tmp_path,
-    tiny,  # noqa: F811
-    reference,  # noqa: F811
-    wrapped_file_fs,
-    caplog,
-):
-    (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
-    settings = RaySettings(**{**SETTINGS, "replicas": 1})  # the filesystem is the point here
-    run = lambda: run_ray_job(job, settings, filesystem=wrapped_file_fs)  # noqa: E731
-    with caplog.at_level("WARNING", logger="slora_batch.ray.fs"):
-        summary = run()
-    out = tmp_path / "out"
-    assert rows_of(out) == reference and summary.stats["rows"] == ROWS
-    assert "is not locked" in caplog.text
-    names = {p.name for p in out.iterdir()}
-    assert {"_job.json", "_stats.parquet", "_ray.json", "_SUCCESS"} <= names
-    assert not any(n.startswith(".") for n in names)  # no flock file, no temp files
-    assert read_success(out)["rows"] == ROWS
-
-    again = run()
-    assert again.complete_already and again.rows_this_run == 0
-
-    number, victim = part_files(out)[len(part_files(out)) // 2]
-    missing = pq.read_metadata(victim).num_rows
-    victim.unlink()
-    (out / "_SUCCESS").unlink()  # as in the single-process tool, _SUCCESS says "complete"
-    resumed = run()
-    assert not resumed.complete_already
-    assert resumed.rows_this_run == missing and resumed.rows_skipped == ROWS - missing
-    assert rows_of(out) == reference and read_success(out)["rows"] == ROWS
-    regenerated = [p for _, p in part_files(out) if part_run(p.name) == part_run(victim.name) + 1]
-    assert [pq.read_metadata(p).num_rows for p in regenerated] == [missing]  # by the next run

@@ -34,14 +34,7 @@ ROWS = 150
 WORDS = ["the", "a", "dog", "fox", "seven", "hex"]
 SETTINGS = dict(replicas=2, buckets=4, block_rows=10)  # 15 blocks x 4 buckets: many small parts
 KEYS = dict(sampling={"max_new_tokens": 3}, part_rows=10)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest.py: the Ray instance the modules share
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +95,7 @@ def reference(reference_out) -> dict:
 
 
 def test_two_actors_write_the_rows_of_the_single_process_run(tmp_path, tiny, reference):
-    """Input and output given as file:// URIs (test_ray_fs takes another filesystem): they name
+    """Input and output given as file:// URIs (the killed-actor test takes another filesystem): they name
     the local path, where the rows land as the single-process tool's would."""
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
     job.input, job.output = f"file://{tmp_path}/rows.jsonl", f"file://{tmp_path}/out"
@@ -140,7 +133,13 @@ def slow_first_commit_fs(marks: Path):
     return pafs.PyFileSystem(SlowFirstCommit(fsspec.filesystem("file")))
 
 
-def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path, tiny, reference):
+def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
+    tmp_path, tiny, reference, caplog
+):
+    """On a filesystem other than the local disk (``slow_first_commit_fs``: the runner takes
+    the non-local path, no flock, no rename, no ``os`` calls): the killed actor's unit is
+    retried by another; a complete job does not run again; a lost part is made again by the
+    next run, and only its rows."""
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
     out, marks, killed = tmp_path / "out", tmp_path / "marks", []
     filesystem = slow_first_commit_fs(marks)
@@ -155,9 +154,13 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path
             os.kill(int(pid), signal.SIGKILL)
             killed.append((part, int(pid)))
 
+    def run():
+        return run_ray_job(job, RaySettings(**SETTINGS), filesystem=filesystem)
+
     killer = threading.Thread(target=kill_the_busy_actor)
     killer.start()
-    summary = run_ray_job(job, RaySettings(**SETTINGS), filesystem=filesystem)
+    with caplog.at_level("WARNING", logger="slora_batch.ray.fs"):
+        summary = run()
     killer.join()
     assert killed, "no engine actor was caught in the middle of a unit"
     (part, pid), actors = killed[0], json.loads((out / "_ray.json").read_text())["actors"]
@@ -165,6 +168,27 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(tmp_path
     assert not any(a["actor"].endswith(f":{pid}") for a in actors)  # another actor made it
     assert summary.stats["rows"] == ROWS
     assert rows_of(out) == reference
+    assert "is not locked" in caplog.text
+    names = {p.name for p in out.iterdir()}
+    assert {"_job.json", "_stats.parquet", "_ray.json", "_SUCCESS"} <= names
+    assert not any(n.startswith(".") for n in names)  # no flock file, no temp files
+    assert read_success(out)["rows"] == ROWS
+
+    again = run()
+    assert again.complete_already and again.rows_this_run == 0
+
+    import pyarrow.parquet as pq
+
+    number, victim = part_files(out)[len(part_files(out)) // 2]
+    missing = pq.read_metadata(victim).num_rows
+    victim.unlink()
+    (out / "_SUCCESS").unlink()  # as in the single-process tool, _SUCCESS says "complete"
+    resumed = run()
+    assert not resumed.complete_already
+    assert resumed.rows_this_run == missing and resumed.rows_skipped == ROWS - missing
+    assert rows_of(out) == reference and read_success(out)["rows"] == ROWS
+    regenerated = [p for _, p in part_files(out) if part_run(p.name) == part_run(victim.name) + 1]
+    assert [pq.read_metadata(p).num_rows for p in regenerated] == [missing]  # by the next run
 
 
 # The driver's one actor holds its fourth part back (Ray Data hands the driver a partition's

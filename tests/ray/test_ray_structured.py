@@ -18,7 +18,7 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from structured import PERSON  # noqa: E402
-from test_ray_job import SETTINGS, local_ray  # noqa: E402, F401 -- this module's Ray instance
+from test_ray_job import SETTINGS  # noqa: E402
 from test_structured_job import (  # noqa: E402, F401 -- the tiny model built once per module
     CHOICE,
     PROMPTS,
@@ -62,6 +62,7 @@ BROKEN = {  # a reference to a definition the schema lacks: xgrammar rejects it
 MAX_NEW_TOKENS = 32  # enough for every format but the person schema's (per row: 96)
 JSONL_ROWS = 8  # the first rows go to rows.jsonl, the rest to rows.parquet
 ENGINE = {"device": "cpu", "dtype": "float32", "num_pages": 4000}
+pytestmark = pytest.mark.usefixtures("local_ray")  # conftest.py: the shared Ray instance
 
 
 def make_rows() -> list[dict]:
