@@ -151,8 +151,12 @@ def _eval_acceptance(ok: list[dict]) -> list[str]:
         parts = (f"{r['finished']} rows in {r['wall_s']:.1f} s past start-up: engine "
                  f"{r['eval_engine_s']:.1f} s, the rest (lm-eval, the job's files) "
                  f"{r['eval_rest_s']:.1f} s; start-up {r['setup_s']:.1f} s")  # fmt: skip
-        return parts if alone is None else (
-            f"{r['rows_per_s']:.1f} vs {alone['rows_per_s']:.1f}; {parts}")  # fmt: skip
+        if alone is None:
+            return parts
+        loads = (f"; adapter files read {r.get('disk_loads', 0):.0f} vs "
+                 f"{alone.get('disk_loads', 0):.0f} alone, "
+                 f"{alone.get('loader_waits', 0):.0f} reads waited for alone")  # fmt: skip
+        return f"{r['rows_per_s']:.1f} vs {alone['rows_per_s']:.1f}; {parts}{loads}"
 
     return _paired(ok, "eval", "eval-score", "rows_per_s", EVAL_TARGET, detail)
 

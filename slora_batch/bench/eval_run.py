@@ -215,6 +215,7 @@ def run_eval_system(ctx, n: int) -> dict:
         eval_files_s=files_s,
         eval_metrics=len(metrics),
         prefix_hit_tokens=stats.get("prefix_hit_tokens") or 0,  # beside eval-score's
+        disk_loads=stats.get("adapter_disk_loads") or 0,  # one per adapter directory
         kernel_builds=run_builds if builds.available else math.nan,
         kernel_build_s=run_build_s if builds.available else math.nan,
         eval_acc_base=metrics.get((None, "acc"), math.nan),

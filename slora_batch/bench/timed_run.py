@@ -25,6 +25,8 @@ COUNTERS = (  # the engine's counters every engine row carries, over its timed r
     "prefill_tokens",
     "preemptions",
     "adapter_loads",
+    "disk_loads",  # adapter files read (ids that share a directory share one read)
+    "loader_waits",  # admissions that waited for a read
     "adapter_evictions",
     "prefetch_hits",
     "prefetch_misses",

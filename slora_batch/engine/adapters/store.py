@@ -47,6 +47,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Loader threads when weights are pinned (a GPU engine): its own thread mostly waits on the
+# device, so two reads at a time keep up with adapter-major jobs (a sweep reads a new adapter
+# every few hundred rows). A CPU engine's cores are its compute: one read at a time there.
+LOADER_THREADS_PINNED = 2
+
 
 @dataclass
 class AdapterWeights:
@@ -80,8 +85,10 @@ def shard_adapter(weights, rank: int, size: int, spec: ModelSpec | None = None):
     )
 
 
-def load_weights(info: AdapterInfo, spec: ModelSpec) -> AdapterWeights:
-    """Read an adapter's factors into host memory, stacked over layers."""
+def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> AdapterWeights:
+    """Read an adapter's factors into host memory, stacked over layers (``stack=False``: a list
+    of each layer's tensor per factor, B^T rows as views, for ``to_pages`` to place with no
+    stacked copy in between)."""
     a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
     b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
     try:
@@ -96,7 +103,14 @@ def load_weights(info: AdapterInfo, spec: ModelSpec) -> AdapterWeights:
                     b[target][layer] = tensor.t()  # [d_out, r] -> [r, d_out]
     except Exception as exc:
         raise AdapterError(info.name, info.path, f"cannot read weights: {exc}") from exc
-
+    for factors, kind in ((a, "lora_A"), (b, "lora_B")):
+        for target, layers in factors.items():
+            if any(t is None for t in layers):
+                missing = [i for i, t in enumerate(layers) if t is None]
+                raise AdapterError(info.name, info.path, f"no {kind} weights of {target} in "
+                                   f"layers {missing[:8]} of {spec.num_layers}")  # fmt: skip
+    if not stack:
+        return AdapterWeights(a=a, b_t=b)  # type: ignore[arg-type]
     return AdapterWeights(
         a={t: torch.stack(v) for t, v in a.items()}, b_t={t: torch.stack(v) for t, v in b.items()}
     )
@@ -128,32 +142,42 @@ def to_pages(
     dtype: torch.dtype,
     pin: bool = False,
 ) -> PagedAdapter:
-    """Pads each factor's rows to whole pages and concatenates them in page order."""
+    """Pads each factor's rows to whole pages, in page order, written straight into one
+    (pinned) buffer: each factor is copied once, only the pad tails are zeroed. A factor is a
+    stacked [L, r, width] tensor or a list of each layer's [r, width] (``load_weights``)."""
     offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
-    chunks, cursor = [], 0
+    layout, cursor = [], 0
     for t_index, target in enumerate(TARGETS):
         if target not in info.targets:
             continue
         for which, rows in enumerate((weights.a[target], weights.b_t[target])):
-            num_layers, rank, width = rows.shape
+            rank, width = rows[0].shape
             per_row = -(-width // page_size)
-            padded = torch.zeros(num_layers, rank, per_row * page_size, dtype=dtype)
-            padded[:, :, :width] = rows
             offsets[t_index, which] = cursor
-            chunks.append(padded.view(num_layers, rank * per_row, page_size))
+            layout.append((rows, cursor, rank, per_row, width))
             cursor += rank * per_row
-    data = torch.cat(chunks, dim=1)
-    return PagedAdapter(info=info, data=data.pin_memory() if pin else data, offsets=offsets)
+    num_layers = len(layout[0][0]) if layout else 0
+    data = torch.empty(num_layers, cursor, page_size, dtype=dtype, pin_memory=pin)
+    for rows, start, rank, per_row, width in layout:
+        padded = data[:, start : start + rank * per_row].view(num_layers, rank, -1)
+        padded[:, :, width:].zero_()
+        if isinstance(rows, torch.Tensor):
+            padded[:, :, :width].copy_(rows)
+        else:
+            for layer, tensor in enumerate(rows):
+                padded[layer, :, :width].copy_(tensor)
+    return PagedAdapter(info=info, data=data, offsets=offsets)
 
 
 class AdapterStore:
     """All adapters by name: configs parsed on demand, weights kept in host memory in their page
     layout (an LRU bounded by bytes; adapters that share a directory share one copy).
 
-    Disk reads happen on one loader thread: ``load_ahead`` queues the read of an adapter the
-    next rows will need, ``ready`` says whether it is in host memory, and ``paged`` returns it,
-    waiting for the loader if its read is under way (counted in ``loader_waits``). Only the
-    engine's thread touches the cache; the loader thread only reads files into new tensors.
+    Disk reads happen on loader threads (``LOADER_THREADS_PINNED``; one without pinning):
+    ``load_ahead`` queues the read of an adapter the next rows will need, ``ready`` says
+    whether it is in host memory, and ``paged`` returns it, waiting for the loader if its read
+    is under way (counted in ``loader_waits``). Only the engine's thread touches the cache; the
+    loader threads only read files into new tensors.
     """
 
     def __init__(
@@ -234,7 +258,7 @@ class AdapterStore:
 
     def load_ahead(self, name: str) -> bool:
         """Queue the read of an adapter on the loader thread, unless it is in host memory or
-        queued already. Reads run in the order queued. Adapters read ahead and not yet taken by
+        queued already. Reads start in the order queued. Adapters read ahead and not yet taken by
         ``paged`` may hold at most half the cache's bytes: returns False (nothing queued) when
         this one would pass that, so the caller stops asking for later ones."""
         key = self._key(name)
@@ -246,7 +270,8 @@ class AdapterStore:
         if self._ahead_bytes + size > self.cache_bytes // 2 and self._reading:
             return False
         if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="slora-adapter-loader")
+            threads = LOADER_THREADS_PINNED if self.pin else 1
+            self._loader = ThreadPoolExecutor(threads, thread_name_prefix="slora-adapter-loader")
         self._reading[key] = self._loader.submit(self._read, self.info(name))
         self._ahead_bytes += size
         return True
@@ -294,7 +319,8 @@ class AdapterStore:
         return key
 
     def _read(self, info: AdapterInfo) -> PagedAdapter:
-        weights = load_weights(info, self.spec)
-        if self.shard[1] > 1:
+        sharded = self.shard[1] > 1
+        weights = load_weights(info, self.spec, stack=sharded)  # unsharded: no stacked copy
+        if sharded:
             weights = shard_adapter(weights, *self.shard, spec=self.spec)
         return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)

@@ -81,9 +81,9 @@ def test_disk_reads_run_on_the_loader_thread(many, monkeypatch):
     threads: list[str] = []
     real = adapters_module.load_weights
 
-    def spy(info, spec):
+    def spy(info, spec, **kwargs):
         threads.append(threading.current_thread().name)
-        return real(info, spec)
+        return real(info, spec, **kwargs)
 
     monkeypatch.setattr(adapters_module, "load_weights", spy)
     engine = run(many, group=adapter_group)

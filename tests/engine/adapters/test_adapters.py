@@ -169,3 +169,55 @@ def test_store_lazy_bounded_and_paged(model_dir, spec, tmp_path):
     assert store.disk_loads == 3
     with pytest.raises(KeyError, match="unknown adapter 'zz'"):
         store.info("zz")
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_pages_hold_each_factor_once_and_zeros_past_its_width(
+    model_dir, spec, tmp_path, monkeypatch, stack
+):
+    """``to_pages`` writes every factor straight into its buffer, from stacked factors or per
+    layer (the store's unsharded reads): the layout of padding each row to whole pages, the pad
+    tails zero even in a buffer that held garbage."""
+    from slora_batch.engine.adapters.store import TARGETS, load_weights, to_pages
+
+    path = adapter(model_dir, tmp_path, targets=["q_proj", "v_proj", "down_proj"])
+    info = parse_adapter("a", path, spec)
+    weights = load_weights(info, spec, stack=stack)
+    page = 24  # no width (64, 32, 96) fills whole pages
+    real_empty = torch.empty
+
+    def garbage(*shape, dtype=None, pin_memory=False):
+        return real_empty(*shape, dtype=dtype).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", garbage)
+    paged = to_pages(info, weights, page, torch.float32)
+    monkeypatch.undo()
+    stacked = load_weights(info, spec)
+    want, offsets = [], []
+    for target in TARGETS:
+        if target not in info.targets:
+            offsets.append([-1, -1])
+            continue
+        pair = []
+        for rows in (stacked.a[target], stacked.b_t[target]):
+            layers, rank, width = rows.shape
+            per_row = -(-width // page)
+            padded = torch.zeros(layers, rank, per_row * page)
+            padded[:, :, :width] = rows
+            pair.append(sum(w.shape[1] for w in want))
+            want.append(padded.view(layers, rank * per_row, page))
+        offsets.append(pair)
+    assert torch.equal(paged.data, torch.cat(want, dim=1))
+    assert paged.offsets.tolist() == offsets
+
+
+def test_a_missing_layer_is_named_when_the_weights_are_read(model_dir, spec, tmp_path):
+    from slora_batch.engine.adapters.store import load_weights
+
+    path = adapter(model_dir, tmp_path)
+    info = parse_adapter("a", path, spec)
+    weights = load_file(path / "adapter_model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.1.self_attn.v_proj" not in k},
+              path / "adapter_model.safetensors")  # fmt: skip
+    with pytest.raises(AdapterError, match=r"no lora_A weights of v in layers \[1\]"):
+        load_weights(info, spec, stack=False)
