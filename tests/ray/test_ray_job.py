@@ -387,3 +387,26 @@ def rows_of_files(files: list[Path]) -> dict[tuple, tuple]:
     return {
         k: (r["token_ids"], r["text"], r["finish_reason"], r["error"]) for k, r in keyed.items()
     }
+
+
+@pytest.mark.parametrize("address,given,want", [("local", None, "0"), (None, "5", "5"),
+                                                ("ray://head:10001", None, None)])  # fmt: skip
+def test_a_local_instance_starts_its_workers_at_this_commands_priority(
+    monkeypatch, address, given, want
+):
+    """Ray starts workers at nice 15 unless told otherwise: a local instance's engine actors
+    then lost ~28:1 to any busy process beside them. ``connect`` tells the raylet it starts
+    (through its environment) to keep them at nice 0; a user's own setting and a remote
+    cluster's are left alone."""
+    from slora_batch.ray.job import WORKER_NICENESS, connect
+
+    environ = {k: v for k, v in os.environ.items() if k != WORKER_NICENESS}
+    if given is not None:
+        environ[WORKER_NICENESS] = given
+    monkeypatch.setattr(os, "environ", environ)  # what connect sets stays in the test
+    monkeypatch.setattr(ray_job, "_started_here", ray_job._started_here)
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(os.environ.get(WORKER_NICENESS)))
+    connect(address)
+    assert seen == [want]
