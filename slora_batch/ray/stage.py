@@ -153,7 +153,9 @@ class EngineActor:
     def _request(self, row: dict[str, Any]) -> Request | Result:
         values = {k: v for k, v in row.items() if v is not None and k not in self.kept}
         if isinstance(values.get("response_format"), dict):  # a struct column: JSON strings pass
-            values["response_format"] = struct_value(values["response_format"])
+            fmt = struct_value(values.pop("response_format"))
+            if not _all_empty(fmt):  # else Ray Data's stand-in for a null struct: no format
+                values["response_format"] = fmt
         kept = {k: row[k] for k in self.kept if row.get(k) is not None}
         where = row.get("source") or f"dataset row {row.get('id')!r}"
         return to_request(DatasetRow(values, str(where), kept=kept), self.sampling)
@@ -247,6 +249,17 @@ def generate(
         concurrency=replicas,
         num_gpus=gpus_per_replica or None,
     )
+
+
+def _all_empty(value: Any) -> bool:
+    """Whether every leaf of a struct value is empty (None, "", 0, False, []). Ray Data 2.60,
+    concatenating blocks whose struct types differ (a sort does), turns a row's null struct
+    into one of empty values, even its ``type``, which every format names."""
+    if isinstance(value, dict):
+        return all(_all_empty(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_all_empty(v) for v in value)
+    return value in (None, "", 0, False)
 
 
 def _with_sort_key(batch: pa.Table) -> pa.Table:

@@ -154,8 +154,9 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
             os.kill(int(pid), signal.SIGKILL)
             killed.append((part, int(pid)))
 
-    def run():
-        return run_ray_job(job, RaySettings(**SETTINGS), filesystem=filesystem)
+    def run(replicas: int = 2):
+        settings = RaySettings(**{**SETTINGS, "replicas": replicas})
+        return run_ray_job(job, settings, filesystem=filesystem)
 
     killer = threading.Thread(target=kill_the_busy_actor)
     killer.start()
@@ -183,7 +184,7 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
     missing = pq.read_metadata(victim).num_rows
     victim.unlink()
     (out / "_SUCCESS").unlink()  # as in the single-process tool, _SUCCESS says "complete"
-    resumed = run()
+    resumed = run(replicas=1)  # one part to make again
     assert not resumed.complete_already
     assert resumed.rows_this_run == missing and resumed.rows_skipped == ROWS - missing
     assert rows_of(out) == reference and read_success(out)["rows"] == ROWS
@@ -362,7 +363,9 @@ def test_generate_stage_gives_the_job_tool_rows_with_file_uris(tmp_path, tiny, r
     rows = [json.loads(line) for i, line in enumerate(lines) if i != 20]
     for row in rows:
         row["source"] = f"rows.jsonl line {row['id'] + 1}"
-    ds = ray.data.from_items([{"adapter": None, **r} for r in rows])
+    # two blocks: from_items makes one a row by default, and the stage's sort then runs
+    # hundreds of tasks (seconds each on a loaded 2-core machine)
+    ds = ray.data.from_items([{"adapter": None, **r} for r in rows], override_num_blocks=2)
     result = generate(
         ds,
         str(tiny.model),
