@@ -138,7 +138,7 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
 ):
     """On a filesystem other than the local disk (``slow_first_commit_fs``: the runner takes
     the non-local path, no flock, no rename, no ``os`` calls): the killed actor's unit is
-    retried by another; a complete job does not run again; a lost part is made again by the
+    retried by its restart; a complete job does not run again; a lost part is made again by the
     next run, and only its rows."""
     (job,) = load_jobs(job_dir(tmp_path, tiny) / "jobs.yaml")
     out, marks, killed = tmp_path / "out", tmp_path / "marks", []
@@ -154,8 +154,8 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
             os.kill(int(pid), signal.SIGKILL)
             killed.append((part, int(pid)))
 
-    def run(replicas: int = 2):
-        settings = RaySettings(**{**SETTINGS, "replicas": replicas})
+    def run():  # one actor, killed in its unit, restarted by Ray Data, the unit retried
+        settings = RaySettings(**{**SETTINGS, "replicas": 1})
         return run_ray_job(job, settings, filesystem=filesystem)
 
     killer = threading.Thread(target=kill_the_busy_actor)
@@ -166,7 +166,7 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
     assert killed, "no engine actor was caught in the middle of a unit"
     (part, pid), actors = killed[0], json.loads((out / "_ray.json").read_text())["actors"]
     assert (out / part).exists(), "the killed actor's unit was not retried"
-    assert not any(a["actor"].endswith(f":{pid}") for a in actors)  # another actor made it
+    assert not any(a["actor"].endswith(f":{pid}") for a in actors)  # its restart made it
     assert summary.stats["rows"] == ROWS
     assert rows_of(out) == reference
     assert "is not locked" in caplog.text
@@ -184,7 +184,7 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
     missing = pq.read_metadata(victim).num_rows
     victim.unlink()
     (out / "_SUCCESS").unlink()  # as in the single-process tool, _SUCCESS says "complete"
-    resumed = run(replicas=1)  # one part to make again
+    resumed = run()
     assert not resumed.complete_already
     assert resumed.rows_this_run == missing and resumed.rows_skipped == ROWS - missing
     assert rows_of(out) == reference and read_success(out)["rows"] == ROWS
@@ -372,7 +372,7 @@ def test_generate_stage_gives_the_job_tool_rows_with_file_uris(tmp_path, tiny, r
         str(tiny.adapters),
         engine={"device": "cpu", "dtype": "float32", "num_pages": 16384},
         sampling={"max_new_tokens": 3},
-        replicas=2,
+        replicas=1,  # two actors: test_two_actors_write_the_rows_of_the_single_process_run
         batch_rows=16,
     )
     result.write_parquet(f"file://{tmp_path}/stage")

@@ -239,3 +239,23 @@ def test_chat_ids_are_a_plain_list_of_ints(smollm2, sample_copy, monkeypatch):
         sample_copy, "apply_chat_template", lambda *a, **k: BatchEncoding({"input_ids": expected})
     )
     assert tokenize(chat("user"), sample_copy, len(sample_copy)) == expected
+
+
+def test_a_directory_loads_its_tokenizer_once_until_its_files_change(sample_model_dir, tmp_path):
+    """A job's validation and its engine, and engines built again, share one load; a changed
+    file loads it anew, and another directory has its own."""
+    import shutil
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for f in sample_model_dir.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy(f, tmp_path / name / f.name)
+    first = load_tokenizer(tmp_path / "a")
+    assert load_tokenizer(tmp_path / "a") is first
+    other = load_tokenizer(tmp_path / "b")
+    assert other is not first and other.get_vocab() == first.get_vocab()
+    config = tmp_path / "a" / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    again = load_tokenizer(tmp_path / "a")
+    assert again is not first and load_tokenizer(tmp_path / "a") is again
