@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from slora_batch.jobs import fsio
 from slora_batch.jobs.config import COLUMN_KEYS, ROW_OPTIONS
 from slora_batch.jobs.openai_input import OpenAIBatch, OpenAIReading
-from slora_batch.jobs.response_format import struct_value
+from slora_batch.jobs.response_format import format_value
 from slora_batch.jobs.text import type_name
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -237,7 +237,7 @@ def _parquet_records(
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
             for record in batch.to_pylist():
                 for name in structs:
-                    record[name] = struct_value(record[name])
+                    record[name] = format_value(record[name])
                 yield number, record, None
                 number += 1
     except (OSError, pa.ArrowException) as exc:

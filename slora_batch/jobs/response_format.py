@@ -1,7 +1,7 @@
 """The job file's structured-output default: ``sampling: {response_format: {type: json_schema,
 schema_file: schemas/person.json}}`` reads the schema from a JSON file relative to the job file;
-``validate`` compiles every distinct format of the rows it checks; ``struct_value`` reads a
-Parquet (or Ray Data) struct column's value back as the object it stands for."""
+``validate`` compiles every distinct format of the rows it checks; ``format_value`` reads a
+Parquet (or Ray Data) struct column's value back as the format it stands for."""
 
 from __future__ import annotations
 
@@ -65,3 +65,20 @@ def struct_value(value: Any) -> Any:
     if isinstance(value, list):
         return [struct_value(v) for v in value]
     return value
+
+
+def format_value(value: Any) -> Any:
+    """The format a ``response_format`` struct value stands for (``struct_value``), or None
+    where every leaf is empty ("", 0, False, [], null; ``type`` too, which every format names):
+    Ray Data 2.60, concatenating blocks whose struct types differ (a sort does), turns a row's
+    null struct into one of empty values, and Parquet written from such a dataset keeps it."""
+    fmt = struct_value(value)
+    return None if _all_empty(fmt) else fmt
+
+
+def _all_empty(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(_all_empty(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_all_empty(v) for v in value)
+    return value in (None, "", 0, False)

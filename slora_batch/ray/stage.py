@@ -32,7 +32,7 @@ from slora_batch.engine.requests.request import Request, Result
 from slora_batch.jobs.config import COLUMN_KEYS
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key
-from slora_batch.jobs.response_format import struct_value
+from slora_batch.jobs.response_format import format_value
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.samples import SamplesDue
 from slora_batch.jobs.schema import part_schema
@@ -153,8 +153,8 @@ class EngineActor:
     def _request(self, row: dict[str, Any]) -> Request | Result:
         values = {k: v for k, v in row.items() if v is not None and k not in self.kept}
         if isinstance(values.get("response_format"), dict):  # a struct column: JSON strings pass
-            fmt = struct_value(values.pop("response_format"))
-            if not _all_empty(fmt):  # else Ray Data's stand-in for a null struct: no format
+            fmt = format_value(values.pop("response_format"))
+            if fmt is not None:
                 values["response_format"] = fmt
         kept = {k: row[k] for k in self.kept if row.get(k) is not None}
         where = row.get("source") or f"dataset row {row.get('id')!r}"
@@ -249,17 +249,6 @@ def generate(
         concurrency=replicas,
         num_gpus=gpus_per_replica or None,
     )
-
-
-def _all_empty(value: Any) -> bool:
-    """Whether every leaf of a struct value is empty (None, "", 0, False, []). Ray Data 2.60,
-    concatenating blocks whose struct types differ (a sort does), turns a row's null struct
-    into one of empty values, even its ``type``, which every format names."""
-    if isinstance(value, dict):
-        return all(_all_empty(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_all_empty(v) for v in value)
-    return value in (None, "", 0, False)
 
 
 def _with_sort_key(batch: pa.Table) -> pa.Table:

@@ -30,11 +30,12 @@ from test_structured_job import (  # noqa: E402, F401 -- the tiny model built on
 
 from slora_batch.jobs.config import load_jobs  # noqa: E402
 from slora_batch.jobs.feed import RunRecord  # noqa: E402
+from slora_batch.jobs.response_format import format_value, struct_value  # noqa: E402
 from slora_batch.jobs.run import run_job  # noqa: E402
 from slora_batch.jobs.stats import read_stats  # noqa: E402
 from slora_batch.ray import RaySettings, generate, run_ray_job  # noqa: E402
 from slora_batch.ray import job as ray_job  # noqa: E402
-from slora_batch.ray.stage import COUNTERS, struct_value  # noqa: E402
+from slora_batch.ray.stage import COUNTERS  # noqa: E402
 
 LABEL = {
     "type": "object",
@@ -214,6 +215,11 @@ def test_a_struct_value_loses_its_null_fields_at_every_depth():
         "name": "label", "schema": {"type": "object", "required": ["label"], "properties": {
             "label": {"enum": ["yes", None]}}}}}  # fmt: skip
     assert struct_value({"type": None, "regex": None, "json_schema": None}) is None
+    # Ray Data's stand-in for a null struct (blocks of other struct types joined): no format
+    zeros = {"type": "", "regex": "", "choice": [], "json_schema": {"name": "", "schema": {
+        "type": "", "properties": {"n": {"minimum": 0}}, "required": []}}}  # fmt: skip
+    assert format_value(zeros) is None
+    assert format_value(union) == struct_value(union)  # a format's zeros stay (enum, minimum)
 
 
 def test_the_grammar_counters_of_every_actor_add_up():

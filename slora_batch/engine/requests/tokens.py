@@ -30,8 +30,8 @@ def load_tokenizer(model_dir: Path):
     root = Path(model_dir)
     if not any((root / name).exists() for name in TOKENIZER_FILES):
         return None
-    state = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in root.iterdir()
-                         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)))  # fmt: skip
+    files = [f for f in root.iterdir() if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)]
+    state = tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]))
     key = (str(root.resolve()), state)
     tokenizer = _LOADED.get(key)
     if tokenizer is None:
@@ -40,7 +40,8 @@ def load_tokenizer(model_dir: Path):
         tokenizer = _LOADED[key] = AutoTokenizer.from_pretrained(str(model_dir))
         while len(_LOADED) > LOADED_TOKENIZERS:
             _LOADED.popitem(last=False)
-    _LOADED.move_to_end(key)
+    else:
+        _LOADED.move_to_end(key)
     return tokenizer
 
 
