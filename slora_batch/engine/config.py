@@ -41,13 +41,13 @@ AUTO_MAX_SEQS = 1024  # ... nor more (sampler buffers and CUDA graphs grow with 
 class SamplingConfig:
     """How tokens are drawn. ``Request`` fields of the same names override these per row."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # tokens generated per row at most
     temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # draw from the likeliest tokens whose probabilities sum to this; 1: off
     top_k: int = 0  # 0 means no top-k filter
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    seed: int = 0  # a row's draws depend on (seed, id, sample index): not on its batch
+    stop: list[str] = field(default_factory=list)  # strings that end a row, cut from its text
+    ignore_eos: bool = False  # go on past the end-of-sequence token, up to max_new_tokens
     n: int = 1  # samples per row: outputs sample_index 0 .. n-1, each seeded on its own
     # Structured output for every row without its own (``requests/formats.py``); None: text.
     response_format: dict | str | None = None
@@ -126,7 +126,7 @@ class EngineConfig:
     overlap: bool = True  # schedule and prepare step N+1 while the device runs step N; step
     # N+1 takes step N's sampled tokens on the device (False: one step at a time)
     data_parallel: int = 1  # engine worker processes, one GPU each (cpu: processes sharing
-    # the cores); > 1 runs ``data_parallel.DataParallelEngine``
+    # the cores); the job process hands them rows and writes their results
     gpus: str | None = None  # "all": data_parallel = the number of visible CUDA devices
     # divided by tensor_parallel
     prefix_caching: bool = True  # keep full blocks of prompt KV for later rows of the adapter

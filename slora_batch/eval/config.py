@@ -21,10 +21,10 @@ class EvalConfig:
     """lm-eval tasks by name (``include_path``: a directory of task YAMLs); ``num_fewshot`` and
     ``limit`` (docs per task, or a fraction) as lm-eval's ``simple_evaluate`` takes them."""
 
-    tasks: list[str] = field(default_factory=list)
-    include_path: str | None = None
-    num_fewshot: int | None = None
-    limit: int | float | None = None
+    tasks: list[str] = field(default_factory=list)  # lm-eval task (or group) names
+    include_path: str | None = None  # a directory of task YAMLs (relative to the job file)
+    num_fewshot: int | None = None  # few-shot examples per prompt; None: each task's own
+    limit: int | float | None = None  # docs per task, or a fraction of them; None: every doc
     bootstrap_iters: int = 100000  # lm-eval's stderr bootstrap (its default)
     max_gen_toks: int = 256  # generate_until's default when a task sets none (lm-eval's)
 

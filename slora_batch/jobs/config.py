@@ -39,16 +39,20 @@ NESTED = {"sampling": SamplingConfig, "engine": EngineConfig}
 class JobConfig:
     """One job. Paths are absolute after ``load_jobs`` (relative to the job file)."""
 
-    name: str
-    model: str
+    name: str  # the job's name (`--job NAME` runs it alone); in a job file: the file's stem and
+    # the job's index (`jobs-0`) when not given
+    model: str  # a model directory, a Hub name "org/name[@rev]", or "smollm2-135m-instruct"
     # a dir of PEFT adapter dirs, or {name: path or Hub name "org/name[@revision]"}
     adapters: str | dict[str, str] | None = None
     input: str  # a .jsonl/.parquet file, a directory of them, or a glob
-    output: str  # output directory
+    output: str  # output directory: Parquet parts, _stats.parquet, _job.json, _SUCCESS
+    # the input column that holds each row field, for files that name them otherwise
     columns: dict[str, str] = field(default_factory=lambda: {k: k for k in COLUMN_KEYS})
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    fanout: str | list[str | None] | None = None  # None, "all", or adapter names (None = base)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how tokens are drawn
+    engine: EngineConfig = field(default_factory=EngineConfig)  # device, dtype, memory, parallelism
+    # every input row through each of these adapters, its own adapter column not read: "all" (the
+    # base model and every adapter) or a list of names (null = base); None: a row names its own
+    fanout: str | list[str | None] | None = None
     window: int = 8192  # rows sorted together by (adapter, prompt length)
     part_rows: int = 4096  # rows per output part file
     part_seconds: float = 30.0  # a part is committed at least this often: what kill -9 can lose
@@ -56,11 +60,12 @@ class JobConfig:
     # what each choice index means, for the preference table's columns (the sample eval: one
     # style per position); None: the choices' texts when every row has the same, else indices
     choice_labels: list[str] | None = None
-    # "openai": OpenAI Batch API lines (``openai_input.py``); "auto": that when the first line
-    # of a JSONL input has custom_id and body, else rows
+    # "rows": a row per JSONL line or Parquet row; "openai": OpenAI Batch API lines
+    # (``openai_input.py``); "auto": openai when the first line of a JSONL input has custom_id
+    # and body, else rows
     input_format: str = "auto"
     output_format: str = "parquet"  # "openai": also output.jsonl / errors.jsonl
-    eval: EvalConfig | None = None  # lm-eval tasks in place of input rows (``eval/config.py``)
+    eval: EvalConfig | None = None  # lm-eval tasks in place of ``input`` (``eval/config.py``)
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):
