@@ -5,11 +5,16 @@ temporaries at the configured limits (``reserve_bytes``; ``max_num_seqs: auto`` 
 upper bound), times ``memory_fraction``. Memory the caching allocator holds but no tensor uses
 (an earlier engine's pool, say) counts as free: the allocator hands it out before asking CUDA
 for more.
+
+An engine that cannot fit fails before it allocates (``min_engine_bytes`` against
+``device_memory``), or, where the estimate passed and CUDA still ran out, with the same
+``DeviceMemoryError`` (``live_engines`` names the engines of this process that hold the device).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,6 +24,15 @@ from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 
 log = logging.getLogger(__name__)
+
+GIB = 2**30
+MIN_PAGES = 64  # the smallest pool an engine starts with
+
+
+class DeviceMemoryError(torch.cuda.OutOfMemoryError):
+    """An engine does not fit in its device's memory. An ``OutOfMemoryError``, so that code
+    that catches CUDA's catches it too; its message names what holds the memory."""
+
 
 # (pages, spec, dtype, device) -> (KV pool, adapter pool). The engine's default returns one pool
 # twice: S-LoRA's unified paging. The bench's no-unified ablation hands in a factory of two.
@@ -40,6 +54,54 @@ def page_bytes(spec: ModelSpec, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     return spec.num_layers * (spec.page_size * torch.finfo(dtype).bits // 8 + scales)
 
 
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of ``device`` for a new engine's tensors, None where nothing is
+    counted (the CPU). Free counts the caching allocator's unused blocks (a closed engine's)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """Bytes the tensors of this process take on ``device``; None where nothing is counted."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def weight_bytes(spec: ModelSpec, dtype: torch.dtype, fp8: bool = False) -> int:
+    """Bytes of the model's weights on one device (``spec``: a rank's shard under tensor
+    parallelism): the projections (in fp8, one byte an element), the embeddings and an untied
+    LM head (a rank's share of its rows). Norms and biases are left out: a lower bound."""
+    elt = torch.finfo(dtype).bits // 8
+    h = spec.hidden_size
+    attention = h * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * h
+    mlp = 3 * h * spec.intermediate_size
+    projection_elt = 1 if fp8 or spec.quantization else elt
+    embed = spec.vocab_size * h * elt
+    head = 0 if spec.tie_word_embeddings else embed // spec.tp_size
+    return spec.num_layers * (attention + mlp) * projection_elt + embed + head
+
+
+def min_engine_bytes(
+    config: EngineConfig,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    """The least an engine takes on ``device`` beside its weights. A pool sized from free
+    memory (``num_pages``) needs the step's reserve and ``MIN_PAGES`` pages out of
+    ``memory_fraction`` of what the weights leave; a fixed one (``num_pages``,
+    ``cpu_pool_bytes``) needs its pages."""
+    size = page_bytes(spec, dtype, config.kv_cache_dtype)
+    if config.num_pages is not None:
+        return config.num_pages * size
+    if device.type != "cuda":
+        return max(1, config.cpu_pool_bytes // size) * size
+    need = reserve_bytes(config, spec, dtype, max_model_len) + MIN_PAGES * size
+    return math.ceil(need / config.memory_fraction)  # free * fraction - reserve >= MIN_PAGES pages
+
+
 def num_pages(
     config: EngineConfig,
     spec: ModelSpec,
@@ -54,15 +116,15 @@ def num_pages(
     size = page_bytes(spec, dtype, config.kv_cache_dtype)
     if device.type != "cuda":
         return max(1, config.cpu_pool_bytes // size)
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free, _ = device_memory(device)
     reserve = reserve_bytes(config, spec, dtype, max_model_len)
     usable = int(free * config.memory_fraction) - reserve
-    if usable < size * 64:
-        raise RuntimeError(
-            f"only {free >> 20} MiB free on {device} after the weights, {reserve >> 20} MiB of "
-            f"it reserved for activations, sampling and CUDA graphs; the pool needs at least "
-            f"{size * 64 >> 20} MiB (lower max_num_batched_tokens, max_num_seqs or max_model_len)"
+    if usable < size * MIN_PAGES:
+        raise DeviceMemoryError(
+            f"only {free / GIB:.2f} GiB free on {device} after the weights, "
+            f"{reserve / GIB:.2f} GiB of it reserved for activations, sampling and CUDA graphs; "
+            f"the pool needs at least {size * MIN_PAGES / GIB:.2f} GiB more of the "
+            f"{100 * config.memory_fraction:.0f}% it may take"
         )
     log.info(
         "pool: %d MiB free on %s, %d MiB reserved for activations, sampling and CUDA graphs, "
