@@ -53,7 +53,7 @@ class JobConfig:
     # every input row through each of these adapters, its own adapter column not read: "all" (the
     # base model and every adapter) or a list of names (null = base); None: a row names its own
     fanout: str | list[str | None] | None = None
-    window: int = 8192  # rows sorted together by (adapter, prompt length)
+    window: int = 8192  # rows sorted together by adapter, then prompt (shared prefixes meet)
     part_rows: int = 4096  # rows per output part file
     part_seconds: float = 30.0  # a part is committed at least this often: what kill -9 can lose
     keep_columns: str | list[str] | None = None  # input columns carried to the output, or "all"
