@@ -148,9 +148,13 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def _prose(parts: list[str]) -> str:
-    """Comment lines joined into one sentence of Markdown (``x`` -> `x`)."""
+    """Comment lines joined into one sentence of Markdown (``x`` -> `x`), Python's constants as
+    a job file writes them (None -> null)."""
     text = " ".join(p for p in parts if p)
-    return re.sub(r"``([^`]+)``", r"`\1`", text)
+    text = re.sub(r"``([^`]+)``", r"`\1`", text)
+    for python, yaml in (("None", "null"), ("True", "true"), ("False", "false")):
+        text = re.sub(rf"\b{python}\b", yaml, text)
+    return text
 
 
 def undescribed() -> list[str]:
