@@ -24,4 +24,5 @@ run.py       running jobs: lock, fingerprint, scan, resume, feed the engine, sum
 summary.py   JobSummary and JobFailure: what a run returns (the eval sweep names them too)
 preview.py   a few finished outputs next to their prompts
 validate.py  every check a run makes, and a sample of rows, without running
+reference.py the job-key reference (docs/job-keys.md) from the settings' field comments
 """
