@@ -164,6 +164,10 @@ def parse_cli(args: list[str]) -> None:
     name = args[0]
     command = group.get_command(parent, name)
     assert command is not None, f"no command {name!r}"
+    if name == "bench":  # its options belong to the benchmark's own app, loaded when it runs
+        from slora_batch.bench.cli import app as bench_app
+
+        command = typer.main.get_command(bench_app)
     try:
         command.make_context(name, list(args[1:]), parent=parent, resilient_parsing=False)
     except typer.Exit as exc:  # --help
@@ -223,3 +227,5 @@ def test_cli_check_catches_a_wrong_command():
     with pytest.raises(AssertionError):
         parse_cli(["start", "JOBS.yaml"])
     parse_cli(["run", "JOBS.yaml", "--ray", "auto", "--replicas", "8"])
+    with pytest.raises(UsageError):
+        parse_cli(["bench", "--sytems", "slora"])
