@@ -9,7 +9,6 @@ runs step N; N+1 takes N's drawn tokens on the device.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 import weakref
@@ -23,24 +22,11 @@ import torch
 from slora_batch.engine.adapters.prefetch import AdapterPrefetcher
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.device import (
-    check_kv_cache_dtype,
-    pick_device,
-    pick_dtype,
-    set_cpu_threads,
-)
+from slora_batch.engine.device import check_kv_cache_dtype, pick_device, pick_dtype, set_cpu_threads
 from slora_batch.engine.execution import live_engines
 from slora_batch.engine.execution.batch import plan_step
-from slora_batch.engine.execution.live_engines import Holding
 from slora_batch.engine.execution.masks import grammar_masks
-from slora_batch.engine.execution.memory import (
-    PoolFactory,
-    allocated_bytes,
-    min_engine_bytes,
-    page_bytes,
-    unified_pool,
-    weight_bytes,
-)
+from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
 from slora_batch.engine.execution.outputs import Inflight, step_outputs, take_outputs
 from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
 from slora_batch.engine.hub import locate
@@ -54,8 +40,6 @@ from slora_batch.engine.requests.tokens import load_tokenizer
 from slora_batch.engine.scheduling.scheduler import ScheduledStep, Scheduler
 
 log = logging.getLogger(__name__)
-
-CLOSED = "it was closed"  # ``Engine.failed`` after close()
 
 
 class Engine:
@@ -71,10 +55,7 @@ class Engine:
     ``pools``, the factory of the KV and adapter pools (default: one unified pool).
     ``grammar_tokens`` (an ``xgrammar.TokenizerInfo``) stands in for the tokenizer in structured
     output, for a model without one (benchmarks on random weights).
-
-    An engine holds its device's memory until ``close()`` (or the end of a ``with Engine(...)
-    as engine:`` block), or until it is dropped. One that does not fit beside the other live
-    engines of this process raises ``DeviceMemoryError`` naming them, before it allocates.
+    It holds device memory until ``close()`` (``with Engine(...) as engine:``) or dropped.
     """
 
     def __init__(
@@ -100,46 +81,20 @@ class Engine:
             set_cpu_threads(config.cpu_threads)
         self.ops = ops or pick_backend(config.backend, self.device)
         self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
-        self.model_name = str(model)
-        # What this rank takes at least (weights handed in as a dict are counted where they are).
-        shard = spec.shard(config.tensor_parallel)  # a model that does not divide: say so first
-        fp8 = config.weights == "fp8"
-        est_weights = 0 if isinstance(weights, dict) else weight_bytes(shard, self.dtype, fp8)
-        rest = min_engine_bytes(config, shard, self.dtype, self.device, self.max_model_len)
-        others = live_engines.check_room(self.model_name, self.device, est_weights, rest)
-        if others:
-            log.warning("%d other engine(s) of this process hold %.2f GiB on %s (%s): this "
-                        "engine's pool gets what they leave; close() them first for the whole card",
-                        len(others), sum(h.bytes for h in others) / 2**30, self.device,
-                        ", ".join(h.model for h in others))  # fmt: skip
-        allocated_before = allocated_bytes(self.device)
-        self.tp = None
-        if config.tensor_parallel > 1:  # rank 0 of N: the others start and build alongside
-            from slora_batch.engine.execution import tp
+        self.tp = None  # shard(): a model that does not divide for tensor parallelism says so first
+        with live_engines.Room(str(model), spec.shard(config.tensor_parallel), config, self.dtype,
+                               self.device, self.max_model_len, weights) as room:  # fmt: skip
+            if config.tensor_parallel > 1:  # rank 0 of N: the others start and build alongside
+                from slora_batch.engine.execution import tp
 
-            self.tp = tp.launch(self.model_path, adapters, config, weights)
-            self.device = self.tp.device
-        out_of_memory = None
-        try:
+                self.tp = tp.launch(self.model_path, adapters, config, weights)
+                self.device = self.tp.device
+                room.on_failure(self.tp.close)  # the other ranks stop
             parts = build_parts(spec, adapters, config, self.device, self.dtype,
                                 self.max_model_len, weights, pools, self.tp)  # fmt: skip
             warmup = time.perf_counter()
             self.config = config = parts.config  # max_num_seqs: auto resolved
             self.runner = make_runner(parts, self.ops, self.device, self.max_model_len)
-        except torch.cuda.OutOfMemoryError as exc:  # DeviceMemoryError too: the pool's size
-            out_of_memory = live_engines.what_ran_out(exc)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.close()
-            raise
-        if out_of_memory is not None:  # raised here, where CUDA's traceback (and the tensors
-            # its frames hold) is gone: the memory is free again for the next try
-            if self.tp is not None:
-                self.tp.close()
-            self._free_device()
-            raise live_engines.memory_error(
-                self.model_name, self.device, out_of_memory, live_engines.holders(self.device)
-            )
         if self.tp is not None:
             self.runner = tp.TensorParallelRunner(self.runner, self.tp)
         self.store, self.broken, self.model = parts.store, parts.broken, parts.model
@@ -173,16 +128,7 @@ class Engine:
         self.counters.load_s = time.perf_counter() - began - warmup_s
         self.counters.warmup_s = warmup_s
         self.counters.max_num_seqs = config.max_num_seqs
-        allocated = allocated_bytes(self.device)
-        if allocated is None:  # no accounting (the CPU): the weights and the pools
-            pools_bytes = sum(
-                p.data.nbytes for p in {id(p): p for p in (self.pool, self.lora_pool)}.values()
-            )
-            allocated, allocated_before = est_weights + pools_bytes, 0
-        self.held_bytes = allocated - allocated_before  # device memory until close()
-        live_engines.hold(
-            self, Holding(self.model_name, live_engines.device_key(self.device), self.held_bytes)
-        )
+        self.held_bytes = room.hold(self, self.pool, self.lora_pool)  # until close()
         pages = self.pool.num_pages
         size = page_bytes(self.pool_spec, self.dtype, config.kv_cache_dtype)
         log.info("engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of %s KV), "
@@ -202,15 +148,13 @@ class Engine:
         return self.prepare.sampling
 
     def close(self) -> None:
-        """Frees the engine's device memory (pool, CUDA graphs, weights), so that a next engine
-        in this process gets the whole card; a ``generate`` iterator in use ends (its rows are
-        dropped). The engine cannot run afterwards; closing again does nothing."""
-        if self.failed == CLOSED:
+        """Frees the engine's device memory (pool, CUDA graphs, weights) for a next engine, and
+        ends a ``generate`` in use. The engine cannot run afterwards; closing again does nothing."""
+        if self.failed == "it was closed":
             return
-        active = self._active() if self._active is not None else None
-        if active is not None:
+        if self._active is not None and (active := self._active()) is not None:
             active.close()
-        self.failed = CLOSED
+        self.failed = "it was closed"
         live_engines.release(self)
         for name in ("runner", "scheduler", "residency", "pool", "lora_pool", "model", "prepare"):
             self.__dict__.pop(name, None)
@@ -220,13 +164,7 @@ class Engine:
         if self.tp is not None:
             self.tp.close()
             self.tp = None
-        self._free_device()
-
-    def _free_device(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        live_engines.free_cached(self.device)
 
     def __enter__(self) -> Engine:
         return self
@@ -239,8 +177,7 @@ class Engine:
         finish. Abandoning the iterator (``break``, an exception, ``close()``, or a new
         ``generate`` call, which closes the previous iterator) drops the rows still in the
         engine and releases their pages and adapters; the engine stays usable."""
-        previous = self._active() if self._active is not None else None
-        if previous is not None:
+        if self._active is not None and (previous := self._active()) is not None:
             previous.close()
         if self.failed is not None:
             raise RuntimeError(f"this engine cannot be used again: {self.failed}; build a new one")

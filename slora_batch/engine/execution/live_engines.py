@@ -10,14 +10,20 @@ inside. Engines are held by weak references: one that is dropped (or closed) lea
 from __future__ import annotations
 
 import gc
+import logging
 import re
+import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from slora_batch.engine.execution import memory
 from slora_batch.engine.execution.memory import GIB, DeviceMemoryError
+from slora_batch.engine.pool import PagePool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,10 +43,6 @@ def device_key(device: torch.device) -> str:
     return str(device)
 
 
-def hold(engine: object, holding: Holding) -> None:
-    _LIVE[engine] = holding
-
-
 def release(engine: object) -> None:
     _LIVE.pop(engine, None)
 
@@ -55,22 +57,78 @@ def holders(device: torch.device) -> list[Holding]:
     return [h for h in list(_LIVE.values()) if h.device == key]
 
 
-def check_room(model: str, device: torch.device, weights: int, rest: int) -> list[Holding]:
-    """Raises ``DeviceMemoryError`` when an engine that takes at least ``weights`` + ``rest``
-    bytes (``memory.min_engine_bytes``) does not fit in what ``device`` has free; returns the
-    other engines of this process on it."""
-    held = holders(device)
-    report = memory.device_memory(device)
-    if report is not None and weights + rest > report[0]:
-        free, total = report
+class Room:
+    """A new engine's place on its device: built before it allocates, it raises
+    ``DeviceMemoryError`` when the engine cannot fit (its weights, from ``spec``, a rank's
+    shard, unless handed in as a dict of tensors, which are counted where they are; and
+    ``memory.min_engine_bytes``) in what is free beside the live engines."""
+
+    def __init__(self, model: str, spec, config, dtype, device, max_model_len, weights) -> None:
+        self.model, self.device = model, device
+        fp8 = config.weights == "fp8"
+        self.weights = 0 if isinstance(weights, dict) else memory.weight_bytes(spec, dtype, fp8)
+        rest = memory.min_engine_bytes(config, spec, dtype, device, max_model_len)
+        self.allocated_before = memory.allocated_bytes(device)
+        self.undo: list[Callable[[], object]] = []
+        if memory.device_memory(device) is None:  # nothing counted (the CPU): nothing to check
+            return
+        others = holders(device)  # first: a dropped engine's memory is free once it is collected
+        free, total = memory.device_memory(device)
+        if self.weights + rest > free:
+            need = self.weights + rest
+            raise memory_error(model, device, f"it needs at least {_gib(need)} (weights "
+                               f"{_gib(self.weights)}, pool and one step's activations "
+                               f"{_gib(rest)}) and {_gib(free)} of {_gib(total)} are free",
+                               others)  # fmt: skip
+        if others:
+            log.warning("%d other engine(s) of this process hold %s on %s (%s): this engine's "
+                        "pool gets what they leave; close() them first for the whole card",
+                        len(others), _gib(sum(h.bytes for h in others)), device_key(device),
+                        ", ".join(h.model for h in others))  # fmt: skip
+
+    def on_failure(self, undo: Callable[[], object]) -> None:
+        """``undo`` runs if the build fails (before its error is raised)."""
+        self.undo.append(undo)
+
+    def __enter__(self) -> Room:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        """A failed build is undone. CUDA's out-of-memory error (or the pool's
+        ``DeviceMemoryError``) becomes the error that names the live engines; its frames are
+        cleared first, so that the tensors they hold are freed while the error is shown (a
+        notebook keeps the last one)."""
+        if exc is None:
+            return
+        for undo in reversed(self.undo):
+            undo()
+        if not isinstance(exc, torch.cuda.OutOfMemoryError):
+            return
+        traceback.clear_frames(tb)
+        free_cached(self.device)
         raise memory_error(
-            model,
-            device,
-            f"it needs at least {_gib(weights + rest)} (weights {_gib(weights)}, pool and one "
-            f"step's activations {_gib(rest)}) and {_gib(free)} of {_gib(total)} are free",
-            held,
-        )
-    return held
+            self.model, self.device, what_ran_out(exc), holders(self.device)
+        ) from None
+
+    def hold(self, engine: object, *pools: PagePool) -> int:
+        """Registers the built engine; returns the bytes it took: measured where the device
+        counts them, else its weights and pools."""
+        allocated = memory.allocated_bytes(self.device)
+        if allocated is None:
+            pool_bytes = sum(p.data.nbytes for p in {id(p): p for p in pools}.values())
+            taken = self.weights + pool_bytes
+        else:
+            taken = allocated - self.allocated_before
+        _LIVE[engine] = Holding(self.model, device_key(self.device), taken)
+        return taken
+
+
+def free_cached(device: torch.device) -> None:
+    """Frees what dropped tensors held: the garbage, then the caching allocator's blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def memory_error(
