@@ -4,21 +4,29 @@ a job that cannot run raises."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from slora_batch.engine.adapters.adapter_files import AdapterError, AdapterInfo, check_adapters
+from slora_batch.engine.adapters.adapter_files import (
+    AdapterError,
+    AdapterInfo,
+    check_adapters,
+    resolve_sources,
+)
 from slora_batch.engine.config import ConfigError
 from slora_batch.engine.hub import HubError, Snapshot, locate
 from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_model
 from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
-from slora_batch.jobs.config import JobConfig, fanout_adapters
+from slora_batch.jobs.column_notes import column_notes
+from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.openai_input import OpenAIBatch, base_model_name, is_openai_line
 from slora_batch.jobs.outdir import OutputError
+from slora_batch.jobs.prompts import Prompts
 from slora_batch.jobs.reader import InputError, file_records, iter_input_files, parquet_file
 from slora_batch.jobs.scan import InputScan
 
@@ -61,10 +69,18 @@ class JobPlan:
     # ``manifest.fingerprint`` of this plan when taken before its run (an eval job takes it
     # while its engine starts up); None: the run takes it
     taken: dict[str, Any] | None = None
+    # whether the model's tokenizer has a chat template (None: it has no tokenizer, or it could
+    # not be loaded here, which the engine reports)
+    chat_template: bool | None = None
 
     def __post_init__(self) -> None:
         if self.sources is None:
             self.sources = self.job.adapters
+
+    @property
+    def prompts(self) -> Prompts:
+        """The job's prompt settings (prompt_template, apply_chat_template, system_prompt)."""
+        return Prompts.of(self.job)
 
     @property
     def total(self) -> int | None:
@@ -75,6 +91,34 @@ class JobPlan:
     def scanned(self, scan: InputScan) -> None:
         """Take the output rows per adapter from the input's scan."""
         self.rows_total = scan.samples(self.job.sampling.n)
+
+
+def adapter_names(adapters: str | dict[str, str] | None) -> list[str]:
+    """Names of the job's adapters, sorted, by the engine's own rule (``resolve_sources``):
+    mapping keys, or every sub-directory of the adapters directory (name = folder name)."""
+    try:
+        return sorted(resolve_sources(adapters))
+    except AdapterError as exc:
+        raise ConfigError(f"adapters: {exc}") from exc
+
+
+def fanout_adapters(job: JobConfig) -> list[str | None] | None:
+    """The adapters every prompt runs against (None = base model), or None when not fanning out.
+    "all" is the base model followed by every adapter of the job."""
+    if job.fanout is None:
+        return None
+    try:
+        names = adapter_names(job.adapters)
+    except ConfigError as exc:
+        raise ConfigError(f"job {job.name!r}: {exc}") from exc
+    if job.fanout == "all":
+        return [None, *names]
+    missing = [a for a in job.fanout if a is not None and a not in names]
+    if missing:
+        raise ConfigError(
+            f"job {job.name!r}: fanout names adapter {missing[0]!r}, not found in {job.adapters}"
+        )
+    return list(job.fanout)
 
 
 def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:
@@ -118,6 +162,12 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
         sweep = fanout_adapters(job)
         names = [a.name for a in adapters] + list(broken)  # a broken one's rows: error rows
         openai = _openai(job, files, names, Path(model_path), input_fs)
+        if openai is not None and job.prompt_template is not None:
+            raise ConfigError(
+                "prompt_template builds prompts from input columns: the input holds OpenAI Batch "
+                "lines, which give their own"
+            )
+        chat = _chat_template(job, Path(model_path))
         if output is not None:
             if not output.is_file_or_missing():
                 raise OutputError(f"output {str(output)!r} exists and is not a directory")
@@ -127,7 +177,34 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
     return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs,
-                   sources=located.adapters, snapshots=located.snapshots, openai=openai)  # fmt: skip
+                   sources=located.adapters, snapshots=located.snapshots, openai=openai,
+                   chat_template=chat)  # fmt: skip
+
+
+def _chat_template(job: JobConfig, model_path: Path) -> bool | None:
+    """Whether the model's tokenizer has a chat template (the tokenizer alone is loaded, once a
+    process: ``load_tokenizer``); None when it has no tokenizer or it cannot be loaded (the
+    engine says why). With apply_chat_template a model without one fails the job."""
+    from slora_batch.engine.requests.tokens import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except Exception as exc:  # tokenizer files transformers cannot read: many types
+        if job.apply_chat_template:
+            raise ModelError(
+                f"apply_chat_template: the tokenizer of model {job.model!r} ({model_path}) "
+                f"cannot be loaded: {type(exc).__name__}: {exc}"
+            ) from exc
+        return None
+    has = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    if job.apply_chat_template and not has:
+        what = "has no tokenizer" if tokenizer is None else "has no chat template"
+        raise ConfigError(
+            f"apply_chat_template: model {job.model!r} ({model_path}) {what}, so prompts cannot "
+            "be sent as chat turns. Set apply_chat_template: false and write the model's prompt "
+            "format in prompt_template, or use a model that ships a chat template"
+        )
+    return None if tokenizer is None else has
 
 
 def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:
@@ -159,9 +236,56 @@ def _adapters(spec: ModelSpec, sources) -> tuple[list[AdapterInfo], dict[str, Ad
     return check_adapters(spec, sources)
 
 
+def check_scan(plan: JobPlan, scan: InputScan, after: str = "") -> None:
+    """Refuse a job its input scan shows cannot run as asked: rows whose (id, adapter) repeat,
+    a prompt_template naming a column the input does not have. ``after``: the message's end."""
+    job = plan.job
+    if scan.duplicates:
+        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}{after}")
+    present = list(scan.column_kinds)
+    missing = [name for name in plan.prompts.fields if name not in present]
+    if missing and (present or scan.rows):
+        close = difflib.get_close_matches(missing[0], present, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise JobError(
+            f"job {job.name!r}: prompt_template names column {missing[0]!r}, which the input "
+            f"does not have (its columns: {', '.join(present) or 'none'}){hint}{after}"
+        )
+
+
+CHAT_NOTE = "the model has a chat template"  # how the raw-prompt note starts (``loud``)
+LOUD_NOTES = ("OpenAI batch", CHAT_NOTE)  # notes a run logs as warnings too
+
+
+def chat_note(plan: JobPlan, scan: InputScan) -> str | None:
+    """A note when text prompts go to a model with a chat template as raw text (the prompt
+    column, or prompt_template's, without apply_chat_template): a chat model often answers a
+    raw text with its end of turn at once, an empty output."""
+    job = plan.job
+    if not plan.chat_template or job.apply_chat_template:
+        return None
+    column = job.columns["prompt"]
+    if job.prompt_template is not None:
+        what = "prompt_template's prompts go"
+    elif scan.column_kinds.get(column, "null") != "null":
+        what = f"the prompts of column {column!r} go"
+    else:
+        return None
+    system = " (and system_prompt, which applies to chat turns only)" if job.system_prompt else ""
+    return (
+        f"{CHAT_NOTE}, but {what} to it as raw text, which a chat model often answers with an "
+        f"empty output: set apply_chat_template: true to send each as a user turn through "
+        f"the template{system}"
+    )
+
+
 def input_notes(plan: JobPlan, scan: InputScan) -> list[str]:
-    """The scan's notes on the input's columns, and a warning when the input has no row."""
-    notes = scan.notes(plan.job.columns)
+    """The scan's notes on the input's columns, the raw-prompt note (``chat_note``), and a
+    warning when the input has no row."""
+    notes = column_notes(scan, plan.job.columns, plan.prompts.fields)
+    chat = chat_note(plan, scan)
+    if chat is not None:
+        notes.insert(0, chat)
     if scan.rows == 0:
         files = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
         notes.insert(

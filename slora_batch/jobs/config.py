@@ -23,10 +23,12 @@ import yaml
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
 from slora_batch.engine.requests.request import SAMPLING_FIELDS
 from slora_batch.eval.config import EvalConfig, eval_job_raw
+from slora_batch.jobs.prompts import check_prompt_keys
 from slora_batch.jobs.response_format import read_schema_file
 
 MODEL_ALIAS = "smollm2-135m-instruct"  # the built-in sample model; never treated as a path
 SCORE_KEYS = ("continuation", "choices", "continuation_token_ids", "choices_token_ids")
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")  # a row gives one of them
 # input columns the ``columns`` mapping may rename; a key added later maps to itself by default
 COLUMN_KEYS = ("id", "adapter", "prompt", "messages", "prompt_token_ids", *SCORE_KEYS, "answer")
 ROW_OPTIONS = (*SAMPLING_FIELDS, "logprobs")  # per-row options, read under their own names
@@ -56,7 +58,16 @@ class JobConfig:
     window: int = 8192  # rows sorted together by adapter, then prompt (shared prefixes meet)
     part_rows: int = 4096  # rows per output part file
     part_seconds: float = 30.0  # a part is committed at least this often: what kill -9 can lose
-    keep_columns: str | list[str] | None = None  # input columns carried to the output, or "all"
+    # input columns carried to the output, or "all" (every one but the id and adapter columns);
+    # one named as an output column is kept as "input_<name>"
+    keep_columns: str | list[str] | None = None
+    # each row's prompt from its columns, str.format style: "{instruction}\n\n{input}"; or a
+    # list of templates, each row taking the first whose columns are all non-empty
+    prompt_template: str | list[str] | None = None
+    apply_chat_template: bool = False  # send each text prompt as a user turn: the chat template
+    # a system turn before each text prompt's user turn, and first in messages rows without one
+    system_prompt: str | None = None
+    limit: int | None = None  # run only the first N input rows (before fan-out); null: all
     # what each choice index means, for the preference table's columns (the sample eval: one
     # style per position); None: the choices' texts when every row has the same, else indices
     choice_labels: list[str] | None = None
@@ -115,6 +126,7 @@ class JobConfig:
         self.part_seconds = float(self.part_seconds)
         self.fanout = _check_fanout(self.fanout, self.adapters)
         self.keep_columns = _check_keep(self.keep_columns, self.columns)
+        check_prompt_keys(self)
         labels = self.choice_labels
         check(
             labels is None
@@ -125,6 +137,10 @@ class JobConfig:
         for name, allowed in FORMATS.items():
             value = getattr(self, name)
             check(value in allowed, f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        limit = self.limit
+        ok = limit is None or (type(limit) is int and limit >= 1)  # bool is no int here
+        check(ok, f"limit must be an integer >= 1 or null, got {limit!r}")
+        check(limit is None or self.eval is None, "limit is for input rows: an eval job takes eval.limit")  # fmt: skip
 
 
 def _check_fanout(
@@ -148,8 +164,7 @@ def _check_fanout(
 
 
 def _check_keep(keep: Any, columns: dict[str, str]) -> str | list[str] | None:
-    from slora_batch.jobs.schema import OUTPUT_COLUMNS
-
+    """Any input column but the id and adapter ones (``scan.kept_name`` renames a clash)."""
     if keep is None or keep == "all":
         return keep
     check(
@@ -162,42 +177,14 @@ def _check_keep(keep: Any, columns: dict[str, str]) -> str | list[str] | None:
             name not in (columns["id"], columns["adapter"]),
             f"keep_columns: {name!r} is the id or adapter column, already in the output",
         )
-        check(
-            name not in OUTPUT_COLUMNS,
-            f"keep_columns: {name!r} would replace the output's own column of that name "
-            f"(output columns: {', '.join(OUTPUT_COLUMNS)})",
-        )
     return list(keep)
 
 
-def adapter_names(adapters: str | dict[str, str] | None) -> list[str]:
-    """Names of the job's adapters, sorted, by the engine's own rule (``resolve_sources``):
-    mapping keys, or every sub-directory of the adapters directory (name = folder name)."""
-    from slora_batch.engine.adapters.adapter_files import AdapterError, resolve_sources
-
-    try:
-        return sorted(resolve_sources(adapters))
-    except AdapterError as exc:
-        raise ConfigError(f"adapters: {exc}") from exc
-
-
-def fanout_adapters(job: JobConfig) -> list[str | None] | None:
-    """The adapters every prompt runs against (None = base model), or None when not fanning out.
-    "all" is the base model followed by every adapter of the job."""
-    if job.fanout is None:
-        return None
-    try:
-        names = adapter_names(job.adapters)
-    except ConfigError as exc:
-        raise ConfigError(f"job {job.name!r}: {exc}") from exc
-    if job.fanout == "all":
-        return [None, *names]
-    missing = [a for a in job.fanout if a is not None and a not in names]
-    if missing:
-        raise ConfigError(
-            f"job {job.name!r}: fanout names adapter {missing[0]!r}, not found in {job.adapters}"
-        )
-    return list(job.fanout)
+def prompt_keys(job: JobConfig) -> dict[str, Any]:
+    """The prompt keys a job sets (they change its rows), for its fingerprint: only those set,
+    so the fingerprint of a job without them is what it was before they existed."""
+    keys = ("prompt_template", "apply_chat_template", "system_prompt")
+    return {key: getattr(job, key) for key in keys if getattr(job, key)}
 
 
 def load_jobs(path: str | Path) -> list[JobConfig]:
@@ -249,6 +236,15 @@ def load_jobs(path: str | Path) -> list[JobConfig]:
                 )
             seen[value] = job.name
     return result
+
+
+def job_from_mapping(raw: dict[str, Any], base_dir: str | Path, where: str) -> JobConfig:
+    """One job from a mapping of job keys (the command line's one-file job), checked as
+    ``load_jobs`` checks an entry of a job file; relative paths are against ``base_dir``."""
+    unknown = _unknown_keys(raw, where)
+    if unknown:
+        raise ConfigError("; ".join(unknown))
+    return _build(raw, raw.get("name"), Path(base_dir).resolve(), where)
 
 
 def _unknown_keys(raw: dict[str, Any], where: str) -> list[str]:

@@ -10,10 +10,13 @@ import pyarrow.parquet as pq
 
 from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.manifest import read_manifest
 from slora_batch.jobs.openai_input import OpenAIBatch, is_openai_line
-from slora_batch.jobs.outdir import part_files
+from slora_batch.jobs.outdir import OutputError, part_files
+from slora_batch.jobs.prompts import Prompts
 from slora_batch.jobs.reader import InputError, file_records, iter_input_files, read_rows
 from slora_batch.jobs.rows import RowSource, to_request
+from slora_batch.jobs.schema import adapter_name
 
 
 @dataclass
@@ -43,10 +46,13 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
             job.input_format == "auto" and first is not None and is_openai_line(first[1])
         )  # ids are all the preview needs: any body.model reads as an adapter
         batch = OpenAIBatch((), None, job.columns) if openai else None
-        for row in read_rows(files, job.columns, openai=batch):
+        settings = Prompts.of(job)
+        rows = read_rows(files, job.columns, openai=batch, fields=settings.fields,
+                         limit=job.limit, position_ids=_position_ids(job))  # fmt: skip
+        for row in rows:
             if len(prompts) == scan:
                 break
-            item = to_request(row, job.sampling, job.fanout is not None)
+            item = to_request(row, job.sampling, job.fanout is not None, settings)
             if isinstance(item, Request) and not isinstance(item.id, RowSource):
                 # as stored: an int64 id column means every id is an int
                 prompts.setdefault(item.id if int_ids else str(item.id), _prompt_text(item))
@@ -63,6 +69,7 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
             path, columns=["id", "adapter", "text", "finish_reason"], filters=filters
         )
         for row in table.to_pylist():
+            row["adapter"] = adapter_name(row["adapter"])  # "" in parts, null in older ones
             found.setdefault(row["id"], []).append(row)
     ids = [i for i in prompts if i in found]
     if job.fanout is not None:
@@ -73,6 +80,15 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
         for r in sorted(found[i], key=lambda r: (r["adapter"] is not None, r["adapter"] or ""))
     ]
     return rows[:limit]
+
+
+def _position_ids(job: JobConfig) -> bool:
+    """Whether the output's rows take their ids from input positions (its manifest's scan)."""
+    try:
+        manifest = read_manifest(job.output)
+    except OutputError:
+        return False
+    return bool(manifest and manifest.get("scan", {}).get("position_ids"))
 
 
 def _prompt_text(request: Request) -> str:

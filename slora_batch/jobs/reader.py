@@ -14,7 +14,7 @@ import glob
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,8 +104,9 @@ class InputRow:
     number: int  # JSONL: 1-based line; Parquet: 0-based row in the file
     values: dict[str, Any]
     columns: dict[str, str]  # logical name -> input column name, shared by all rows
-    kept: dict[str, Any] = field(default_factory=dict)
+    kept: dict[str, Any] = field(default_factory=dict)  # by output name (``scan.kept_name``)
     error: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)  # the columns prompt_template reads
 
     @property
     def where(self) -> str:
@@ -128,30 +129,49 @@ def used_columns(columns: dict[str, str]) -> list[str]:
 def read_rows(
     files: Iterable[Path],
     columns: dict[str, str],
-    keep: Iterable[str] = (),
+    keep: Iterable[str] | Mapping[str, str] = (),
     root: Path | None = None,
     fs=None,
     openai: OpenAIBatch | None = None,
+    *,
+    fields: Iterable[str] = (),
+    start: int = 0,
+    limit: int | None = None,
+    position_ids: bool = False,
 ) -> Iterator[InputRow]:
     """Stream every row of ``files`` (on ``fs``; None: the local disk) in order, with the
-    ``keep`` columns each row has; ``openai``: the files hold OpenAI Batch lines, converted
-    (``openai_input.py``). Raises only when a file cannot be opened or read."""
+    ``keep`` columns each row has (a mapping: input column -> the name it is kept under) and
+    the ``fields`` prompt_template reads; ``openai``: the files hold OpenAI Batch lines,
+    converted (``openai_input.py``). Raises only when a file cannot be opened or read.
+
+    ``start`` is the position of the first row of ``files`` in the job's input (a later file
+    read alone); rows stop before position ``limit``. ``position_ids``: the input has no id
+    column (``scan.InputScan.position_ids``), each row's id is its position."""
     reading = openai.reading() if openai is not None else None
     files = list(files)
     root = root or (input_root(files, fs) if files else Path("."))
     logical = {column: key for key, column in reversed(_pairs(columns))}  # column -> name
-    keep = list(keep)
-    wanted = list(logical) + keep
-    position = 0
+    keep = dict(keep) if isinstance(keep, Mapping) else {name: name for name in keep}
+    fields = list(fields)
+    wanted = list(logical) + list(keep) + fields
+    position = start
     for file in files:
+        if limit is not None and position >= limit:
+            return
         name = relative_name(file, root)
         for number, record, error in converted(file_records(file, wanted, fs), reading, name):
-            values, kept = {}, {}
+            if limit is not None and position >= limit:
+                return
+            values, kept, found = {}, {}, {}
             if record is not None:  # a record has a few keys: walk them, not every name
                 values = {logical[c]: v for c, v in record.items() if c in logical}
                 if keep:
-                    kept = {c: record[c] for c in keep if c in record}
-            yield InputRow(position, file, name, number, values, columns, kept, error)
+                    kept = {out: record[c] for c, out in keep.items() if c in record}
+                if fields:
+                    found = {c: record[c] for c in fields if c in record}
+            if position_ids:
+                values["id"] = position
+            yield InputRow(position, file, name, number, values, columns, kept, error, found)
             position += 1
 
 

@@ -10,14 +10,18 @@ id and the source). ``row_key`` turns either into the resume key.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
+from slora_batch.jobs.prompts import Prompts
 from slora_batch.jobs.reader import InputRow
 from slora_batch.jobs.scoring import scoring_fields
 from slora_batch.jobs.text import describe, encodable, unencodable
+
+NO_PROMPTS = Prompts()  # a job without prompt settings: rows as they are
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +96,31 @@ def _check_adapter(adapter: Any, column: str) -> tuple[str | None, str | None]:
 
 
 def to_request(
-    row: InputRow, sampling_defaults: SamplingConfig, fanout: bool = False
+    row: InputRow,
+    sampling_defaults: SamplingConfig,
+    fanout: bool = False,
+    prompts: Prompts | None = None,
 ) -> Request | Result:
     """Validate one row into a ``Request``, or an error ``Result`` whose message names the file,
     the row and the reason. Null override values mean "use the job's sampling". A row with a
     scoring column is scored (``scoring.py`` checks those and ``logprobs``). ``extra`` carries
-    the output's extra columns: ``source`` and the kept columns."""
+    the output's extra columns: ``source``, ``row_index`` (``row.position``), ``prompt`` and the
+    kept columns.
+
+    ``prompts``: the job's prompt settings (``prompts.Prompts``). With a prompt_template the row's
+    prompt is the template filled from its columns (the prompt column is not read); with
+    apply_chat_template a text prompt becomes a user turn (after the system prompt), so it is a
+    messages row from here on; a messages row without a system turn gets the system prompt."""
     values, columns = row.values, row.columns
+    prompts = prompts or NO_PROMPTS
     id_, adapter, problem = identity(row, fanout)
-    extra = {"source": row.where, **row.kept}
+    if prompts.templates:
+        values = {**values, "prompt": None}  # the template makes the prompt
+    # the output's row_index and prompt: the text prompt, a messages row's messages (checked
+    # below) as JSON text, None for token ids
+    prompt = values.get("prompt")
+    text = prompt if isinstance(prompt, str) else None
+    extra = {"source": row.where, **row.kept, "row_index": row.position, "prompt": text}
 
     def failed(reason: str) -> Result:
         return Result(
@@ -114,11 +134,21 @@ def to_request(
 
     if problem is not None:
         return failed(problem)
-    prompt, messages = values.get("prompt"), values.get("messages")
+    messages = values.get("messages")
     token_ids = values.get("prompt_token_ids")
     given = [
         key for key in ("prompt", "messages", "prompt_token_ids") if values.get(key) is not None
     ]
+    if prompts.templates and given:
+        return failed(
+            f"prompt_template makes the prompt, and the row gives column {columns[given[0]]!r} "
+            "too: give one of them"
+        )
+    if prompts.templates:
+        prompt, problem = prompts.render(row.fields)
+        if problem is not None:
+            return failed(problem)
+        extra["prompt"], given = prompt, ["prompt"]
     if len(given) > 1:
         names = " and ".join(repr(columns[key]) for key in given)
         return failed(f"give one of the prompt columns, not {names}")
@@ -137,6 +167,8 @@ def to_request(
         messages, problem = _check_messages(messages, columns["messages"])
         if problem:
             return failed(problem)
+        messages = prompts.with_system(messages)
+        extra["prompt"] = json.dumps(messages, ensure_ascii=False)
     if token_ids is not None and not (
         isinstance(token_ids, list)
         and token_ids
@@ -156,6 +188,8 @@ def to_request(
         except ConfigError as exc:
             return failed(f"per-row override: {exc}")
         overrides = {name: getattr(merged, name) for name in overrides}
+    if prompt is not None and prompts.chat:  # through the chat template, as a messages row
+        prompt, messages = None, prompts.turns(prompt)
     return Request(
         id=id_,
         adapter=adapter,

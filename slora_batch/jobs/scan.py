@@ -6,7 +6,6 @@ whose (id, adapter) repeat and the output rows the job will make (n samples per 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slora_batch.engine.config import SamplingConfig
+from slora_batch.jobs.column_types import (
+    TypeOf,
+    arrow_kind,
+    type_from_text,
+    type_to_text,
+    value_kind,
+)
 from slora_batch.jobs.config import SCORE_KEYS
 from slora_batch.jobs.openai_input import OpenAIBatch
 from slora_batch.jobs.reader import (
@@ -31,10 +37,11 @@ from slora_batch.jobs.reader import (
 )
 from slora_batch.jobs.rows import RowSource, identity, row_key
 from slora_batch.jobs.samples import row_samples
+from slora_batch.jobs.text import plural
 
-INFER_ROWS = 4096  # JSONL values of a kept column typed together, then unified
 DUPLICATE_EXAMPLES = 5  # duplicates named in the scan's message
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+KEPT_PREFIX = "input_"  # a kept column named as an output column is kept as "input_<name>"
 
 
 @dataclass
@@ -59,6 +66,17 @@ class InputScan:
     # differ (the preference table then heads its columns by the choices' texts)
     choices: list[str] | None = None
     choices_differ: bool = False
+    # the used columns some row has (a JSONL record's key, a Parquet file's column), the output
+    # columns a job can produce are decided from (``schema.job_columns``)
+    columns_found: list[str] = field(default_factory=list)
+    file_rows: list[int] = field(default_factory=list)  # input rows of each file, in order
+    # every input column some row has -> the kind of its first value: "text", "number", "bool",
+    # "list", "object" or "null" (validate's hints and the chat-template warning read it)
+    column_kinds: dict[str, str] = field(default_factory=dict)
+    # the input has no id column: each row's id is its 0-based position in the job's input
+    position_ids: bool = False
+    kept_as: dict[str, str] = field(default_factory=dict)  # kept column -> its output name
+    limit: int | None = None  # the job's ``limit`` the scan was taken with (None: every row)
 
     def samples(self, n: int) -> int:
         """Output rows per adapter of a job whose ``sampling.n`` is ``n``, when every row that
@@ -68,42 +86,16 @@ class InputScan:
         (10 - 3) * 3 + 5 + 5 + 1 = 32."""
         return (self.rows - self.own_n_rows) * n + self.own_n_samples
 
-    def notes(self, columns: dict[str, str]) -> list[str]:
-        """What a user should hear about the input: columns neither used nor kept (with a
-        did-you-mean), kept columns stored as JSON text or found nowhere, names not kept."""
-        known = used_columns(columns)
-        notes = []
-        for name, (count, where) in self.unused.items():
-            field_of, _, field_name = name.partition(".")
-            if field_of in ("body", "line") and field_name:  # OpenAI Batch lines (openai_input)
-                notes.append(
-                    f"OpenAI batch: {field_of} field {field_name!r} in {count:,} "
-                    f"{_plural(count, 'line')} (first: {where}) is not supported: ignored"
-                )
-                continue
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = (
-                f" (did you mean {close[0]!r}?)"
-                if close
-                else " (add it to keep_columns to carry it to the output)"
-            )
-            notes.append(
-                f"column {name!r} in {count:,} {_plural(count, 'row')} (first: {where}) is neither used nor kept{hint}"
-            )
-        for name in self.json_text:
-            notes.append(f"kept column {name!r} mixes value types: stored as JSON text")
-        for name, type_ in self.keep.items():
-            if pa.types.is_null(type_):
-                notes.append(f"kept column {name!r} has no value in any row")
-        for name in self.clashing:
-            notes.append(f"column {name!r} is not kept: the output has its own {name!r}")
-        return notes
+    def kept_columns(self) -> dict[str, str]:
+        """The kept input columns and the output name each is kept under."""
+        names = {out: inp for inp, out in self.kept_as.items()}
+        return {names.get(out, out): out for out in self.keep}
 
     def duplicates_message(self) -> str:
         examples = "; ".join(self.duplicate_examples)
         more = self.duplicates - len(self.duplicate_examples)
         return (
-            f"{self.duplicates:,} input {_plural(self.duplicates, 'row repeats', 'rows repeat')} "
+            f"{self.duplicates:,} input {plural(self.duplicates, 'row repeats', 'rows repeat')} "
             f"the (id, adapter) of an earlier row, and each must be unique: {examples}"
             + (f"; and {more:,} more" if more > 0 else "")
             + ". Remove or renumber the duplicates"
@@ -111,13 +103,13 @@ class InputScan:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["keep"] = {name: _type_to_text(t) for name, t in self.keep.items()}
+        out["keep"] = {name: type_to_text(t) for name, t in self.keep.items()}
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InputScan:
         data = dict(data)
-        data["keep"] = {name: _type_from_text(t) for name, t in data["keep"].items()}
+        data["keep"] = {name: type_from_text(t) for name, t in data["keep"].items()}
         return cls(**data)
 
 
@@ -132,52 +124,6 @@ def _same_choices(scan: InputScan, choices: Any) -> None:
         scan.choices, scan.choices_differ = None, True
 
 
-def _type_to_text(type_: pa.DataType) -> str:
-    return pa.schema([("x", type_)]).serialize().to_pybytes().hex()
-
-
-def _type_from_text(text: str) -> pa.DataType:
-    return pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(text))).field("x").type
-
-
-def _plural(n: int, one: str, many: str | None = None) -> str:
-    return one if n == 1 else (many or one + "s")
-
-
-class _TypeOf:
-    """A kept column's type over its values: pyarrow's inference per chunk, unified permissively
-    (null -> int64 -> double ...); types that do not unify make it JSON text."""
-
-    def __init__(self, type_: pa.DataType | None = None) -> None:
-        self.type, self.json, self.values = type_, False, []
-
-    def add(self, value: Any) -> None:
-        if not self.json:
-            self.values.append(value)
-            if len(self.values) >= INFER_ROWS:
-                self.settle()
-
-    def merge(self, other: pa.DataType) -> None:
-        if self.json or self.type == other:
-            return
-        if self.type is None:
-            self.type = other
-            return
-        try:
-            schemas = [pa.schema([("x", self.type)]), pa.schema([("x", other)])]
-            self.type = pa.unify_schemas(schemas, promote_options="permissive").field("x").type
-        except (pa.ArrowException, TypeError, ValueError):
-            self.json = True
-
-    def settle(self) -> None:
-        if self.values and not self.json:
-            try:
-                self.merge(pa.array(self.values).type)
-            except (pa.ArrowException, TypeError, ValueError, OverflowError):
-                self.json = True
-        self.values = []
-
-
 def scan_input(
     files: list[Path],
     columns: dict[str, str],
@@ -186,46 +132,68 @@ def scan_input(
     reserved: Iterable[str] = (),
     fs=None,
     openai: OpenAIBatch | None = None,
+    fields: Iterable[str] = (),
+    limit: int | None = None,
 ) -> InputScan:
     """One pass over every row: the id column's type, the kept columns' types (Parquet: the
-    files' schemas; JSONL: inferred from the values), columns neither used nor kept, and rows
-    whose (id, adapter) repeat an earlier row's (with ``fanout``: whose id does). Memory: one
-    key per row (duplicates are found by a set of them), freed when the scan ends.
+    files' schemas; JSONL: inferred from the values), the input's columns, columns neither used
+    nor kept, and rows whose (id, adapter) repeat an earlier row's (with ``fanout``: whose id
+    does). Memory: one key per row (duplicates are found by a set of them), freed when the scan
+    ends. An input with no id column at all gets ids from positions (``position_ids``).
 
-    ``keep`` is a list of column names, "all" (every column not used) or None; ``reserved``
-    names the output's own columns, which "all" does not take. ``fs``: the filesystem the files
-    are on (None: the local disk); ``openai``: they hold OpenAI Batch lines (ids are strings)."""
+    ``keep`` is a list of column names, "all" (every column but the id and adapter ones) or
+    None; a kept column named as one of ``reserved`` (the output's own columns) is kept as
+    "input_<name>" (``kept_as``). ``fs``: the filesystem the files are on (None: the local
+    disk); ``openai``: they hold OpenAI Batch lines (ids are strings; "all" keeps no column
+    the job reads). ``fields``: the columns the job's prompt_template reads; ``limit``: scan
+    only the first rows of the input."""
     reading = openai.reading() if openai is not None else None
-    used = set(used_columns(columns))
+    used = set(used_columns(columns)) | set(fields)
     score_columns = [columns.get(key, key) for key in SCORE_KEYS]  # a scored row makes 1 row
     keep_all = keep == "all"
     wanted = [] if keep_all or not keep else list(keep)
-    scan = InputScan()
-    types: dict[str, _TypeOf] = {name: _TypeOf() for name in wanted}
-    reserved = set(reserved)
+    # "all" leaves out the id and adapter (the output's own), and an OpenAI line's fields
+    not_all = {columns["id"], columns["adapter"]} | (used if openai is not None else set())
+    scan = InputScan(limit=limit)
+    types: dict[str, TypeOf] = {name: TypeOf() for name in wanted}
+    taken = set(reserved) | {name for name in wanted if name not in reserved}
+    out_names = {name: name for name in wanted if name not in reserved}
+    for name in wanted:
+        if name in reserved:
+            out_names[name] = kept_name(name, taken)
     all_ints = True
     seen: set[str] = set()
+    found: set[str] = set()
     repeats: list[tuple[str, str]] = []  # (key, where) of the first few repeated rows
     root = input_root(files, fs)
 
-    def take(name: str) -> _TypeOf | None:
-        """The type tracker of a column the row has, or None when it is neither kept nor used."""
+    def take(name: str) -> TypeOf | None:
+        """The type tracker of a column the row has, or None when it is not kept."""
+        if name in used:
+            found.add(name)
         if name in types:
             return types[name]
-        if name in used:
-            return None
-        if keep_all and name not in reserved:
-            types[name] = _TypeOf()
+        if keep_all and name not in not_all:
+            out_names[name] = kept_name(name, taken)
+            types[name] = TypeOf()
             return types[name]
-        if keep_all and name not in scan.clashing:
-            scan.clashing.append(name)
         return None
 
+    def full() -> bool:
+        return limit is not None and scan.rows >= limit
+
     for file in files:
+        if full():
+            break
+        rows_before = scan.rows
         if file.suffix.lower() == ".parquet":
             schema = _parquet_schema(file, fs)
             rows = parquet_file(file, fs).metadata.num_rows
+            if limit is not None:
+                rows = min(rows, limit - scan.rows)
             for name in schema.names:
+                if scan.column_kinds.get(name, "null") == "null":
+                    scan.column_kinds[name] = arrow_kind(schema.field(name).type)
                 tracker = take(name)
                 if tracker is not None:
                     tracker.merge(schema.field(name).type)
@@ -240,6 +208,8 @@ def scan_input(
         name_ = relative_name(file, root)
         records = converted(file_records(file, parquet_wanted, fs), reading, name_)
         for number, record, error in records:
+            if full():
+                break
             scan.rows += 1
             if record is None:
                 scan.own_n_rows += 1
@@ -247,7 +217,10 @@ def scan_input(
                 continue
             row = InputRow(0, file, name_, number, {}, columns, {}, error)
             if parquet_wanted is None:
+                kinds = scan.column_kinds
                 for name, value in record.items():
+                    if kinds.get(name, "null") == "null":
+                        kinds[name] = value_kind(value)
                     tracker = take(name)
                     if tracker is not None:
                         tracker.add(value)
@@ -276,19 +249,44 @@ def scan_input(
                     repeats.append((key, row.where))
             else:
                 seen.add(key)
+        scan.file_rows.append(scan.rows - rows_before)
     del seen
+    scan.columns_found = sorted(found)
+    scan.position_ids = openai is None and columns["id"] not in scan.column_kinds
     scan.id_type = "int64" if all_ints and openai is None else "string"
     for name, tracker in types.items():
+        out = out_names[name]
+        if out != name:
+            scan.kept_as[name] = out
         tracker.settle()
         if tracker.json:
-            scan.json_text.append(name)
-        scan.keep[name] = pa.string() if tracker.json else (tracker.type or pa.null())
+            scan.json_text.append(out)
+        scan.keep[out] = pa.string() if tracker.json else (tracker.type or pa.null())
     if repeats:
         firsts = _first_rows(files, columns, fanout, {key for key, _ in repeats}, fs, openai)
         scan.duplicate_examples = [
             f"{where} repeats {firsts.get(key, '?')}" for key, where in repeats
         ]
     return scan
+
+
+def limit_changed(manifest: dict[str, Any], limit: int | None) -> bool:
+    """Whether an output's manifest holds a scan taken with another ``limit`` than the job's
+    now: its row counts and its completion are of other rows, so the input is scanned again and
+    the output is not complete (the rows it holds stay: a larger limit adds the new ones)."""
+    return manifest["scan"].get("limit") != limit
+
+
+def kept_name(name: str, taken: set[str]) -> str:
+    """The output name of a kept column: its own, or "input_<name>" (prefixed again while
+    that is taken too) when the output has a column of that name; added to ``taken``.
+
+    Running example: an input column "text" beside the output's "text" -> "input_text"."""
+    out = name
+    while out in taken:
+        out = KEPT_PREFIX + out
+    taken.add(out)
+    return out
 
 
 def _first_rows(

@@ -45,3 +45,8 @@ def type_name(value: Any) -> str:
 
 def describe(value: Any) -> str:
     return f"{type_name(value)} {value!r}"[:80]
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``one`` or, when ``n`` is not 1, ``many`` (default: ``one`` + "s")."""
+    return one if n == 1 else (many or one + "s")

@@ -6,6 +6,7 @@ engine is built and no weights are loaded."""
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,17 +20,26 @@ from slora_batch.engine.requests.grammar import GrammarService, tokenizer_info
 from slora_batch.engine.requests.request import Request, Result
 from slora_batch.engine.requests.scoring import scored_ids
 from slora_batch.engine.requests.tokens import load_tokenizer, tokenize
-from slora_batch.jobs.check import JOB_ERRORS, JobError, check_job, input_notes, job_error
-from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.check import (
+    JOB_ERRORS,
+    JobError,
+    JobPlan,
+    check_job,
+    check_scan,
+    input_notes,
+    job_error,
+)
+from slora_batch.jobs.config import PROMPT_KEYS, JobConfig
 from slora_batch.jobs.manifest import fingerprint, resumable_manifest
 from slora_batch.jobs.openai_input import kept_columns
 from slora_batch.jobs.reader import InputError, input_root, read_rows
 from slora_batch.jobs.response_format import format_problem
 from slora_batch.jobs.rows import to_request
-from slora_batch.jobs.scan import scan_input
+from slora_batch.jobs.scan import InputScan, scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS
 
 VALIDATE_ROWS = 200  # input rows validate_job turns into requests and tokenizes
+SHOWN = 3  # problems named when no row of a job can run
 
 
 @dataclass
@@ -54,7 +64,9 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     read once), then the Parquet schemas and the first ``limit`` rows (None: every row) turned
     into requests and tokenized as the engine would. Builds no engine and loads no weights
     (only the sample alias's one-time conversion reads its GGUF); problems of rows are reported
-    (a run writes error rows for them), problems of the job (duplicate rows included) raise."""
+    (a run writes error rows for them), problems of the job raise ``JobError``: duplicate rows,
+    a prompt_template naming a column the input lacks, an input without a prompt source
+    (``prompt_source_problem``), and an input no checked row of can run."""
     if job.eval is not None and not Path(job.input).is_file():  # built when an eval job runs
         from slora_batch.eval.sweep import validate_with_requests
 
@@ -65,26 +77,39 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     except JOB_ERRORS as exc:
         raise job_error(job, exc) from exc
     fanout = plan.sweep is not None
+    prompts = plan.prompts
     try:
         keep = kept_columns(job.keep_columns, plan.openai)
-        scan = scan_input(plan.files, job.columns, keep, fanout, OUTPUT_COLUMNS, openai=plan.openai)
+        scan = scan_input(plan.files, job.columns, keep, fanout, OUTPUT_COLUMNS,
+                          openai=plan.openai, fields=prompts.fields, limit=job.limit)  # fmt: skip
     except InputError as exc:
         raise job_error(job, exc) from exc
-    if scan.duplicates:
-        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}")
-    problems = [problem for file in plan.files for problem in _schema_problems(file, job.columns)]
+    check_scan(plan, scan)  # duplicates, a template's missing column
+    no_prompt = prompt_source_problem(plan, scan)
+    if no_prompt is not None:
+        raise JobError(f"job {job.name!r}: {no_prompt}")
+    problems = [
+        problem
+        for file in plan.files
+        for problem in _schema_problems(file, job.columns, bool(prompts.templates))
+    ]
     tokenizer = load_tokenizer(plan.model_path)
     grammars = GrammarService(partial(tokenizer_info, tokenizer, plan.spec))  # at a first format
-    limit = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
+    context = min(job.engine.max_model_len or plan.spec.max_context, plan.spec.max_context)
     known = None if fanout else sorted(a.name for a in plan.adapters)
-    checked = 0
+    checked = bad = 0
+    first = len(problems)  # the rows' problems come after the files'
     try:
         root = input_root(plan.files)
-        for row in read_rows(plan.files, job.columns, root=root, openai=plan.openai):
+        rows = read_rows(plan.files, job.columns, root=root, openai=plan.openai,
+                         fields=prompts.fields, limit=job.limit,
+                         position_ids=scan.position_ids)  # fmt: skip
+        for row in rows:
             if checked == limit:
                 break
             checked += 1
-            item = to_request(row, job.sampling, fanout)
+            bad += 1  # until the row proves fine
+            item = to_request(row, job.sampling, fanout, prompts)
             if isinstance(item, Result):
                 problems.append(item.error)
                 continue
@@ -94,14 +119,22 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
                     f"n={item.n})"
                 )
                 continue
-            problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, limit)
+            problem = _request_problem(item, known, plan.broken, tokenizer, plan.spec, context)
             problem = problem or format_problem(item, job.sampling.response_format, grammars)
             if problem:
                 problems.append(f"{row.where}: {problem}")
+                continue
+            bad -= 1
     except InputError as exc:
         raise job_error(job, exc) from exc
     finally:
         grammars.close()
+    if checked and bad == checked:  # the files' problems first: they say why for many rows
+        shown = "; ".join(problems[: min(first, SHOWN - 1)] + [problems[first]])
+        raise JobError(
+            f"job {job.name!r}: none of the {checked:,} input rows checked can run, each would "
+            f"be an error row: {shown}{_fix_hint(problems[first])}"
+        )
     return ValidationReport(
         job=job.name,
         model=_model_label(plan),
@@ -116,6 +149,83 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         broken=plan.broken,
         id_type=scan.id_type,
     )
+
+
+def prompt_source_problem(plan: JobPlan, scan: InputScan) -> str | None:
+    """Why no row of the input can have a prompt, with the keys that would give one, or None:
+    the input has rows but none of the prompt, messages and prompt_token_ids columns, and the
+    job has no prompt_template. The hint is built from the input's own columns (``_prompt_like``).
+
+    Running example, Alpaca (instruction, input, output): ``prompt_template:
+    ["{instruction}\\n\\n{input}", "{instruction}"]``, or ``columns: {prompt: instruction}``."""
+    job = plan.job
+    names = [job.columns.get(key, key) for key in PROMPT_KEYS]
+    present = scan.column_kinds
+    if job.prompt_template is not None or not scan.rows or any(n in present for n in names):
+        return None
+    listed = ", ".join(present) or "none"
+    message = (
+        f"the input has none of the prompt columns {', '.join(map(repr, names))} (its columns: "
+        f"{listed}), so every row would be an error row"
+    )
+    chosen = _prompt_like(present, job.columns)
+    if not chosen:
+        return message + ". Give each row a prompt, or build one with prompt_template"
+    joined = "\n\n".join("{" + name + "}" for name in chosen)
+    if len(chosen) > 1:
+        template = f"[{json.dumps(joined)}, {json.dumps('{' + chosen[0] + '}')}]"
+        how = " (a row takes the first template whose columns are all non-empty)"
+    else:
+        template, how = json.dumps(joined), ""
+    chat = ", with apply_chat_template: true for this chat model" if plan.chat_template else ""
+    return (
+        f"{message}. Build each row's prompt from its columns with prompt_template: {template}"
+        f"{how}, or read one column as the prompt with columns: {{prompt: {chosen[0]}}}{chat}"
+    )
+
+
+# column names that hold a task's input (a prompt is made of them) or its reference output
+PROMPT_NAMES = {"system", "instruction", "instructions", "question", "query", "problem", "input",
+                "context", "text", "content", "request", "task", "passage", "document", "article",
+                "premise", "hypothesis", "sentence", "title", "body", "user", "human"}  # fmt: skip
+ANSWER_NAMES = {"output", "outputs", "answer", "answers", "response", "responses", "completion",
+                "target", "targets", "label", "labels", "chosen", "rejected", "solution",
+                "reference", "ground_truth", "gold", "expected", "canonical_solution",
+                "assistant", "gpt"}  # fmt: skip
+
+
+def _prompt_like(kinds: dict[str, str], columns: dict[str, str]) -> list[str]:
+    """The input's columns a prompt is likely made of, in the input's order: those named as
+    task inputs (at most 3), else the first text column that is no answer and no id."""
+    usable = [
+        name
+        for name, kind in kinds.items()
+        if kind in ("text", "null")
+        and "." not in name
+        and name.lower() not in ANSWER_NAMES
+        and name not in (columns["id"], columns["adapter"])
+        and not name.lower().endswith(("_id", "id", "idx", "index"))
+    ]
+    named = [name for name in usable if name.lower() in PROMPT_NAMES]
+    return named[:3] or usable[:1]
+
+
+# what a problem says -> the key that fixes it, for the message of a job no row of runs
+FIX_HINTS = (
+    ("prompt_template", "prompt_template (a list of templates is tried in order: add one the rows can fill)"),
+    ("unknown adapter", "adapters, or the rows' adapter column"),
+    ("cannot run", "adapters"),
+    ("does not fit the context", "engine.max_model_len, or shorter prompts"),
+    ("chat template", "apply_chat_template, or the rows' messages"),
+    ("none of the columns", "columns (which input column holds the prompt), or prompt_template"),
+)  # fmt: skip
+
+
+def _fix_hint(problem: str) -> str:
+    for phrase, key in FIX_HINTS:
+        if phrase in problem:
+            return f". The key to look at: {key}"
+    return ""
 
 
 def _model_label(plan) -> str:
@@ -140,12 +250,12 @@ _ARROW_TYPES = {  # accepted column types; an all-null column (type null) is alw
 }
 
 
-def _schema_problems(file: Path, columns: dict[str, str]) -> list[str]:
+def _schema_problems(file: Path, columns: dict[str, str], templated: bool) -> list[str]:
     if file.suffix.lower() != ".parquet":
         return []  # JSONL has no schema: the sample of rows covers it
     schema = pq.read_schema(file)
-    prompts = [columns.get(key, key) for key in ("prompt", "messages", "prompt_token_ids")]
-    if not any(name in schema.names for name in prompts):
+    prompts = [columns.get(key, key) for key in PROMPT_KEYS]
+    if not templated and not any(name in schema.names for name in prompts):
         names = ", ".join(map(repr, prompts))
         return [f"{file}: none of the columns {names}: every row will be an error row"]
     problems = []

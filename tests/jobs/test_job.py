@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig
-from slora_batch.jobs.config import JobConfig, adapter_names, fanout_adapters, load_jobs
+from slora_batch.jobs.check import adapter_names, fanout_adapters
+from slora_batch.jobs.config import JobConfig, load_jobs
 
 
 def write(tmp_path: Path, text: str, name: str = "jobs.yaml") -> Path:
@@ -222,14 +223,14 @@ def test_keep_columns_and_part_seconds(tmp_path):
     assert (job.keep_columns, job.part_seconds) == (None, 30.0)
     assert JobConfig(**common, keep_columns="all").keep_columns == "all"
     assert JobConfig(**common, keep_columns=["label", "task"]).keep_columns == ["label", "task"]
+    # a name the output has is kept as "input_<name>" (``scan.kept_name``), not refused
+    assert JobConfig(**common, keep_columns=["text"]).keep_columns == ["text"]
     assert JobConfig(**common, part_seconds=2).part_seconds == 2.0
     for keep, message in (
         ([], "keep_columns must be 'all' or a non-empty list of input column names"),
         ("label", "keep_columns must be 'all' or a non-empty list"),
         (["a", "a"], "keep_columns lists a column twice"),
         (["key"], "keep_columns: 'key' is the id or adapter column, already in the output"),
-        (["error"], "keep_columns: 'error' would replace the output's own column of that name"),
-        (["source"], "keep_columns: 'source' would replace the output's own column"),
     ):
         with pytest.raises(ConfigError, match=message):
             JobConfig(**common, keep_columns=keep, columns={"id": "key"})

@@ -123,6 +123,7 @@ def test_eval_jobs_fan_out_adapter_by_adapter(tmp_path, seed):
     from slora_batch.jobs.resume import pending_items
     from slora_batch.jobs.rows import row_key
     from slora_batch.jobs.samples import DoneSamples
+    from slora_batch.jobs.scan import InputScan
 
     rng = random.Random(seed)
     rows = [{"id": f"r{i}", "prompt_token_ids": [rng.randint(1, 9) for _ in range(rng.randint(1, 4))],
@@ -142,7 +143,7 @@ def test_eval_jobs_fan_out_adapter_by_adapter(tmp_path, seed):
                         eval=EvalConfig(tasks=["t"]) if eval_job else None)  # fmt: skip
         plan = SimpleNamespace(job=job, sweep=list(sweep), files=[tmp_path / "in.jsonl"],
                                input_fs=None, openai=None)  # fmt: skip
-        return [item for item, _ in pending_items(plan, SimpleNamespace(keep={}), done)]
+        return [item for item, _ in pending_items(plan, InputScan(), done)]
 
     ours, theirs = items(True), items(False)
     pairs = [(r.id, r.adapter) for r in ours]

@@ -224,9 +224,11 @@ def test_validate_reports_bad_scoring_values_and_what_does_not_fit(tmp_path):
     (tmp_path / "rows.jsonl").unlink()
     (job,) = load_jobs(tmp_path / "jobs.yaml")
     job.input = str(tmp_path / "rows.parquet")
-    problems = validate_job(job).problems
-    assert "column 'choices' has type string: its non-null values will be error rows" in problems[0]
-    assert "column 'answer' has type double: its non-null values will be error rows" in problems[1]
+    with pytest.raises(JobError, match="none of the 1 input rows checked can run") as failed:
+        validate_job(job)  # its one row cannot run: the job fails validation, naming why
+    problems = str(failed.value)
+    assert "column 'choices' has type string: its non-null values will be error rows" in problems
+    assert "column 'answer' has type double: its non-null values will be error rows" in problems
     ids_only = {"prompt_token_ids": [[5, 6]], "choices_token_ids": [[[7], [8]]], "answer": [0]}
     pq.write_table(pa.table(ids_only), tmp_path / "rows.parquet")
     assert validate_job(job).problems == []  # no text column needed, no tokenizer either
