@@ -5,10 +5,15 @@ draws progress (rich bars on a terminal, a plain line every ``--progress-every``
 otherwise) and prints summaries. Exit status: 0 every job done; 1 a job failed (one message on
 stderr each, no traceback; the jobs after it still ran); 130 interrupted by SIGINT, 143 by
 SIGTERM (the message says how many rows are committed and how many a re-run will do).
+
+``run`` and ``validate`` take a job file, or a one-file job: an input file with ``--model``,
+``--output`` and job keys as flags (``slora_batch.jobs.quick``). A missing optional package
+(``slora_batch.extras``) is one line naming the pip command.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -24,8 +29,10 @@ from slora_batch.console import (
     shown_path,
 )
 from slora_batch.engine.config import ConfigError
+from slora_batch.extras import MissingPackage, require
 from slora_batch.jobs.check import JOB_ERRORS, JobError, select_jobs
-from slora_batch.jobs.config import load_jobs
+from slora_batch.jobs.config import JobConfig, load_jobs
+from slora_batch.jobs.quick import QuickFlags, is_job_file, quick_job
 from slora_batch.jobs.run import JobFailure, run_jobs
 from slora_batch.jobs.validate import VALIDATE_ROWS, validate_job
 
@@ -36,6 +43,37 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # a docstring's lines join into paragraphs, wrapped once
 )
+
+
+def _version() -> str:
+    """The installed package's version, else (a source tree on the path) the source's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("slora-batch")
+    except PackageNotFoundError:
+        from slora_batch import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"slora-batch {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the version and exit.",
+    ),
+) -> None:
+    """Options before the command (--version); the app's help is the Typer's."""
 
 
 @app.command(
@@ -54,10 +92,74 @@ def bench(ctx: typer.Context) -> None:
 
 JOBS_FILE = typer.Argument(
     ...,
-    help="Job file (YAML): a 'jobs' list and optional 'defaults'; relative paths in it are "
-    "relative to the file.",
+    metavar="JOBS_FILE_OR_INPUT",
+    help="Job file (.yaml/.yml): a 'jobs' list and optional 'defaults'; relative paths in it "
+    "are relative to the file. Or a one-file job's input (a .jsonl/.parquet file, a directory "
+    "of them, or a quoted glob) with --model and --output; its relative paths are relative to "
+    "the current directory.",
     show_default=False,
 )
+LIMIT = typer.Option(
+    None,
+    "--limit",
+    metavar="N",
+    help="Only the first N input rows of each job (the job key limit).",
+    show_default=False,
+)
+# The one-file job's flags: each sets the job key of its name (``jobs/quick.py``).
+ONE_FILE = "One-file job (an input in place of the job file)"
+
+
+def _flag(*names: str, text: str, metavar: str | None = None):
+    return typer.Option(
+        None, *names, help=text, metavar=metavar, show_default=False, rich_help_panel=ONE_FILE
+    )
+
+
+MODEL = _flag(
+    "--model", "-m", text="The base model: a directory, a Hub name org/name[@revision], or "
+    "smollm2-135m-instruct (the sample).",
+)  # fmt: skip
+ADAPTERS = _flag(
+    "--adapters", metavar="DIR|NAME=PATH,...", text="A directory of PEFT adapter directories "
+    "(each one's name is its folder's), or name=path pairs (a path or a Hub name); repeatable.",
+)  # fmt: skip
+OUTPUT = _flag("--output", "-o", text="The output directory.")
+NAME = _flag("--name", text="The job's name (default: the output directory's name).")
+FANOUT = _flag(
+    "--fanout", metavar="all|NAMES", text="Run every row through each adapter: 'all' (the base "
+    "model and every adapter) or comma-separated names ('null': the base model).",
+)  # fmt: skip
+MAX_NEW_TOKENS = _flag("--max-new-tokens", metavar="N", text="sampling.max_new_tokens.")
+TEMPERATURE = _flag("--temperature", metavar="T", text="sampling.temperature.")
+SAMPLING = _flag(
+    "--sampling", metavar="KEY=VALUE", text="Any other sampling key (top_p=0.9, seed=1); "
+    "repeatable.",
+)  # fmt: skip
+ENGINE = _flag(
+    "--engine", metavar="KEY=VALUE", text="An engine key (max_model_len=4096, "
+    "tensor_parallel=2, device=cpu); repeatable.",
+)  # fmt: skip
+PROMPT_TEMPLATE = _flag(
+    "--prompt-template", text="Builds each prompt from input columns: 'Q: {question}'."
+)
+APPLY_CHAT_TEMPLATE = typer.Option(
+    False, "--apply-chat-template", help="Send each text prompt as a user turn through the "
+    "model's chat template.", rich_help_panel=ONE_FILE,
+)  # fmt: skip
+SYSTEM_PROMPT = _flag("--system-prompt", text="A system turn before each prompt's user turn.")
+COLUMN = _flag(
+    "--column", metavar="KEY=COLUMN", text="Read a key from an input column of another name: "
+    "prompt=question; repeatable.",
+)  # fmt: skip
+KEEP_COLUMNS = _flag(
+    "--keep-columns", metavar="all|NAMES", text="Input columns carried to the output: 'all' or "
+    "comma-separated names.",
+)  # fmt: skip
+OUTPUT_FORMAT = _flag(
+    "--output-format", metavar="parquet|openai", text="'openai': also output.jsonl and "
+    "errors.jsonl, as the OpenAI Batch API writes them.",
+)  # fmt: skip
 
 
 class _Terminated(BaseException):
@@ -72,7 +174,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 @app.command()
 def run(
-    jobs_file: Path = JOBS_FILE,
+    jobs_file: str = JOBS_FILE,
     job: str | None = typer.Option(
         None, "--job", "-j", help="Run only the job with this name (default: every job)."
     ),
@@ -106,16 +208,41 @@ def run(
     gpus_per_replica: float = typer.Option(
         0.0, "--gpus-per-replica", min=0.0, help="With --ray: GPUs per engine actor (0: CPU)."
     ),
+    limit: int | None = LIMIT,
+    model: str | None = MODEL,
+    adapters: list[str] | None = ADAPTERS,
+    output: str | None = OUTPUT,
+    name: str | None = NAME,
+    fanout: str | None = FANOUT,
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
+    temperature: float | None = TEMPERATURE,
+    sampling: list[str] | None = SAMPLING,
+    engine: list[str] | None = ENGINE,
+    prompt_template: str | None = PROMPT_TEMPLATE,
+    apply_chat_template: bool = APPLY_CHAT_TEMPLATE,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    column: list[str] | None = COLUMN,
+    keep_columns: str | None = KEEP_COLUMNS,
+    output_format: str | None = OUTPUT_FORMAT,
 ) -> None:
-    """Run the jobs of JOBS_FILE.
+    """Run the jobs of JOBS_FILE, or one job: slora-batch run data.jsonl --model M --output OUT.
 
     Each job streams its input, generates, and writes Parquet parts, _stats.parquet and a
     _SUCCESS marker into its output directory; a re-run resumes, and does nothing for a
     complete job. A job that fails is reported and the next one runs (exit status 1 at the
     end). SIGINT and SIGTERM commit every finished row and exit 130 and 143.
     """
+    flags = QuickFlags(
+        model=model, adapters=adapters or [], output=output, name=name, fanout=fanout,
+        max_new_tokens=max_new_tokens, temperature=temperature, sampling=sampling or [],
+        engine=engine or [], prompt_template=prompt_template,
+        apply_chat_template=apply_chat_template, system_prompt=system_prompt,
+        columns=column or [], keep_columns=keep_columns, output_format=output_format,
+    )  # fmt: skip
     setup_logging(quiet, verbose)
-    jobs = _load(jobs_file, job)
+    jobs = _load(jobs_file, job, flags, limit)
+    if ray_address is not None:
+        _require("ray", "slora-batch run --ray")
     display = ProgressDisplay(enabled=not quiet, live=err.is_terminal, every_s=progress_every)
     failures: list[JobFailure] = []
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -179,7 +306,7 @@ def _interrupted(name: str, display: ProgressDisplay, jobs, code: int) -> None:
 
 @app.command()
 def validate(
-    jobs_file: Path = JOBS_FILE,
+    jobs_file: str = JOBS_FILE,
     job: str | None = typer.Option(
         None, "--job", "-j", help="Validate only the job with this name (default: every job)."
     ),
@@ -189,6 +316,22 @@ def validate(
         help="Check every input row, not the first 200, and list every row problem, not the "
         "first 10.",
     ),
+    limit: int | None = LIMIT,
+    model: str | None = MODEL,
+    adapters: list[str] | None = ADAPTERS,
+    output: str | None = OUTPUT,
+    name: str | None = NAME,
+    fanout: str | None = FANOUT,
+    max_new_tokens: int | None = MAX_NEW_TOKENS,
+    temperature: float | None = TEMPERATURE,
+    sampling: list[str] | None = SAMPLING,
+    engine: list[str] | None = ENGINE,
+    prompt_template: str | None = PROMPT_TEMPLATE,
+    apply_chat_template: bool = APPLY_CHAT_TEMPLATE,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    column: list[str] | None = COLUMN,
+    keep_columns: str | None = KEEP_COLUMNS,
+    output_format: str | None = OUTPUT_FORMAT,
 ) -> None:
     """Check the jobs of JOBS_FILE without running them (no engine, no weights; the sample
     model is converted once on its first use, as by run).
@@ -199,9 +342,16 @@ def validate(
     rows (tokenized). Exits 1 when a job could not run; row problems are listed (a run writes
     error rows for them) but do not fail validation.
     """
+    flags = QuickFlags(
+        model=model, adapters=adapters or [], output=output, name=name, fanout=fanout,
+        max_new_tokens=max_new_tokens, temperature=temperature, sampling=sampling or [],
+        engine=engine or [], prompt_template=prompt_template,
+        apply_chat_template=apply_chat_template, system_prompt=system_prompt,
+        columns=column or [], keep_columns=keep_columns, output_format=output_format,
+    )  # fmt: skip
     setup_logging(quiet=False, verbose=False)
     failed = 0
-    for config in _load(jobs_file, job):
+    for config in _load(jobs_file, job, flags, limit):
         try:
             report = validate_job(config, limit=None if every else VALIDATE_ROWS)
         except (JobError, *JOB_ERRORS) as exc:
@@ -213,10 +363,43 @@ def validate(
         raise typer.Exit(1)
 
 
-def _load(jobs_file: Path, name: str | None):
+def _load(target: str, name: str | None, flags: QuickFlags, limit: int | None):
+    """The jobs of a job file, or the one job of an input file and flags; then (an eval job)
+    lm-eval is there."""
     try:
-        return select_jobs(load_jobs(jobs_file), name)
+        if is_job_file(target):
+            if flags.given():
+                raise ConfigError(
+                    f"{', '.join(flags.given())}: for a one-file job (an input file in place of "
+                    f"the job file); in {target} they are job keys"
+                )
+            jobs = [_with_limit(job, limit) for job in load_jobs(target)]
+        else:
+            flags.limit = limit
+            jobs = [quick_job(target, flags)]
+        jobs = select_jobs(jobs, name)
     except (ConfigError, JobError) as exc:
+        _fail(exc)
+    for job in jobs:
+        if job.eval is not None:
+            _require("lm_eval", f"job {job.name!r} (eval)")
+    return jobs
+
+
+def _with_limit(job: JobConfig, limit: int | None) -> JobConfig:
+    """``--limit`` over a job file's jobs: their ``limit`` key, checked as the file's is."""
+    if limit is None:
+        return job
+    try:
+        return dataclasses.replace(job, limit=limit)
+    except ConfigError as exc:
+        raise ConfigError(f"--limit {limit}: job {job.name!r}: {exc}") from exc
+
+
+def _require(module: str, needed_by: str) -> None:
+    try:
+        require(module, needed_by)
+    except MissingPackage as exc:
         _fail(exc)
 
 

@@ -9,7 +9,8 @@ Three packages follow the data flow, job -> rows -> windows -> engine -> writer:
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.requests.request import Request, Result
 
-__all__ = ["Engine", "EngineConfig", "Request", "Result", "SamplingConfig"]
+__version__ = "0.1.0"  # pyproject.toml reads it from here
+__all__ = ["Engine", "EngineConfig", "Request", "Result", "SamplingConfig", "__version__"]
 
 
 def __getattr__(name: str):

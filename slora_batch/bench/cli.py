@@ -11,9 +11,10 @@ from pathlib import Path
 
 import typer
 
-from slora_batch.bench.bench import SYSTEMS, BenchConfig, run_bench
+from slora_batch.bench.bench import PEFT_SYSTEMS, SYSTEMS, BenchConfig, run_bench
 from slora_batch.bench.report import markdown
 from slora_batch.engine.config import ConfigError
+from slora_batch.extras import MissingPackage, require
 
 D = BenchConfig()  # the defaults, written once in BenchConfig
 
@@ -208,6 +209,13 @@ def bench(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    peft_systems = [s for s in config.systems if s in PEFT_SYSTEMS]
+    if peft_systems:  # the transformers + PEFT baseline
+        try:
+            require("peft", f"slora-batch bench --systems {','.join(peft_systems)}")
+        except MissingPackage as exc:
+            typer.echo(f"error: {exc} (or leave them out of --systems)", err=True)
+            raise typer.Exit(1) from None
     rows, meta = run_bench(config)
     typer.echo(markdown(rows, meta))
     typer.echo(

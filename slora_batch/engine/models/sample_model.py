@@ -82,11 +82,23 @@ def _find_sample_gguf() -> Path:
     return files[0]
 
 
+def _check_converter() -> None:
+    """transformers reads a GGUF file through the gguf package and accelerate: dependencies of
+    this package, missing only where it was installed without them (``--no-deps``)."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelNotFoundError(
+            f"model {SAMPLE_MODEL_ALIAS!r}: converting it from its GGUF file needs "
+            f"{' and '.join(missing)}: pip install {' '.join(missing)}"
+        )
+
+
 def _sample_model_dir() -> Path:
     target = cache_dir() / _SAMPLE_DIR_NAME
     if _is_complete(target):
         return target
     gguf = _find_sample_gguf()
+    _check_converter()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{_SAMPLE_DIR_NAME}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
