@@ -18,12 +18,13 @@ import signal
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 from slora_batch.console import (
     ProgressDisplay,
     err,
+    print_error,
     print_report,
+    print_stop,
     print_summary,
     setup_logging,
     shown_path,
@@ -261,7 +262,7 @@ def run(
                 display.finish()
                 if isinstance(outcome, JobFailure):
                     failures.append(outcome)
-                    err.print(f"[red]error:[/] {escape(outcome.error)}")
+                    print_error(outcome.error)
                 elif not quiet:
                     print_summary(outcome, next(j for j in jobs if j.name == outcome.job))
                     if outcome.eval_results:  # an eval job: lm-eval's metrics per adapter
@@ -280,7 +281,7 @@ def run(
     if failures:
         if len(jobs) > 1:
             names = ", ".join(f.job for f in failures)
-            err.print(f"[red]failed:[/] {len(failures)} of {len(jobs)} jobs ({names})")
+            print_error(f"{len(failures)} of {len(jobs)} jobs ({names})", "failed")
         raise typer.Exit(1)
 
 
@@ -300,7 +301,7 @@ def _interrupted(name: str, display: ProgressDisplay, jobs, code: int) -> None:
         )
         if event.rows_total is not None:
             text += f"; {max(event.rows_total - committed, 0):,} of {event.rows_total:,} are left"
-    err.print(f"interrupted by {name}: {text}; run the same command again to resume", markup=False)
+    print_stop(f"interrupted by {name}: {text}; run the same command again to resume")
     raise typer.Exit(code)
 
 
@@ -355,7 +356,7 @@ def validate(
         try:
             report = validate_job(config, limit=None if every else VALIDATE_ROWS)
         except (JobError, *JOB_ERRORS) as exc:
-            err.print(f"[red]error:[/] {escape(str(exc))}")
+            print_error(str(exc))
             failed += 1
             continue
         print_report(report, every=every)
@@ -404,7 +405,7 @@ def _require(module: str, needed_by: str) -> None:
 
 
 def _fail(exc: Exception) -> None:
-    err.print(f"[red]error:[/] {escape(str(exc))}")
+    print_error(str(exc))
     raise typer.Exit(1)
 
 

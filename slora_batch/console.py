@@ -1,11 +1,23 @@
 """What the ``slora-batch`` command draws and prints, with rich: log handlers, progress (live bars
 on a terminal, a plain line every few seconds otherwise), job summaries and validation reports.
 Only ``cli.py`` imports it: library code logs, the command prints.
+
+Logs of an unattended run (stderr not a terminal) have one format, ``LOG_FORMAT``: the library's
+records, the progress lines (logger ``slora_batch.progress``), the command's own messages
+(``slora_batch.cli``: a failed job, a stop) and the records of transformers, datasets and
+huggingface_hub, whose own stderr handlers are taken off; third-party progress bars are off
+there. A terminal gets rich: live bars, rich log lines.
+
+Levels: by default the library's INFO records (the sample model's conversion, each job's start
+with the rows to do, its engine, its end) and everything's warnings; ``--verbose`` debug too;
+``--quiet`` errors only, and the line that says a signal stopped the run.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +37,17 @@ from rich.table import Table
 
 from slora_batch.jobs.preference import ChoicePreference, choice_preference
 from slora_batch.jobs.preview import preview
-from slora_batch.jobs.progress import JobProgress, clock, progress_line, seconds_left, tokens_per_s
+from slora_batch.jobs.progress import (
+    COMPUTED,
+    GENERATED,
+    JobProgress,
+    clock,
+    generated_per_s,
+    progress_line,
+    rates_text,
+    seconds_left,
+    tokens_per_s,
+)
 from slora_batch.jobs.run import JobSummary
 from slora_batch.jobs.validate import ValidationReport
 
@@ -34,27 +56,115 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # a message stays o
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 160
 ADAPTER_ROWS = 20  # per-adapter lines in the summary; the rest are in _stats.parquet
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_DATE = "%Y-%m-%d %H:%M:%S"
+# The summary's width when stdout is not a terminal (and COLUMNS is unset): nothing wraps a
+# log's lines, so tables take the width they need; a wider one folds, never cutting a name.
+LOG_WIDTH = 1000
+# Libraries that put their own stderr handler on their logger when imported
+LIBRARY_LOGGERS = ("transformers", "datasets", "huggingface_hub")
+# Their progress bars' switches, for an unattended run (a variable the user set is kept);
+# TQDM_DISABLE is tqdm's own default for every bar (lm-eval's), read when tqdm is imported.
+PROGRESS_BAR_VARIABLES = (
+    "HF_DATASETS_DISABLE_PROGRESS_BARS",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "TQDM_DISABLE",
+)
+# Loggers whose INFO records are one per file or per adapter: shown with --verbose only
+CHATTY = ("slora_batch.jobs.outdir", "slora_batch.eval.lm")
+
+progress_log = logging.getLogger("slora_batch.progress")  # the plain progress lines
+cli_log = logging.getLogger("slora_batch.cli")  # the command's own messages
 
 
 def setup_logging(quiet: bool, verbose: bool) -> None:
-    """Warnings and errors (``--verbose``: debug too). On a terminal through rich; otherwise
-    plain lines with the time, for the log of an unattended run."""
+    """The library's INFO records, everything's warnings (``--verbose``: debug; ``--quiet``:
+    errors, and a stop's line). On a terminal through rich; otherwise one plain format with the
+    time, level and logger, for the log of an unattended run, with no third-party progress
+    bars."""
     level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.WARNING
     if err.is_terminal:
         handler: logging.Handler = RichHandler(console=err, show_path=False, show_time=False)
-        layout = "%(message)s"
+        handler.setFormatter(logging.Formatter("%(message)s"))
     else:
         handler = _StderrHandler()
-        layout = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level, format=layout, handlers=[handler], force=True)
-    # The one-time conversion of the sample model takes a while: say so. And each engine's
-    # device, pool size and memory reserve: what a nightly log needs to explain a slow run.
-    for name in ("sample_model", "engine", "memory"):
-        level = logging.NOTSET if quiet or verbose else logging.INFO
-        logging.getLogger(f"slora_batch.engine.{name}").setLevel(level)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE))
+        quiet_progress_bars()
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.captureWarnings(True)  # Python warnings: records of "py.warnings", in one format
+    logging.getLogger("slora_batch").setLevel(logging.NOTSET if quiet or verbose else logging.INFO)
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
+    # a run stopped by a signal says so (and how to resume) also with --quiet
+    cli_log.setLevel(logging.WARNING if quiet else logging.NOTSET)
     # The tokenizer's "sequence length is longer than the specified maximum" warning: the
     # engine checks every prompt against the model's context and says so in the row's error.
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
+    adopt_library_loggers()
+    if not any(isinstance(finder, _AdoptOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AdoptOnImport())
+    # a summary that is not on a terminal is as wide as it needs (COLUMNS, when set, rules)
+    out.width = None if out.is_terminal or os.environ.get("COLUMNS") else LOG_WIDTH
+
+
+def quiet_progress_bars() -> None:
+    """No third-party progress bars: datasets' (lm-eval's dataset loading), huggingface_hub's
+    and transformers' (downloads, weights), tqdm's own (lm-eval's). Their variables, for what
+    imports them later and for child processes; their switches, for what is imported now."""
+    for name in PROGRESS_BAR_VARIABLES:
+        os.environ.setdefault(name, "1")
+    if "datasets" in sys.modules:
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def adopt_library_loggers() -> None:
+    """The records of ``LIBRARY_LOGGERS`` through the root's handler (one format): their own
+    stderr handlers off, their records propagated. Their levels stay theirs."""
+    for name in LIBRARY_LOGGERS:
+        if name not in sys.modules:
+            continue
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
+class _AdoptOnImport(importlib.abc.MetaPathFinder):
+    """Adopts a library's logger (``adopt_library_loggers``) once the library is imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in LIBRARY_LOGGERS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            adopt_library_loggers()
+
+        loader.exec_module = exec_module
+        return spec
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -69,13 +179,34 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+def print_error(message: str, label: str = "error") -> None:
+    """A job that failed or a job file that cannot run: red on a terminal, an ERROR record
+    otherwise."""
+    if err.is_terminal:
+        err.print(f"[red]{label}:[/] {escape(message)}")
+    elif label == "error":  # the record's level says it
+        cli_log.error("%s", message)
+    else:
+        cli_log.error("%s: %s", label, message)
+
+
+def print_stop(message: str) -> None:
+    """A run stopped by a signal: what it committed, that a re-run resumes. One line: plain on
+    a terminal, a WARNING record otherwise."""
+    if err.is_terminal:
+        err.print(message, markup=False)
+    else:
+        cli_log.warning("%s", message)
+
+
 class ProgressDisplay:
-    """Progress of the running job: rows done of total, tokens/s, adapters resident, ETA.
+    """Progress of the running job: rows done of total, generated and prefill+decode tokens per
+    second of engine time (``progress.py``), adapters resident, ETA.
 
     On a terminal (``live``) a rich progress line per job, drawn from its first event until
-    ``finish`` so that summaries print below. Otherwise one plain line on stderr when a job
-    starts scanning or loading and every ``every_s`` seconds while it runs: no bars, no
-    carriage returns, for logs."""
+    ``finish`` so that summaries print below. Otherwise a log record (``progress_log``) when a
+    job loads its model, every ``every_s`` seconds while it runs and once at its end (its rates
+    then are its summary's): no bars, no carriage returns, for logs."""
 
     def __init__(self, enabled: bool, live: bool, every_s: float = 30.0) -> None:
         self.enabled, self.live, self.every_s = enabled, live, every_s
@@ -87,7 +218,8 @@ class ProgressDisplay:
             BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("rows"),
-            TextColumn("{task.fields[tokens_per_s]:>7.1f} tok/s"),
+            TextColumn(f"{{task.fields[generated]:>7.1f}} {GENERATED},"),
+            TextColumn(f"{{task.fields[computed]:>7.1f}} {COMPUTED}"),
             TextColumn("{task.fields[resident]} adapters resident"),
             TimeElapsedColumn(),
             TextColumn("ETA {task.fields[eta]}"),
@@ -117,7 +249,7 @@ class ProgressDisplay:
             # the rows of earlier runs are the task's start, not progress to measure speed on
             self.task = self.progress.add_task(
                 f"{event.job}: {event.phase}", total=event.rows_total, completed=event.rows_done,
-                tokens_per_s=0.0, resident=0, eta=clock(None),
+                generated=0.0, computed=0.0, resident=0, eta=clock(None),
             )  # fmt: skip
             self.progress.start()
         if event.phase in ("scanning", "loading"):
@@ -126,24 +258,23 @@ class ProgressDisplay:
             return
         self.progress.update(
             self.task, description=event.job, total=event.rows_total, completed=event.rows_done,
-            tokens_per_s=tokens_per_s(event), resident=event.adapters_resident,
-            eta=clock(seconds_left(event)),
+            generated=generated_per_s(event), computed=tokens_per_s(event),
+            resident=event.adapters_resident, eta=clock(seconds_left(event)),
         )  # fmt: skip
 
     def _line(self, event: JobProgress) -> None:
+        """The plain lines: the job's loading (its scan and its rows to do are the job runner's
+        records), its progress every ``every_s``, its end when this run did rows."""
         now = time.monotonic()
         phase, self.phase = self.phase, event.phase
-        if event.phase in ("scanning", "loading") and phase != event.phase:
-            what = "scanning the input" if event.phase == "scanning" else "loading the model"
-            self._print(f"job {event.job}: {what}")
+        if event.phase == "loading" and phase != event.phase:
+            progress_log.info("job %s: loading the model", event.job)
             self.last_line = now
         elif event.phase == "running" and now - self.last_line >= self.every_s:
-            self._print(progress_line(event))
+            progress_log.info("%s", progress_line(event))
             self.last_line = now
-
-    @staticmethod
-    def _print(text: str) -> None:
-        err.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", markup=False, highlight=False)
+        elif event.phase == "done" and event.rows_this_run:
+            progress_log.info("%s", progress_line(event))
 
     def finish(self) -> None:
         """Stop drawing the job's line, leaving it on screen complete."""
@@ -159,6 +290,13 @@ class ProgressDisplay:
 
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _fold(table: Table) -> Table:
+    """Every column folds what does not fit its width onto more lines: a name is never cut."""
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
 
 
 def print_summary(summary: JobSummary, job) -> None:
@@ -192,23 +330,14 @@ def print_summary(summary: JobSummary, job) -> None:
         ("device", f"{s['device']}, {s['dtype']}"),
     ):  # fmt: skip
         table.add_row(name, value)
-    out.print(table)
+    out.print(_fold(table))
     if summary.rows_skipped:
         done = "row was" if summary.rows_skipped == 1 else "rows were"
         out.print(
             f"resumed: {summary.rows_skipped:,} {done} already done, "
             f"{summary.rows_this_run:,} written this run"
         )
-    adapters = Table(title="per adapter", title_justify="left")
-    for name in ("adapter", "rows", "errors", "output tok", "seconds"):
-        adapters.add_column(name, justify="left" if name == "adapter" else "right")
-    for row in sorted(summary.adapters, key=lambda r: -r["rows"])[:ADAPTER_ROWS]:
-        seconds = "-" if row["seconds"] is None else f"{row['seconds']:.1f}"
-        adapters.add_row(
-            escape(row["adapter"] or "(base)"), f"{row['rows']:,}", f"{row['error_rows']:,}",
-            f"{row['tokens']:,}", seconds,
-        )  # fmt: skip
-    out.print(adapters)
+    out.print(_adapter_table(summary))
     if len(summary.adapters) > ADAPTER_ROWS:
         out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in _stats.parquet")
     if s.get("scored_rows"):
@@ -222,6 +351,9 @@ def print_summary(summary: JobSummary, job) -> None:
     more = summary.error_rows_this_run - len(summary.errors)
     if more > 0:
         out.print(f"... and {_plural(more, 'more error row')} (the error column of the parts)")
+    empty = summary.empty_text_note(bool(getattr(job, "apply_chat_template", False)))
+    if empty is not None:
+        out.print(f"[yellow]warning:[/] {escape(empty)}", soft_wrap=True)
     _print_notes(summary)
     out.print(
         f"outputs: [bold]{shown}[/] (part-*.parquet, _stats.parquet, _SUCCESS)", soft_wrap=True
@@ -230,13 +362,37 @@ def print_summary(summary: JobSummary, job) -> None:
     if rows:
         sample = Table(title="a few outputs", title_justify="left", show_lines=True)
         for name in ("id", "adapter", "prompt", "output"):
-            sample.add_column(name, overflow="fold")
+            sample.add_column(name)
         for row in rows:
-            text = row.text if len(row.text) <= PREVIEW_CHARS else row.text[:PREVIEW_CHARS] + "..."
             sample.add_row(
-                escape(row.id), escape(row.adapter or "(base)"), escape(row.prompt), escape(text)
-            )
-        out.print(sample)
+                escape(row.id), escape(row.adapter or "(base)"), escape(_cut(row.prompt)),
+                escape(_cut(row.text)),
+            )  # fmt: skip
+        out.print(_fold(sample))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "..."
+
+
+def _adapter_table(summary: JobSummary) -> Table:
+    """Per adapter: the whole output's rows, errors and generated tokens, and this run's time
+    (its first row in to its last result out); after a resume, this run's rows too."""
+    resumed = bool(summary.rows_skipped)
+    heads = ["adapter", "rows", "errors", "generated tok"]
+    heads += ["rows this run", "s this run"] if resumed else ["s this run"]
+    adapters = Table(title="per adapter", title_justify="left")
+    for name in heads:
+        adapters.add_column(name, justify="left" if name == "adapter" else "right")
+    for row in sorted(summary.adapters, key=lambda r: -r["rows"])[:ADAPTER_ROWS]:
+        cells = [escape(row["adapter"] or "(base)"), f"{row['rows']:,}",
+                 f"{row['error_rows']:,}", f"{row['tokens']:,}"]  # fmt: skip
+        if resumed:
+            this_run = row.get("rows_this_run")
+            cells.append("-" if this_run is None else f"{this_run:,}")
+        cells.append("-" if row["seconds"] is None else f"{row['seconds']:.1f}")
+        adapters.add_row(*cells)
+    return _fold(adapters)
 
 
 def _tokens(summary: JobSummary) -> str:
@@ -256,12 +412,10 @@ def _tokens(summary: JobSummary) -> str:
 
 
 def _speed(s: dict) -> str:
-    """Generated tokens per second of engine time, or for a job that only scores, the prompt
-    tokens (contexts and continuations) it read per second."""
-    if s["completion_tokens"] == 0 and s.get("scored_rows"):
-        rate = s["prompt_tokens"] / s["engine_s"] if s["engine_s"] else 0.0
-        return f"{rate:.1f} context tokens/s scored, {s['requests_per_s']:.2f} rows/s (engine time)"
-    return f"{s['tokens_per_s']:.1f} tokens/s, {s['requests_per_s']:.2f} rows/s (engine time)"
+    """This run's rates over its engine time, worded as the progress lines word them: the last
+    progress event of the run has these numbers (``progress.rates_text``)."""
+    rates = rates_text(s["tokens_per_s"], s.get("computed_tokens_per_s"))
+    return f"{rates}, {s['requests_per_s']:.2f} rows/s (this run's engine time)"
 
 
 def _print_preference(preference: ChoicePreference) -> None:
@@ -288,7 +442,7 @@ def _print_preference(preference: ChoicePreference) -> None:
         if preference.answers:
             cells.append("-" if row.accuracy is None else f"{row.accuracy:.1%}")
         table.add_row(escape(row.adapter or "(base)"), f"{row.rows:,}", *cells)
-    out.print(table)
+    out.print(_fold(table))
     if len(preference.adapters) > len(shown):
         out.print(f"... and {len(preference.adapters) - len(shown)} more adapters")
 

@@ -96,7 +96,10 @@ def test_job_option_picks_one_job(tmp_path, tiny):
     assert not (tmp_path / "out-1").exists() and read_success(tmp_path / "out-2")["rows"] == 3
     missing = invoke("run", tmp_path / "two.yaml", "--job", "third")
     assert missing.exit_code == 1
-    assert missing.stderr.strip() == "error: no job 'third' (jobs: first, second)"
+    # stderr is not a terminal here: the error is a log line (time, level, logger, message)
+    assert missing.stderr.strip().endswith(
+        " ERROR slora_batch.cli: no job 'third' (jobs: first, second)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -114,7 +117,8 @@ def test_a_bad_job_fails_with_one_message(tmp_path, tiny, monkeypatch, command, 
     forbid_weights(monkeypatch)
     result = invoke(command, write_job(tmp_path, tiny, **keys))
     assert result.exit_code == 1
-    assert result.stderr.startswith(message.format(dir=tmp_path)), result.stderr
+    logged = " ERROR slora_batch.cli: " + message.format(dir=tmp_path).removeprefix("error: ")
+    assert result.stderr.strip().endswith(logged), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert result.stdout == "" and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()

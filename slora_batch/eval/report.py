@@ -83,14 +83,15 @@ def write_results(out: Path, per_adapter: dict[str | None, Scored]) -> list[dict
 
 def eval_table(rows: list[dict[str, Any]]):
     """A rich table: one line per (task, metric), one column per adapter ("base" first)."""
+    from rich.markup import escape
     from rich.table import Table
 
     adapters = list(dict.fromkeys(row["adapter"] for row in rows))
     table = Table(title="lm-eval results", title_justify="left")
-    table.add_column("task")
-    table.add_column("metric")
+    table.add_column("task", overflow="fold")  # at any width a name is whole, never cut
+    table.add_column("metric", overflow="fold")
     for adapter in adapters:
-        table.add_column(adapter or "(base)", justify="right")
+        table.add_column(escape(adapter or "(base)"), justify="right", overflow="fold")
     cells: dict[tuple[str, str], dict[str | None, str]] = {}
     for row in rows:
         err = f" ± {row['stderr']:.3f}" if row["stderr"] is not None else ""
@@ -98,5 +99,5 @@ def eval_table(rows: list[dict[str, Any]]):
             f"{row['value']:.4f}{err}"
         )
     for (task, metric), values in cells.items():
-        table.add_row(task, metric, *(values.get(a, "") for a in adapters))
+        table.add_row(escape(task), escape(metric), *(values.get(a, "") for a in adapters))
     return table

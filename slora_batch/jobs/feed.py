@@ -43,12 +43,29 @@ class RunRecord:
         self.errors: list[str] = []
         self.first_in: dict[str | None, float] = {}  # adapter -> first row handed to the engine
         self.last_out: dict[str | None, float] = {}  # adapter -> its last result
+        # adapter -> this run's rows and their tokens ("rows", "prompt_tokens",
+        # "completion_tokens"; error rows count as rows and compute no tokens)
+        self.per_adapter: dict[str | None, dict[str, int]] = {}
+        self.generated_rows = 0  # ok rows of this run that generated (not scored)
+        self.empty_rows = 0  # those of them whose text is empty (or only whitespace)
         self.started = time.perf_counter()
         self.load_s = self.read_s = self.write_s = self.engine_s = 0.0
+        self._writer: OutputWriter | None = None  # the loop's, for its write time so far
+        self._read_base = self._write_base = 0.0  # read and write time before the loop
 
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+    @property
+    def engine_elapsed(self) -> float:
+        """This run's engine time so far: since the engine was ready, less the loop's reading
+        of input and writing of parts (``engine_s`` once the loop ends)."""
+        if self._writer is None:
+            return self.elapsed
+        read = self.read_s - self._read_base
+        write = self._writer.write_s - self._write_base
+        return max(self.elapsed - read - write, 0.0)
 
     @property
     def resident(self) -> int:
@@ -64,7 +81,7 @@ class RunRecord:
         self.counters = engine.counters
         self.device, self.dtype = str(engine.device), str(engine.dtype).removeprefix("torch.")
         self.started = time.perf_counter()
-        read_s, write_s = self.read_s, writer.write_s  # before the loop
+        self._writer, self._read_base, self._write_base = writer, self.read_s, writer.write_s
 
         def requests() -> Iterator[Request]:
             while True:
@@ -84,9 +101,7 @@ class RunRecord:
         for result in engine.generate(requests()):
             self.last_out[result.adapter] = time.perf_counter()
             self._done(result, writer, self.due.finished(result))
-        # the loop's time less what it spent reading input and writing parts
-        loop_read, loop_write = self.read_s - read_s, writer.write_s - write_s
-        self.engine_s = max(self.elapsed - loop_read - loop_write, 0.0)
+        self.engine_s = self.engine_elapsed  # the loop's time less reading and writing
 
     def _done(self, result: Result, writer: OutputWriter, samples: int = 1) -> None:
         """Write ``result``, which stands for ``samples`` rows of the total (an error row for
@@ -98,10 +113,19 @@ class RunRecord:
             self.total -= samples - 1
         self.done += 1
         self.rows += 1
+        adapter = self.per_adapter.setdefault(
+            result.adapter, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0}
+        )
+        adapter["rows"] += 1
         if result.error is None:
             self.tokens += result.completion_tokens
             self.prompt_tokens += result.prompt_tokens
             self.row_tokens += row_work(result)
+            adapter["prompt_tokens"] += result.prompt_tokens
+            adapter["completion_tokens"] += result.completion_tokens
+            if result.finish_reason != "score":
+                self.generated_rows += 1
+                self.empty_rows += not result.text.strip()
         else:
             self.error_rows += 1
             if len(self.errors) < ERROR_EXAMPLES:
@@ -113,7 +137,7 @@ class RunRecord:
                 self.done,
                 self.total,
                 self.tokens,
-                self.elapsed,
+                self.engine_elapsed,
                 self.resident,
                 self.rows,
                 self.computed,

@@ -163,9 +163,9 @@ def run_plan(
         if scan.rows == 0:
             logger.warning("job %s: %s", job.name, notes[0])
         total = plan.total
-        if done:
-            rows = _count(len(done), "row")
-            logger.info("job %s: %s already in %s, skipping them", job.name, rows, out)
+        left = _count(max((total or 0) - len(done), 0), "row")
+        earlier = f" ({len(done):,} of {total or 0:,} already in {out})" if done else ""
+        logger.info("job %s: %s to do%s", job.name, left, earlier)
         schema = part_schema(scan.id_type, scan.keep, scan.json_text)
         items = pending_items(plan, scan, done)
         if job.eval is None:  # an eval job's come in order already (``resume.adapter_major``)
@@ -207,7 +207,7 @@ def run_plan(
                 job_row["rows"],
                 job_row["rows"],  # complete: what it holds (error rows stand for their samples)
                 run.tokens,
-                run.elapsed,
+                run.engine_s,  # the stats' time: the summary's rates are this event's
                 run.resident,
                 run.rows,
                 run.computed,
@@ -215,7 +215,7 @@ def run_plan(
             )
         )
     logger.info("job %s: %s this run, %.1f s", job.name, _count(writer.rows_written, "row"), wall_s)
-    return JobSummary(
+    summary = JobSummary(
         job=job.name,
         output=out.resolve(),
         stats=job_row,
@@ -229,7 +229,13 @@ def run_plan(
         notes=notes,
         broken=plan.broken,
         choice_labels=job.choice_labels or scan.choices,
+        generated_rows_this_run=run.generated_rows,
+        empty_rows_this_run=run.empty_rows,
     )
+    empty = summary.empty_text_note(getattr(job, "apply_chat_template", False))
+    if empty is not None:
+        logger.warning("job %s: %s", job.name, empty)
+    return summary
 
 
 def check_resolution(job: JobConfig, engine, recorded: dict[str, str]) -> None:

@@ -4,15 +4,29 @@ back, and the row and token counts of the committed parts.
 Rows are output rows: one sample of one input row for one adapter (``samples.py``), so a job
 with ``sampling: {n: 4}`` counts four per input row and adapter (one for a row that failed).
 
-Stats after a resume describe the whole output: row and token counts come from the committed
-parts; times, throughput and the engine counters (adapter loads, evictions, peak pool pages)
-are this run's. ``tokens_per_s`` divides this run's tokens by ``engine_s``, the generation
-loop's time without reading input and writing parts; model load (``load_s``), compile and
-capture (``warmup_s``), reading (``read_s``) and writing (``write_s``) are their own fields. An
-adapter's ``seconds`` is this run's span from its first row entering the engine to its last
-result. ``scored_rows`` counts rows scored rather than generated (finish_reason "score"), and
-``accuracy`` is the share of ``correct`` among the rows with an answer (null when none has one);
-parts written before those columns existed count as having neither.
+Two scopes, never mixed in one figure. The whole output: ``rows``, ``ok_rows``, ``error_rows``,
+``scored_rows``, ``prompt_tokens``, ``completion_tokens`` and ``accuracy`` count every committed
+part, earlier runs' included (an adapter row's ``tokens`` is its ``completion_tokens``). This
+run: ``rows_this_run``, ``prompt_tokens_this_run`` and ``completion_tokens_this_run``, every
+time (``wall_s``, ``engine_s``, ...), every rate and the engine counters (adapter loads,
+evictions, peak pool pages, ``computed_tokens``). So a rate divides this run's tokens by this
+run's seconds, also after a resume:
+
+- ``tokens_per_s``: ``completion_tokens_this_run / engine_s`` (generated tok/s);
+- ``computed_tokens_per_s``: ``computed_tokens / engine_s``, every token the engine computed
+  (prefill+decode tok/s; ``progress.py`` shows both under the same labels);
+- ``requests_per_s``: ``rows_this_run / engine_s``.
+
+``engine_s`` is the generation loop's time without reading input and writing parts; model load
+(``load_s``), compile and capture (``warmup_s``), reading (``read_s``) and writing (``write_s``)
+are their own fields. An adapter's ``seconds`` is this run's span from its first row entering
+the engine to its last result: divide its ``completion_tokens_this_run`` by it, not its
+``tokens``. ``scored_rows`` counts rows scored rather than generated (finish_reason "score"),
+and ``accuracy`` is the share of ``correct`` among the rows with an answer (null when none has
+one); parts written before those columns existed count as having neither.
+
+Files of earlier versions lack the this-run columns: ``read_stats`` gives them as None (and
+their ``tokens_per_s`` was this run's already).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from slora_batch.jobs.check import JobPlan
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OLD_STATS_FILE, STATS_FILE, commit, part_files
+from slora_batch.jobs.progress import per_second
 
 STATS_SCHEMA = pa.schema(
     [
@@ -38,8 +53,8 @@ STATS_SCHEMA = pa.schema(
         ("prompt_tokens", pa.int64()),
         ("completion_tokens", pa.int64()),
         ("wall_s", pa.float64()),  # this run, start to end
-        ("tokens_per_s", pa.float64()),  # completion tokens of this run / engine_s
-        ("requests_per_s", pa.float64()),  # rows of this run / engine_s
+        ("tokens_per_s", pa.float64()),  # completion_tokens_this_run / engine_s
+        ("requests_per_s", pa.float64()),  # rows_this_run / engine_s
         ("engine_s", pa.float64()),  # generating: the loop less reading, writing and warmup
         ("load_s", pa.float64()),  # building the engine: weights, tokenizer, pool
         ("warmup_s", pa.float64()),  # compiling kernels, capturing CUDA graphs
@@ -64,8 +79,14 @@ STATS_SCHEMA = pa.schema(
         ("seconds", pa.float64()),  # adapter rows: time the adapter's rows were running
         ("scored_rows", pa.int64()),  # rows scored (finish_reason "score"), not generated
         ("accuracy", pa.float64()),  # share of correct rows among those with an answer
+        ("rows_this_run", pa.int64()),  # rows this run wrote (the rest were there before)
+        ("prompt_tokens_this_run", pa.int64()),  # prompt tokens of this run's ok rows
+        ("completion_tokens_this_run", pa.int64()),  # generated tokens of this run's ok rows
+        ("computed_tokens", pa.int64()),  # job row: tokens the engine computed this run
+        ("computed_tokens_per_s", pa.float64()),  # job row: computed_tokens / engine_s
     ]
 )
+THIS_RUN_KEYS = ("rows_this_run", "prompt_tokens_this_run", "completion_tokens_this_run")
 
 
 COUNT_KEYS = ("rows", "ok_rows", "error_rows", "prompt_tokens", "completion_tokens", "scored_rows")
@@ -151,7 +172,9 @@ def read_stats(out_dir: str | Path | FsDir) -> tuple[dict[str, Any], list[dict[s
     job = [r for r in rows if r["kind"] == "job"]
     if not job:
         return None
-    strip = lambda row: {k: v for k, v in row.items() if k != "kind"}
+    # every column of this version; None where an older version's file has none
+    names = [name for name in STATS_SCHEMA.names if name != "kind"]
+    strip = lambda row: {name: row.get(name) for name in names}
     return strip(job[0]), [strip(r) for r in rows if r["kind"] == "adapter"]
 
 
@@ -163,14 +186,20 @@ def stats_rows(
     totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS + ANSWER_KEYS}
     counters = run.counters
     engine_s = run.engine_s
-    rate = 1.0 / engine_s if engine_s > 0 else 0.0
+    # the engine's own count: a Ray run's actors report none
+    computed = run.computed if hasattr(counters, "prefill_tokens") else None
     previous = _previous_stats(out_dir)
     job_row = {
         **{key: totals[key] for key in COUNT_KEYS},
         "accuracy": accuracy(totals),
+        "rows_this_run": run.rows,
+        "prompt_tokens_this_run": run.prompt_tokens,
+        "completion_tokens_this_run": run.tokens,
+        "computed_tokens": computed,
         "wall_s": wall_s,
-        "tokens_per_s": run.tokens * rate,
-        "requests_per_s": run.rows * rate,
+        "tokens_per_s": per_second(run.tokens, engine_s),
+        "computed_tokens_per_s": per_second(computed, engine_s),
+        "requests_per_s": per_second(run.rows, engine_s),
         "engine_s": engine_s,
         "load_s": getattr(counters, "load_s", None) or run.load_s,
         "warmup_s": getattr(counters, "warmup_s", 0.0),
@@ -195,12 +224,14 @@ def stats_rows(
     }
     if run.device is not None:
         job_row["device"], job_row["dtype"] = run.device, run.dtype
+    tracked = bool(run.per_adapter) or not run.rows  # a Ray run's actors count no adapter's
     adapter_rows = []
     for adapter in sorted(per_adapter, key=lambda a: (a is not None, a or "")):
         counts = per_adapter[adapter]
         span = None
         if adapter in run.first_in and adapter in run.last_out:
             span = run.last_out[adapter] - run.first_in[adapter]
+        mine = run.per_adapter.get(adapter, {})
         adapter_rows.append(
             {
                 "adapter": adapter,
@@ -208,6 +239,10 @@ def stats_rows(
                 "accuracy": accuracy(counts),
                 "tokens": counts["completion_tokens"],
                 "seconds": span,
+                **{
+                    key: mine.get(key.removesuffix("_this_run"), 0) if tracked else None
+                    for key in THIS_RUN_KEYS
+                },
             }
         )
     return job_row, adapter_rows

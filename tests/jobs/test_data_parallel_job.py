@@ -24,6 +24,7 @@ from test_jobrun import (
     write_job,
     write_jsonl,
 )
+from test_logs import records
 
 from slora_batch.engine.parallel.data_parallel import WorkerDied
 from slora_batch.engine.parallel.dp_worker import beat_s
@@ -166,6 +167,10 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
                             timeout=120)  # fmt: skip
     code = 143 if sig == signal.SIGTERM else -signal.SIGKILL
     assert driver.returncode == code, driver.stderr[-3000:]
+    if sig == signal.SIGTERM:  # a planned stop: no ERROR line (the driver's or a worker's)
+        logged = records(driver.stderr)
+        assert not [r for r in logged if r[0] == "ERROR"] and "Traceback" not in driver.stderr
+        assert logged[-1][:2] == ("WARNING", "slora_batch.cli"), driver.stderr[-3000:]
     workers = [int(pid) for pid in pids.read_text().split()]
     assert len(workers) >= 2, workers  # the two engine workers
     deadline = time.monotonic() + 15

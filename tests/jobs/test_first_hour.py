@@ -208,7 +208,7 @@ def test_the_rate_counts_tokens_computed_and_the_eta_the_work_left():
     early = event(rows_done=1, rows_this_run=1, completion_tokens=40, elapsed_s=60.0,
                   computed_tokens=2808, row_tokens=100)  # fmt: skip
     assert progress.tokens_per_s(early) == pytest.approx(46.8)
-    assert "46.8 tok/s" in progress.progress_line(early)
+    assert "0.7 generated tok/s, 46.8 prefill+decode tok/s, " in progress.progress_line(early)
     # 240 rows of ~100 tokens: 24,000 tokens of work, 2,808 done, at 46.8 tok/s
     assert progress.seconds_left(early) == pytest.approx((24000 - 2808) / 46.8)
     # a resumed run: 100 rows of earlier runs, 40 of this run took 4,000 tokens; 140 rows were
@@ -238,7 +238,8 @@ def test_a_scoring_job_shows_a_rate(tmp_path, tiny):
     running = [e for e in events if e.phase == "running"]
     assert running and all(e.computed_tokens > 0 and progress.tokens_per_s(e) > 0 for e in running)
     assert progress.seconds_left(running[-1]) == 0.0
-    assert f"{progress.tokens_per_s(running[-1]):.1f} tok/s" in progress.progress_line(running[-1])
+    rates = f"0.0 generated tok/s, {progress.tokens_per_s(running[-1]):,.1f} prefill+decode tok/s"
+    assert rates in progress.progress_line(running[-1])
     assert progress.tokens_per_s(running[-1]) > 0.0
 
 

@@ -291,6 +291,13 @@ def test_resume_skips_done_rows_and_stats_count_the_whole_output(tmp_path, tiny)
     stats = pq.read_table(tmp_path / "out" / "_stats.parquet").to_pylist()
     assert stats[0]["kind"] == "job" and stats[0]["rows"] == 24
     assert [r["rows"] for r in stats[1:]] == [8, 8, 8]
+    # this run's share beside the whole output's counts: its rates are of its own tokens
+    job_row = stats[0]
+    assert job_row["rows_this_run"] == sum(r["rows_this_run"] for r in stats[1:]) == lost
+    this_run = job_row["completion_tokens_this_run"]
+    assert this_run == second.completion_tokens_this_run < job_row["completion_tokens"]
+    assert job_row["tokens_per_s"] == pytest.approx(this_run / job_row["engine_s"])
+    assert job_row["requests_per_s"] == pytest.approx(lost / job_row["engine_s"])
     assert read_success(tmp_path / "out")["rows"] == 24
 
     third = run_job(job)  # complete: nothing to generate, stats unchanged

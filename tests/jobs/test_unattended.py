@@ -27,6 +27,7 @@ from test_jobrun import (
     write_jsonl,
     write_parquet,
 )
+from test_logs import records
 from typer.testing import CliRunner
 
 from cli import app
@@ -454,10 +455,11 @@ def test_a_failed_job_does_not_stop_the_jobs_after_it(tmp_path, tiny):
     (tmp_path / "three.yaml").write_text(yaml.safe_dump({"jobs": jobs}))
     result = invoke("run", tmp_path / "three.yaml", "-q")
     assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert lines[0].startswith("error: job 'first': input ") and "does not exist" in lines[0]
-    assert lines[1].startswith("error: job 'second': 1 input row repeats the (id, adapter)")
-    assert lines[-1] == "failed: 2 of 3 jobs (first, second)"
+    errors = [(name, message) for level, name, message in records(result.stderr)]
+    assert errors[0][0] == "slora_batch.cli" and errors[-1][0] == "slora_batch.cli"
+    assert errors[0][1].startswith("job 'first': input ") and "does not exist" in errors[0][1]
+    assert errors[1][1].startswith("job 'second': 1 input row repeats the (id, adapter)")
+    assert errors[-1][1] == "failed: 2 of 3 jobs (first, second)"
     assert read_success(tmp_path / "out-3")["rows"] == 3
 
 
@@ -538,14 +540,15 @@ def test_progress_lines_without_a_terminal_and_verbose_debug(tmp_path, tiny):
     write_jsonl(tmp_path / "rows.jsonl", make_rows(6))
     result = invoke("run", write_job(tmp_path, tiny), "--progress-every", "0")
     assert result.exit_code == 0, result.output
-    lines = result.stderr.splitlines()
     assert "\r" not in result.stderr and "━" not in result.stderr
-    assert lines[0].endswith(" job tiny: scanning the input")
-    assert lines[1].endswith(" job tiny: loading the model")
-    progress = [line for line in lines if "/6 rows" in line]
-    assert len(progress) == 6
-    assert " job tiny: 6/6 rows (100.0%), " in progress[-1]
-    assert "tok/s, " in progress[-1] and "adapters resident, ETA 0:00:00" in progress[-1]
+    logged = [(name, message) for level, name, message in records(result.stderr)]
+    assert logged[0] == ("slora_batch.jobs.run", "job tiny: scanning 1 input file")
+    assert ("slora_batch.progress", "job tiny: loading the model") in logged
+    progress = [message for name, message in logged if "/6 rows" in message]
+    assert len(progress) == 7  # each row, then the end
+    assert progress[-2].startswith("job tiny: 6/6 rows (100.0%), ")
+    assert "generated tok/s, " in progress[-2] and "adapters resident, ETA 0:00:00" in progress[-2]
+    assert progress[-1].endswith(", done")
     quiet = invoke("run", write_job(tmp_path, tiny), "--overwrite", "--verbose", "--quiet")
     assert quiet.stderr == ""
     verbose = invoke("run", write_job(tmp_path, tiny), "--overwrite", "--verbose")

@@ -28,6 +28,7 @@ from test_jobrun import (
     write_job,
     write_jsonl,
 )
+from test_logs import records
 
 from slora_batch.jobs.outdir import LOCK_FILE, TMP_MARK, part_files, read_success
 from slora_batch.jobs.run import run_job
@@ -161,13 +162,17 @@ def test_a_signal_commits_every_finished_row_then_resume_completes(
     stderr = done.stderr
     assert done.returncode == code, stderr[-3000:]
     out = tmp_path / "out"
-    last = stderr.strip().splitlines()[-1]
     now = committed(out)
-    assert last == (
+    # stderr is a log: every line a record; a planned stop logs no ERROR and no traceback,
+    # and ends with one WARNING that says what is committed and that a re-run resumes
+    logged = records(stderr)
+    assert "Traceback" not in stderr and not [r for r in logged if r[0] == "ERROR"], stderr
+    assert logged[-1] == ("WARNING", "slora_batch.cli", (
         f"interrupted by {name}: job 'tiny' has {len(now)} rows committed in {out} ({len(now)} "
         f"of them this run); {ROWS - len(now)} of {ROWS} are left; run the same command again "
         "to resume"
-    )
+    ))  # fmt: skip
+    assert sum("interrupted" in message for _, _, message in logged) == 1
     assert len(now) >= finished and all(reference[key] == value for key, value in now.items())
     assert read_success(out) is None and not (out / LOCK_FILE).exists()
     assert not list(out.glob(f".*{TMP_MARK}*"))

@@ -143,7 +143,11 @@ def _file_lock(path: Path) -> Iterator[None]:
         yield
         return
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's conversion of %s", SAMPLE_MODEL_ALIAS)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
