@@ -21,7 +21,7 @@ from slora_batch.engine.config import ConfigError
 from slora_batch.engine.hub import HubError, Snapshot, locate
 from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_model
 from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
-from slora_batch.jobs.column_notes import column_notes
+from slora_batch.jobs.column_notes import NO_PROMPT, column_notes, prompt_source_problem
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.openai_input import OpenAIBatch, base_model_name, is_openai_line
@@ -254,7 +254,7 @@ def check_scan(plan: JobPlan, scan: InputScan, after: str = "") -> None:
 
 
 CHAT_NOTE = "the model has a chat template"  # how the raw-prompt note starts (``loud``)
-LOUD_NOTES = ("OpenAI batch", CHAT_NOTE)  # notes a run logs as warnings too
+LOUD_NOTES = ("OpenAI batch", CHAT_NOTE, NO_PROMPT)  # notes a run logs as warnings too
 
 
 def chat_note(plan: JobPlan, scan: InputScan) -> str | None:
@@ -280,12 +280,12 @@ def chat_note(plan: JobPlan, scan: InputScan) -> str | None:
 
 
 def input_notes(plan: JobPlan, scan: InputScan) -> list[str]:
-    """The scan's notes on the input's columns, the raw-prompt note (``chat_note``), and a
-    warning when the input has no row."""
+    """The scan's notes on the input's columns, the raw-prompt note (``chat_note``), an input
+    without a prompt column (``prompt_source_problem``), and a warning when it has no row."""
     notes = column_notes(scan, plan.job.columns, plan.prompts.fields)
-    chat = chat_note(plan, scan)
-    if chat is not None:
-        notes.insert(0, chat)
+    for note in (chat_note(plan, scan), prompt_source_problem(plan.job, scan, plan.chat_template)):
+        if note is not None:
+            notes.insert(0, note)
     if scan.rows == 0:
         files = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
         notes.insert(

@@ -1,11 +1,13 @@
 """What a user hears about the input's columns (``validate`` and ``run`` show it): columns
 neither used nor kept, with a did-you-mean that suggests a scoring column only for data that
-looks like scoring data, and kept columns stored as JSON text, found nowhere or kept under
-another name."""
+looks like scoring data; kept columns stored as JSON text, found nowhere or kept under another
+name; and an input without a prompt column, with the keys that would make one of its columns
+(``prompt_source_problem``: validate fails the job with it)."""
 
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
 
 import pyarrow as pa
@@ -23,6 +25,7 @@ SCORING_KINDS = {
     "choices_token_ids": ("list",),
     "answer": ("text", "number"),
 }
+NO_PROMPT = "the input has none of the prompt columns"  # how prompt_source_problem starts
 SCORING_CUTOFF = 0.8  # a scoring column is suggested for a near-exact name only ("choice")
 
 
@@ -83,3 +86,63 @@ def _likely(scan: InputScan, known: list[str], columns: dict[str, str], fields: 
         )
 
     return likely
+
+
+def prompt_source_problem(job, scan: InputScan, chat_template: bool | None) -> str | None:
+    """Why no row of the input can have a prompt, with the keys that would give one, or None:
+    the input has rows but none of the prompt, messages and prompt_token_ids columns, and the
+    job (a ``JobConfig``) has no prompt_template. The hint is built from the input's own
+    columns (``_prompt_like``); ``chat_template``: whether the model has one.
+
+    Running example, Alpaca (instruction, input, output): ``prompt_template:
+    ["{instruction}\\n\\n{input}", "{instruction}"]``, or ``columns: {prompt: instruction}``."""
+    names = [job.columns.get(key, key) for key in PROMPT_KEYS]
+    present = scan.column_kinds
+    if job.prompt_template is not None or not scan.rows or any(n in present for n in names):
+        return None
+    listed = ", ".join(present) or "none"
+    message = (
+        f"{NO_PROMPT} {', '.join(map(repr, names))} (its columns: {listed}), so every row "
+        "would be an error row"
+    )
+    chosen = _prompt_like(present, job.columns)
+    if not chosen:
+        return message + ". Give each row a prompt, or build one with prompt_template"
+    joined = "\n\n".join("{" + name + "}" for name in chosen)
+    if len(chosen) > 1:
+        template = f"[{json.dumps(joined)}, {json.dumps('{' + chosen[0] + '}')}]"
+        how = " (a row takes the first template whose columns are all non-empty)"
+    else:
+        template, how = json.dumps(joined), ""
+    chat = ", with apply_chat_template: true for this chat model" if chat_template else ""
+    return (
+        f"{message}. Build each row's prompt from its columns with prompt_template: {template}"
+        f"{how}, or read one column as the prompt with columns: {{prompt: {chosen[0]}}}{chat}"
+    )
+
+
+# column names that hold a task's input (a prompt is made of them) or its reference output
+PROMPT_NAMES = {"system", "instruction", "instructions", "question", "query", "problem", "input",
+                "context", "text", "content", "request", "task", "passage", "document", "article",
+                "premise", "hypothesis", "sentence", "title", "body", "user", "human"}  # fmt: skip
+ANSWER_NAMES = {"output", "outputs", "answer", "answers", "response", "responses", "completion",
+                "target", "targets", "label", "labels", "chosen", "rejected", "solution",
+                "reference", "ground_truth", "gold", "expected", "canonical_solution",
+                "assistant", "gpt"}  # fmt: skip
+
+
+def _prompt_like(kinds: dict[str, str], columns: dict[str, str]) -> list[str]:
+    """The input's columns a prompt is likely made of, in the input's order: those named as
+    task inputs (at most 3), else the first text column that is no answer and no id."""
+    usable = [
+        name
+        for name, kind in kinds.items()
+        if kind in ("text", "null")
+        and "." not in name
+        and name.lower() not in ANSWER_NAMES
+        and name not in (columns["id"], columns["adapter"])
+        and name.lower() not in ("idx", "index", "uid", "uuid", "key")
+        and not name.lower().endswith(("_id", "_idx", "_index"))
+    ]
+    named = [name for name in usable if name.lower() in PROMPT_NAMES]
+    return named[:3] or usable[:1]

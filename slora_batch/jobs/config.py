@@ -64,7 +64,7 @@ class JobConfig:
     # each row's prompt from its columns, str.format style: "{instruction}\n\n{input}"; or a
     # list of templates, each row taking the first whose columns are all non-empty
     prompt_template: str | list[str] | None = None
-    apply_chat_template: bool = False  # send each text prompt as a user turn: the chat template
+    apply_chat_template: bool = False  # each text prompt sent as a user turn of the chat template
     # a system turn before each text prompt's user turn, and first in messages rows without one
     system_prompt: str | None = None
     limit: int | None = None  # run only the first N input rows (before fan-out); null: all

@@ -6,7 +6,6 @@ engine is built and no weights are loaded."""
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,19 +22,19 @@ from slora_batch.engine.requests.tokens import load_tokenizer, tokenize
 from slora_batch.jobs.check import (
     JOB_ERRORS,
     JobError,
-    JobPlan,
     check_job,
     check_scan,
     input_notes,
     job_error,
 )
+from slora_batch.jobs.column_notes import prompt_source_problem
 from slora_batch.jobs.config import PROMPT_KEYS, JobConfig
 from slora_batch.jobs.manifest import fingerprint, resumable_manifest
 from slora_batch.jobs.openai_input import kept_columns
 from slora_batch.jobs.reader import InputError, input_root, read_rows
 from slora_batch.jobs.response_format import format_problem
 from slora_batch.jobs.rows import to_request
-from slora_batch.jobs.scan import InputScan, scan_input
+from slora_batch.jobs.scan import scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS
 
 VALIDATE_ROWS = 200  # input rows validate_job turns into requests and tokenizes
@@ -56,6 +55,7 @@ class ValidationReport:
     notes: list[str]  # input columns neither used nor kept (did you mean ...), kept columns
     broken: dict[str, str]  # adapter -> why the engine cannot run it (its rows: error rows)
     id_type: str  # the output's id column: "int64" or "string"
+    position_ids: bool = False  # the input has no id column: each row's id is its position
 
 
 def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> ValidationReport:
@@ -85,7 +85,7 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     except InputError as exc:
         raise job_error(job, exc) from exc
     check_scan(plan, scan)  # duplicates, a template's missing column
-    no_prompt = prompt_source_problem(plan, scan)
+    no_prompt = prompt_source_problem(job, scan, plan.chat_template)
     if no_prompt is not None:
         raise JobError(f"job {job.name!r}: {no_prompt}")
     problems = [
@@ -148,66 +148,8 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         notes=input_notes(plan, scan),
         broken=plan.broken,
         id_type=scan.id_type,
+        position_ids=scan.position_ids,
     )
-
-
-def prompt_source_problem(plan: JobPlan, scan: InputScan) -> str | None:
-    """Why no row of the input can have a prompt, with the keys that would give one, or None:
-    the input has rows but none of the prompt, messages and prompt_token_ids columns, and the
-    job has no prompt_template. The hint is built from the input's own columns (``_prompt_like``).
-
-    Running example, Alpaca (instruction, input, output): ``prompt_template:
-    ["{instruction}\\n\\n{input}", "{instruction}"]``, or ``columns: {prompt: instruction}``."""
-    job = plan.job
-    names = [job.columns.get(key, key) for key in PROMPT_KEYS]
-    present = scan.column_kinds
-    if job.prompt_template is not None or not scan.rows or any(n in present for n in names):
-        return None
-    listed = ", ".join(present) or "none"
-    message = (
-        f"the input has none of the prompt columns {', '.join(map(repr, names))} (its columns: "
-        f"{listed}), so every row would be an error row"
-    )
-    chosen = _prompt_like(present, job.columns)
-    if not chosen:
-        return message + ". Give each row a prompt, or build one with prompt_template"
-    joined = "\n\n".join("{" + name + "}" for name in chosen)
-    if len(chosen) > 1:
-        template = f"[{json.dumps(joined)}, {json.dumps('{' + chosen[0] + '}')}]"
-        how = " (a row takes the first template whose columns are all non-empty)"
-    else:
-        template, how = json.dumps(joined), ""
-    chat = ", with apply_chat_template: true for this chat model" if plan.chat_template else ""
-    return (
-        f"{message}. Build each row's prompt from its columns with prompt_template: {template}"
-        f"{how}, or read one column as the prompt with columns: {{prompt: {chosen[0]}}}{chat}"
-    )
-
-
-# column names that hold a task's input (a prompt is made of them) or its reference output
-PROMPT_NAMES = {"system", "instruction", "instructions", "question", "query", "problem", "input",
-                "context", "text", "content", "request", "task", "passage", "document", "article",
-                "premise", "hypothesis", "sentence", "title", "body", "user", "human"}  # fmt: skip
-ANSWER_NAMES = {"output", "outputs", "answer", "answers", "response", "responses", "completion",
-                "target", "targets", "label", "labels", "chosen", "rejected", "solution",
-                "reference", "ground_truth", "gold", "expected", "canonical_solution",
-                "assistant", "gpt"}  # fmt: skip
-
-
-def _prompt_like(kinds: dict[str, str], columns: dict[str, str]) -> list[str]:
-    """The input's columns a prompt is likely made of, in the input's order: those named as
-    task inputs (at most 3), else the first text column that is no answer and no id."""
-    usable = [
-        name
-        for name, kind in kinds.items()
-        if kind in ("text", "null")
-        and "." not in name
-        and name.lower() not in ANSWER_NAMES
-        and name not in (columns["id"], columns["adapter"])
-        and not name.lower().endswith(("_id", "id", "idx", "index"))
-    ]
-    named = [name for name in usable if name.lower() in PROMPT_NAMES]
-    return named[:3] or usable[:1]
 
 
 # what a problem says -> the key that fixes it, for the message of a job no row of runs

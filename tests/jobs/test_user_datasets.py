@@ -244,10 +244,18 @@ def test_raw_prompts_to_a_chat_model_are_warned_of(tmp_path, tiny, caplog):
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
 
 
-def test_validate_fails_an_alpaca_job_without_a_prompt_and_names_the_fix(tmp_path, tiny):
+def test_validate_fails_an_alpaca_job_without_a_prompt_and_names_the_fix(tmp_path, tiny, caplog):
     """No prompt column and no template: validate exits 1, its message names prompt_template
-    (built from the input's own columns) and columns, and never a scoring column."""
+    (built from the input's own columns) and columns, and never a scoring column; a run writes
+    its error rows and warns the same (first: the CLI's logging set-up replaces caplog's)."""
     parquet(tmp_path / "alpaca.parquet", ALPACA)
+    job = load_job(tmp_path, tiny, input="alpaca.parquet", adapters=None, output="out-run")
+    with caplog.at_level(logging.WARNING, logger="slora_batch"):
+        summary = run_job(job)
+    assert summary.stats["error_rows"] == 4
+    assert summary.notes[0].startswith("the input has none of the prompt columns")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("columns: {prompt: instruction}" in m for m in warned) == 1
     result = invoke("validate", write_job(tmp_path, tiny, input="alpaca.parquet", adapters=None))
     assert result.exit_code == 1, result.output
     said = " ".join(result.output.split())
