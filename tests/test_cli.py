@@ -108,7 +108,7 @@ def test_job_option_picks_one_job(tmp_path, tiny):
         ({"windw": 3}, "error: jobs.yaml: job 'tiny': unknown key 'windw' (did you mean 'window'?)"),
         ({"input": "missing.jsonl"}, "error: job 'tiny': input '{dir}/missing.jsonl' does not exist"),
         ({"model": "./missing-model"}, "error: job 'tiny': model '{dir}/missing-model': no such directory"),
-        ({"keep_columns": ["text"]}, "error: jobs.yaml: job 'tiny': keep_columns: 'text' would replace the output's own column"),
+        ({"limit": 0}, "error: jobs.yaml: job 'tiny': limit must be an integer >= 1 or null, got 0"),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("command", ["run", "validate"])

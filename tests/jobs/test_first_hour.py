@@ -119,11 +119,13 @@ def test_validate_counts_adapters_as_the_run_does(tmp_path, tiny):
     adapters = {"a": str(tiny.adapters / "a"), "b": str(tiny.adapters / "b")}
     adapters.update({name: str(path) for name, path in tiny.bad.items()})
     job = load_job(tmp_path, tiny, adapters=adapters)
-    (problem,) = validate_job(job).problems
+    with pytest.raises(JobError) as caught:  # its one row cannot run: validation fails
+        validate_job(job)
     run_job(job)
     (row,) = outputs(tmp_path / "out")
     said = "unknown adapter 'aa' (2 adapters known; nearest: a)"
-    assert problem.endswith(said) and row["error"].endswith(said), (problem, row["error"])
+    assert f"{said}. The key to look at: adapters" in str(caught.value)
+    assert row["error"].endswith(said), row["error"]
 
 
 def test_a_missing_adapters_directory_is_named_as_a_directory(tmp_path, tiny, monkeypatch):

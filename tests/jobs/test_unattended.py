@@ -399,14 +399,22 @@ def test_unused_columns_are_reported_with_a_did_you_mean(tmp_path, tiny, monkeyp
     forbid = monkeypatch.context()
     with forbid as patch:
         forbid_weights(patch)
-        assert validate_job(job).notes == expected
+        assert column_notes(validate_job(job).notes) == expected
         result = invoke("validate", write_job(tmp_path, tiny))
         assert result.exit_code == 0 and "note: " + expected[0] in result.stdout
-    assert run_job(job).notes == expected
+    assert column_notes(run_job(job).notes) == expected
     result = invoke("run", write_job(tmp_path, tiny, output="out-cli"))
     assert result.exit_code == 0 and "note: " + expected[1] in result.stdout
     kept = run_job(load_job(tmp_path, tiny, output="out-kept", keep_columns=["label"]))
-    assert [n.split(" in ")[0] for n in kept.notes] == ["column 'max_tokens'", "column 'promt'"]
+    assert [n.split(" in ")[0] for n in column_notes(kept.notes)] == [
+        "column 'max_tokens'",
+        "column 'promt'",
+    ]
+
+
+def column_notes(notes: list[str]) -> list[str]:
+    """The notes on columns (the tiny model's raw-prompt note aside: ``test_user_datasets``)."""
+    return [note for note in notes if note.startswith("column ")]
 
 
 # -- one bad thing costs only its own rows ------------------------------------------------------
@@ -568,7 +576,7 @@ def test_messages_count_in_words(tmp_path, tiny):
     assert "input: 1 file, 1 row; 1 checked" in invoke("validate", job_file).stdout
 
 
-def test_keep_columns_all_takes_every_column_the_job_does_not_read(tmp_path, tiny):
+def test_keep_columns_all_takes_every_input_column(tmp_path, tiny):
     rows = make_rows(4)
     for i, row in enumerate(rows):
         row.update(label=f"l{i}", text="an input column called text", max_new_tokens=4)
@@ -576,11 +584,20 @@ def test_keep_columns_all_takes_every_column_the_job_does_not_read(tmp_path, tin
     write_jsonl(tmp_path / "rows.jsonl", rows)
     summary = run_job(load_job(tmp_path, tiny, keep_columns="all"))
     table = parts_table(tmp_path / "out")
-    assert table.schema.names[-2:] == ["label", "late"]  # not max_new_tokens: the job reads it
+    # every column but the id and adapter, those the job reads too; one named as an output
+    # column under "input_<name>"
+    assert table.schema.names[-6:] == [
+        "input_prompt", "label", "input_text", "max_new_tokens", "late", "messages"
+    ]  # fmt: skip
     assert table.schema.field("late").type == pa.float64()
     got = {r["id"]: r for r in table.to_pylist()}
     assert [got[r["id"]]["late"] for r in rows] == [None, None, 1.5, None]
-    assert summary.notes == ["column 'text' is not kept: the output has its own 'text'"]
+    assert [got[r["id"]]["input_text"] for r in rows] == ["an input column called text"] * 4
+    assert [got[r["id"]]["input_prompt"] for r in rows] == [r.get("prompt") for r in rows]
+    assert column_notes(summary.notes) == [
+        "column 'prompt' is kept as 'input_prompt': the output has its own 'prompt'",
+        "column 'text' is kept as 'input_text': the output has its own 'text'",
+    ]
 
 
 # -- defect 1: a chat template that raises ------------------------------------------------------
