@@ -191,7 +191,9 @@ def test_commands_run_as_written(path, capsys):
                 problems += python_target(words[index + 1 :], shown)
         for word in words:
             local = (
-                word.endswith((".yaml", ".py", ".sh")) and "/" in word and not word.startswith("/")
+                word.endswith((".yaml", ".py", ".sh", ".jsonl", ".parquet"))
+                and "/" in word
+                and not word.startswith("/")
             )
             if local and not (ROOT / word).exists():
                 problems.append(f"{shown!r}: no file {word}")

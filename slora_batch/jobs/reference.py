@@ -154,7 +154,10 @@ def _prose(parts: list[str]) -> str:
     text = re.sub(r"``([^`]+)``", r"`\1`", text)
     for python, yaml in (("None", "null"), ("True", "true"), ("False", "false")):
         text = re.sub(rf"\b{python}\b", yaml, text)
-    return text
+    # outside code spans, "<name>" would read as an HTML tag: "input_<name>" -> "input_&lt;name>"
+    parts = text.split("`")
+    parts[::2] = [part.replace("<", "&lt;") for part in parts[::2]]
+    return "`".join(parts)
 
 
 def undescribed() -> list[str]:
