@@ -12,9 +12,8 @@ import pytest
 import torch
 from factory import gqa_with_adapters
 
-from slora_batch import Engine, EngineConfig, Request
+from slora_batch import DeviceMemoryError, Engine, EngineConfig, Request
 from slora_batch.engine.execution import live_engines, memory, parts
-from slora_batch.engine.execution.memory import DeviceMemoryError
 from slora_batch.engine.models.spec import read_spec
 
 ROW = Request(id=0, adapter="a0", prompt_token_ids=[5, 6, 7], max_new_tokens=2, ignore_eos=True)
