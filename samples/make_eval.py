@@ -50,7 +50,7 @@ def main() -> None:
 
     answers: dict[tuple, str] = {}
     for row in ds.dataset(args.output, format="parquet").to_table().to_pylist():
-        answers[row["adapter"], row["id"]] = row["text"]
+        answers[row["adapter"] or None, row["id"]] = row["text"]  # base: "" (null before)
     lines = []
     for line in (HERE / "prompts.jsonl").read_text().splitlines()[: args.items]:
         prompt = json.loads(line)

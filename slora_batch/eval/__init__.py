@@ -7,7 +7,7 @@
 - ``lm``: the lm-eval model ``slora-batch`` (``import slora_batch.eval.lm`` registers it);
 - ``sweep``: an eval job: every task for the base model and every adapter in one engine pass,
   scored per adapter by lm-eval's own ``evaluate`` (``tasks``) as soon as its rows are in
-  (``scoring``), in a process of its own (``worker``); ``report``: results.parquet and the JSONs.
+  (``scoring``), in a process of its own (``worker``); ``report``: _eval_results.parquet and the JSONs.
 
 Only these modules import ``lm_eval``, and nothing outside an eval job imports them.
 """

@@ -1,10 +1,15 @@
-"""An eval job's results: ``results.parquet`` (adapter, task, metric, value, stderr, n), one
-lm-eval results JSON per adapter (``eval-results/<adapter>.json``, the base model's
-``__base__.json``; lm-eval's ``evaluate`` output without its samples), and the summary table."""
+"""An eval job's results: ``_eval_results.parquet`` (adapter, task, metric, value, stderr, n),
+one lm-eval results JSON per adapter (``_eval_results/<adapter>.json``, the base model's
+``__base__.json``; lm-eval's ``evaluate`` output without its samples), and the summary table.
+
+Their names start with "_" so that readers of the output's Parquet files (pyarrow datasets,
+pandas, Spark) read the job's rows alone; an earlier version's ``results.parquet`` and
+``eval-results/`` are removed when the results are written under these names."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +20,11 @@ import pyarrow.parquet as pq
 
 from slora_batch.jobs.outdir import commit_file
 
-RESULTS_FILE = "results.parquet"
-RESULTS_DIR = "eval-results"
+logger = logging.getLogger(__name__)
+
+RESULTS_FILE = "_eval_results.parquet"
+RESULTS_DIR = "_eval_results"
+OLD_RESULTS_FILE, OLD_RESULTS_DIR = "results.parquet", "eval-results"  # an earlier version's
 BASE_NAME = "__base__"  # the base model's JSON (an adapter may be called "base")
 SCHEMA = pa.schema([("adapter", pa.string()), ("task", pa.string()), ("metric", pa.string()),
                     ("value", pa.float64()), ("stderr", pa.float64()), ("n", pa.int64())])  # fmt: skip
@@ -71,14 +79,29 @@ def scored(adapter: str | None, output: dict[str, Any]) -> Scored:
 
 
 def write_results(out: Path, per_adapter: dict[str | None, Scored]) -> list[dict[str, Any]]:
-    """``results.parquet`` and the JSONs not written yet; the rows of ``results.parquet``."""
+    """``RESULTS_FILE`` and the JSONs not written yet (an earlier version's results removed);
+    the rows of ``RESULTS_FILE``."""
     rows = [row for one in per_adapter.values() for row in one.rows]
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     commit_file(out / RESULTS_FILE, lambda handle: pq.write_table(table, handle))
     for adapter, one in per_adapter.items():
         if one.text is not None:
             one.written(out, adapter)
+    _remove_old_results(out)
     return rows
+
+
+def _remove_old_results(out: Path) -> None:
+    """An earlier version's ``results.parquet`` and its JSONs in ``eval-results/`` (the folder
+    too when nothing else is in it): dataset readers of the output would read them as data."""
+    old_dir = out / OLD_RESULTS_DIR
+    names = [out / OLD_RESULTS_FILE, *(old_dir.glob("*.json") if old_dir.is_dir() else ())]
+    for path in names:
+        if path.is_file():
+            logger.info("removing %s (now in %s and %s/)", path, RESULTS_FILE, RESULTS_DIR)
+            path.unlink()
+    if old_dir.is_dir() and not any(old_dir.iterdir()):
+        old_dir.rmdir()
 
 
 def eval_table(rows: list[dict[str, Any]]):

@@ -88,15 +88,21 @@ class AdapterScoring:
 
 
 def read_parts(out: Path) -> dict[str | None, Rows]:
-    """{adapter: {row id: the row's fields}} from the committed parts of ``out``."""
+    """{adapter: {row id: the row's fields}} from the committed parts of ``out`` (None: the
+    base model; a part without the scoring columns, of a job of generated rows only, reads as
+    null scores)."""
     import pyarrow.parquet as pq
 
     from slora_batch.jobs.outdir import part_files
+    from slora_batch.jobs.schema import adapter_name
 
     found: dict[str | None, Rows] = {}
     for _, path in part_files(out):
-        for row in pq.read_table(path, columns=PART_COLUMNS).to_pylist():
-            found.setdefault(row["adapter"], {})[str(row["id"])] = row
+        names = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[c for c in PART_COLUMNS if c in names])
+        for row in table.to_pylist():
+            row = {name: row.get(name) for name in PART_COLUMNS}
+            found.setdefault(adapter_name(row["adapter"]), {})[str(row["id"])] = row
     return found
 
 

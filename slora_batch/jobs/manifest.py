@@ -15,7 +15,12 @@ resume that finds nothing changed records both from then on.
 A later version may read more columns (the scoring columns, ``logprobs``): an output whose input
 has such a column was made without it, so it is refused too; one whose input has none stays
 valid. A manifest without ``reads`` was written before the scoring columns existed
-(``FIRST_READS``, ``FIRST_OPTIONS``)."""
+(``FIRST_READS``, ``FIRST_OPTIONS``).
+
+``output_columns`` records the output's own columns the job's parts hold, decided on its first
+run from the input scan (``scan_columns``), so every part of an output has one schema
+(``output_schema``); a manifest without it is an earlier version's, whose parts hold
+``schema.LEGACY_COLUMNS``."""
 
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from slora_batch.engine.adapters.adapter_files import resolve_sources
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.resolution import resolve
 from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
-from slora_batch.jobs.config import JobConfig
+from slora_batch.jobs.config import SCORE_KEYS, JobConfig
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
@@ -42,7 +49,7 @@ from slora_batch.jobs.outdir import (
 )
 from slora_batch.jobs.reader import input_root, relative_name, used_columns
 from slora_batch.jobs.scan import InputScan
-from slora_batch.jobs.schema import OUTPUT_COLUMNS
+from slora_batch.jobs.schema import LEGACY_COLUMNS, OUTPUT_COLUMNS, job_columns, part_schema
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +62,38 @@ FIRST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "sto
 
 
 def new_manifest(plan: JobPlan, current: dict[str, Any], scan: InputScan) -> dict[str, Any]:
-    """The manifest of a job's first run: its fingerprint ``current``, its input scan and the
-    input columns it reads."""
+    """The manifest of a job's first run: its fingerprint ``current``, its input scan, the
+    input columns it reads and the output's own columns its parts hold (``scan_columns``)."""
     return {
         "version": MANIFEST_VERSION,
         "job": plan.job.name,
         "fingerprint": current,
         "scan": scan.to_json(),
         "reads": used_columns(plan.job.columns),
+        "output_columns": scan_columns(plan.job, scan),
     }
+
+
+def scan_columns(job: JobConfig, scan: InputScan) -> list[str]:
+    """The output's own columns of a job over the input ``scan`` found: the scoring columns
+    when the input has a scoring column, ``logprobs`` when it has a ``logprobs`` column (an
+    OpenAI Batch body asking for them included); the core columns always."""
+    found = set(scan.columns_found)
+    scoring = any(job.columns.get(key, key) in found for key in SCORE_KEYS)
+    return job_columns(scoring, "logprobs" in found)
+
+
+def output_columns(manifest: dict[str, Any]) -> list[str]:
+    """The output's own columns the manifest records; a manifest of an earlier version records
+    none: its parts hold every column of that version (``LEGACY_COLUMNS``)."""
+    return list(manifest.get("output_columns") or LEGACY_COLUMNS)
+
+
+def output_schema(manifest: dict[str, Any]) -> pa.Schema:
+    """The schema of the parts of the output the manifest describes: its id type, its own
+    columns and the kept columns."""
+    scan = InputScan.from_json(manifest["scan"])
+    return part_schema(scan.id_type, scan.keep, scan.json_text, output_columns(manifest))
 
 
 def write_manifest(out_dir: str | Path | FsDir, manifest: dict[str, Any]) -> Path:

@@ -1,6 +1,14 @@
-"""OpenAI Batch API files out (``output_format: openai``): ``output.jsonl`` and
-``errors.jsonl`` rebuilt from the committed parts when a job completes, so a re-run after
-a kill writes them whole, each custom_id once. The parts stay the source of truth for resume.
+"""OpenAI Batch API files out (``output_format: openai``): ``_openai_output.jsonl`` and
+``_openai_errors.jsonl`` rebuilt from the committed parts when a job completes, so a re-run
+after a kill writes them whole. The parts stay the source of truth for resume. Their names start
+with "_" so that readers of the output's Parquet files (pyarrow datasets, pandas, Spark) skip
+them; an earlier version's ``output.jsonl`` and ``errors.jsonl`` are replaced by them (removed
+when they are written, and a complete job that still has them writes them anew).
+
+A custom_id is in one file only: the output file holds the result of its first line, or the
+error file its first line's error. A later line that repeats a custom_id is one error line of
+its own whose ``custom_id`` is null (the id is the first line's), its message naming its line,
+the custom_id and the first line that used it.
 
 Output line: ``{"id": "batch_req_...", "custom_id", "response": {"status_code": 200,
 "request_id", "body": <chat.completion | text_completion>}, "error": null}``, one per custom_id
@@ -30,11 +38,11 @@ from slora_batch.jobs.outdir import commit_file, part_files
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_FILE, ERRORS_FILE = "output.jsonl", "errors.jsonl"
+OUTPUT_FILE, ERRORS_FILE = "_openai_output.jsonl", "_openai_errors.jsonl"
+OLD_FILES = ("output.jsonl", "errors.jsonl")  # an earlier version's names: read as data
 COLUMNS = ("id", "adapter", "sample_index", "text", "prompt_tokens", "completion_tokens",
            "finish_reason", "error", "source", "logprobs", REQUEST_COLUMN)  # fmt: skip
 FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero (JSON has no -inf)
-CUSTOM_ID = 'custom_id "'  # how ``openai_input`` names a line's custom_id in its messages
 
 
 def write_openai_files(out_dir: str | Path, job_name: str, base_model: str) -> tuple[int, int]:
@@ -60,8 +68,20 @@ def write_openai_files(out_dir: str | Path, job_name: str, base_model: str) -> t
             out_dir / ERRORS_FILE, lambda errors: write_both(output, errors)
         ),
     )
+    for name in OLD_FILES:
+        if (out_dir / name).is_file():
+            logger.info("removing %s (now %s and %s)", out_dir / name, OUTPUT_FILE, ERRORS_FILE)
+            (out_dir / name).unlink()
     logger.info("wrote %s (%d lines) and %s (%d)", OUTPUT_FILE, written[0], ERRORS_FILE, written[1])
     return written[0], written[1]
+
+
+def openai_stale(out_dir: str | Path) -> bool:
+    """Whether a complete job's OpenAI files are to be written again: one is missing, or an
+    earlier version's names are still there."""
+    out_dir = Path(out_dir)
+    missing = not all((out_dir / name).is_file() for name in (OUTPUT_FILE, ERRORS_FILE))
+    return missing or any((out_dir / name).is_file() for name in OLD_FILES)
 
 
 def _part_rows(out_dir: Path, columns: tuple[str, ...]) -> Iterator[list[dict]]:
@@ -93,9 +113,10 @@ def _digest(*parts: Any) -> str:
 
 
 def _line(group: list[dict], job: str, base_model: str, created: int) -> tuple[dict, bool]:
-    """(the file line of one custom_id, whether it goes to the error file)."""
+    """(the file line of one custom_id, or of a line without a usable or new one, whether it
+    goes to the error file)."""
     first = group[0]
-    custom_id = first["id"] if first["id"] is not None else _named_custom_id(first["error"])
+    custom_id = first["id"]  # null: no custom_id of its own (none given, or a repeated one)
     key = custom_id if first["id"] is not None else first["source"]
     line_id = f"batch_req_{_digest(job, 'line', key)}"
     failed = next((row for row in group if row["finish_reason"] == "error"), None)
@@ -178,15 +199,3 @@ def _completion_logprobs(entries: list[dict]) -> dict:
         ],
         "text_offset": offsets,
     }
-
-
-def _named_custom_id(message: str | None) -> str | None:
-    """The custom_id an error message names (a duplicate line has no id of its own)."""
-    at = (message or "").find(CUSTOM_ID)
-    if at < 0:
-        return None
-    try:
-        value, _ = json.JSONDecoder().raw_decode(message, at + len(CUSTOM_ID) - 1)
-    except ValueError:
-        return None
-    return value if isinstance(value, str) else None

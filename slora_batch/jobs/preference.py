@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import part_files
+from slora_batch.jobs.schema import adapter_name
 
 MAX_CHOICE_COLUMNS = 8  # choice indices shown; a later index counts in ``beyond``
 LABEL_CHARS = 16  # a choice's text in a column head, cut past this
@@ -81,12 +82,12 @@ def choice_preference(
         most = max(most, pc.max(pc.list_value_length(table["choice_tokens"])).as_py() or 0)
         for key, into in (("best_choice", picks), ("best_choice_norm", picks_norm)):
             counted = table.group_by(["adapter", key]).aggregate([([], "count_all")])
-            for row in counted.to_pylist():
-                per = into.setdefault(row["adapter"], {})
+            for row in counted.to_pylist():  # the base model: "" in parts, null in older ones
+                per = into.setdefault(adapter_name(row["adapter"]), {})
                 per[row[key]] = per.get(row[key], 0) + row["count_all"]
         right = table.group_by(["adapter"]).aggregate([("correct", "count"), ("correct", "sum")])
         for row in right.to_pylist():
-            pair = answered.setdefault(row["adapter"], [0, 0])
+            pair = answered.setdefault(adapter_name(row["adapter"]), [0, 0])
             pair[0] += row["correct_count"]
             pair[1] += row["correct_sum"] or 0
     if not picks:

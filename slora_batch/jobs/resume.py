@@ -68,11 +68,13 @@ def pending_rows(
     done: DoneSamples,
     files: list[Path] | None = None,
     root: Path | None = None,
+    start: int = 0,
 ) -> Iterator[tuple[InputRow, Request | Result, int]]:
     """``pending_items`` with the input row each item comes from (a fanned-out row once per
     adapter; an eval job's adapter by adapter: ``adapter_major``), over ``files`` (default: the
     job's) named relative to ``root`` (default: the folder that holds every input file of the
-    job)."""
+    job); ``start``: the position in the job's input of ``files``' first row (the output's
+    ``row_index``)."""
     job = plan.job
     fanout = plan.sweep is not None
     root = root or input_root(plan.files, plan.input_fs)
@@ -83,6 +85,7 @@ def pending_rows(
         root=root,
         fs=plan.input_fs,
         openai=plan.openai,
+        start=start,
     )
     if fanout and job.eval is not None:
         yield from adapter_major(plan, list(rows), done)

@@ -13,7 +13,8 @@ directory's lock and then:
   unless the manifest holds the scan, and refuses a job whose (id, adapter) rows repeat;
 - skips the rows already in committed parts (resume; a row of n samples is done when all n
   are, and one partly done asks for the rest), builds the engine only when a row is left, writes
-  parts (by rows and by time) and ends with ``_stats.parquet`` and the marker.
+  parts (by rows and by time, of the columns the manifest records) and ends with
+  ``_stats.parquet`` and the marker.
 
 A row is an output row: one sample of one input row for one adapter (``samples.py``); progress,
 stats and the summary count those.
@@ -45,15 +46,21 @@ from slora_batch.jobs.check import (
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.lock import OutputLock
-from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
+from slora_batch.jobs.manifest import (
+    fingerprint,
+    new_manifest,
+    output_schema,
+    resumable_manifest,
+    write_manifest,
+)
 from slora_batch.jobs.openai_input import base_model_name, kept_columns
-from slora_batch.jobs.openai_output import ERRORS_FILE, OUTPUT_FILE, write_openai_files
+from slora_batch.jobs.openai_output import openai_stale, write_openai_files
 from slora_batch.jobs.ordering import adapter_group, sort_key, sorted_windows
 from slora_batch.jobs.outdir import OutputError, clear_output, read_success, write_success
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.resume import done_samples, pending_items
 from slora_batch.jobs.scan import InputScan, scan_input
-from slora_batch.jobs.schema import OUTPUT_COLUMNS, part_schema
+from slora_batch.jobs.schema import OUTPUT_COLUMNS
 from slora_batch.jobs.stats import read_stats, stats_rows, write_stats
 from slora_batch.jobs.summary import JobFailure, JobSummary
 from slora_batch.jobs.writer import OutputWriter
@@ -134,8 +141,7 @@ def run_plan(
             manifest = resumable_manifest(plan, current)
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest)
-                missing = not all((out / name).exists() for name in (OUTPUT_FILE, ERRORS_FILE))
-                if complete is not None and job.output_format == "openai" and missing:
+                if complete is not None and job.output_format == "openai" and openai_stale(out):
                     write_openai_files(out, job.name, base_model_name(job.model))
                 if complete is not None:
                     rows = complete.stats["rows"]
@@ -166,7 +172,7 @@ def run_plan(
         left = _count(max((total or 0) - len(done), 0), "row")
         earlier = f" ({len(done):,} of {total or 0:,} already in {out})" if done else ""
         logger.info("job %s: %s to do%s", job.name, left, earlier)
-        schema = part_schema(scan.id_type, scan.keep, scan.json_text)
+        schema = output_schema(manifest)  # the recorded columns: one schema per output
         items = pending_items(plan, scan, done)
         if job.eval is None:  # an eval job's come in order already (``resume.adapter_major``)
             items = sorted_windows(

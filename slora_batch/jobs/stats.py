@@ -42,6 +42,7 @@ from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OLD_STATS_FILE, STATS_FILE, commit, part_files
 from slora_batch.jobs.progress import per_second
+from slora_batch.jobs.schema import adapter_name
 
 STATS_SCHEMA = pa.schema(
     [
@@ -110,8 +111,9 @@ def output_counts(out_dir: str | Path | FsDir) -> dict[str | None, dict[str, int
         if has_correct:
             sums += [("correct", "count"), ("correct", "sum")]
         grouped = table.group_by(["adapter", "finish_reason"]).aggregate(sums)
-        for row in grouped.to_pylist():
-            c = counts.setdefault(row["adapter"], dict.fromkeys(COUNT_KEYS + ANSWER_KEYS, 0))
+        for row in grouped.to_pylist():  # the base model: "" in parts, null in older ones
+            adapter = adapter_name(row["adapter"])
+            c = counts.setdefault(adapter, dict.fromkeys(COUNT_KEYS + ANSWER_KEYS, 0))
             c["rows"] += row["count_all"]
             c["error_rows" if row["finish_reason"] == "error" else "ok_rows"] += row["count_all"]
             c["scored_rows"] += row["count_all"] if row["finish_reason"] == "score" else 0

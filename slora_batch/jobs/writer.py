@@ -18,14 +18,20 @@ from slora_batch.engine.requests.request import Result
 from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.outdir import SUCCESS_FILE, TMP_MARK, clear_output, commit_file, part_files
 from slora_batch.jobs.rows import RowSource
-from slora_batch.jobs.schema import JSON_TEXT, OUTPUT_COLUMNS, PART_SCHEMA, SCORE_FIELDS
+from slora_batch.jobs.schema import (
+    BASE_ADAPTER,
+    JSON_TEXT,
+    PART_SCHEMA,
+    SCORE_NAMES,
+    kept_names,
+)
 from slora_batch.jobs.text import clean, encodable
 
 logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FINISH_REASONS = ("stop", "length", "score", "error")
-SCORE_NAMES = tuple(f.name for f in SCORE_FIELDS)
+SCORED = (*SCORE_NAMES, "logprobs")  # ``Result`` fields stored under their own names
 
 
 class OutputWriter:
@@ -141,12 +147,16 @@ class OutputWriter:
 
 class PartRows:
     """Results into rows of a part ``schema`` (lists of values in schema order), and rows into
-    a table of it: the checks ``OutputWriter`` makes on every row (its docstring says which)."""
+    a table of it: the checks ``OutputWriter`` makes on every row (its docstring says which).
+    The schema's own columns are any of ``schema.OUTPUT_COLUMNS`` (``schema.job_columns``),
+    followed by the kept ones."""
 
     def __init__(self, schema: pa.Schema = PART_SCHEMA) -> None:
         self.schema = schema
         self._int_ids = schema.field("id").type == pa.int64()
-        self._kept = [f.name for f in schema][len(OUTPUT_COLUMNS) :]
+        self._kept = kept_names(schema)
+        self._own = schema.names[: len(schema.names) - len(self._kept)]
+        self._scores = [name for name in self._own if name in SCORED]
         self._json = {f.name for f in schema if f.metadata == JSON_TEXT}
 
     def row(self, result: Result) -> list[Any]:
@@ -168,39 +178,37 @@ class PartRows:
                 problem = f"id {id_!r} has characters that cannot be encoded as UTF-8"
         elif id_ is not None:
             problem = f"id {_short(id_)} is neither a string nor an integer"
-        adapter = result.adapter or None
-        if adapter is not None and not (isinstance(adapter, str) and encodable(adapter)):
+        adapter = result.adapter or BASE_ADAPTER
+        if not (isinstance(adapter, str) and encodable(adapter)):
             problem = problem or f"adapter {adapter!r} cannot be stored (not a UTF-8 string)"
         tokens = result.token_ids
         if tokens and not (min(tokens) >= -(2**31) and max(tokens) < 2**31):
             problem = problem or f"token ids out of the int32 range ({min(tokens)}..{max(tokens)})"
         source = clean(source) if isinstance(source, str) else None
-        kept = [self._kept_value(name, extra.get(name)) for name in self._kept]
+        index = extra.get("row_index")
+        values = {
+            "row_index": index if isinstance(index, int) and not isinstance(index, bool) else None,
+            "prompt": _prompt_text(extra.get("prompt")),
+            "sample_index": result.sample_index,
+            "prompt_tokens": result.prompt_tokens,
+            "source": source,
+        }
         if problem is not None:
             logger.warning("%s: %s; written as an error row without an id", source, problem)
             where = f"{source}: " if source else ""
-            message = f"{where}row cannot be stored: {problem}"
-            index, prompt_tokens = result.sample_index, result.prompt_tokens
-            core = [None, None, index, "", [], prompt_tokens, 0, "error", message, source]
-            return [*core, *[None] * len(SCORE_NAMES), *kept]
-        logprobs = result.logprobs
-        if logprobs is not None:  # token texts are decoded pieces: lone surrogates too
-            logprobs = [_clean_entry(entry) for entry in logprobs]
-        scores = [logprobs if n == "logprobs" else getattr(result, n) for n in SCORE_NAMES]
-        return [
-            id_,
-            adapter,
-            result.sample_index,
-            clean(result.text),
-            list(tokens),
-            result.prompt_tokens,
-            result.completion_tokens,
-            result.finish_reason,
-            clean(result.error),
-            source,
-            *scores,
-            *kept,
-        ]
+            values.update(id=None, adapter=None, text="", token_ids=[], completion_tokens=0,
+                          finish_reason="error", error=f"{where}row cannot be stored: {problem}")  # fmt: skip
+        else:
+            values.update(id=id_, adapter=adapter, text=clean(result.text), token_ids=list(tokens),
+                          completion_tokens=result.completion_tokens,
+                          finish_reason=result.finish_reason, error=clean(result.error))  # fmt: skip
+            for name in self._scores:
+                values[name] = getattr(result, name)
+            logprobs = values.get("logprobs")
+            if logprobs is not None:  # token texts are decoded pieces: lone surrogates too
+                values["logprobs"] = [_clean_entry(entry) for entry in logprobs]
+        kept = [self._kept_value(name, extra.get(name)) for name in self._kept]
+        return [*(values.get(name) for name in self._own), *kept]
 
     def _kept_value(self, name: str, value: Any) -> Any:
         if value is None:
@@ -254,6 +262,14 @@ def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """A ``logprobs`` entry with its texts (the token's and each alternative's) cleaned."""
     top = [{**t, "text": clean(t.get("text"))} for t in entry.get("top") or ()]
     return {**entry, "text": clean(entry.get("text")), "top": top}
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """The ``prompt`` column's value of a row's built prompt (``Result.extra["prompt"]``): its
+    text, a messages list as JSON text, None (token id rows) as null."""
+    if prompt is None:
+        return None
+    return clean(prompt if isinstance(prompt, str) else _json_text(prompt))
 
 
 def _json_text(value: Any) -> str:

@@ -27,11 +27,11 @@ import pyarrow as pa
 
 from slora_batch.jobs.check import JobError, JobPlan
 from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.manifest import output_schema, read_manifest
 from slora_batch.jobs.reader import input_root
 from slora_batch.jobs.resume import pending_rows
 from slora_batch.jobs.samples import DoneSamples
 from slora_batch.jobs.scan import InputScan
-from slora_batch.jobs.schema import part_schema
 from slora_batch.ray.fence import unit_key
 from slora_batch.ray.stage import ITEM, UNIT, EngineActor, adapter_bucket
 
@@ -98,7 +98,7 @@ def execute(
         "adapters": plan.sources,  # Hub names resolved to local snapshots by check_job
         "engine": job.engine,
         "sampling": job.sampling,
-        "schema": part_schema(scan.id_type, scan.keep, scan.json_text),
+        "schema": output_schema(read_manifest(out)),  # the columns the job's manifest records
         "output": out if isinstance(out, FsDir) else str(out),
         "run": run,
     }
@@ -203,7 +203,8 @@ def read_units(
     for file, index in zip(
         batch.column("file").to_pylist(), batch.column("index").to_pylist(), strict=True
     ):
-        for row, item, _ in pending_rows(plan, scan, done, files=[Path(file)], root=root):
+        start = sum(scan.file_rows[:index])  # the file's first row_index
+        for row, item, _ in pending_rows(plan, scan, done, [Path(file)], root, start):
             bucket = adapter_bucket(item.adapter, buckets)
             keys.append(unit_key(index, row.number // block_rows, bucket))
             items.append(pickle.dumps(item))

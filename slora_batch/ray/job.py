@@ -43,7 +43,7 @@ from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
 from slora_batch.jobs.openai_input import base_model_name
-from slora_batch.jobs.openai_output import write_openai_files
+from slora_batch.jobs.openai_output import openai_stale, write_openai_files
 from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.resume import done_samples
@@ -181,6 +181,9 @@ def run_ray_job(
             manifest = resumable_manifest(plan, current, out=remote)
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest, out, shown(out))
+                openai = job.output_format == "openai" and remote is None
+                if complete is not None and openai and openai_stale(out):
+                    write_openai_files(out, job.name, base_model_name(job.model))
                 if complete is not None:
                     return complete
             if manifest is None:

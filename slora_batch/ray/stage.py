@@ -29,13 +29,13 @@ import pyarrow as pa
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.hub import locate
 from slora_batch.engine.requests.request import Request, Result
-from slora_batch.jobs.config import COLUMN_KEYS
+from slora_batch.jobs.config import COLUMN_KEYS, SCORE_KEYS
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key
 from slora_batch.jobs.response_format import format_value
 from slora_batch.jobs.rows import to_request
 from slora_batch.jobs.samples import SamplesDue
-from slora_batch.jobs.schema import part_schema
+from slora_batch.jobs.schema import job_columns, kept_names, part_schema
 from slora_batch.jobs.writer import PartRows
 from slora_batch.ray.fence import fenced_out, part_name, still_ours
 from slora_batch.ray.fs import commit_table
@@ -96,6 +96,7 @@ class DatasetRow:
     columns: dict[str, str] = field(default_factory=lambda: dict(COLUMNS))
     kept: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    position: int | None = None  # the output's row_index: a dataset row's order is not known
 
 
 class EngineActor:
@@ -121,7 +122,7 @@ class EngineActor:
         self.sampling, self.run, self.calls = sampling, run, 0
         self.output = Path(output) if isinstance(output, str) else output
         self.parts = PartRows(schema)
-        self.kept = [f.name for f in schema][len(part_schema()) :]
+        self.kept = kept_names(schema)
         self.actor = f"{os.uname().nodename}:{os.getpid()}"
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -216,7 +217,8 @@ def generate(
     keep_columns: list[str] | tuple[str, ...] = (),
 ):
     """A Ray ``Dataset`` of the output rows of ``ds``'s rows (the job tool's columns, then the
-    ``keep_columns``), made by ``replicas`` engine actors of ``gpus_per_replica`` GPUs each.
+    ``keep_columns``), made by ``replicas`` engine actors of ``gpus_per_replica`` GPUs each:
+    the scoring columns when ``ds`` has a scoring column, ``logprobs`` when it has ``logprobs``.
 
     ``ds`` has the columns ``id``, ``adapter``, ``prompt`` or ``messages``, optional per-row
     sampling overrides and an optional ``source`` naming each row in error messages. ``model``
@@ -233,7 +235,9 @@ def generate(
     if missing:
         raise ValueError(f"keep_columns: the dataset has no column {missing[0]!r}")
     id_type = "int64" if "id" in types and pa.types.is_integer(types["id"]) else "string"
-    schema = part_schema(id_type, {name: types[name] for name in keep_columns})
+    scoring = any(key in names for key in SCORE_KEYS)  # the columns ``ds`` can ask for
+    columns = job_columns(scoring, "logprobs" in names)
+    schema = part_schema(id_type, {name: types[name] for name in keep_columns}, (), columns)
     keyed = ds.map_batches(_with_sort_key, batch_format="pyarrow")
     return keyed.sort(SORT).map_batches(
         EngineActor,

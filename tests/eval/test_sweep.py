@@ -59,6 +59,12 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
     from test_lm import hf_reference
 
     import slora_batch.engine.parallel.data_parallel as data_parallel
+    from slora_batch.eval.report import (
+        OLD_RESULTS_DIR,
+        OLD_RESULTS_FILE,
+        RESULTS_DIR,
+        RESULTS_FILE,
+    )
     from slora_batch.jobs.config import load_jobs
     from slora_batch.jobs.outdir import part_files
     from slora_batch.jobs.run import run_job
@@ -90,10 +96,13 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
     names = [None, "a", "b", "c", "d"]
     assert {r["adapter"] for r in summary.eval_results} == set(names)
     out = tmp_path / "out"
-    rows = pq.read_table(out / "results.parquet").to_pylist()
+    rows = pq.read_table(out / RESULTS_FILE).to_pylist()
     assert rows == summary.eval_results
     parts = pq.read_table([p for _, p in part_files(out)]).to_pylist()
-    per_adapter = {a: sum(r["adapter"] == a for r in parts) for a in names}
+    # the directory read as a dataset is the job's rows: the requests and results files are not
+    assert pq.read_table(out).num_rows == len(parts)
+    per_adapter = {a: sum((r["adapter"] or None) == a for r in parts) for a in names}
+    assert {r["adapter"] for r in parts} == {"", "a", "b", "c", "d"}  # "": the base model
     assert len(set(per_adapter.values())) == 1 and summary.stats["rows"] == len(parts)
     assert len({(r["adapter"], str(r["id"])) for r in parts}) == len(parts)  # each once
     for name in (None, "d"):
@@ -102,11 +111,16 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
             for row in (r for r in rows if r["adapter"] == name and r["task"] == task):
                 want = ref["results"][task][f"{row['metric']},none"]
                 assert math.isclose(row["value"], want, rel_tol=1e-5), (name, task, row)
-    texts = {p.name: p.read_bytes() for p in (out / "eval-results").iterdir()}
+    texts = {p.name: p.read_bytes() for p in (out / RESULTS_DIR).iterdir()}
+    # the previous layout's names (read as data by dataset readers): replaced by the re-run
+    (out / RESULTS_FILE).rename(out / OLD_RESULTS_FILE)
+    (out / RESULTS_DIR).rename(out / OLD_RESULTS_DIR)
     again = run_job(config)  # complete: nothing runs, the same results, all scored here
     assert again.complete_already and len(built) == 1 and again.eval_results == rows
-    assert {p.name: p.read_bytes() for p in (out / "eval-results").iterdir()} == texts
+    assert {p.name: p.read_bytes() for p in (out / RESULTS_DIR).iterdir()} == texts
     assert len(texts) == len(names)
+    assert not (out / OLD_RESULTS_FILE).exists() and not (out / OLD_RESULTS_DIR).exists()
+    assert pq.read_table(out).num_rows == len(parts)
 
 
 def gone(pid: int, seconds: float) -> bool:

@@ -108,7 +108,8 @@ def test_jsonl_and_parquet_give_identical_requests(tmp_path):
         id=from_jsonl[3].id,
     )
     assert from_jsonl[0].source == "rows.jsonl line 1"
-    assert from_jsonl[0].extra == {"source": "rows.jsonl line 1"}
+    assert from_jsonl[0].extra == {"source": "rows.jsonl line 1", "row_index": 0, "prompt": "Hello"}
+    assert from_jsonl[2].extra["prompt"] == '[{"role": "user", "content": "Hey"}]'  # JSON text
     int_ids = [{"id": 10, "prompt": "x"}, {"id": None, "prompt": "y"}]
     pq.write_table(pa.Table.from_pylist(int_ids), parquet)
     from_parquet = requests([parquet])
@@ -232,12 +233,14 @@ def test_writer_parts_schema_and_types(tmp_path):
     assert table.schema == PART_SCHEMA
     assert table.schema.field("token_ids").type == pa.list_(pa.int32())
     assert table.to_pylist()[1] == {
-        "id": "1", "adapter": "a", "sample_index": 0, "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3,
-        "completion_tokens": 2, "finish_reason": "stop", "error": None, "source": None,
-        **{f.name: None for f in SCORE_FIELDS},  # a generated row: no scores, no logprobs
+        "id": "1", "adapter": "a", "row_index": None, "sample_index": 0, "prompt": None,
+        "text": "t1", "token_ids": [1, 2], "prompt_tokens": 3, "completion_tokens": 2,
+        "finish_reason": "stop", "error": None, "source": None,
+        **{f.name: None for f in SCORE_FIELDS}, "logprobs": None,  # a generated row: no scores
     }  # fmt: skip
+    # the base model's rows: "" (a groupby on adapter keeps them)
     assert pq.read_table(tmp_path / "out" / "part-00000.parquet")["adapter"].to_pylist() == [
-        None,
+        "",
         "a",
     ]
     last = pq.read_table(tmp_path / "out" / "part-00002.parquet").to_pylist()

@@ -207,7 +207,7 @@ def test_jsonl_parquet_and_a_directory_give_the_same_outputs(tmp_path, tiny):
         assert summary.stats["error_rows"] == 0
         results[name] = generated(outputs(tmp_path / f"out-{name}"))
     assert results["jsonl"] == results["parquet"] == results["dir"]
-    assert {adapter for _, adapter in results["jsonl"]} == {None, "a", "b"}
+    assert {adapter for _, adapter in results["jsonl"]} == {"", "a", "b"}  # "": the base model
 
 
 def test_outputs_equal_the_engine_api(tmp_path, tiny):
@@ -222,7 +222,7 @@ def test_outputs_equal_the_engine_api(tmp_path, tiny):
                     config=EngineConfig(device="cpu", dtype="float32", num_pages=PAGES),
                     sampling=SamplingConfig(max_new_tokens=12))  # fmt: skip
     expected = {
-        (r.id, r.adapter): (r.token_ids, r.text, r.finish_reason)
+        (r.id, r.adapter or ""): (r.token_ids, r.text, r.finish_reason)
         for r in engine.generate(Request(**row) for row in rows)
     }
     assert got == expected
@@ -235,7 +235,7 @@ def test_fanout_runs_every_row_through_base_and_every_adapter(tmp_path, tiny):
     write_jsonl(tmp_path / "rows.jsonl", rows)
     summary = run_job(load_job(tmp_path, tiny, fanout="all"))
     keys = set(by_key(outputs(tmp_path / "out")))
-    assert keys == {(r["id"], a) for r in rows for a in (None, "a", "b")}
+    assert keys == {(r["id"], a) for r in rows for a in ("", "a", "b")}
     assert summary.stats["error_rows"] == 0 and summary.stats["adapters_seen"] == 2
     shown = preview(load_job(tmp_path, tiny, fanout="all"), limit=5)
     assert [(p.id, p.adapter) for p in shown] == [("r0000", None), ("r0000", "a"), ("r0000", "b")]
