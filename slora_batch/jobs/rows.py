@@ -162,7 +162,8 @@ def to_request(
     if prompt == "":
         return failed(f"column {columns['prompt']!r} is empty")
     if prompt is not None and not encodable(prompt):
-        return failed(f"column {columns['prompt']!r}: {unencodable(prompt)}")
+        made = "prompt_template's prompt" if prompts.templates else f"column {columns['prompt']!r}"
+        return failed(f"{made}: {unencodable(prompt)}")
     if messages is not None:
         messages, problem = _check_messages(messages, columns["messages"])
         if problem:

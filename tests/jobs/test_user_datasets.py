@@ -328,3 +328,18 @@ def test_limit_runs_the_first_rows_and_a_larger_one_adds_the_rest(tmp_path, tiny
     for bad in (0, -1, True, "3"):
         with pytest.raises(ConfigError, match="limit must be an integer >= 1"):
             JobConfig(name="j", model="m", input="i.jsonl", output="o", limit=bad)
+
+
+def test_a_templated_row_is_checked_as_a_prompt_row():
+    columns = {key: key for key in ("id", "adapter", "prompt", "messages", "prompt_token_ids")}
+    prompts = Prompts(tuple(parse_templates("Q: {question}")))
+    bad = to_request(
+        _row({}, columns, {"question": "x\ud800"}), request_sampling(), prompts=prompts
+    )
+    assert "prompt_template's prompt: " in bad.error and "lone surrogate" in bad.error
+    both = _row({"messages": [{"role": "user", "content": "hi"}]}, columns, {"question": "q"})
+    error = to_request(both, request_sampling(), prompts=prompts).error
+    assert "prompt_template makes the prompt, and the row gives column 'messages' too" in error
+    ok = to_request(_row({"prompt": "ignored"}, columns, {"question": "q"}), request_sampling(),
+                    prompts=prompts)  # fmt: skip
+    assert (ok.prompt, ok.extra["prompt"], ok.extra["row_index"]) == ("Q: q", "Q: q", 0)
