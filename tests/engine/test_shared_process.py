@@ -170,3 +170,15 @@ def test_engines_rebound_in_a_loop_fail_with_the_clear_error_or_all_run_with_clo
         eng = cuda_engine(tiny, pool_bytes)
         assert [r.completion_tokens for r in eng.generate([ROW])] == [2]
         eng.close()
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mha"])  # tied and untied embeddings
+def test_the_weights_estimate_is_a_close_lower_bound(tmp_path, kind):
+    from factory import make_model
+
+    from slora_batch.engine.models.loader import load_tensors
+
+    model_dir = make_model(tmp_path, kind)
+    actual = sum(t.numel() * 2 for t in load_tensors(model_dir).values())  # in bf16
+    estimate = memory.weight_bytes(read_spec(model_dir), torch.bfloat16)
+    assert 0.95 * actual <= estimate <= actual
