@@ -75,7 +75,7 @@ class JobConfig:
     # (``openai_input.py``); "auto": openai when the first line of a JSONL input has custom_id
     # and body, else rows
     input_format: str = "auto"
-    output_format: str = "parquet"  # "openai": also output.jsonl / errors.jsonl
+    output_format: str = "parquet"  # "openai": also _openai_output.jsonl, _openai_errors.jsonl
     eval: EvalConfig | None = None  # lm-eval tasks in place of ``input`` (``eval/config.py``)
 
     def __post_init__(self) -> None:
