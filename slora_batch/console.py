@@ -74,7 +74,7 @@ PROGRESS_BAR_VARIABLES = (
 CHATTY = ("slora_batch.jobs.outdir", "slora_batch.eval.lm")
 
 progress_log = logging.getLogger("slora_batch.progress")  # the plain progress lines
-cli_log = logging.getLogger("slora_batch.cli")  # the command's own messages
+cli_log = logging.getLogger("slora_batch.cli")  # the name of the command's own lines
 
 
 def setup_logging(quiet: bool, verbose: bool) -> None:
@@ -95,8 +95,6 @@ def setup_logging(quiet: bool, verbose: bool) -> None:
     logging.getLogger("slora_batch").setLevel(logging.NOTSET if quiet or verbose else logging.INFO)
     for name in CHATTY:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
-    # a run stopped by a signal says so (and how to resume) also with --quiet
-    cli_log.setLevel(logging.WARNING if quiet else logging.NOTSET)
     # The tokenizer's "sequence length is longer than the specified maximum" warning: the
     # engine checks every prompt against the model's context and says so in the row's error.
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
@@ -180,23 +178,29 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def print_error(message: str, label: str = "error") -> None:
-    """A job that failed or a job file that cannot run: red on a terminal, an ERROR record
-    otherwise."""
+    """A job that failed or a job file that cannot run: red on a terminal, an ERROR line of the
+    log format otherwise (the level says "error")."""
     if err.is_terminal:
         err.print(f"[red]{label}:[/] {escape(message)}")
-    elif label == "error":  # the record's level says it
-        cli_log.error("%s", message)
     else:
-        cli_log.error("%s: %s", label, message)
+        _log_line(logging.ERROR, message if label == "error" else f"{label}: {message}")
 
 
 def print_stop(message: str) -> None:
     """A run stopped by a signal: what it committed, that a re-run resumes. One line: plain on
-    a terminal, a WARNING record otherwise."""
+    a terminal, a WARNING line of the log format otherwise."""
     if err.is_terminal:
         err.print(message, markup=False)
     else:
-        cli_log.warning("%s", message)
+        _log_line(logging.WARNING, message)
+
+
+def _log_line(level: int, message: str) -> None:
+    """``message`` as a record of ``cli_log`` in ``LOG_FORMAT``, on stderr whatever the log
+    level (``--quiet`` too) and whether or not logging is set up."""
+    record = cli_log.makeRecord(cli_log.name, level, __file__, 0, message, None, None)
+    line = logging.Formatter(LOG_FORMAT, LOG_DATE).format(record)
+    err.print(line, markup=False, highlight=False)
 
 
 class ProgressDisplay:
@@ -415,7 +419,7 @@ def _speed(s: dict) -> str:
     """This run's rates over its engine time, worded as the progress lines word them: the last
     progress event of the run has these numbers (``progress.rates_text``)."""
     rates = rates_text(s["tokens_per_s"], s.get("computed_tokens_per_s"))
-    return f"{rates}, {s['requests_per_s']:.2f} rows/s (this run's engine time)"
+    return f"this run: {rates}, {s['requests_per_s']:.2f} rows/s"
 
 
 def _print_preference(preference: ChoicePreference) -> None:

@@ -64,10 +64,11 @@ def generated_per_s(event: JobProgress) -> float:
 
 
 def rates_text(generated: float | None, computed: float | None) -> str:
-    """ "70.2 generated tok/s, 122.6 prefill+decode tok/s": the one wording of both rates, in
-    progress lines and summaries ("-" for a rate not counted)."""
+    """ "70.2 generated tok/s, 122.6 prefill+decode tok/s (engine time)": the one wording of
+    both rates, in progress lines and summaries ("-" for a rate not counted)."""
     shown = ("-" if rate is None else f"{rate:,.1f}" for rate in (generated, computed))
-    return ", ".join(f"{value} {label}" for value, label in zip(shown, RATE_LABELS, strict=True))
+    rates = ", ".join(f"{value} {label}" for value, label in zip(shown, RATE_LABELS, strict=True))
+    return f"{rates} (engine time)"
 
 
 def seconds_left(event: JobProgress) -> float | None:
@@ -92,8 +93,8 @@ def clock(seconds: float | None) -> str:
 
 
 def progress_line(event: JobProgress) -> str:
-    """ "job x: 1,234/10,000 rows (12.3%), 70.2 generated tok/s, 122.6 prefill+decode tok/s,
-    3 adapters resident, ETA 0:12:34" (rates over this run's engine time)."""
+    """ "job x: 1,234/10,000 rows (12.3%), 70.2 generated tok/s, 122.6 prefill+decode tok/s
+    (engine time), 3 adapters resident, ETA 0:12:34"; at the end "..., done"."""
     text = f"job {event.job}: {event.rows_done:,}"
     if event.rows_total:
         text += f"/{event.rows_total:,} rows ({100 * event.rows_done / event.rows_total:.1f}%)"

@@ -210,7 +210,8 @@ def test_the_rate_counts_tokens_computed_and_the_eta_the_work_left():
     early = event(rows_done=1, rows_this_run=1, completion_tokens=40, elapsed_s=60.0,
                   computed_tokens=2808, row_tokens=100)  # fmt: skip
     assert progress.tokens_per_s(early) == pytest.approx(46.8)
-    assert "0.7 generated tok/s, 46.8 prefill+decode tok/s, " in progress.progress_line(early)
+    rates = "0.7 generated tok/s, 46.8 prefill+decode tok/s (engine time), "
+    assert rates in progress.progress_line(early)
     # 240 rows of ~100 tokens: 24,000 tokens of work, 2,808 done, at 46.8 tok/s
     assert progress.seconds_left(early) == pytest.approx((24000 - 2808) / 46.8)
     # a resumed run: 100 rows of earlier runs, 40 of this run took 4,000 tokens; 140 rows were

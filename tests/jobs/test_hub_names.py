@@ -129,7 +129,8 @@ def test_missing_names_are_all_refused_by_name_before_any_work(tmp_path, tiny, h
         env={"COLUMNS": "200", "NO_COLOR": "1"},
     )  # fmt: skip
     assert result.exit_code == 1
-    assert result.stderr.startswith("error: job 'tiny': 1 name not found"), result.stderr
+    # stderr is not a terminal: one ERROR line of the log format
+    assert " ERROR slora_batch.cli: job 'tiny': 1 name not found" in result.stderr, result.stderr
     assert "model 'org/missing'" in result.stderr and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 

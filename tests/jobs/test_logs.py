@@ -38,7 +38,9 @@ from slora_batch.jobs.summary import JobSummary
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
 # a log line of a run without a terminal: time, level, logger, message
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) ([\w.]+): (.*)$")
-RATES = re.compile(r"([\d,]+\.\d) generated tok/s, ([\d,]+\.\d) prefill\+decode tok/s")
+RATES = re.compile(
+    r"([\d,]+\.\d) generated tok/s, ([\d,]+\.\d) prefill\+decode tok/s \(engine time\)"
+)
 
 
 def records(stderr: str) -> list[tuple[str, str, str]]:
@@ -62,7 +64,7 @@ def restore_logging(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    names = ("slora_batch", "slora_batch.cli", *console.CHATTY)
+    names = ("slora_batch", *console.CHATTY)
     levels = {name: logging.getLogger(name).level for name in names}
     yield
     root.handlers[:] = handlers
