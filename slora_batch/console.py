@@ -355,7 +355,7 @@ def print_summary(summary: JobSummary, job) -> None:
     more = summary.error_rows_this_run - len(summary.errors)
     if more > 0:
         out.print(f"... and {_plural(more, 'more error row')} (the error column of the parts)")
-    empty = summary.empty_text_note(bool(getattr(job, "apply_chat_template", False)))
+    empty = summary.empty_text_note()
     if empty is not None:
         out.print(f"[yellow]warning:[/] {escape(empty)}", soft_wrap=True)
     _print_notes(summary)

@@ -48,6 +48,7 @@ class RunRecord:
         self.per_adapter: dict[str | None, dict[str, int]] = {}
         self.generated_rows = 0  # ok rows of this run that generated (not scored)
         self.empty_rows = 0  # those of them whose text is empty (or only whitespace)
+        self.requests = self.raw_prompts = 0  # requests handed to the engine; raw text ones
         self.started = time.perf_counter()
         self.load_s = self.read_s = self.write_s = self.engine_s = 0.0
         self._writer: OutputWriter | None = None  # the loop's, for its write time so far
@@ -94,6 +95,8 @@ class RunRecord:
                     self._done(item, writer, samples)
                 else:
                     self.due.add(item, samples)
+                    self.requests += 1
+                    self.raw_prompts += item.prompt is not None  # no chat template applied
                     self.first_in.setdefault(item.adapter, time.perf_counter())
                     writer.tick()  # commits by time also while no row finishes
                     yield item

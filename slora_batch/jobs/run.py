@@ -237,8 +237,9 @@ def run_plan(
         choice_labels=job.choice_labels or scan.choices,
         generated_rows_this_run=run.generated_rows,
         empty_rows_this_run=run.empty_rows,
+        raw_prompts_this_run=2 * run.raw_prompts > run.requests,
     )
-    empty = summary.empty_text_note(getattr(job, "apply_chat_template", False))
+    empty = summary.empty_text_note()
     if empty is not None:
         logger.warning("job %s: %s", job.name, empty)
     return summary

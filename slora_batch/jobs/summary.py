@@ -32,25 +32,28 @@ class JobSummary:
     eval_results: list[dict[str, Any]] | None = None  # an eval job's ``results.parquet`` rows
     generated_rows_this_run: int = 0  # ok rows of this run that generated text (not scored)
     empty_rows_this_run: int = 0  # those of them whose text is empty (or only whitespace)
+    raw_prompts_this_run: bool = False  # most of this run's rows were raw text prompts
 
-    def empty_text_note(self, templated: bool = False) -> str | None:
-        """What to say when most of this run's generated rows are empty, else None;
-        ``templated``: the job applies the chat template to its prompts already."""
-        return empty_text_note(self.generated_rows_this_run, self.empty_rows_this_run, templated)
+    def empty_text_note(self) -> str | None:
+        """What to say when most of this run's generated rows are empty, else None."""
+        return empty_text_note(
+            self.generated_rows_this_run, self.empty_rows_this_run, self.raw_prompts_this_run
+        )
 
 
-def empty_text_note(generated: int, empty: int, templated: bool = False) -> str | None:
+def empty_text_note(generated: int, empty: int, raw_prompts: bool) -> str | None:
     """When more than half of ``generated`` ok rows have empty text: how many, and the likely
-    cause (an instruct model that answers a raw prompt with its end token at once)."""
+    cause: with ``raw_prompts`` (most rows were raw text, no chat template applied), an
+    instruct model that answers a raw prompt with its end token at once."""
     if not generated or 2 * empty <= generated:
         return None
-    if templated:
-        cause = "check the job's 'stop' strings and the model's chat template"
-    else:
+    if raw_prompts:
         cause = (
             "a chat (instruct) model given raw prompts often ends at once: set "
             "'apply_chat_template: true' on the job, or give 'messages' rows instead of 'prompt'"
         )
+    else:
+        cause = "check the job's 'stop' strings and the model's chat template"
     share = f"{empty:,} of {generated:,} generated rows ({empty / generated:.0%})"
     return f"{share} have empty text; {cause}"
 

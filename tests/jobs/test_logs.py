@@ -240,32 +240,45 @@ class _FixedEngine:
         pass
 
 
-@pytest.mark.parametrize(("empty", "warned"), [(3, True), (2, False), (0, False)])
+RAW = "6 of 8 generated rows (75%) have empty text; a chat (instruct) model given raw prompts"
+CHAT = "6 of 8 generated rows (75%) have empty text; check the job's 'stop' strings"
+
+
+@pytest.mark.parametrize(
+    ("empty", "chat", "note"),
+    [(3, False, RAW), (3, True, CHAT), (2, False, None), (0, False, None)],
+)
 def test_a_job_whose_rows_are_mostly_empty_says_so(tmp_path, tiny, monkeypatch, caplog, empty,
-                                                   warned):  # fmt: skip
+                                                   chat, note):  # fmt: skip
     """More than half of the generated rows empty: a WARNING and a summary line with the
-    counts and the likely cause; half or fewer: neither."""
+    counts and the likely cause (raw prompts to a chat model when most rows were raw text);
+    half or fewer: neither."""
     caplog.set_level(logging.INFO, logger="slora_batch")
-    write_jsonl(tmp_path / "rows.jsonl", make_rows(8))
+    rows = make_rows(8)  # 6 raw text prompts, 2 messages rows
+    if chat:
+        rows = [{"id": r["id"], "adapter": r["adapter"],
+                 "messages": r.get("messages") or [{"role": "user", "content": r["prompt"]}]}
+                for r in rows]  # fmt: skip
+    write_jsonl(tmp_path / "rows.jsonl", rows)
     job = load_job(tmp_path, tiny)
     summary = run_plan(check_job(job), build_engine=lambda plan: _FixedEngine(empty))
     assert (summary.generated_rows_this_run, summary.empty_rows_this_run) == (8, 2 * empty)
     said = [r for r in caplog.records if "have empty text" in r.getMessage()]
     assert all(r.levelno == logging.WARNING for r in said)
-    warnings = [r.getMessage() for r in said]
-    note = "6 of 8 generated rows (75%) have empty text; a chat (instruct) model given raw"
-    if warned:
-        (warning,) = warnings
-        assert warning.startswith(f"job tiny: {note}")
-        assert "'apply_chat_template: true'" in warning and "'messages' rows" in warning
+    if note is None:
+        assert said == []
     else:
-        assert warnings == []
+        (warning,) = [r.getMessage() for r in said]
+        assert warning.startswith(f"job tiny: {note}"), warning
+        if not chat:
+            assert "'apply_chat_template: true'" in warning and "'messages' rows" in warning
     shown = Console(file=io.StringIO(), width=200)
     monkeypatch.setattr(console, "out", shown)
     monkeypatch.setattr(console, "preview", lambda job, limit: [])
     console.print_summary(summary, job)
     printed = shown.file.getvalue()
-    assert (f"warning: {note}" in printed) == warned, printed
+    assert ("have empty text" in printed) == (note is not None), printed
+    assert note is None or f"warning: {note}" in printed, printed
 
 
 def _columns(text: str) -> list[str]:
