@@ -40,7 +40,7 @@ def test_each_sample_adapter_prefers_its_own_style(tmp_path):
     rows = pq.read_table([p for _, p in part_files(out)]).to_pylist()
     assert len(rows) == 10 * len(STYLE) and {r["finish_reason"] for r in rows} == {"score"}
     for adapter, style in STYLE.items():
-        mine = [r for r in rows if r["adapter"] == adapter]
+        mine = [r for r in rows if (r["adapter"] or None) == adapter]  # base: "" in the parts
         own = sum(r["best_choice_norm"] == style for r in mine) / len(mine)
         assert own >= MIN_OWN_SHARE, f"{adapter or 'base'}: its own style first in {own:.0%}"
         assert all(len(r["choice_logprobs"]) == 5 for r in mine)

@@ -73,7 +73,7 @@ def test_sample_job_shows_every_adapter_at_work():
 
     by_adapter: dict[str | None, list[str]] = {}
     for row in rows:
-        by_adapter.setdefault(row["adapter"], []).append(row["text"])
+        by_adapter.setdefault(row["adapter"] or None, []).append(row["text"])  # base: "" or null
     for name, check in checks.items():
         own = sum(map(check, by_adapter[name])) / len(by_adapter[name])
         base = sum(map(check, by_adapter[None])) / len(by_adapter[None])

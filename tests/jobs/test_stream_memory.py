@@ -183,7 +183,7 @@ def test_resume_of_many_rows_reads_each_row_once_in_bounded_memory(tmp_path, tin
     from slora_batch.jobs.outdir import read_success
     from slora_batch.jobs.resume import done_samples
     from slora_batch.jobs.scan import scan_input
-    from slora_batch.jobs.schema import OUTPUT_COLUMNS, SCORE_FIELDS, part_schema
+    from slora_batch.jobs.schema import LEGACY_COLUMNS, OUTPUT_COLUMNS, SCORE_FIELDS, part_schema
 
     adapters = ['"a"', '"b"', "null"]
     with open(tmp_path / "rows.jsonl", "w", buffering=1 << 20) as handle:
@@ -202,7 +202,7 @@ def test_resume_of_many_rows_reads_each_row_once_in_bounded_memory(tmp_path, tin
     manifest = {"version": MANIFEST_VERSION, "job": config.name,
                 "fingerprint": fingerprint(plan), "scan": scan.to_json()}  # fmt: skip
     write_manifest(out, manifest)
-    schema = part_schema(scan.id_type)
+    schema = part_schema(scan.id_type, columns=LEGACY_COLUMNS)  # a manifest without columns
     for number, start in enumerate(range(0, RESUMED, PART_ROWS)):
         rows = range(start, min(start + PART_ROWS, RESUMED))
         columns = {
@@ -213,6 +213,7 @@ def test_resume_of_many_rows_reads_each_row_once_in_bounded_memory(tmp_path, tin
             "finish_reason": ["length"] * len(rows), "error": [None] * len(rows),
             "source": [f"rows.jsonl line {i + 1}" for i in rows],
             **{f.name: pa.nulls(len(rows), f.type) for f in SCORE_FIELDS},
+            "logprobs": pa.nulls(len(rows), schema.field("logprobs").type),
         }  # fmt: skip
         pq.write_table(pa.table(columns, schema=schema), out / f"part-{number:05d}.parquet")
 
