@@ -38,7 +38,7 @@ from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.resolution import resolve
 from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
-from slora_batch.jobs.config import SCORE_KEYS, JobConfig
+from slora_batch.jobs.config import SCORE_KEYS, JobConfig, prompt_keys
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
@@ -189,6 +189,7 @@ def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
             "keep_columns": job.keep_columns,
             "max_model_len": job.engine.max_model_len,
             "dtype": job.engine.dtype,
+            **prompt_keys(job),  # prompt_template & co when set: earlier outputs keep theirs
         },
         "engine": resolve(job.engine, gpu),
     }

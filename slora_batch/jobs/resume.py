@@ -15,6 +15,7 @@ from slora_batch.jobs.check import JobPlan
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.ordering import sort_key
 from slora_batch.jobs.outdir import OutputError, part_files
+from slora_batch.jobs.prompts import Prompts
 from slora_batch.jobs.reader import InputRow, input_root, read_rows
 from slora_batch.jobs.rows import identity, row_key, to_request
 from slora_batch.jobs.samples import DoneSamples, resumed, row_samples
@@ -78,14 +79,18 @@ def pending_rows(
     job = plan.job
     fanout = plan.sweep is not None
     root = root or input_root(plan.files, plan.input_fs)
+    prompts = Prompts.of(job)
     rows = read_rows(
         files or plan.files,
         job.columns,
-        keep=list(scan.keep),
+        keep=scan.kept_columns(),
         root=root,
         fs=plan.input_fs,
         openai=plan.openai,
+        fields=prompts.fields,
         start=start,
+        limit=job.limit,
+        position_ids=scan.position_ids,
     )
     if fanout and job.eval is not None:
         yield from adapter_major(plan, list(rows), done)
@@ -101,7 +106,7 @@ def pending_rows(
             todo = [(a, list(range(n))) for a in adapters]
         if not todo:
             continue
-        item = to_request(row, job.sampling, fanout)
+        item = to_request(row, job.sampling, fanout, prompts)
         for name, missing in todo:
             one = with_adapter(item, name) if fanout else item
             yield row, resumed(one, missing, n), len(missing)

@@ -37,9 +37,11 @@ import pyarrow as pa
 from slora_batch.engine.requests.request import Result
 from slora_batch.jobs.check import (
     JOB_ERRORS,
+    LOUD_NOTES,
     JobError,
     JobPlan,
     check_job,
+    check_scan,
     input_notes,
     job_error,
 )
@@ -56,10 +58,16 @@ from slora_batch.jobs.manifest import (
 from slora_batch.jobs.openai_input import base_model_name, kept_columns
 from slora_batch.jobs.openai_output import openai_stale, write_openai_files
 from slora_batch.jobs.ordering import adapter_group, sort_key, sorted_windows
-from slora_batch.jobs.outdir import OutputError, clear_output, read_success, write_success
+from slora_batch.jobs.outdir import (
+    SUCCESS_FILE,
+    OutputError,
+    clear_output,
+    read_success,
+    write_success,
+)
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.resume import done_samples, pending_items
-from slora_batch.jobs.scan import InputScan, scan_input
+from slora_batch.jobs.scan import InputScan, limit_changed, scan_input
 from slora_batch.jobs.schema import OUTPUT_COLUMNS
 from slora_batch.jobs.stats import read_stats, stats_rows, write_stats
 from slora_batch.jobs.summary import JobFailure, JobSummary
@@ -139,6 +147,12 @@ def run_plan(
                 clear_output(out)
             current = plan.taken if plan.taken is not None else fingerprint(plan)
             manifest = resumable_manifest(plan, current)
+            if manifest is not None and limit_changed(manifest, job.limit):
+                logger.info(
+                    "job %s: limit is %s now: scanning the input again", job.name, job.limit
+                )
+                (out / SUCCESS_FILE).unlink(missing_ok=True)  # first: complete no more
+                manifest = None
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest)
                 if complete is not None and job.output_format == "openai" and openai_stale(out):
@@ -163,8 +177,8 @@ def run_plan(
         except JOB_ERRORS as exc:
             raise job_error(job, exc) from exc
         notes = input_notes(plan, scan)
-        for note in notes:  # an OpenAI body field the engine does not read: one warning each
-            if note.startswith("OpenAI batch"):
+        for note in notes:  # an OpenAI body field the engine does not read, raw chat prompts
+            if note.startswith(LOUD_NOTES):
                 logger.warning("job %s: %s", job.name, note)
         if scan.rows == 0:
             logger.warning("job %s: %s", job.name, notes[0])
@@ -276,9 +290,10 @@ def scan_for_run(plan: JobPlan) -> InputScan:
         reserved=OUTPUT_COLUMNS,
         fs=plan.input_fs,
         openai=plan.openai,
+        fields=plan.prompts.fields,
+        limit=job.limit,
     )
-    if scan.duplicates:
-        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}; nothing was run")
+    check_scan(plan, scan, "; nothing was run")  # duplicates, a template's missing column
     return scan
 
 

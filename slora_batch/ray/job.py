@@ -44,11 +44,18 @@ from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.manifest import fingerprint, new_manifest, resumable_manifest, write_manifest
 from slora_batch.jobs.openai_input import base_model_name
 from slora_batch.jobs.openai_output import openai_stale, write_openai_files
-from slora_batch.jobs.outdir import OutputError, clear_output, commit, read_success, write_success
+from slora_batch.jobs.outdir import (
+    SUCCESS_FILE,
+    OutputError,
+    clear_output,
+    commit,
+    read_success,
+    write_success,
+)
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.resume import done_samples
 from slora_batch.jobs.run import JobFailure, JobSummary, complete_summary, scan_for_run
-from slora_batch.jobs.scan import InputScan
+from slora_batch.jobs.scan import InputScan, limit_changed
 from slora_batch.jobs.stats import stats_rows, write_stats
 from slora_batch.ray.execute import execute
 from slora_batch.ray.fence import FENCE_FILE, open_run, read_fence, remove_late_parts
@@ -179,6 +186,9 @@ def run_ray_job(
                     remove_name(out, name)
             current = fingerprint(plan, gpu=settings.gpus_per_replica > 0)  # the actors' view
             manifest = resumable_manifest(plan, current, out=remote)
+            if manifest is not None and limit_changed(manifest, job.limit):
+                remove_name(out, SUCCESS_FILE)  # another limit: complete no more, scanned again
+                manifest = None
             if manifest is not None and read_success(out) is not None:
                 complete = complete_summary(plan, manifest, out, shown(out))
                 openai = job.output_format == "openai" and remote is None

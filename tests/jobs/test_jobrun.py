@@ -396,8 +396,9 @@ def test_validate_reports_row_problems_without_loading_weights(tmp_path, tiny, m
     assert "line 5: unknown adapter 'nope'" in report.problems[0]
     assert "line 6: prompt of" in report.problems[1] and "context of 256" in report.problems[1]
     assert "line 7: column 'prompt' must be a string" in report.problems[2]
-    typed = validate_job(load_job(tmp_path, tiny, input="typed.parquet"))
-    assert "column 'prompt' has type int64" in typed.problems[0]
+    with pytest.raises(JobError, match="none of the 1 input rows checked can run") as typed:
+        validate_job(load_job(tmp_path, tiny, input="typed.parquet"))  # no row can run: fails
+    assert "column 'prompt' has type int64" in str(typed.value)
     assert validate_job(load_job(tmp_path, tiny, fanout="all")).rows_total == 7
     plan = check_job(load_job(tmp_path, tiny, fanout="all"))
     plan.rows_total = 7
