@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -20,8 +21,6 @@ from slora_batch.jobs.openai_output import ERRORS_FILE, OLD_FILES, OUTPUT_FILE
 from slora_batch.jobs.outdir import SUCCESS_FILE, part_files
 from slora_batch.jobs.run import run_job
 from slora_batch.jobs.schema import LEGACY_COLUMNS, job_columns
-
-pd = pytest.importorskip("pandas")
 
 GENERATED = job_columns(scoring=False, logprobs=False)
 SCORED = job_columns(scoring=True, logprobs=False)
