@@ -53,7 +53,7 @@ case "$mode" in
       kernels) gpu_tests 580 --durations=10 --maxfail=10 tests/kernels ;;
       engine) gpu_tests ${TESTS_LIMIT:-580} --durations=10 --maxfail=10 tests/engine ;;
       *)
-        alone="whole_pool or test_host_copies or past_2_31 or widened_ties"
+        alone="whole_pool or test_host_copies or past_2_31 or widened_ties or test_shared_process"
         gpu_tests ${TESTS_LIMIT:-420} --durations=15 -n 4 --dist loadgroup tests/kernels \
           tests/engine -k "not ($alone)"
         mv "$out/gpu-tests.log" "$out/gpu-tests-workers.log"
