@@ -38,7 +38,8 @@ import torch
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.requests.request import Request
-from slora_batch.jobs.config import fanout_adapters, load_jobs
+from slora_batch.jobs.check import fanout_adapters
+from slora_batch.jobs.config import load_jobs
 from slora_batch.jobs.ordering import sort_key
 from slora_batch.jobs.reader import iter_input_files, read_rows
 from slora_batch.jobs.rows import to_request
