@@ -5,6 +5,7 @@ a job that cannot run raises."""
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,29 +183,34 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
 
 
 def _chat_template(job: JobConfig, model_path: Path) -> bool | None:
-    """Whether the model's tokenizer has a chat template (the tokenizer alone is loaded, once a
-    process: ``load_tokenizer``); None when it has no tokenizer or it cannot be loaded (the
-    engine says why). With apply_chat_template a model without one fails the job."""
-    from slora_batch.engine.requests.tokens import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(model_path)
-    except Exception as exc:  # tokenizer files transformers cannot read: many types
-        if job.apply_chat_template:
-            raise ModelError(
-                f"apply_chat_template: the tokenizer of model {job.model!r} ({model_path}) "
-                f"cannot be loaded: {type(exc).__name__}: {exc}"
-            ) from exc
-        return None
-    has = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    """Whether the model's tokenizer has a chat template, read from its files as transformers
+    saves them (``chat_template.jinja``, ``chat_template.json``, or the ``chat_template`` key of
+    ``tokenizer_config.json``) without loading the tokenizer (transformers' import alone costs
+    seconds a process); None when the model has no tokenizer files. With apply_chat_template a
+    model without one fails the job."""
+    config_file = model_path / "tokenizer_config.json"
+    has_tokenizer = config_file.is_file() or (model_path / "tokenizer.json").is_file()
+    has = (model_path / "chat_template.jinja").is_file() or (
+        model_path / "chat_template.json"
+    ).is_file()
+    if not has and config_file.is_file():
+        try:
+            settings = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            if job.apply_chat_template:
+                raise ModelError(
+                    f"apply_chat_template: model {job.model!r}: cannot read {config_file}: {exc}"
+                ) from exc
+            return None
+        has = isinstance(settings, dict) and bool(settings.get("chat_template"))
     if job.apply_chat_template and not has:
-        what = "has no tokenizer" if tokenizer is None else "has no chat template"
+        what = "has no chat template" if has_tokenizer else "has no tokenizer"
         raise ConfigError(
             f"apply_chat_template: model {job.model!r} ({model_path}) {what}, so prompts cannot "
             "be sent as chat turns. Set apply_chat_template: false and write the model's prompt "
             "format in prompt_template, or use a model that ships a chat template"
         )
-    return None if tokenizer is None else has
+    return has if has_tokenizer else None
 
 
 def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:

@@ -147,9 +147,6 @@ resume.pq = SimpleNamespace(read_schema=pq.read_schema, read_table=pq.read_table
 counted(resume.pq, "read_table", calls)  # parts read for their done keys
 (job,) = load_jobs(sys.argv[1])
 import torch  # noqa: E402,F401 -- the job resolves device auto through torch: a constant, not rows
-from pathlib import Path  # noqa: E402
-from slora_batch.engine.requests.tokens import load_tokenizer  # noqa: E402
-load_tokenizer(Path(job.model))  # the check reads the chat template: transformers, a constant
 before = rss_kb()
 peak, stop = [before], threading.Event()
 sampler = threading.Thread(target=sample, args=(peak, stop))
