@@ -158,8 +158,8 @@ KEEP_COLUMNS = _flag(
     "comma-separated names.",
 )  # fmt: skip
 OUTPUT_FORMAT = _flag(
-    "--output-format", metavar="parquet|openai", text="'openai': also output.jsonl and "
-    "errors.jsonl, as the OpenAI Batch API writes them.",
+    "--output-format", metavar="parquet|openai", text="'openai': also _openai_output.jsonl and "
+    "_openai_errors.jsonl, as the OpenAI Batch API writes them.",
 )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ class JobSummary:
     # the preference table's column labels: the job's choice_labels, else the choices every
     # choices row shares (None: the columns are headed by index)
     choice_labels: list[str] | None = None
-    eval_results: list[dict[str, Any]] | None = None  # an eval job's ``results.parquet`` rows
+    eval_results: list[dict[str, Any]] | None = None  # an eval job's ``_eval_results.parquet`` rows
     generated_rows_this_run: int = 0  # ok rows of this run that generated text (not scored)
     empty_rows_this_run: int = 0  # those of them whose text is empty (or only whitespace)
     raw_prompts_this_run: bool = False  # most of this run's rows were raw text prompts
