@@ -118,49 +118,63 @@ def _flag(*names: str, text: str, metavar: str | None = None):
 
 
 MODEL = _flag(
-    "--model", "-m", text="The base model: a directory, a Hub name org/name[@revision], or "
+    "--model",
+    "-m",
+    text="The base model: a directory, a Hub name org/name[@revision], or "
     "smollm2-135m-instruct (the sample).",
-)  # fmt: skip
+)
 ADAPTERS = _flag(
-    "--adapters", metavar="DIR|NAME=PATH,...", text="A directory of PEFT adapter directories "
+    "--adapters",
+    metavar="DIR|NAME=PATH,...",
+    text="A directory of PEFT adapter directories "
     "(each one's name is its folder's), or name=path pairs (a path or a Hub name); repeatable.",
-)  # fmt: skip
+)
 OUTPUT = _flag("--output", "-o", text="The output directory.")
 NAME = _flag("--name", text="The job's name (default: the output directory's name).")
 FANOUT = _flag(
-    "--fanout", metavar="all|NAMES", text="Run every row through each adapter: 'all' (the base "
+    "--fanout",
+    metavar="all|NAMES",
+    text="Run every row through each adapter: 'all' (the base "
     "model and every adapter) or comma-separated names ('null': the base model).",
-)  # fmt: skip
+)
 MAX_NEW_TOKENS = _flag("--max-new-tokens", metavar="N", text="sampling.max_new_tokens.")
 TEMPERATURE = _flag("--temperature", metavar="T", text="sampling.temperature.")
 SAMPLING = _flag(
-    "--sampling", metavar="KEY=VALUE", text="Any other sampling key (top_p=0.9, seed=1); "
-    "repeatable.",
-)  # fmt: skip
+    "--sampling",
+    metavar="KEY=VALUE",
+    text="Any other sampling key (top_p=0.9, seed=1); repeatable.",
+)
 ENGINE = _flag(
-    "--engine", metavar="KEY=VALUE", text="An engine key (max_model_len=4096, "
-    "tensor_parallel=2, device=cpu); repeatable.",
-)  # fmt: skip
+    "--engine",
+    metavar="KEY=VALUE",
+    text="An engine key (max_model_len=4096, tensor_parallel=2, device=cpu); repeatable.",
+)
 PROMPT_TEMPLATE = _flag(
     "--prompt-template", text="Builds each prompt from input columns: 'Q: {question}'."
 )
 APPLY_CHAT_TEMPLATE = typer.Option(
-    False, "--apply-chat-template", help="Send each text prompt as a user turn through the "
-    "model's chat template.", rich_help_panel=ONE_FILE,
-)  # fmt: skip
+    False,
+    "--apply-chat-template",
+    help="Send each text prompt as a user turn through the model's chat template.",
+    rich_help_panel=ONE_FILE,
+)
 SYSTEM_PROMPT = _flag("--system-prompt", text="A system turn before each prompt's user turn.")
 COLUMN = _flag(
-    "--column", metavar="KEY=COLUMN", text="Read a key from an input column of another name: "
-    "prompt=question; repeatable.",
-)  # fmt: skip
+    "--column",
+    metavar="KEY=COLUMN",
+    text="Read a key from an input column of another name: prompt=question; repeatable.",
+)
 KEEP_COLUMNS = _flag(
-    "--keep-columns", metavar="all|NAMES", text="Input columns carried to the output: 'all' or "
-    "comma-separated names.",
-)  # fmt: skip
+    "--keep-columns",
+    metavar="all|NAMES",
+    text="Input columns carried to the output: 'all' or comma-separated names.",
+)
 OUTPUT_FORMAT = _flag(
-    "--output-format", metavar="parquet|openai", text="'openai': also _openai_output.jsonl and "
+    "--output-format",
+    metavar="parquet|openai",
+    text="'openai': also _openai_output.jsonl and "
     "_openai_errors.jsonl, as the OpenAI Batch API writes them.",
-)  # fmt: skip
+)
 
 
 class _Terminated(BaseException):
@@ -234,12 +248,22 @@ def run(
     end). SIGINT and SIGTERM commit every finished row and exit 130 and 143.
     """
     flags = QuickFlags(
-        model=model, adapters=adapters or [], output=output, name=name, fanout=fanout,
-        max_new_tokens=max_new_tokens, temperature=temperature, sampling=sampling or [],
-        engine=engine or [], prompt_template=prompt_template,
-        apply_chat_template=apply_chat_template, system_prompt=system_prompt,
-        columns=column or [], keep_columns=keep_columns, output_format=output_format,
-    )  # fmt: skip
+        model=model,
+        adapters=adapters or [],
+        output=output,
+        name=name,
+        fanout=fanout,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        sampling=sampling or [],
+        engine=engine or [],
+        prompt_template=prompt_template,
+        apply_chat_template=apply_chat_template,
+        system_prompt=system_prompt,
+        columns=column or [],
+        keep_columns=keep_columns,
+        output_format=output_format,
+    )
     setup_logging(quiet, verbose)
     jobs = _load(jobs_file, job, flags, limit)
     if ray_address is not None:
@@ -344,12 +368,22 @@ def validate(
     error rows for them) but do not fail validation.
     """
     flags = QuickFlags(
-        model=model, adapters=adapters or [], output=output, name=name, fanout=fanout,
-        max_new_tokens=max_new_tokens, temperature=temperature, sampling=sampling or [],
-        engine=engine or [], prompt_template=prompt_template,
-        apply_chat_template=apply_chat_template, system_prompt=system_prompt,
-        columns=column or [], keep_columns=keep_columns, output_format=output_format,
-    )  # fmt: skip
+        model=model,
+        adapters=adapters or [],
+        output=output,
+        name=name,
+        fanout=fanout,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        sampling=sampling or [],
+        engine=engine or [],
+        prompt_template=prompt_template,
+        apply_chat_template=apply_chat_template,
+        system_prompt=system_prompt,
+        columns=column or [],
+        keep_columns=keep_columns,
+        output_format=output_format,
+    )
     setup_logging(quiet=False, verbose=False)
     failed = 0
     for config in _load(jobs_file, job, flags, limit):

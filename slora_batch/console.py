@@ -369,9 +369,11 @@ def print_summary(summary: JobSummary, job) -> None:
             sample.add_column(name)
         for row in rows:
             sample.add_row(
-                escape(row.id), escape(row.adapter or "(base)"), escape(_cut(row.prompt)),
+                escape(row.id),
+                escape(row.adapter or "(base)"),
+                escape(_cut(row.prompt)),
                 escape(_cut(row.text)),
-            )  # fmt: skip
+            )
         out.print(_fold(sample))
 
 
@@ -389,8 +391,12 @@ def _adapter_table(summary: JobSummary) -> Table:
     for name in heads:
         adapters.add_column(name, justify="left" if name == "adapter" else "right")
     for row in sorted(summary.adapters, key=lambda r: -r["rows"])[:ADAPTER_ROWS]:
-        cells = [escape(row["adapter"] or "(base)"), f"{row['rows']:,}",
-                 f"{row['error_rows']:,}", f"{row['tokens']:,}"]  # fmt: skip
+        cells = [
+            escape(row["adapter"] or "(base)"),
+            f"{row['rows']:,}",
+            f"{row['error_rows']:,}",
+            f"{row['tokens']:,}",
+        ]
         if resumed:
             this_run = row.get("rows_this_run")
             cells.append("-" if this_run is None else f"{this_run:,}")

@@ -82,8 +82,15 @@ class Engine:
         self.ops = ops or pick_backend(config.backend, self.device)
         self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
         self.tp = None  # shard(): a model that does not divide for tensor parallelism says so first
-        with live_engines.Room(str(model), spec.shard(config.tensor_parallel), config, self.dtype,
-                               self.device, self.max_model_len, weights) as room:  # fmt: skip
+        with live_engines.Room(
+            str(model),
+            spec.shard(config.tensor_parallel),
+            config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            weights,
+        ) as room:
             if config.tensor_parallel > 1:  # rank 0 of N: the others start and build alongside
                 from slora_batch.engine.execution import tp
 

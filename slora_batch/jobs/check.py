@@ -177,9 +177,20 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
     except JOB_ERRORS as exc:
         raise job_error(job, exc) from exc
     reasons = {name: str(exc) for name, exc in broken.items()}
-    return JobPlan(job, model_path, spec, adapters, reasons, files, sweep, input_fs=input_fs,
-                   sources=located.adapters, snapshots=located.snapshots, openai=openai,
-                   chat_template=chat)  # fmt: skip
+    return JobPlan(
+        job,
+        model_path,
+        spec,
+        adapters,
+        reasons,
+        files,
+        sweep,
+        input_fs=input_fs,
+        sources=located.adapters,
+        snapshots=located.snapshots,
+        openai=openai,
+        chat_template=chat,
+    )
 
 
 def _chat_template(job: JobConfig, model_path: Path) -> bool | None:

@@ -122,13 +122,53 @@ def prompt_source_problem(job, scan: InputScan, chat_template: bool | None) -> s
 
 
 # column names that hold a task's input (a prompt is made of them) or its reference output
-PROMPT_NAMES = {"system", "instruction", "instructions", "question", "query", "problem", "input",
-                "context", "text", "content", "request", "task", "passage", "document", "article",
-                "premise", "hypothesis", "sentence", "title", "body", "user", "human"}  # fmt: skip
-ANSWER_NAMES = {"output", "outputs", "answer", "answers", "response", "responses", "completion",
-                "target", "targets", "label", "labels", "chosen", "rejected", "solution",
-                "reference", "ground_truth", "gold", "expected", "canonical_solution",
-                "assistant", "gpt"}  # fmt: skip
+PROMPT_NAMES = {
+    "system",
+    "instruction",
+    "instructions",
+    "question",
+    "query",
+    "problem",
+    "input",
+    "context",
+    "text",
+    "content",
+    "request",
+    "task",
+    "passage",
+    "document",
+    "article",
+    "premise",
+    "hypothesis",
+    "sentence",
+    "title",
+    "body",
+    "user",
+    "human",
+}
+ANSWER_NAMES = {
+    "output",
+    "outputs",
+    "answer",
+    "answers",
+    "response",
+    "responses",
+    "completion",
+    "target",
+    "targets",
+    "label",
+    "labels",
+    "chosen",
+    "rejected",
+    "solution",
+    "reference",
+    "ground_truth",
+    "gold",
+    "expected",
+    "canonical_solution",
+    "assistant",
+    "gpt",
+}
 
 
 def _prompt_like(kinds: dict[str, str], columns: dict[str, str]) -> list[str]:

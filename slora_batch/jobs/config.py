@@ -140,7 +140,10 @@ class JobConfig:
         limit = self.limit
         ok = limit is None or (type(limit) is int and limit >= 1)  # bool is no int here
         check(ok, f"limit must be an integer >= 1 or null, got {limit!r}")
-        check(limit is None or self.eval is None, "limit is for input rows: an eval job takes eval.limit")  # fmt: skip
+        check(
+            limit is None or self.eval is None,
+            "limit is for input rows: an eval job takes eval.limit",
+        )
 
 
 def _check_fanout(

@@ -47,8 +47,14 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
         )  # ids are all the preview needs: any body.model reads as an adapter
         batch = OpenAIBatch((), None, job.columns) if openai else None
         settings = Prompts.of(job)
-        rows = read_rows(files, job.columns, openai=batch, fields=settings.fields,
-                         limit=job.limit, position_ids=_position_ids(job))  # fmt: skip
+        rows = read_rows(
+            files,
+            job.columns,
+            openai=batch,
+            fields=settings.fields,
+            limit=job.limit,
+            position_ids=_position_ids(job),
+        )
         for row in rows:
             if len(prompts) == scan:
                 break

@@ -43,7 +43,13 @@ class PromptTemplate:
         for _, name, spec, conversion in parsed:
             if name is None:
                 continue
-            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"  # fmt: skip
+            shown = (
+                "{"
+                + name
+                + (f"!{conversion}" if conversion else "")
+                + (f":{spec}" if spec else "")
+                + "}"
+            )
             if name == "" or name.isdigit():
                 raise ConfigError(
                     f"{where} {text!r}: {shown} is positional; name an input column, "

@@ -64,9 +64,19 @@ FIELDS = {f.name: f for f in (*CORE_FIELDS, *SCORE_FIELDS, LOGPROBS_FIELD)}
 OUTPUT_COLUMNS = ("id", *FIELDS)
 # the columns every part held before a job recorded its own (``job_columns``), in their order
 LEGACY_COLUMNS = (
-    "id", "adapter", "sample_index", "text", "token_ids", "prompt_tokens", "completion_tokens",
-    "finish_reason", "error", "source", *SCORE_NAMES, "logprobs",
-)  # fmt: skip
+    "id",
+    "adapter",
+    "sample_index",
+    "text",
+    "token_ids",
+    "prompt_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "error",
+    "source",
+    *SCORE_NAMES,
+    "logprobs",
+)
 ID_TYPES = {"int64": pa.int64(), "string": pa.string()}
 
 

@@ -80,8 +80,16 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     prompts = plan.prompts
     try:
         keep = kept_columns(job.keep_columns, plan.openai)
-        scan = scan_input(plan.files, job.columns, keep, fanout, OUTPUT_COLUMNS,
-                          openai=plan.openai, fields=prompts.fields, limit=job.limit)  # fmt: skip
+        scan = scan_input(
+            plan.files,
+            job.columns,
+            keep,
+            fanout,
+            OUTPUT_COLUMNS,
+            openai=plan.openai,
+            fields=prompts.fields,
+            limit=job.limit,
+        )
     except InputError as exc:
         raise job_error(job, exc) from exc
     check_scan(plan, scan)  # duplicates, a template's missing column
@@ -101,9 +109,15 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     first = len(problems)  # the rows' problems come after the files'
     try:
         root = input_root(plan.files)
-        rows = read_rows(plan.files, job.columns, root=root, openai=plan.openai,
-                         fields=prompts.fields, limit=job.limit,
-                         position_ids=scan.position_ids)  # fmt: skip
+        rows = read_rows(
+            plan.files,
+            job.columns,
+            root=root,
+            openai=plan.openai,
+            fields=prompts.fields,
+            limit=job.limit,
+            position_ids=scan.position_ids,
+        )
         for row in rows:
             if checked == limit:
                 break
@@ -154,13 +168,16 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
 
 # what a problem says -> the key that fixes it, for the message of a job no row of runs
 FIX_HINTS = (
-    ("prompt_template", "prompt_template (a list of templates is tried in order: add one the rows can fill)"),
+    (
+        "prompt_template",
+        "prompt_template (a list of templates is tried in order: add one the rows can fill)",
+    ),
     ("unknown adapter", "adapters, or the rows' adapter column"),
     ("cannot run", "adapters"),
     ("does not fit the context", "engine.max_model_len, or shorter prompts"),
     ("chat template", "apply_chat_template, or the rows' messages"),
     ("none of the columns", "columns (which input column holds the prompt), or prompt_template"),
-)  # fmt: skip
+)
 
 
 def _fix_hint(problem: str) -> str:

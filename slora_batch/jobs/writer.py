@@ -196,12 +196,25 @@ class PartRows:
         if problem is not None:
             logger.warning("%s: %s; written as an error row without an id", source, problem)
             where = f"{source}: " if source else ""
-            values.update(id=None, adapter=None, text="", token_ids=[], completion_tokens=0,
-                          finish_reason="error", error=f"{where}row cannot be stored: {problem}")  # fmt: skip
+            values.update(
+                id=None,
+                adapter=None,
+                text="",
+                token_ids=[],
+                completion_tokens=0,
+                finish_reason="error",
+                error=f"{where}row cannot be stored: {problem}",
+            )
         else:
-            values.update(id=id_, adapter=adapter, text=clean(result.text), token_ids=list(tokens),
-                          completion_tokens=result.completion_tokens,
-                          finish_reason=result.finish_reason, error=clean(result.error))  # fmt: skip
+            values.update(
+                id=id_,
+                adapter=adapter,
+                text=clean(result.text),
+                token_ids=list(tokens),
+                completion_tokens=result.completion_tokens,
+                finish_reason=result.finish_reason,
+                error=clean(result.error),
+            )
             for name in self._scores:
                 values[name] = getattr(result, name)
             logprobs = values.get("logprobs")

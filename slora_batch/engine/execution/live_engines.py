@@ -76,15 +76,23 @@ class Room:
         free, total = memory.device_memory(device)
         if self.weights + rest > free:
             need = self.weights + rest
-            raise memory_error(model, device, f"it needs at least {_gib(need)} (weights "
-                               f"{_gib(self.weights)}, pool and one step's activations "
-                               f"{_gib(rest)}) and {_gib(free)} of {_gib(total)} are free",
-                               others)  # fmt: skip
+            raise memory_error(
+                model,
+                device,
+                f"it needs at least {_gib(need)} (weights "
+                f"{_gib(self.weights)}, pool and one step's activations "
+                f"{_gib(rest)}) and {_gib(free)} of {_gib(total)} are free",
+                others,
+            )
         if others:
-            log.warning("%d other engine(s) of this process hold %s on %s (%s): this engine's "
-                        "pool gets what they leave; close() them first for the whole card",
-                        len(others), _gib(sum(h.bytes for h in others)), device_key(device),
-                        ", ".join(h.model for h in others))  # fmt: skip
+            log.warning(
+                "%d other engine(s) of this process hold %s on %s (%s): this engine's "
+                "pool gets what they leave; close() them first for the whole card",
+                len(others),
+                _gib(sum(h.bytes for h in others)),
+                device_key(device),
+                ", ".join(h.model for h in others),
+            )
 
     def on_failure(self, undo: Callable[[], object]) -> None:
         """``undo`` runs if the build fails (before its error is raised)."""
