@@ -70,6 +70,5 @@ def quantize_rows(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch
     scale = torch.empty(total, 1, dtype=torch.float32, device=x.device)
     if total:
         block = min(2048, triton.next_power_of_2(k))
-        _quantize_rows_kernel[(total,)](x, x.stride(0), q, scale, rows, k, BLOCK=block,
-                                        num_warps=4)  # fmt: skip
+        _quantize_rows_kernel[(total,)](x, x.stride(0), q, scale, rows, k, BLOCK=block, num_warps=4)
     return q, scale

@@ -63,8 +63,9 @@ def _logits(raw, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
 def _kv_scale(scale_ptr, page, kv_head, live, WHICH: tl.constexpr, KV_HEADS: tl.constexpr):
     """fp8 pages: the scales of one KV head at a block of keys' pages, K's (WHICH 0) or V's
     (WHICH 1), from the table [P, 2 * KV_HEADS]; 0 for keys past the end (masked anyway)."""
-    return tl.load(scale_ptr + page * (2 * KV_HEADS) + WHICH * KV_HEADS + kv_head, mask=live,
-                   other=0.0)  # fmt: skip
+    return tl.load(
+        scale_ptr + page * (2 * KV_HEADS) + WHICH * KV_HEADS + kv_head, mask=live, other=0.0
+    )
 
 
 @triton.jit
@@ -84,13 +85,33 @@ def _v_scaled(p, sv, F16: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
-def _prefill_kernel(q_ptr, q_stride_t, q_stride_h, o_ptr, pool_ptr, scale_ptr, b1_start_ptr,
-                    b_seq_len_ptr, pt_ptr, pt_stride, qk_scale, cap_log2, window,
-                    PAGE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                    FP8: tl.constexpr, F16: tl.constexpr,
-                    PRECISION: tl.constexpr):  # fmt: skip
+def _prefill_kernel(
+    q_ptr,
+    q_stride_t,
+    q_stride_h,
+    o_ptr,
+    pool_ptr,
+    scale_ptr,
+    b1_start_ptr,
+    b_seq_len_ptr,
+    pt_ptr,
+    pt_stride,
+    qk_scale,
+    cap_log2,
+    window,
+    PAGE: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
+    F16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -245,15 +266,35 @@ def attention(
         block_m, block_n, warps, stages = PREFILL_WIDE
     qk_scale, cap_log2 = _logit_args(scale, softcap)
     grid = (triton.cdiv(meta.max_new, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](q, q.stride(0), q.stride(1), out, kv["pool"], kv["scales"],
-                          meta.b1_start, meta.b_seq_len, meta.page_table,
-                          meta.page_table.stride(0), qk_scale, cap_log2, window, PAGE=kv["page"],
-                          KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
-                          HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                          BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window > 0,
-                          SOFTCAP=softcap > 0, FP8=kv["fp8"],
-                          F16=fp8_f16(kv["fp8"], q.dtype, FP8_F16),
-                          PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)  # fmt: skip
+    _prefill_kernel[grid](
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        kv["pool"],
+        kv["scales"],
+        meta.b1_start,
+        meta.b_seq_len,
+        meta.page_table,
+        meta.page_table.stride(0),
+        qk_scale,
+        cap_log2,
+        window,
+        PAGE=kv["page"],
+        KV_HEADS=num_kv_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
+        FP8=kv["fp8"],
+        F16=fp8_f16(kv["fp8"], q.dtype, FP8_F16),
+        PRECISION=_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 

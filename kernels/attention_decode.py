@@ -47,8 +47,15 @@ MAX_SPLITS = 64
 # along the keys) byte by byte from shared memory (128 ld.shared.b8 a thread and block of keys,
 # where bf16 takes ldmatrix.trans); neither PV on CUDA cores (830 us) nor V converted along its
 # rows and staged as fp16 in shared memory for ldmatrix.trans (1016 us) was faster.
-DECODE = {"mha_block_n": 32, "gqa_block_n": 128, "warps": 4, "stages": 3, "mha_dot": True,
-          "fp8_f16": True, "fp8_stages": 4}  # fmt: skip
+DECODE = {
+    "mha_block_n": 32,
+    "gqa_block_n": 128,
+    "warps": 4,
+    "stages": 3,
+    "mha_dot": True,
+    "fp8_f16": True,
+    "fp8_stages": 4,
+}
 # head_dim past WIDE_HEAD_DIM (Gemma 2: 256): DECODE with these overrides. H200, 16/8 heads of
 # 256, bf16, B=64 at 8192 keys (window 4096): 0.52 ms, 4.1 TB/s of K/V read; GQA blocks of 128
 # keys and 3 stages took 0.67 ms, 64 keys and 2 stages 0.73 ms.
@@ -56,8 +63,9 @@ DECODE_WIDE = {"gqa_block_n": 32, "stages": 3}
 
 
 @triton.jit
-def _decode_span(ctx, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr):  # fmt: skip
+def _decode_span(
+    ctx, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
     """(first key, keys per split) of a decode query at position ctx - 1: the keys
     [max(0, ctx - window), ctx) (all ctx without a window) cut in NUM_SPLITS runs of whole
     BLOCK_N blocks. The split kernel and the merge both call it, so they agree on the splits."""
@@ -69,14 +77,37 @@ def _decode_span(ctx, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
-def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_seq_len_ptr, pt_ptr,
-                         pt_stride, qk_scale, cap_log2, window, part_o_ptr, part_lse_ptr, o_ptr,
-                         NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, KV_HEADS: tl.constexpr,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         USE_DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                         FP8: tl.constexpr, F16: tl.constexpr,
-                         PRECISION: tl.constexpr):  # fmt: skip
+def _decode_split_kernel(
+    q_ptr,
+    q_stride_t,
+    q_stride_h,
+    pool_ptr,
+    scale_ptr,
+    b_seq_len_ptr,
+    pt_ptr,
+    pt_stride,
+    qk_scale,
+    cap_log2,
+    window,
+    part_o_ptr,
+    part_lse_ptr,
+    o_ptr,
+    NUM_HEADS: tl.constexpr,
+    PAGE: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
+    F16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,10 +176,21 @@ def _decode_split_kernel(q_ptr, q_stride_t, q_stride_h, pool_ptr, scale_ptr, b_s
 
 
 @triton.jit
-def _decode_merge_kernel(part_o_ptr, part_lse_ptr, b_seq_len_ptr, window, o_ptr, o_stride_t,
-                         o_stride_h, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr):  # fmt: skip
+def _decode_merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    b_seq_len_ptr,
+    window,
+    o_ptr,
+    o_stride_t,
+    o_stride_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(b_seq_len_ptr + b)
@@ -247,17 +289,53 @@ def decode_splits(
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     qk_scale, cap_log2 = _logit_args(scale, softcap)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, q.stride(0), q.stride(1), kv["pool"], kv["scales"], meta.b_seq_len, meta.page_table,
-        meta.page_table.stride(0), qk_scale, cap_log2, window, part_o, part_lse, out,
-        NUM_HEADS=num_heads, PAGE=kv["page"], KV_HEADS=num_kv_heads, GROUP=group,
-        HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, USE_DOT=use_dot, HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-        FP8=kv["fp8"], F16=fp8_f16(kv["fp8"], q.dtype, tiles["fp8_f16"]),
-        PRECISION=_precision(q.dtype), num_warps=tiles["warps"],
-        num_stages=tiles["fp8_stages" if kv["fp8"] else "stages"])  # fmt: skip
+        q,
+        q.stride(0),
+        q.stride(1),
+        kv["pool"],
+        kv["scales"],
+        meta.b_seq_len,
+        meta.page_table,
+        meta.page_table.stride(0),
+        qk_scale,
+        cap_log2,
+        window,
+        part_o,
+        part_lse,
+        out,
+        NUM_HEADS=num_heads,
+        PAGE=kv["page"],
+        KV_HEADS=num_kv_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        USE_DOT=use_dot,
+        HAS_WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
+        FP8=kv["fp8"],
+        F16=fp8_f16(kv["fp8"], q.dtype, tiles["fp8_f16"]),
+        PRECISION=_precision(q.dtype),
+        num_warps=tiles["warps"],
+        num_stages=tiles["fp8_stages" if kv["fp8"] else "stages"],
+    )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_o, part_lse, meta.b_seq_len, window, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-            NUM_SPLITS=num_splits, HAS_WINDOW=window > 0, num_warps=4)  # fmt: skip
+            part_o,
+            part_lse,
+            meta.b_seq_len,
+            window,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            HAS_WINDOW=window > 0,
+            num_warps=4,
+        )
     return out

@@ -46,8 +46,9 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def build(fn, constexprs: dict, warps: int, pointers: dict | None = None,
-          aligned: tuple[str, ...] = ()) -> bytes:  # fmt: skip
+def build(
+    fn, constexprs: dict, warps: int, pointers: dict | None = None, aligned: tuple[str, ...] = ()
+) -> bytes:
     """The sm_90 cubin of ``fn`` (a ``triton.jit`` function) with ``constexprs`` and ``warps``;
     integer arguments are int32, pointers as ``POINTERS`` and ``pointers`` say (else int32
     tables). Every pointer and the integers in ``aligned`` carry the multiple-of-16 hint."""

@@ -49,8 +49,11 @@ class BuildLog:
 
     def since(self, moment: float) -> tuple[int, float]:
         """(builds, their seconds) of the builds that ended after ``moment`` (perf_counter)."""
-        late = [seconds for (_, seconds), end in zip(self.builds, self.ended, strict=True)
-                if end > moment]  # fmt: skip
+        late = [
+            seconds
+            for (_, seconds), end in zip(self.builds, self.ended, strict=True)
+            if end > moment
+        ]
         return len(late), sum(late)
 
     @property

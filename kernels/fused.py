@@ -13,8 +13,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, r_ptr, y_ptr, w_ptr, eps, hidden,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(
+    x_ptr,
+    x_stride,
+    res_ptr,
+    res_stride,
+    r_ptr,
+    y_ptr,
+    w_ptr,
+    eps,
+    hidden,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < hidden
@@ -33,8 +44,17 @@ def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, r_ptr, y_ptr, w_ptr, 
 
 
 @triton.jit
-def _rotate(base_ptr, head_stride, num_heads, cos, sin, cols, col_live, HALF: tl.constexpr,
-            BLOCK_H: tl.constexpr):  # fmt: skip
+def _rotate(
+    base_ptr,
+    head_stride,
+    num_heads,
+    cos,
+    sin,
+    cols,
+    col_live,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Rotate-half of one token's heads in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     heads = tl.arange(0, BLOCK_H)
     live = (heads < num_heads)[:, None] & col_live[None, :]
@@ -46,10 +66,23 @@ def _rotate(base_ptr, head_stride, num_heads, cos, sin, cols, col_live, HALF: tl
 
 
 @triton.jit
-def _rope_kernel(q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_t, k_stride_h, pos_ptr, cs_ptr,
-                 cs_stride, num_q_heads, num_k_heads, HALF: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                 BLOCK_HK: tl.constexpr):  # fmt: skip
+def _rope_kernel(
+    q_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_ptr,
+    k_stride_t,
+    k_stride_h,
+    pos_ptr,
+    cs_ptr,
+    cs_stride,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)
@@ -101,9 +134,19 @@ def rms_norm(
     block = triton.next_power_of_2(hidden)
     res = x if residual is None else residual
     _rms_norm_kernel[(num_tokens,)](
-        x, x.stride(0), res, res.stride(0), r, y, weight, eps, hidden,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(4, block // 512)))  # fmt: skip
+        x,
+        x.stride(0),
+        res,
+        res.stride(0),
+        r,
+        y,
+        weight,
+        eps,
+        hidden,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 512)),
+    )
     return y, r
 
 
@@ -122,10 +165,23 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     if num_tokens == 0:
         return
     _rope_kernel[(num_tokens,)](
-        q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), positions, cos_sin,
-        cos_sin.stride(0), q.shape[1], k.shape[1], HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4)  # fmt: skip
+        q,
+        q.stride(0),
+        q.stride(1),
+        k,
+        k.stride(0),
+        k.stride(1),
+        positions,
+        cos_sin,
+        cos_sin.stride(0),
+        q.shape[1],
+        k.shape[1],
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        num_warps=4,
+    )
 
 
 def _act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
@@ -136,7 +192,8 @@ def _act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _act_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        gate_up, gate_up.stride(0), out, inter, ACT=act, BLOCK=block, num_warps=4)  # fmt: skip
+        gate_up, gate_up.stride(0), out, inter, ACT=act, BLOCK=block, num_warps=4
+    )
     return out
 
 

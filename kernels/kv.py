@@ -10,8 +10,17 @@ from slora_kernels import fp8
 
 
 @triton.jit
-def _kv_write_kernel(pool_ptr, k_ptr, k_stride, v_ptr, v_stride, pages_ptr, kv_dim,
-                     PAGE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _kv_write_kernel(
+    pool_ptr,
+    k_ptr,
+    k_stride,
+    v_ptr,
+    v_stride,
+    pages_ptr,
+    kv_dim,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < kv_dim
@@ -54,14 +63,33 @@ def kv_write(
         return
     block = min(1024, triton.next_power_of_2(kv_dim))
     _kv_write_kernel[(num_tokens, triton.cdiv(kv_dim, block))](
-        pool_layer, k, k.stride(0), v, v.stride(0), out_pages, kv_dim, PAGE=pool_layer.shape[1],
-        BLOCK=block, num_warps=4)  # fmt: skip
+        pool_layer,
+        k,
+        k.stride(0),
+        v,
+        v.stride(0),
+        out_pages,
+        kv_dim,
+        PAGE=pool_layer.shape[1],
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
 @triton.jit
-def _kv_write_fp8_kernel(data_ptr, scale_ptr, k_ptr, k_stride, v_ptr, v_stride, pages_ptr,
-                         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_D: tl.constexpr):  # fmt: skip
+def _kv_write_fp8_kernel(
+    data_ptr,
+    scale_ptr,
+    k_ptr,
+    k_stride,
+    v_ptr,
+    v_stride,
+    pages_ptr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -99,6 +127,16 @@ def kv_write_fp8(
         return
     head_dim = kv_dim // kv_heads
     _kv_write_fp8_kernel[(num_tokens, kv_heads)](
-        data, scales, k, k.stride(0), v, v.stride(0), out_pages, KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim, PAGE=data.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1)  # fmt: skip
+        data,
+        scales,
+        k,
+        k.stride(0),
+        v,
+        v.stride(0),
+        out_pages,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE=data.shape[1],
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1,
+    )

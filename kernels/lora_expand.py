@@ -31,20 +31,68 @@ from slora_kernels.meta import LoraMeta
 from slora_kernels.ref import lora_group
 
 
-@triton.jit(do_not_specialize=["num_segs", "target0", "target1", "target2", "v_stride",
-                               "rank_cap", "vector_max"])  # fmt: skip
-def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
-                          seg_slot_ptr, pos_seg_ptr, num_segs, rank_ptr, scale_ptr, pages_ptr,
-                          pages_stride, offsets_ptr, target0, target1, target2, col0, col1, col2,
-                          width0, width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap,
-                          vector_max, PAGE: tl.constexpr, NUM_TARGETS: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALL: tl.constexpr,
-                          INDEXED: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "num_segs",
+        "target0",
+        "target1",
+        "target2",
+        "v_stride",
+        "rank_cap",
+        "vector_max",
+    ]
+)
+def _expand_vector_kernel(
+    v_ptr,
+    v_stride,
+    pool_ptr,
+    b_slot_ptr,
+    token_order_ptr,
+    seg1_start_ptr,
+    seg_slot_ptr,
+    pos_seg_ptr,
+    num_segs,
+    rank_ptr,
+    scale_ptr,
+    pages_ptr,
+    pages_stride,
+    offsets_ptr,
+    target0,
+    target1,
+    target2,
+    col0,
+    col1,
+    col2,
+    width0,
+    width1,
+    width2,
+    blocks1,
+    blocks2,
+    out_ptr,
+    out_stride,
+    rank_cap,
+    vector_max,
+    PAGE: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALL: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
-    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                              pos_seg_ptr, num_segs, vector_max, tl.program_id(0), ALL,
-                              INDEXED)  # fmt: skip
+    tok, slot = _vector_token(
+        b_slot_ptr,
+        token_order_ptr,
+        seg1_start_ptr,
+        seg_slot_ptr,
+        pos_seg_ptr,
+        num_segs,
+        vector_max,
+        tl.program_id(0),
+        ALL,
+        INDEXED,
+    )
     if slot < 0:
         return
     nb = tl.program_id(1)
@@ -78,15 +126,55 @@ def _expand_vector_kernel(v_ptr, v_stride, pool_ptr, b_slot_ptr, token_order_ptr
     tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
-                               "v_stride", "rank_cap", "vector_max"])  # fmt: skip
-def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                   pos_seg_ptr, num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr,
-                   pages_stride, offsets_ptr, target0, target1, target2, col0, col1, col2, width0,
-                   width1, width2, blocks1, blocks2, out_ptr, out_stride, rank_cap, vector_max,
-                   PAGE: tl.constexpr,
-                   NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "num_tokens",
+        "num_segs",
+        "target0",
+        "target1",
+        "target2",
+        "v_stride",
+        "rank_cap",
+        "vector_max",
+    ]
+)
+def _expand_kernel(
+    v_ptr,
+    v_stride,
+    pool_ptr,
+    token_order_ptr,
+    seg1_start_ptr,
+    seg_slot_ptr,
+    pos_seg_ptr,
+    num_tokens,
+    num_segs,
+    rank_ptr,
+    scale_ptr,
+    pages_ptr,
+    pages_stride,
+    offsets_ptr,
+    target0,
+    target1,
+    target2,
+    col0,
+    col1,
+    col2,
+    width0,
+    width1,
+    width2,
+    blocks1,
+    blocks2,
+    out_ptr,
+    out_stride,
+    rank_cap,
+    vector_max,
+    PAGE: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b0 = tl.program_id(0) * BLOCK_T
     seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
     if seg >= num_segs:
@@ -125,8 +213,9 @@ def _expand_kernel(v_ptr, v_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
                 n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
                 b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
                 b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
-                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta,
-                               input_precision=PRECISION)  # fmt: skip
+                delta = tl.dot(
+                    vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION
+                )
             acc += delta * tl.load(scale_ptr + slot)
             touched = touched | in_seg
         seg += 1
@@ -180,19 +269,44 @@ def lora_expand(
     block_t, block_n = block_tokens(span, expand=True), _pow2_divisor(page, BLOCKS["n"])
     widths = [hi - lo for lo, hi in cols]
     starts = [lo for lo, _ in cols]
-    common = (meta.slot_rank, meta.slot_scale, meta.slot_pages, meta.slot_pages.stride(0),
-              meta.slot_offsets, *targets, *_padded(tuple(starts)),
-              *_padded(tuple(widths)))  # fmt: skip
+    common = (
+        meta.slot_rank,
+        meta.slot_scale,
+        meta.slot_pages,
+        meta.slot_pages.stride(0),
+        meta.slot_offsets,
+        *targets,
+        *_padded(tuple(starts)),
+        *_padded(tuple(widths)),
+    )
     if meta.longest > meta.vector_max and span > 0:
         first1, first2, total = _column_blocks(widths, block_n)
         grid = (triton.cdiv(span, block_t), total)
         _expand_kernel[grid](
-            v, v.stride(0), pool_layer, meta.token_order, meta.seg1_start, meta.seg_slot,
-            position_segments(meta, num_tokens), num_tokens, num_segs, *common, first1, first2,
-            out, out.stride(0), rank_cap, meta.vector_max, PAGE=page,
-            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t,
-            BLOCK_R=expand_rank_block(max_rank), BLOCK_N=block_n,
-            PRECISION=_precision(pool_layer.dtype), num_warps=BLOCKS["twarps"])  # fmt: skip
+            v,
+            v.stride(0),
+            pool_layer,
+            meta.token_order,
+            meta.seg1_start,
+            meta.seg_slot,
+            position_segments(meta, num_tokens),
+            num_tokens,
+            num_segs,
+            *common,
+            first1,
+            first2,
+            out,
+            out.stride(0),
+            rank_cap,
+            meta.vector_max,
+            PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1],
+            BLOCK_T=block_t,
+            BLOCK_R=expand_rank_block(max_rank),
+            BLOCK_N=block_n,
+            PRECISION=_precision(pool_layer.dtype),
+            num_warps=BLOCKS["twarps"],
+        )
     if meta.shortest <= meta.vector_max:
         block_r, block_n = vector_block(page, max_rank, "vn")
         first1, first2, total = _column_blocks(widths, block_n)
@@ -200,7 +314,26 @@ def lora_expand(
         if rows == 0:
             return
         _expand_vector_kernel[(rows, total)](
-            v, v.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
-            pos_seg, num_segs, *common, first1, first2, out, out.stride(0), rank_cap,
-            meta.vector_max, PAGE=page, NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r,
-            BLOCK_N=block_n, **pick, num_warps=BLOCKS["vnwarps"])  # fmt: skip
+            v,
+            v.stride(0),
+            pool_layer,
+            meta.b_slot,
+            picked,
+            meta.seg1_start,
+            meta.seg_slot,
+            pos_seg,
+            num_segs,
+            *common,
+            first1,
+            first2,
+            out,
+            out.stride(0),
+            rank_cap,
+            meta.vector_max,
+            PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1],
+            BLOCK_R=block_r,
+            BLOCK_N=block_n,
+            **pick,
+            num_warps=BLOCKS["vnwarps"],
+        )

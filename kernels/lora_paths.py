@@ -50,8 +50,17 @@ from slora_kernels.meta import VECTOR_ALL, LoraMeta
 
 
 @triton.jit
-def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which, rank_cap,
-            NUM_TARGETS: tl.constexpr):  # fmt: skip
+def _factor(
+    slot,
+    rank_ptr,
+    pages_ptr,
+    pages_stride,
+    offsets_ptr,
+    target,
+    which,
+    rank_cap,
+    NUM_TARGETS: tl.constexpr,
+):
     """(start in slot_pages, -1 without the target; rank; pointer to slot_pages[slot, start])."""
     start = tl.load(offsets_ptr + (slot * NUM_TARGETS + target) * 2 + which)
     rank = tl.minimum(tl.load(rank_ptr + slot), rank_cap)
@@ -59,8 +68,18 @@ def _factor(slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, which,
 
 
 @triton.jit
-def _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr, pos_seg_ptr, num_segs,
-                  vector_max, i, ALL: tl.constexpr, INDEXED: tl.constexpr):  # fmt: skip
+def _vector_token(
+    b_slot_ptr,
+    token_order_ptr,
+    seg1_start_ptr,
+    seg_slot_ptr,
+    pos_seg_ptr,
+    num_segs,
+    vector_max,
+    i,
+    ALL: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
     """(token, slot) of program i when the vector path owns that token, else (_, -1). ALL: every
     adapter token is on the vector path (CUDA-graph decode steps) and program i is token i, its
     slot one load away. INDEXED: token_order_ptr holds the vector path's tokens

@@ -39,15 +39,52 @@ from slora_kernels.ref import lora_group
 MAX_SPLITS, MAX_VECTOR_SPLITS = 64, 16
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_segs", "target0", "target1", "target2",
-                               "out_stride", "rank_cap", "vector_max", "rank_blocks"])  # fmt: skip
-def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                   pos_seg_ptr, num_tokens, num_segs, rank_ptr, scale_ptr, pages_ptr,
-                   pages_stride, offsets_ptr, target0, target1, target2, rank_blocks, out_ptr,
-                   out_stride, rank_cap, d_in, k_per_split, vector_max, PAGE: tl.constexpr,
-                   NUM_TARGETS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "num_tokens",
+        "num_segs",
+        "target0",
+        "target1",
+        "target2",
+        "out_stride",
+        "rank_cap",
+        "vector_max",
+        "rank_blocks",
+    ]
+)
+def _shrink_kernel(
+    x_ptr,
+    x_stride,
+    pool_ptr,
+    token_order_ptr,
+    seg1_start_ptr,
+    seg_slot_ptr,
+    pos_seg_ptr,
+    num_tokens,
+    num_segs,
+    rank_ptr,
+    scale_ptr,
+    pages_ptr,
+    pages_stride,
+    offsets_ptr,
+    target0,
+    target1,
+    target2,
+    rank_blocks,
+    out_ptr,
+    out_stride,
+    rank_cap,
+    d_in,
+    k_per_split,
+    vector_max,
+    PAGE: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     b0 = tl.program_id(0) * BLOCK_T
     j = tl.program_id(1) // rank_blocks  # the group's j-th target; its rows at columns j * rank_cap
     r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
@@ -93,23 +130,71 @@ def _shrink_kernel(x_ptr, x_stride, pool_ptr, token_order_ptr, seg1_start_ptr, s
         hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
 
 
-@triton.jit(do_not_specialize=["num_segs", "num_tokens", "target0", "target1", "target2",
-                               "out_stride", "rank_cap", "vector_max", "rank_blocks"])  # fmt: skip
-def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr, seg1_start_ptr,
-                          seg_slot_ptr, pos_seg_ptr, num_tokens, num_segs, rank_ptr, pages_ptr,
-                          pages_stride, offsets_ptr, target0, target1, target2, rank_blocks, r_span,
-                          out_ptr, out_stride, rank_cap, d_in, k_per_split, vector_max,
-                          PAGE: tl.constexpr,
-                          NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PARTIAL: tl.constexpr, ALL: tl.constexpr, INDEXED: tl.constexpr,
-                          STAGES: tl.constexpr, ONE_PAGE: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "num_segs",
+        "num_tokens",
+        "target0",
+        "target1",
+        "target2",
+        "out_stride",
+        "rank_cap",
+        "vector_max",
+        "rank_blocks",
+    ]
+)
+def _shrink_vector_kernel(
+    x_ptr,
+    x_stride,
+    pool_ptr,
+    b_slot_ptr,
+    token_order_ptr,
+    seg1_start_ptr,
+    seg_slot_ptr,
+    pos_seg_ptr,
+    num_tokens,
+    num_segs,
+    rank_ptr,
+    pages_ptr,
+    pages_stride,
+    offsets_ptr,
+    target0,
+    target1,
+    target2,
+    rank_blocks,
+    r_span,
+    out_ptr,
+    out_stride,
+    rank_cap,
+    d_in,
+    k_per_split,
+    vector_max,
+    PAGE: tl.constexpr,
+    NUM_TARGETS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    ALL: tl.constexpr,
+    INDEXED: tl.constexpr,
+    STAGES: tl.constexpr,
+    ONE_PAGE: tl.constexpr,
+):
     """One token (program_id(0), see _vector_token) of a short segment, one target of the group
     and one span of r_span rank rows (program_id(1) = target * rank_blocks + span), one split of
     d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]. With rank_blocks 1 the span is the whole
     rank, walked BLOCK_R rows at a time."""
-    tok, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                              pos_seg_ptr, num_segs, vector_max, tl.program_id(0), ALL,
-                              INDEXED)  # fmt: skip
+    tok, slot = _vector_token(
+        b_slot_ptr,
+        token_order_ptr,
+        seg1_start_ptr,
+        seg_slot_ptr,
+        pos_seg_ptr,
+        num_segs,
+        vector_max,
+        tl.program_id(0),
+        ALL,
+        INDEXED,
+    )
     if slot < 0:
         return
     j = tl.program_id(1) // rank_blocks
@@ -140,18 +225,51 @@ def _shrink_vector_kernel(x_ptr, x_stride, pool_ptr, b_slot_ptr, token_order_ptr
         acc = tl.zeros([BLOCK_R], tl.float32)
         if STAGES > 0:
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-                acc += _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols,
-                                 PAGE, BLOCK_K, ONE_PAGE)  # fmt: skip
+                acc += _row_dots(
+                    x_row,
+                    pool_ptr,
+                    row_pages,
+                    first,
+                    row_live,
+                    k0,
+                    k_hi,
+                    cols,
+                    PAGE,
+                    BLOCK_K,
+                    ONE_PAGE,
+                )
         else:
             for k0 in range(k_lo, k_hi, BLOCK_K):
-                acc += _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols,
-                                 PAGE, BLOCK_K, ONE_PAGE)  # fmt: skip
+                acc += _row_dots(
+                    x_row,
+                    pool_ptr,
+                    row_pages,
+                    first,
+                    row_live,
+                    k0,
+                    k_hi,
+                    cols,
+                    PAGE,
+                    BLOCK_K,
+                    ONE_PAGE,
+                )
         tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
 
 
 @triton.jit
-def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE: tl.constexpr,
-              BLOCK_K: tl.constexpr, ONE_PAGE: tl.constexpr):  # fmt: skip
+def _row_dots(
+    x_row,
+    pool_ptr,
+    row_pages,
+    first,
+    row_live,
+    k0,
+    k_hi,
+    cols,
+    PAGE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_PAGE: tl.constexpr,
+):
     """sum_k x[k0 + k] A[r, k0 + k] over one chunk of columns, for each row r of a block."""
     col_live = k0 + cols < k_hi
     xv = tl.load(x_row + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
@@ -165,21 +283,63 @@ def _row_dots(x_row, pool_ptr, row_pages, first, row_live, k0, k_hi, cols, PAGE:
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "num_segs", "target0", "target1",
-                               "target2", "part_stride", "rank_cap", "vector_max"])  # fmt: skip
-def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_ptr,
-                          token_order_ptr, seg1_start_ptr, seg_slot_ptr, pos_seg_ptr, num_segs,
-                          rank_ptr, offsets_ptr, target0, target1, target2, out_ptr, out_stride,
-                          rank_cap, vector_max, NUM_TARGETS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_SPLIT: tl.constexpr, VECTOR: tl.constexpr, ALL: tl.constexpr,
-                          INDEXED: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=[
+        "num_splits",
+        "num_tokens",
+        "num_segs",
+        "target0",
+        "target1",
+        "target2",
+        "part_stride",
+        "rank_cap",
+        "vector_max",
+    ]
+)
+def _shrink_reduce_kernel(
+    part_ptr,
+    part_stride,
+    num_splits,
+    num_tokens,
+    b_slot_ptr,
+    token_order_ptr,
+    seg1_start_ptr,
+    seg_slot_ptr,
+    pos_seg_ptr,
+    num_segs,
+    rank_ptr,
+    offsets_ptr,
+    target0,
+    target1,
+    target2,
+    out_ptr,
+    out_stride,
+    rank_cap,
+    vector_max,
+    NUM_TARGETS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_SPLIT: tl.constexpr,
+    VECTOR: tl.constexpr,
+    ALL: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
     """Adds the fp32 partial sums of the tokens one path (VECTOR: short segments) computed."""
     i = tl.program_id(0)  # sorted position (token with ALL)
     j = tl.program_id(1)
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     if VECTOR:
-        t, slot = _vector_token(b_slot_ptr, token_order_ptr, seg1_start_ptr, seg_slot_ptr,
-                                pos_seg_ptr, num_segs, vector_max, i, ALL, INDEXED)  # fmt: skip
+        t, slot = _vector_token(
+            b_slot_ptr,
+            token_order_ptr,
+            seg1_start_ptr,
+            seg_slot_ptr,
+            pos_seg_ptr,
+            num_segs,
+            vector_max,
+            i,
+            ALL,
+            INDEXED,
+        )
     else:
         seg = tl.load(pos_seg_ptr + i)
         safe = tl.minimum(seg, num_segs - 1)
@@ -194,20 +354,28 @@ def _shrink_reduce_kernel(part_ptr, part_stride, num_splits, num_tokens, b_slot_
         return
     rows = tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_SPLIT)
-    part_ptrs = (part_ptr + (splits[:, None] * num_tokens + t).to(tl.int64) * part_stride
-                 + j * rank_cap + rows)  # fmt: skip
+    part_ptrs = (
+        part_ptr
+        + (splits[:, None] * num_tokens + t).to(tl.int64) * part_stride
+        + j * rank_cap
+        + rows
+    )
     live = (splits < num_splits)[:, None] & (rows < rank)[None, :]
     total = tl.sum(tl.load(part_ptrs, mask=live, other=0.0), 0)
     tl.store(out_ptr + t.to(tl.int64) * out_stride + j * rank_cap + rows, total, mask=rows < rank)
 
 
-def shrink_splits(device: torch.device, num_tokens: int, max_rank: int, d_in: int,
-                  num_targets: int = 1) -> int:  # fmt: skip
+def shrink_splits(
+    device: torch.device, num_tokens: int, max_rank: int, d_in: int, num_targets: int = 1
+) -> int:
     """Splits of the reduction, from host ints only: enough programs for ~4 waves of the SMs,
     each split at least BLOCKS["split_min_k"] elements long."""
     block_r = tiled_rank_block(max_rank)
-    programs = (triton.cdiv(num_tokens, block_tokens(num_tokens))
-                * triton.cdiv(max_rank, block_r) * num_targets)  # fmt: skip
+    programs = (
+        triton.cdiv(num_tokens, block_tokens(num_tokens))
+        * triton.cdiv(max_rank, block_r)
+        * num_targets
+    )
     want = triton.cdiv(4 * sm_count(device), programs)
     return max(1, min(want, d_in // BLOCKS["split_min_k"], MAX_SPLITS))
 
@@ -239,8 +407,14 @@ def lora_shrink(
     page = pool_layer.shape[1]
     span = _tiled_span(meta, num_tokens)
     if meta.longest > meta.vector_max and span > 0:  # tiled: segments longer than vector_max
-        common = (meta.token_order, meta.seg1_start, meta.seg_slot,
-                  position_segments(meta, num_tokens), num_tokens, num_segs)  # fmt: skip
+        common = (
+            meta.token_order,
+            meta.seg1_start,
+            meta.seg_slot,
+            position_segments(meta, num_tokens),
+            num_tokens,
+            num_segs,
+        )
         block_t, block_k = block_tokens(span), _pow2_divisor(page, BLOCKS["k"])
         block_r = tiled_rank_block(max_rank)
         rank_blocks = triton.cdiv(max_rank, block_r)
@@ -250,12 +424,32 @@ def lora_shrink(
         dst = _partials(out, splits)
         grid = (triton.cdiv(span, block_t), group * rank_blocks, splits)
         _shrink_kernel[grid](
-            x, x.stride(0), pool_layer, *common, meta.slot_rank, meta.slot_scale,
-            meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
-            dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
-            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_T=block_t, BLOCK_R=block_r,
-            BLOCK_K=block_k, PARTIAL=splits > 1, PRECISION=_precision(x.dtype),
-            num_warps=BLOCKS["twarps"])  # fmt: skip
+            x,
+            x.stride(0),
+            pool_layer,
+            *common,
+            meta.slot_rank,
+            meta.slot_scale,
+            meta.slot_pages,
+            meta.slot_pages.stride(0),
+            meta.slot_offsets,
+            *targets,
+            rank_blocks,
+            dst,
+            dst.stride(-2),
+            rank_cap,
+            d_in,
+            k_per_split,
+            meta.vector_max,
+            PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1],
+            BLOCK_T=block_t,
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            PARTIAL=splits > 1,
+            PRECISION=_precision(x.dtype),
+            num_warps=BLOCKS["twarps"],
+        )
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=False)
     if meta.shortest <= meta.vector_max:  # vector: one token per program
         block_r, block_k = vector_block(page, max_rank, "vk")
@@ -272,13 +466,39 @@ def lora_shrink(
         if rows == 0:
             return
         _shrink_vector_kernel[(rows, group * rank_blocks, splits)](
-            x, x.stride(0), pool_layer, meta.b_slot, picked, meta.seg1_start, meta.seg_slot,
-            pos_seg, num_tokens, num_segs, meta.slot_rank,
-            meta.slot_pages, meta.slot_pages.stride(0), meta.slot_offsets, *targets, rank_blocks,
-            r_span, dst, dst.stride(-2), rank_cap, d_in, k_per_split, meta.vector_max, PAGE=page,
-            NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=block_r, BLOCK_K=block_k,
-            PARTIAL=splits > 1, **pick, STAGES=BLOCKS["vstages"], ONE_PAGE=d_in <= page,
-            num_warps=BLOCKS["vwarps"])  # fmt: skip
+            x,
+            x.stride(0),
+            pool_layer,
+            meta.b_slot,
+            picked,
+            meta.seg1_start,
+            meta.seg_slot,
+            pos_seg,
+            num_tokens,
+            num_segs,
+            meta.slot_rank,
+            meta.slot_pages,
+            meta.slot_pages.stride(0),
+            meta.slot_offsets,
+            *targets,
+            rank_blocks,
+            r_span,
+            dst,
+            dst.stride(-2),
+            rank_cap,
+            d_in,
+            k_per_split,
+            meta.vector_max,
+            PAGE=page,
+            NUM_TARGETS=meta.slot_offsets.shape[1],
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            PARTIAL=splits > 1,
+            **pick,
+            STAGES=BLOCKS["vstages"],
+            ONE_PAGE=d_in <= page,
+            num_warps=BLOCKS["vwarps"],
+        )
         _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
 
 
@@ -299,9 +519,27 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
         rows, picked = _tiled_span(meta, num_tokens), meta.token_order
         pick, pos_seg = {"ALL": False, "INDEXED": False}, position_segments(meta, num_tokens)
     _shrink_reduce_kernel[(rows, group)](
-        dst, dst.stride(1), splits, num_tokens, meta.b_slot, picked, meta.seg1_start,
-        meta.seg_slot, pos_seg, meta.seg_slot.shape[0], meta.slot_rank, meta.slot_offsets,
-        *targets, out, out.stride(0), rank_cap, meta.vector_max,
-        NUM_TARGETS=meta.slot_offsets.shape[1], BLOCK_R=triton.next_power_of_2(rank_cap),
-        BLOCK_SPLIT=MAX_VECTOR_SPLITS if vector else MAX_SPLITS, VECTOR=vector, **pick,
-        num_warps=4)  # fmt: skip
+        dst,
+        dst.stride(1),
+        splits,
+        num_tokens,
+        meta.b_slot,
+        picked,
+        meta.seg1_start,
+        meta.seg_slot,
+        pos_seg,
+        meta.seg_slot.shape[0],
+        meta.slot_rank,
+        meta.slot_offsets,
+        *targets,
+        out,
+        out.stride(0),
+        rank_cap,
+        meta.vector_max,
+        NUM_TARGETS=meta.slot_offsets.shape[1],
+        BLOCK_R=triton.next_power_of_2(rank_cap),
+        BLOCK_SPLIT=MAX_VECTOR_SPLITS if vector else MAX_SPLITS,
+        VECTOR=vector,
+        **pick,
+        num_warps=4,
+    )

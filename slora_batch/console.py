@@ -252,19 +252,33 @@ class ProgressDisplay:
         if self.task is None:
             # the rows of earlier runs are the task's start, not progress to measure speed on
             self.task = self.progress.add_task(
-                f"{event.job}: {event.phase}", total=event.rows_total, completed=event.rows_done,
-                generated=0.0, computed=0.0, resident=0, eta=clock(None),
-            )  # fmt: skip
+                f"{event.job}: {event.phase}",
+                total=event.rows_total,
+                completed=event.rows_done,
+                generated=0.0,
+                computed=0.0,
+                resident=0,
+                eta=clock(None),
+            )
             self.progress.start()
         if event.phase in ("scanning", "loading"):
-            self.progress.update(self.task, description=f"{event.job}: {event.phase}",
-                                 total=event.rows_total, completed=event.rows_done)  # fmt: skip
+            self.progress.update(
+                self.task,
+                description=f"{event.job}: {event.phase}",
+                total=event.rows_total,
+                completed=event.rows_done,
+            )
             return
         self.progress.update(
-            self.task, description=event.job, total=event.rows_total, completed=event.rows_done,
-            generated=generated_per_s(event), computed=tokens_per_s(event),
-            resident=event.adapters_resident, eta=clock(seconds_left(event)),
-        )  # fmt: skip
+            self.task,
+            description=event.job,
+            total=event.rows_total,
+            completed=event.rows_done,
+            generated=generated_per_s(event),
+            computed=tokens_per_s(event),
+            resident=event.adapters_resident,
+            eta=clock(seconds_left(event)),
+        )
 
     def _line(self, event: JobProgress) -> None:
         """The plain lines: the job's loading (its scan and its rows to do are the job runner's
@@ -318,21 +332,33 @@ def print_summary(summary: JobSummary, job) -> None:
     table.add_column(style="bold")
     table.add_column()
     for name, value in (
-        ("rows", f"{_plural(s['rows'], 'row')} ({s['ok_rows']:,} ok, {_plural(s['error_rows'], 'error')})"),
+        (
+            "rows",
+            f"{_plural(s['rows'], 'row')} ({s['ok_rows']:,} ok, {_plural(s['error_rows'], 'error')})",
+        ),
         ("tokens", _tokens(summary)),
-        ("this run", f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f}, warmup "
-                     f"{s['warmup_s'] or 0:.1f}, engine {s['engine_s']:.1f}, read "
-                     f"{s['read_s']:.1f}, write {s['write_s']:.1f} s"),
+        (
+            "this run",
+            f"{s['wall_s']:.1f} s: load {s['load_s'] or 0:.1f}, warmup "
+            f"{s['warmup_s'] or 0:.1f}, engine {s['engine_s']:.1f}, read "
+            f"{s['read_s']:.1f}, write {s['write_s']:.1f} s",
+        ),
         ("speed", _speed(s)),
-        ("adapters", f"{s['adapters_seen']} used, {s['adapters_broken']} unusable; "
-                     f"{_plural(s['adapter_loads'], 'load')} ({s['adapter_disk_loads']} from disk), "
-                     f"{_plural(s['adapter_evictions'], 'eviction')}, "
-                     f"{_plural(s['prefetch_hits'], 'prefetch hit')}"),
-        ("pool", f"peak {_plural(s['peak_pool_pages'], 'page')}; prefix cache: "
-                 f"{s.get('prefix_hit_tokens') or 0:,} prompt tokens found, "
-                 f"{_plural(s.get('block_evictions') or 0, 'block eviction')}"),
+        (
+            "adapters",
+            f"{s['adapters_seen']} used, {s['adapters_broken']} unusable; "
+            f"{_plural(s['adapter_loads'], 'load')} ({s['adapter_disk_loads']} from disk), "
+            f"{_plural(s['adapter_evictions'], 'eviction')}, "
+            f"{_plural(s['prefetch_hits'], 'prefetch hit')}",
+        ),
+        (
+            "pool",
+            f"peak {_plural(s['peak_pool_pages'], 'page')}; prefix cache: "
+            f"{s.get('prefix_hit_tokens') or 0:,} prompt tokens found, "
+            f"{_plural(s.get('block_evictions') or 0, 'block eviction')}",
+        ),
         ("device", f"{s['device']}, {s['dtype']}"),
-    ):  # fmt: skip
+    ):
         table.add_row(name, value)
     out.print(_fold(table))
     if summary.rows_skipped:

@@ -11,8 +11,11 @@ from slora_batch.engine.counters import TURN_PHASES
 
 SCORE_TARGET = 20.0  # score@N / peft-score best, rows/s (the issue's target)
 # the prefix cache's issue: (system, the one it is measured against, need >= this), per count
-PREFIX_TARGETS = (("prefix", "prefix-off", 3.0), ("slora", "slora-off", 0.98),
-                  ("samples", "samples-separate", 4.0))  # fmt: skip
+PREFIX_TARGETS = (
+    ("prefix", "prefix-off", 3.0),
+    ("slora", "slora-off", 0.98),
+    ("samples", "samples-separate", 4.0),
+)
 OWN_WORKLOAD = ("prefix", "prefix-off", "samples", "samples-separate")  # not slora's requests
 
 
@@ -79,9 +82,13 @@ def acceptance(rows: list[dict]) -> list[str]:
             ratio = tok(one, r["adapters"])
             lines.append(
                 f"- {r['system']}@{r['adapters']} ({layout}) = {r['output_tokens_per_s']:.0f} "
-                f"tok/s" + (f", {r['output_tokens_per_s'] / ratio:.2f}x {one}@{r['adapters']}"
-                            if ratio else f"; {one}@{r['adapters']} not measured")
-            )  # fmt: skip
+                f"tok/s"
+                + (
+                    f", {r['output_tokens_per_s'] / ratio:.2f}x {one}@{r['adapters']}"
+                    if ratio
+                    else f"; {one}@{r['adapters']} not measured"
+                )
+            )
             if r["system"] == "slora-par" and tok("base-par", 0):
                 lines.append(
                     f"- slora-par@{r['adapters']} / base-par ({layout}) = "
@@ -137,9 +144,11 @@ def _json_acceptance(ok: list[dict]) -> list[str]:
         mask = f"masks filled in {r.get('grammar_mask_s') or 0.0:.1f} s on the host"
         if free is None:
             return mask
-        return (f"decode batch {r.get('decode_batch') or 0:.0f} vs "
-                f"{free.get('decode_batch') or 0:.0f}; {mask} for {r.get('grammar_rows', 0)} "
-                f"constrained draws, wall {r['wall_s']:.1f} s")  # fmt: skip
+        return (
+            f"decode batch {r.get('decode_batch') or 0:.0f} vs "
+            f"{free.get('decode_batch') or 0:.0f}; {mask} for {r.get('grammar_rows', 0)} "
+            f"constrained draws, wall {r['wall_s']:.1f} s"
+        )
 
     return _paired(ok, "json", "json-free", "output_tokens_per_s", JSON_TARGET, detail)
 
@@ -148,14 +157,18 @@ def _eval_acceptance(ok: list[dict]) -> list[str]:
     """The lm-eval sweep against the engine alone on its rows, and where the sweep's time went."""
 
     def detail(r: dict, alone: dict | None) -> str:
-        parts = (f"{r['finished']} rows in {r['wall_s']:.1f} s past start-up: engine "
-                 f"{r['eval_engine_s']:.1f} s, the rest (lm-eval, the job's files) "
-                 f"{r['eval_rest_s']:.1f} s; start-up {r['setup_s']:.1f} s")  # fmt: skip
+        parts = (
+            f"{r['finished']} rows in {r['wall_s']:.1f} s past start-up: engine "
+            f"{r['eval_engine_s']:.1f} s, the rest (lm-eval, the job's files) "
+            f"{r['eval_rest_s']:.1f} s; start-up {r['setup_s']:.1f} s"
+        )
         if alone is None:
             return parts
-        loads = (f"; adapter files read {r.get('disk_loads', 0):.0f} vs "
-                 f"{alone.get('disk_loads', 0):.0f} alone, "
-                 f"{alone.get('loader_waits', 0):.0f} reads waited for alone")  # fmt: skip
+        loads = (
+            f"; adapter files read {r.get('disk_loads', 0):.0f} vs "
+            f"{alone.get('disk_loads', 0):.0f} alone, "
+            f"{alone.get('loader_waits', 0):.0f} reads waited for alone"
+        )
         return f"{r['rows_per_s']:.1f} vs {alone['rows_per_s']:.1f}; {parts}{loads}"
 
     return _paired(ok, "eval", "eval-score", "rows_per_s", EVAL_TARGET, detail)

@@ -51,8 +51,20 @@ SCORING = ("score", "peft-score")
 PREFIX = ("slora-off", *PREFIX_ROWS, *SAMPLES)
 PEFT_SYSTEMS = ("peft", "peft-score")  # transformers + PEFT: --peft-max-seconds, <= 100 adapters
 PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measures its loading
-SYSTEMS = ("base", "slora", "json", "json-free", "eval-score", "eval", "peft", *ABLATIONS,
-           "job", *SCORING, *PREFIX, *PARALLEL)  # fmt: skip
+SYSTEMS = (
+    "base",
+    "slora",
+    "json",
+    "json-free",
+    "eval-score",
+    "eval",
+    "peft",
+    *ABLATIONS,
+    "job",
+    *SCORING,
+    *PREFIX,
+    *PARALLEL,
+)
 DEFAULT_SYSTEMS = ("base", "slora", "peft", *ABLATIONS)
 
 
@@ -173,9 +185,21 @@ class BenchConfig:
             1 <= self.samples_n <= MAX_N,
             f"samples_n must be from 1 to {MAX_N}, got {self.samples_n}",
         )
-        for name in ("requests", "peft_requests", "peft_batch", "score_rows", "score_choices",
-                     "peft_score_rows", "peft_score_batch", "prefix_rows", "prefix_tokens",
-                     "prefix_output", "samples_prompts", "eval_docs", "eval_context"):  # fmt: skip
+        for name in (
+            "requests",
+            "peft_requests",
+            "peft_batch",
+            "score_rows",
+            "score_choices",
+            "peft_score_rows",
+            "peft_score_batch",
+            "prefix_rows",
+            "prefix_tokens",
+            "prefix_output",
+            "samples_prompts",
+            "eval_docs",
+            "eval_context",
+        ):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         check(
             self.warmup_requests >= 0, f"warmup_requests must be >= 0, got {self.warmup_requests}"

@@ -168,8 +168,9 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
         weights = model.weights
         if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
             weights = RandomWeights(model.spec, cfg.seed, model.dtype)
-        engine = open_engine(model.model_dir, sources, config, SamplingConfig(ignore_eos=True),
-                             weights)  # fmt: skip
+        engine = open_engine(
+            model.model_dir, sources, config, SamplingConfig(ignore_eos=True), weights
+        )
     else:
         engine = Engine(
             model.model_dir,
@@ -183,7 +184,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
                 kv_cache_dtype=cfg.kv_cache_dtype,
                 weights=cfg.weights,
                 max_adapters_per_batch=cfg.max_adapters_per_batch,
-            ),  # fmt: skip
+            ),
             sampling=SamplingConfig(ignore_eos=True),
             weights=model.weights,
             grammar_tokens=grammar_tokens(model.spec.vocab_size) if system == "json" else None,

@@ -43,13 +43,55 @@ TASK = "bench_mc"
 CHOICES = 4
 TOKENIZER_SKIP = {"config.json", "generation_config.json"}  # the model's, not the tokenizer's
 WORDS = (
-    "river", "stone", "light", "market", "garden", "window", "letter", "winter", "morning",
-    "signal", "harbor", "forest", "engine", "valley", "silver", "mirror", "candle",
-    "bridge", "orbit", "meadow", "copper", "thunder", "lantern", "castle", "pepper",
-    "rocket", "island", "canvas", "velvet", "marble", "anchor", "compass", "feather",
-    "glacier", "hammer", "jungle", "ladder", "magnet", "needle", "oyster", "pillow",
-    "quartz", "saddle", "tunnel", "violin", "wagon", "yarn", "zebra"
-)  # fmt: skip
+    "river",
+    "stone",
+    "light",
+    "market",
+    "garden",
+    "window",
+    "letter",
+    "winter",
+    "morning",
+    "signal",
+    "harbor",
+    "forest",
+    "engine",
+    "valley",
+    "silver",
+    "mirror",
+    "candle",
+    "bridge",
+    "orbit",
+    "meadow",
+    "copper",
+    "thunder",
+    "lantern",
+    "castle",
+    "pepper",
+    "rocket",
+    "island",
+    "canvas",
+    "velvet",
+    "marble",
+    "anchor",
+    "compass",
+    "feather",
+    "glacier",
+    "hammer",
+    "jungle",
+    "ladder",
+    "magnet",
+    "needle",
+    "oyster",
+    "pillow",
+    "quartz",
+    "saddle",
+    "tunnel",
+    "violin",
+    "wagon",
+    "yarn",
+    "zebra",
+)
 TASK_YAML = """task: {task}
 dataset_path: json
 dataset_kwargs: {{data_files: {{test: {data}}}}}
@@ -88,8 +130,12 @@ def write_task(root: Path, docs: int, context_words: int, seed: int) -> Path:
     for i in range(docs):
         passage = words(rng.randint(context_words // 2, context_words))
         answers = [words(rng.randint(3, 12)) for _ in range(CHOICES)]
-        doc = {"passage": passage, "question": words(6) + "?", "choices": answers,
-               "answer": i % CHOICES}  # fmt: skip
+        doc = {
+            "passage": passage,
+            "question": words(6) + "?",
+            "choices": answers,
+            "answer": i % CHOICES,
+        }
         lines.append(json.dumps(doc) + "\n")
     data = root / "mc.jsonl"
     data.write_text("".join(lines))
@@ -136,9 +182,14 @@ def sweep_rows(ctx, n: int) -> list[Request]:
     requests = []
     for adapter in [None, *(adapter_name(i) for i in range(n))]:
         for row in rows:
-            requests.append(Request(id=len(requests), adapter=adapter,
-                                    prompt_token_ids=row["prompt_token_ids"],
-                                    continuation_token_ids=row["continuation_token_ids"]))  # fmt: skip
+            requests.append(
+                Request(
+                    id=len(requests),
+                    adapter=adapter,
+                    prompt_token_ids=row["prompt_token_ids"],
+                    continuation_token_ids=row["continuation_token_ids"],
+                )
+            )
     return requests
 
 
@@ -223,7 +274,12 @@ def run_eval_system(ctx, n: int) -> dict:
         host_share=math.nan,
         decode_host_share=math.nan,
     )
-    result.update({k: v for k, v in figures(ctx, work, rows - errors, timed_s).items()
-                   if k not in ("output_tokens_per_s", "requests_per_s")})  # fmt: skip
+    result.update(
+        {
+            k: v
+            for k, v in figures(ctx, work, rows - errors, timed_s).items()
+            if k not in ("output_tokens_per_s", "requests_per_s")
+        }
+    )
     shutil.rmtree(out, ignore_errors=True)
     return result

@@ -113,9 +113,12 @@ class RandomWeights:
 
     def names(self) -> list[str]:
         s = self.spec
-        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                     *(f"self_attn.{t}_proj.weight" for t in "qkvo"),
-                     *(f"mlp.{t}_proj.weight" for t in ("gate", "up", "down"))]  # fmt: skip
+        per_layer = [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            *(f"self_attn.{t}_proj.weight" for t in "qkvo"),
+            *(f"mlp.{t}_proj.weight" for t in ("gate", "up", "down")),
+        ]
         if s.attention_bias:
             per_layer += [f"self_attn.{t}_proj.bias" for t in "qkv"]
         if s.qk_norm:
@@ -136,16 +139,26 @@ class RandomWeights:
             return (h,)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (s.vocab_size, h)
-        out_in = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-                  "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[last]  # fmt: skip
+        out_in = {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }[last]
         return out_in[:1] if name.endswith(".bias") else out_in
 
     def pop(self, name: str, default=None) -> torch.Tensor | None:
         if name not in self._known:
             return default
         shape = self.shape(name)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")  # fmt: skip
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if name.endswith("norm.weight"):  # Gemma's norms are 1 + w
             fill = 0.0 if self.spec.gemma_norms else 1.0
             return torch.full(shape, fill, dtype=self.dtype, device=device)
@@ -261,8 +274,9 @@ def build_model(
     if not hf:
         weights = RandomWeights(spec, seed, dtype)
         num_params = weights.num_params()
-        log.info("model %s: %.2fB parameters, made on demand by each engine", preset,
-                 num_params / 1e9)  # fmt: skip
+        log.info(
+            "model %s: %.2fB parameters, made on demand by each engine", preset, num_params / 1e9
+        )
         return BenchModel(None, weights, model_dir, spec, device, dtype, num_params)
     torch.manual_seed(seed)
     with torch.device(device):

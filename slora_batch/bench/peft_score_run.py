@@ -70,8 +70,13 @@ def run_peft_score(ctx, n: int) -> dict:
     finally:
         peft_model.unload()  # gives the base model its own modules back for the next runs
         del peft_model
-    log.info("peft-score: %d adapters, %d of %d batches of up to %d rows", n, done, len(batches),
-             cfg.peft_score_batch)  # fmt: skip
+    log.info(
+        "peft-score: %d adapters, %d of %d batches of up to %d rows",
+        n,
+        done,
+        len(batches),
+        cfg.peft_score_batch,
+    )
     row = dict(
         system="peft-score",
         adapters=n,

@@ -46,5 +46,8 @@ def sample_requests(prompts: list[Request], k: int, separate: bool) -> list[Requ
     1, 2 (prompt 0), then 3, 4, 5 (prompt 1)."""
     if not separate:
         return [replace(r, n=k, temperature=SAMPLE_TEMPERATURE) for r in prompts]
-    return [replace(r, id=r.id * k + j, temperature=SAMPLE_TEMPERATURE)
-            for r in prompts for j in range(k)]  # fmt: skip
+    return [
+        replace(r, id=r.id * k + j, temperature=SAMPLE_TEMPERATURE)
+        for r in prompts
+        for j in range(k)
+    ]

@@ -19,8 +19,14 @@ from slora_batch.bench.formatting import missing, num, pct
 from slora_batch.bench.plot import plot
 
 # the scoring systems' rows have no output tokens (NaN) and two figures of their own
-SUMMARY_KEYS = ("requests_per_s", "output_tokens_per_s", "roofline_fraction", "floor_fraction",
-                "rows_per_s", "scored_tokens_per_s")  # fmt: skip
+SUMMARY_KEYS = (
+    "requests_per_s",
+    "output_tokens_per_s",
+    "roofline_fraction",
+    "floor_fraction",
+    "rows_per_s",
+    "scored_tokens_per_s",
+)
 
 
 def write_outputs(out: Path, rows: list[dict], meta: dict) -> None:

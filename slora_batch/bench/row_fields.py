@@ -14,9 +14,15 @@ from slora_kernels.builds import BuildLog
 
 
 def engine_row(
-    ctx, system: str, n: int, requests: int, finished: int, mismatches: int, setup_s: float,
+    ctx,
+    system: str,
+    n: int,
+    requests: int,
+    finished: int,
+    mismatches: int,
+    setup_s: float,
     timed: Timed,
-) -> dict:  # fmt: skip
+) -> dict:
     """The first fields of every engine run's row, whatever its workload."""
     cfg, parallel = ctx.config, system.endswith("-par")
     return dict(
@@ -74,10 +80,12 @@ def floor_fields(
         return dict.fromkeys((*PARTS, "floor2_s", "floor_fraction"), math.nan)
     model, spec = ctx.model, ctx.model.spec
     elt = torch.finfo(model.dtype).bits // 8
-    weights = weight_bytes(model.num_params, spec.vocab_size, spec.hidden_size,
-                           spec.tie_word_embeddings, elt)  # fmt: skip
-    parts = floor_parts(trace, weights, model.kv_bytes_per_token, model.num_params, ctx.rates,
-                        devices)  # fmt: skip
+    weights = weight_bytes(
+        model.num_params, spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings, elt
+    )
+    parts = floor_parts(
+        trace, weights, model.kv_bytes_per_token, model.num_params, ctx.rates, devices
+    )
     parts["floor_fraction"] = parts["floor2_s"] / wall_s
     return parts
 
@@ -86,8 +94,7 @@ def build_counts(warmup: BuildLog, timed: BuildLog) -> dict[str, float]:
     """Triton builds in the warm-up and in the timed run (NaN where Triton has no JIT hooks)."""
     if not timed.available:
         return dict.fromkeys(("warmup_builds", "kernel_builds", "kernel_build_s"), math.nan)
-    return dict(warmup_builds=warmup.count, kernel_builds=timed.count,
-                kernel_build_s=timed.seconds)  # fmt: skip
+    return dict(warmup_builds=warmup.count, kernel_builds=timed.count, kernel_build_s=timed.seconds)
 
 
 def _share(part: float, whole: float) -> float:

@@ -48,8 +48,9 @@ def _commit() -> str:
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
 
     try:
         head = git("rev-parse", "HEAD")

@@ -91,8 +91,13 @@ def timed_run(
     results.close()
     delta = {k: after - (0 if k in GAUGES else before[k]) for k, after in _counters(engine).items()}
     if builds.count:
-        log.info("%s: %d Triton builds in the timed run, %.1f s: %s", label, builds.count,
-                 builds.seconds, ", ".join(builds.names))  # fmt: skip
+        log.info(
+            "%s: %d Triton builds in the timed run, %.1f s: %s",
+            label,
+            builds.count,
+            builds.seconds,
+            ", ".join(builds.names),
+        )
         for detail in builds.details:
             log.info("  built %s", detail)
     return Timed(wall_s, fed[0], errors, stopped, partial, delta, builds)
@@ -130,8 +135,11 @@ def _counters(engine: Engine, live: bool = False) -> dict[str, float]:
     values = asdict(engine.counters)
     cache = getattr(getattr(engine, "scheduler", None), "cache", None)
     if live and cache is not None:
-        values.update(prefix_hit_tokens=cache.hit_tokens, cached_blocks=len(cache.blocks),
-                      block_evictions=cache.evictions)  # fmt: skip
+        values.update(
+            prefix_hit_tokens=cache.hit_tokens,
+            cached_blocks=len(cache.blocks),
+            block_evictions=cache.evictions,
+        )
     return {k: float(values.get(k, math.nan)) for k in COUNTERS}
 
 

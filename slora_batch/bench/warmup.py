@@ -67,7 +67,15 @@ def _warmup(requests: list[Request], whole: bool) -> list[Request]:
         if r.scored:
             out.append(replace(r, id=f"warmup-{r.id}", prompt_token_ids=prompt))
             continue
-        out.append(Request(id=f"warmup-{r.id}", adapter=r.adapter, prompt_token_ids=prompt,
-                           max_new_tokens=WARMUP_NEW_TOKENS, ignore_eos=True,
-                           temperature=r.temperature or 0.0, n=r.n))  # fmt: skip
+        out.append(
+            Request(
+                id=f"warmup-{r.id}",
+                adapter=r.adapter,
+                prompt_token_ids=prompt,
+                max_new_tokens=WARMUP_NEW_TOKENS,
+                ignore_eos=True,
+                temperature=r.temperature or 0.0,
+                n=r.n,
+            )
+        )
     return out

@@ -91,15 +91,19 @@ class ScoreWorkload:
     def generate(cls, config, vocab_size: int) -> ScoreWorkload:
         rng = np.random.default_rng(config.seed)
         count, k = config.score_rows, config.score_choices
-        context_lens = rng.integers(config.score_min_context, config.score_max_context + 1,
-                                    size=count)  # fmt: skip
-        choice_lens = rng.integers(config.score_min_choice, config.score_max_choice + 1,
-                                   size=(count, k))  # fmt: skip
+        context_lens = rng.integers(
+            config.score_min_context, config.score_max_context + 1, size=count
+        )
+        choice_lens = rng.integers(
+            config.score_min_choice, config.score_max_choice + 1, size=(count, k)
+        )
         draws = rng.power(0.1 if config.skewed else 1.0, size=count)
         # ids 0-2 are pad, BOS and EOS, as in Workload
         contexts = [rng.integers(3, vocab_size, size=int(n)).tolist() for n in context_lens]
-        choices = [[rng.integers(3, vocab_size, size=int(m)).tolist() for m in lens]
-                   for lens in choice_lens]  # fmt: skip
+        choices = [
+            [rng.integers(3, vocab_size, size=int(m)).tolist() for m in lens]
+            for lens in choice_lens
+        ]
         return cls(contexts=contexts, choices=choices, draws=draws)
 
     def adapters(self, n: int) -> list[str | None]:
@@ -120,7 +124,7 @@ class ScoreWorkload:
                 adapter=names[i],
                 prompt_token_ids=self.contexts[i],
                 choices_token_ids=self.choices[i],
-            )  # fmt: skip
+            )
             for i in range(count)
         ]
 
@@ -142,8 +146,9 @@ class PrefixWorkload:
     def generate(cls, config, vocab_size: int) -> PrefixWorkload:
         rng = np.random.default_rng(config.seed)
         count = config.prefix_rows
-        suffix_lens = rng.integers(config.prefix_min_suffix, config.prefix_max_suffix + 1,
-                                   size=count)  # fmt: skip
+        suffix_lens = rng.integers(
+            config.prefix_min_suffix, config.prefix_max_suffix + 1, size=count
+        )
         draws = rng.power(0.1 if config.skewed else 1.0, size=count)
         # ids 0-2 are pad, BOS and EOS, as in Workload
         suffixes = [rng.integers(3, vocab_size, size=int(n)).tolist() for n in suffix_lens]

@@ -97,8 +97,17 @@ class Engine:
                 self.tp = tp.launch(self.model_path, adapters, config, weights)
                 self.device = self.tp.device
                 room.on_failure(self.tp.close)  # the other ranks stop
-            parts = build_parts(spec, adapters, config, self.device, self.dtype,
-                                self.max_model_len, weights, pools, self.tp)  # fmt: skip
+            parts = build_parts(
+                spec,
+                adapters,
+                config,
+                self.device,
+                self.dtype,
+                self.max_model_len,
+                weights,
+                pools,
+                self.tp,
+            )
             warmup = time.perf_counter()
             self.config = config = parts.config  # max_num_seqs: auto resolved
             self.runner = make_runner(parts, self.ops, self.device, self.max_model_len)
@@ -116,9 +125,16 @@ class Engine:
         self.scheduler = Scheduler(
             config, self.pool, self.residency, spec.eos_token_ids, spec.long_rope_from
         )
-        self.prepare = RequestPreparer(spec, self.store, self.broken, self.tokenizer,
-                                       sampling or SamplingConfig(), self.max_model_len,
-                                       self.scheduler, self.grammars)  # fmt: skip
+        self.prepare = RequestPreparer(
+            spec,
+            self.store,
+            self.broken,
+            self.tokenizer,
+            sampling or SamplingConfig(),
+            self.max_model_len,
+            self.scheduler,
+            self.grammars,
+        )
         warmup_s = time.perf_counter() - warmup
         stream = None
         if config.prefetch and self.device.type == "cuda":
@@ -138,13 +154,21 @@ class Engine:
         self.held_bytes = room.hold(self, self.pool, self.lora_pool)  # until close()
         pages = self.pool.num_pages
         size = page_bytes(self.pool_spec, self.dtype, config.kv_cache_dtype)
-        log.info("engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of %s KV), "
-                 "%d adapters (%d unusable)", spec.architecture, self.device,
-                 str(self.dtype).removeprefix("torch."),
-                 f" x{self.tp.size} (tensor parallel; pool per rank)" if self.tp else "", pages,
-                 size, pages * size / 2**30, pages // self.pool.kv_pages_per_token,
-                 "fp8" if self.pool.scales is not None else "model dtype", len(self.store.names),
-                 len(self.broken))  # fmt: skip
+        log.info(
+            "engine: %s on %s/%s%s, pool %d pages of %d B (%.2f GiB, %d tokens of %s KV), "
+            "%d adapters (%d unusable)",
+            spec.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            f" x{self.tp.size} (tensor parallel; pool per rank)" if self.tp else "",
+            pages,
+            size,
+            pages * size / 2**30,
+            pages // self.pool.kv_pages_per_token,
+            "fp8" if self.pool.scales is not None else "model dtype",
+            len(self.store.names),
+            len(self.broken),
+        )
 
     @property
     def adapter_names(self) -> list[str]:

@@ -153,8 +153,10 @@ def locate(model: str | Path, adapters: str | Path | Mapping[str, str | Path] | 
     if missing:
         raise HubError(_missing_message(missing))
     if isinstance(adapters, Mapping):
-        adapters = {k: found[f"adapter {k!r}"].path if f"adapter {k!r}" in found else v
-                    for k, v in adapters.items()}  # fmt: skip
+        adapters = {
+            k: found[f"adapter {k!r}"].path if f"adapter {k!r}" in found else v
+            for k, v in adapters.items()
+        }
     return Located(found["model"].path if "model" in found else model, adapters, found)
 
 
@@ -169,8 +171,9 @@ def _missing_message(missing: list[tuple[str, str, str]]) -> str:
             what.append(f"{label} {name!r} is no directory and no Hub name ({why})")
             continue
         what.append(f"{label} {name!r} (revision {revision or 'main'}: {why})")
-        hints.append(f"huggingface-cli download {repo_id}"
-                     + (f" --revision {revision}" if revision else ""))  # fmt: skip
+        hints.append(
+            f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
+        )
     hint = f"; fetch with `{'`, `'.join(hints)}`" if hints else ""
     if hints and offline():
         hint += " where the network is on, or unset HF_HUB_OFFLINE to let slora-batch download"

@@ -66,9 +66,12 @@ class PagePool:
             )
         self.kv_pages_per_token = 1
         self.scales = torch.ones(
-            self.data.shape[0], self.num_pages, 2 * kv_heads, dtype=torch.float32,
+            self.data.shape[0],
+            self.num_pages,
+            2 * kv_heads,
+            dtype=torch.float32,
             device=self.data.device,
-        )  # fmt: skip
+        )
 
     def kv_pages(self, n: int) -> np.ndarray:
         """KV pages for ``n`` tokens: [n, 2] (K page, V page); with fp8 both name one page."""

@@ -83,8 +83,11 @@ class RequestPreparer:
                 )
             return self._scored(request, prompt_ids, continuations)
         indices = request.sample_indices if request.sample_indices is not None else range(params.n)
-        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int)
-               or not 0 <= i < params.n]  # fmt: skip
+        bad = [
+            i
+            for i in indices
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < params.n
+        ]
         if bad or not indices:
             return Result.failed(
                 request, f"sample_indices {list(indices)} are not in 0..{params.n - 1}"
@@ -157,11 +160,23 @@ class RequestPreparer:
                     prompt_tokens=n,
                 )
             self.arrivals += 1
-            seq = Sequence(request=request, order=self.arrivals, adapter=request.adapter or None,
-                           prompt_ids=context + ids[:-1], max_new_tokens=0, temperature=0.0,
-                           top_k=0, top_p=1.0, key=0, stop=[], ignore_eos=True,
-                           scores=ScoreBuffer.empty(n, ids), group=group, choice=index,
-                           context_tokens=n)  # fmt: skip
+            seq = Sequence(
+                request=request,
+                order=self.arrivals,
+                adapter=request.adapter or None,
+                prompt_ids=context + ids[:-1],
+                max_new_tokens=0,
+                temperature=0.0,
+                top_k=0,
+                top_p=1.0,
+                key=0,
+                stop=[],
+                ignore_eos=True,
+                scores=ScoreBuffer.empty(n, ids),
+                group=group,
+                choice=index,
+                context_tokens=n,
+            )
             problem = self.scheduler.never_fits(seq)
             if problem:
                 return Result.failed(request, f"{what}: {problem}", prompt_tokens=n)

@@ -30,10 +30,11 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check(
-            isinstance(self.tasks, list) and self.tasks != []
+            isinstance(self.tasks, list)
+            and self.tasks != []
             and all(isinstance(t, str) and t for t in self.tasks),
             f"eval.tasks must be a non-empty list of task names, got {self.tasks!r}",
-        )  # fmt: skip
+        )
         check(
             self.include_path is None or (isinstance(self.include_path, str) and self.include_path),
             f"eval.include_path must be a directory path, got {self.include_path!r}",
@@ -41,24 +42,29 @@ class EvalConfig:
         for name in ("num_fewshot", "bootstrap_iters", "max_gen_toks"):
             value = getattr(self, name)
             check(
-                value is None if name == "num_fewshot" and value is None
+                value is None
+                if name == "num_fewshot" and value is None
                 else isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                 f"eval.{name} must be an integer >= 0, got {value!r}",
-            )  # fmt: skip
+            )
         check(
             self.limit is None
-            or (isinstance(self.limit, int | float) and not isinstance(self.limit, bool)
-                and self.limit > 0),
+            or (
+                isinstance(self.limit, int | float)
+                and not isinstance(self.limit, bool)
+                and self.limit > 0
+            ),
             f"eval.limit must be null or a number > 0, got {self.limit!r}",
-        )  # fmt: skip
+        )
 
 
 def eval_job_raw(raw: dict[str, Any], base_dir: Path, where: str) -> dict[str, Any]:
     """A job mapping with ``eval:`` made into an ordinary one: ``eval`` an ``EvalConfig``,
     ``input`` the requests file in the output directory, ``fanout`` "all" unless given."""
     if "input" in raw:
-        raise ConfigError(f"{where}: give 'eval' or 'input', not both (an eval job's input "
-                          "is lm-eval's requests)")  # fmt: skip
+        raise ConfigError(
+            f"{where}: give 'eval' or 'input', not both (an eval job's input is lm-eval's requests)"
+        )
     if "output" not in raw:
         raise ConfigError(f"{where}: missing required key 'output'")
     section = raw["eval"]
@@ -74,5 +80,9 @@ def eval_job_raw(raw: dict[str, Any], base_dir: Path, where: str) -> dict[str, A
         raise ConfigError(exc.args[0] if str(exc).startswith(where) else f"{where}: {exc}") from exc
     output = Path(str(raw["output"])).expanduser()
     output = output if output.is_absolute() else base_dir / output
-    return {**raw, "eval": config, "input": str(output / REQUESTS_FILE),
-            "fanout": raw.get("fanout", "all")}  # fmt: skip
+    return {
+        **raw,
+        "eval": config,
+        "input": str(output / REQUESTS_FILE),
+        "fanout": raw.get("fanout", "all"),
+    }

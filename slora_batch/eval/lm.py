@@ -41,8 +41,10 @@ class SloraBatchLM(LM):
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_args) - known - set(IGNORED))
         if unknown:
-            raise ValueError(f"slora-batch model_args: unknown {unknown[0]!r} (engine fields: "
-                             f"{', '.join(sorted(known))})")  # fmt: skip
+            raise ValueError(
+                f"slora-batch model_args: unknown {unknown[0]!r} (engine fields: "
+                f"{', '.join(sorted(known))})"
+            )
         config = EngineConfig(**{k: v for k, v in engine_args.items() if k in known})
         self.engine = Engine(pretrained, adapters=adapters, config=config)
         self.adapter = adapter or None
@@ -56,8 +58,9 @@ class SloraBatchLM(LM):
         for one in args:
             for row in request_rows(self.encoder, request_type, one):
                 rows[row["id"]] = row
-        logger.info("slora-batch: %d %s requests, %d engine rows", len(args), request_type,
-                    len(rows))  # fmt: skip
+        logger.info(
+            "slora-batch: %d %s requests, %d engine rows", len(args), request_type, len(rows)
+        )
         requests_in = (Request(adapter=self.adapter, **row) for row in rows.values())
         results = {r.id: result_fields(r) for r in self.engine.generate(requests_in)}
         return [answer(self.encoder, request_type, one, results, self.adapter) for one in args]

@@ -26,8 +26,16 @@ RESULTS_FILE = "_eval_results.parquet"
 RESULTS_DIR = "_eval_results"
 OLD_RESULTS_FILE, OLD_RESULTS_DIR = "results.parquet", "eval-results"  # an earlier version's
 BASE_NAME = "__base__"  # the base model's JSON (an adapter may be called "base")
-SCHEMA = pa.schema([("adapter", pa.string()), ("task", pa.string()), ("metric", pa.string()),
-                    ("value", pa.float64()), ("stderr", pa.float64()), ("n", pa.int64())])  # fmt: skip
+SCHEMA = pa.schema(
+    [
+        ("adapter", pa.string()),
+        ("task", pa.string()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+        ("stderr", pa.float64()),
+        ("n", pa.int64()),
+    ]
+)
 
 
 def _number(value: Any) -> float | None:
@@ -47,13 +55,16 @@ def results_rows(per_adapter: dict[str | None, dict[str, Any]]) -> list[dict[str
                     continue
                 metric, filter_name = key.split(",", 1)
                 stderr = _number(metrics.get(f"{metric}_stderr,{filter_name}"))
-                rows.append({
-                    "adapter": adapter, "task": task,
-                    "metric": metric if filter_name == "none" else key,
-                    "value": float(value),
-                    "stderr": None if stderr is None or math.isnan(stderr) else stderr,
-                    "n": n,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "adapter": adapter,
+                        "task": task,
+                        "metric": metric if filter_name == "none" else key,
+                        "value": float(value),
+                        "stderr": None if stderr is None or math.isnan(stderr) else stderr,
+                        "n": n,
+                    }
+                )
     return rows
 
 

@@ -25,8 +25,12 @@ Rows = dict[str, dict[str, Any]]  # row id -> the fields ``rows.answer`` reads
 
 def result_fields(result: Result) -> dict[str, Any]:
     """What ``rows.answer`` reads of an engine ``Result`` (the parts' columns of those names)."""
-    return {"logprob": result.logprob, "is_greedy": result.is_greedy,
-            "token_ids": result.token_ids, "error": result.error}  # fmt: skip
+    return {
+        "logprob": result.logprob,
+        "is_greedy": result.is_greedy,
+        "token_ids": result.token_ids,
+        "error": result.error,
+    }
 
 
 class AdapterScoring:
@@ -66,8 +70,9 @@ class AdapterScoring:
         here, from ``read()`` (the committed parts) when their rows are not held. The first
         adapter in that order that failed raises."""
         answered = self.worker.collect(list(self.complete)) if self.worker is not None else {}
-        logger.info("lm-eval scored %d of %d adapters beside the engine", len(answered),
-                    len(adapters))  # fmt: skip
+        logger.info(
+            "lm-eval scored %d of %d adapters beside the engine", len(answered), len(adapters)
+        )
         for adapter, (output, error) in answered.items():
             if error is None:
                 self.outputs[adapter] = output

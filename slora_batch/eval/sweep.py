@@ -77,8 +77,13 @@ def prepare(job: JobConfig, out: Path, cuda: bool = True) -> tuple[Encoder, dict
     loaded = load_tasks(config)
     requests = build_requests(loaded, config.limit, cuda)
     rows = write_requests(out, encoder, requests)
-    logger.info("job %s: %d lm-eval requests of %d tasks, %d engine rows per adapter", job.name,
-                len(requests), len(loaded["tasks"]), rows)  # fmt: skip
+    logger.info(
+        "job %s: %d lm-eval requests of %d tasks, %d engine rows per adapter",
+        job.name,
+        len(requests),
+        len(loaded["tasks"]),
+        rows,
+    )
     return encoder, loaded, rows
 
 
@@ -139,8 +144,13 @@ def run_eval(
         scoring = AdapterScoring(rows, adapter_scorer(config, encoder, loaded), worker)
         if freeze:
             gc.freeze()
-        summary = run_plan(plan, overwrite=overwrite, progress=progress, on_result=scoring.add,
-                           build_engine=early.take if early is not None else None)  # fmt: skip
+        summary = run_plan(
+            plan,
+            overwrite=overwrite,
+            progress=progress,
+            on_result=scoring.add,
+            build_engine=early.take if early is not None else None,
+        )
         per_adapter = scoring.finish(plan.sweep or [None], lambda: read_parts(out))
     finally:
         if freeze:

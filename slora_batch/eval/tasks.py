@@ -135,8 +135,9 @@ class Replay(LM):
         self.encoder, self.results, self.adapter = encoder, results, adapter
 
     def _answers(self, request_type: str, requests) -> list[Any]:
-        return [answer(self.encoder, request_type, r.args, self.results, self.adapter)
-                for r in requests]  # fmt: skip
+        return [
+            answer(self.encoder, request_type, r.args, self.results, self.adapter) for r in requests
+        ]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return self._answers("loglikelihood", requests)
@@ -159,9 +160,14 @@ def adapter_scorer(config: EvalConfig, encoder: Encoder, loaded: dict[str, Any])
 
     def score(adapter: str | None, rows: dict[str, dict[str, Any]]) -> Scored:
         reseed(loaded)
-        output = evaluate(lm=Replay(encoder, rows, adapter), task_dict=loaded,
-                          limit=config.limit, bootstrap_iters=config.bootstrap_iters,
-                          fewshot_as_multiturn=True, log_samples=False)  # fmt: skip
+        output = evaluate(
+            lm=Replay(encoder, rows, adapter),
+            task_dict=loaded,
+            limit=config.limit,
+            bootstrap_iters=config.bootstrap_iters,
+            fewshot_as_multiturn=True,
+            log_samples=False,
+        )
         return scored(adapter, output)
 
     return score

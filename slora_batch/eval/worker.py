@@ -49,8 +49,11 @@ class ScoringProcess:
         self.stderr = tempfile.TemporaryFile(prefix="slora-batch-lm-eval-")  # noqa: SIM115 - closed by close()
         self.process = subprocess.Popen(
             [sys.executable, "-c", BOOT, str(task_read), str(result_write)],
-            pass_fds=(task_read, result_write), stdin=quiet, stdout=quiet, stderr=self.stderr,
-        )  # fmt: skip
+            pass_fds=(task_read, result_write),
+            stdin=quiet,
+            stdout=quiet,
+            stderr=self.stderr,
+        )
         os.close(task_read)
         os.close(result_write)
         self.tasks = Connection(task_write, readable=False)
@@ -100,15 +103,17 @@ class ScoringProcess:
                     return False  # it ended as told, every answer in
                 if self.process.poll() is None:
                     self.process.terminate()
-                logger.warning("the lm-eval scoring process ended early; scoring here: %s",
-                               self.failure())  # fmt: skip
+                logger.warning(
+                    "the lm-eval scoring process ended early; scoring here: %s", self.failure()
+                )
                 return False
             if adapter == READY:
                 self.ready = True
             elif adapter == FAILED:
                 self.error = error
-                logger.warning("the lm-eval scoring process failed; scoring here: %s",
-                               self.failure())  # fmt: skip
+                logger.warning(
+                    "the lm-eval scoring process failed; scoring here: %s", self.failure()
+                )
                 return False
             else:
                 self.answers[adapter] = (scored, error)

@@ -130,10 +130,13 @@ class JobConfig:
         labels = self.choice_labels
         check(
             labels is None
-            or (isinstance(labels, list) and labels and all(
-                isinstance(x, str) and x.strip() for x in labels)),
+            or (
+                isinstance(labels, list)
+                and labels
+                and all(isinstance(x, str) and x.strip() for x in labels)
+            ),
             f"choice_labels must be a non-empty list of non-empty strings, got {labels!r}",
-        )  # fmt: skip
+        )
         for name, allowed in FORMATS.items():
             value = getattr(self, name)
             check(value in allowed, f"{name} must be one of {', '.join(allowed)}, got {value!r}")
@@ -154,11 +157,17 @@ def _check_fanout(
     ok = (
         isinstance(fanout, list) and fanout and all(a is None or isinstance(a, str) for a in fanout)
     )
-    check(ok, f"fanout must be null, 'all' or a non-empty list of adapter names (null = base), got {fanout!r}")  # fmt: skip
+    check(
+        ok,
+        f"fanout must be null, 'all' or a non-empty list of adapter names (null = base), got {fanout!r}",
+    )
     names = [a or None for a in fanout]
     check(len(set(names)) == len(names), f"fanout lists an adapter twice: {fanout!r}")
     for name in names:
-        check(name is None or adapters is not None, f"fanout names adapter {name!r} but the job has no adapters")  # fmt: skip
+        check(
+            name is None or adapters is not None,
+            f"fanout names adapter {name!r} but the job has no adapters",
+        )
         check(
             name is None or not isinstance(adapters, dict) or name in adapters,
             f"fanout names adapter {name!r}, which is not in adapters ({', '.join(sorted(adapters or ()))})",

@@ -30,10 +30,18 @@ REQUEST_COLUMN = "openai_request"  # a kept column: the line's url, for the outp
 # body fields read under the same row option name
 SAME_NAME = ("temperature", "top_p", "n", "seed", "response_format")
 BODY_KEYS = {
-    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stop", "logprobs",
-           "top_logprobs", *SAME_NAME},
+    CHAT: {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        *SAME_NAME,
+    },
     COMPLETIONS: {"model", "prompt", "max_tokens", "stop", "logprobs", *SAME_NAME},
-}  # fmt: skip
+}
 
 
 def is_openai_line(record: Any) -> bool:

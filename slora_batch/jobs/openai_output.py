@@ -40,8 +40,19 @@ logger = logging.getLogger(__name__)
 
 OUTPUT_FILE, ERRORS_FILE = "_openai_output.jsonl", "_openai_errors.jsonl"
 OLD_FILES = ("output.jsonl", "errors.jsonl")  # an earlier version's names: read as data
-COLUMNS = ("id", "adapter", "sample_index", "text", "prompt_tokens", "completion_tokens",
-           "finish_reason", "error", "source", "logprobs", REQUEST_COLUMN)  # fmt: skip
+COLUMNS = (
+    "id",
+    "adapter",
+    "sample_index",
+    "text",
+    "prompt_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "error",
+    "source",
+    "logprobs",
+    REQUEST_COLUMN,
+)
 FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero (JSON has no -inf)
 
 

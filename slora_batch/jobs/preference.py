@@ -105,7 +105,8 @@ def choice_preference(
         shares_norm, beyond_norm = split(picks_norm.get(adapter, {}))
         with_answer, right = answered.get(adapter, [0, 0])
         accuracy = right / with_answer if with_answer else None
-        adapters.append(AdapterPreference(adapter, rows, shares, beyond, shares_norm,
-                                          beyond_norm, accuracy))  # fmt: skip
+        adapters.append(
+            AdapterPreference(adapter, rows, shares, beyond, shares_norm, beyond_norm, accuracy)
+        )
     answers = any(a.accuracy is not None for a in adapters)
     return ChoicePreference(columns, most, adapters, answers, column_heads(columns, labels))

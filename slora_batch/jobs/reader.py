@@ -252,8 +252,11 @@ def _parquet_records(
         wanted = names if columns is None else [c for c in dict.fromkeys(columns) if c in names]
         # a response_format struct column holds every row's fields, the others null: each row
         # reads back as its own object (kept columns stay as Arrow gives them)
-        structs = [c for c in wanted if c == "response_format"
-                   and pa.types.is_struct(parquet.schema_arrow.field(c).type)]  # fmt: skip
+        structs = [
+            c
+            for c in wanted
+            if c == "response_format" and pa.types.is_struct(parquet.schema_arrow.field(c).type)
+        ]
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
             for record in batch.to_pylist():
                 for name in structs:

@@ -58,12 +58,22 @@ def actor_resources(replicas: int, gpus_per_replica: float) -> tuple[int, float]
             raise JobError(
                 f"--gpus-per-replica {gpus_per_replica}: the Ray cluster has {gpus:g} GPUs"
             )
-        logger.warning("Ray: %d replicas of %g GPUs each do not fit the cluster's %g GPUs; "
-                       "running %d", replicas, gpus_per_replica, gpus, fit)  # fmt: skip
+        logger.warning(
+            "Ray: %d replicas of %g GPUs each do not fit the cluster's %g GPUs; running %d",
+            replicas,
+            gpus_per_replica,
+            gpus,
+            fit,
+        )
         replicas = fit
     per_actor = max(MIN_ACTOR_CPUS, min(1.0, (cpus - PIPELINE_CPUS) / replicas))
-    logger.info("Ray: %d engine actors of %g CPU each (the cluster has %g CPUs, %g GPUs)",
-                replicas, per_actor, cpus, gpus)  # fmt: skip
+    logger.info(
+        "Ray: %d engine actors of %g CPU each (the cluster has %g CPUs, %g GPUs)",
+        replicas,
+        per_actor,
+        cpus,
+        gpus,
+    )
     return replicas, per_actor
 
 

@@ -217,8 +217,18 @@ def run_ray_job(
             def on_part(summary: dict[str, Any]) -> None:
                 run.rows += summary["rows"]
                 run.tokens += summary["tokens"]
-                notify(JobProgress(job.name, "running", run.done + run.rows, plan.total,
-                                   run.tokens, time.perf_counter() - ran, 0, run.rows))  # fmt: skip
+                notify(
+                    JobProgress(
+                        job.name,
+                        "running",
+                        run.done + run.rows,
+                        plan.total,
+                        run.tokens,
+                        time.perf_counter() - ran,
+                        0,
+                        run.rows,
+                    )
+                )
 
             summaries = execute(plan, scan, done, settings, out, run_number, on_part)
             run.engine_s = time.perf_counter() - ran

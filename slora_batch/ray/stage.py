@@ -133,8 +133,12 @@ class EngineActor:
             items, unit = [self._request(row) for row in batch.to_pylist()], ""
         self.calls += 1
         if self.output is not None and fenced_out(self.output, self.run):
-            logger.warning("actor %s of run %d: a later run started; unit %s skipped",
-                           self.actor, self.run, unit)  # fmt: skip
+            logger.warning(
+                "actor %s of run %d: a later run started; unit %s skipped",
+                self.actor,
+                self.run,
+                unit,
+            )
             return self._summary(unit, "", [], 0.0, fenced=True)
         started = time.perf_counter()
         results = self._generate(items)

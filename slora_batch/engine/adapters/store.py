@@ -107,8 +107,11 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
         for target, layers in factors.items():
             if any(t is None for t in layers):
                 missing = [i for i, t in enumerate(layers) if t is None]
-                raise AdapterError(info.name, info.path, f"no {kind} weights of {target} in "
-                                   f"layers {missing[:8]} of {spec.num_layers}")  # fmt: skip
+                raise AdapterError(
+                    info.name,
+                    info.path,
+                    f"no {kind} weights of {target} in layers {missing[:8]} of {spec.num_layers}",
+                )
     if not stack:
         return AdapterWeights(a=a, b_t=b)  # type: ignore[arg-type]
     return AdapterWeights(

@@ -10,8 +10,18 @@ token with adapter slot 2, sequence B prefills a 3-token chunk at positions 5..7
 
 from __future__ import annotations
 
-__all__ = ["HostStep", "LoraLayout", "lora_layout", "lora_meta", "lora_segments", "plan_step",
-           "position_segments", "tiled_tokens", "upload", "vector_tokens"]  # fmt: skip
+__all__ = [
+    "HostStep",
+    "LoraLayout",
+    "lora_layout",
+    "lora_meta",
+    "lora_segments",
+    "plan_step",
+    "position_segments",
+    "tiled_tokens",
+    "upload",
+    "vector_tokens",
+]
 
 from dataclasses import dataclass
 
@@ -157,7 +167,7 @@ def plan_step(step: ScheduledStep) -> HostStep:
             )
             if score is not None
             else {}
-        ),  # fmt: skip
+        ),
     )
 
 

@@ -82,14 +82,24 @@ def step_outputs(
         if table is not None:
             d = len(drawn)
             steps = table.b_outputs[:d] + table.b_pending[:d]  # num_drawn
-            params = SamplingBatch.build(table.b_temperature[:d], table.b_top_k[:d],
-                                         table.b_top_p[:d], table.b_noise[:d], steps,
-                                         logits.device)  # fmt: skip
+            params = SamplingBatch.build(
+                table.b_temperature[:d],
+                table.b_top_k[:d],
+                table.b_top_p[:d],
+                table.b_noise[:d],
+                steps,
+                logits.device,
+            )
         else:
             steps = [s.num_drawn for s in drawn]
-            params = SamplingBatch.build([s.temperature for s in drawn], [s.top_k for s in drawn],
-                                         [s.top_p for s in drawn], [s.key for s in drawn], steps,
-                                         logits.device)  # fmt: skip
+            params = SamplingBatch.build(
+                [s.temperature for s in drawn],
+                [s.top_k for s in drawn],
+                [s.top_p for s in drawn],
+                [s.key for s in drawn],
+                steps,
+                logits.device,
+            )
         outputs["tokens"] = sample(logits, params)
     elif drawn:  # all greedy: sample()'s argmax, without building its parameters
         outputs["tokens"] = logits.argmax(dim=-1)
@@ -137,8 +147,9 @@ def take_outputs(host, seqs: list, drawn: list, outputs: dict, tokens: list[int]
     of the drawn rows that asked for them (before the tokens themselves are appended)."""
     if "scores" in outputs:
         values = outputs["scores"].numpy()
-        for owner, pos, (value, greedy) in zip(host.score_owner, host.score_pos, values,
-                                               strict=True):  # fmt: skip
+        for owner, pos, (value, greedy) in zip(
+            host.score_owner, host.score_pos, values, strict=True
+        ):
             seqs[owner].scores.logprobs[pos] = value
             seqs[owner].scores.greedy[pos] = greedy > 0.5
     if "logprobs" in outputs:

@@ -198,8 +198,12 @@ def launch(model, adapters, config, weights=None) -> TensorParallel:
         theirs.close()
         tp.processes.append(process)
         tp.pipes.append(ours)
-    log.info("tensor parallel: %d ranks on %s, workers %s", size, device.type,
-             [p.pid for p in tp.processes])  # fmt: skip
+    log.info(
+        "tensor parallel: %d ranks on %s, workers %s",
+        size,
+        device.type,
+        [p.pid for p in tp.processes],
+    )
     _join(0, size, address, device, config.worker_timeout_s)
     return tp
 

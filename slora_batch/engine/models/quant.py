@@ -77,8 +77,14 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
     if fp8_matmul_supported(x.device):
         rows = x.shape[0]
         xq, x_scale = quantize_rows(x, pad_to=16)  # the fp8 GEMM wants multiples of 16
-        out = torch._scaled_mm(xq, w.weight.t(), scale_a=x_scale, scale_b=w.scale[None, :],
-                               bias=bias, out_dtype=x.dtype)  # fmt: skip
+        out = torch._scaled_mm(
+            xq,
+            w.weight.t(),
+            scale_a=x_scale,
+            scale_b=w.scale[None, :],
+            bias=bias,
+            out_dtype=x.dtype,
+        )
         return out[:rows]
     xq, x_scale = quantize_rows(x)
     out = (xq.float() * x_scale) @ (w.weight.float() * w.scale[:, None]).t()

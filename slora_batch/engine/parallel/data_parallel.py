@@ -162,10 +162,16 @@ class DataParallelEngine:
 
     def workers_summary(self) -> list[dict[str, Any]]:
         return [
-            {"worker": w.slot.index, "device": w.slot.device, "pid": w.process.pid,
-             "rows": w.rows, "adapters": len(w.adapters), "alive": w.alive}
+            {
+                "worker": w.slot.index,
+                "device": w.slot.device,
+                "pid": w.process.pid,
+                "rows": w.rows,
+                "adapters": len(w.adapters),
+                "alive": w.alive,
+            }
             for w in self.workers
-        ]  # fmt: skip
+        ]
 
     def _start(self, worker: WorkerHandle) -> None:
         """Waits for the worker's engine: its device, dtype, adapters and counters."""
@@ -307,15 +313,21 @@ class DataParallelEngine:
         return least
 
     def _combine(self) -> None:
-        for name in (f.name for f in dataclasses.fields(EngineCounters)
-                     if f.name != "started" and not f.name.startswith("_")):  # fmt: skip
+        for name in (
+            f.name
+            for f in dataclasses.fields(EngineCounters)
+            if f.name != "started" and not f.name.startswith("_")
+        ):
             values = [getattr(w.counters, name) for w in self.workers]
             setattr(self.counters, name, max(values) if name in MAX_FIELDS else sum(values))
 
     def _log_summary(self) -> None:
         for w in self.workers_summary():
-            log.info("data parallel: worker %(worker)d (%(device)s, pid %(pid)d): %(rows)d rows, "
-                     "%(adapters)d distinct adapters", w)  # fmt: skip
+            log.info(
+                "data parallel: worker %(worker)d (%(device)s, pid %(pid)d): %(rows)d rows, "
+                "%(adapters)d distinct adapters",
+                w,
+            )
 
     def close(self) -> None:
         """Stops the workers: each exits when its pipe from the driver closes; one still there

@@ -81,8 +81,9 @@ def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
     return [WorkerSlot(i, name(i), ",".join(ids[i * per : (i + 1) * per])) for i in range(count)]
 
 
-def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox,
-                weights=None) -> None:  # fmt: skip
+def worker_main(
+    slot, model, adapters, config, sampling, level: int, inbox, outbox, weights=None
+) -> None:
     """A worker process: its device first (before torch touches CUDA), then its engine."""
     if slot.visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = slot.visible
@@ -109,8 +110,13 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
     except Exception as exc:
         _fail(send, exc, exc)
     state.update(engine=engine, doing="idle")
-    info = {"device": str(engine.device), "dtype": str(engine.dtype), "counters": engine.counters,
-            "adapters": engine.adapter_names, "lookahead": config.lookahead}  # fmt: skip
+    info = {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+        "counters": engine.counters,
+        "adapters": engine.adapter_names,
+        "lookahead": config.lookahead,
+    }
     send(("ready", info))
     while True:
         state["doing"] = "idle"
@@ -124,8 +130,9 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
             _fail(send, exc, None)
 
 
-def _stream(engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int], send: Send,
-            state: dict) -> None:  # fmt: skip
+def _stream(
+    engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int], send: Send, state: dict
+) -> None:
     """One ``generate`` over the stream that ``first`` opens, until its "end" (or "abort").
 
     The engine pulls a row only after sending every result it has read back, and only while it

@@ -61,9 +61,16 @@ class Request:
 
 
 SAMPLING_FIELDS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "n",
     "response_format",
-)  # fmt: skip
+)
 SCORING_FIELDS = (
     "continuation",
     "choices",

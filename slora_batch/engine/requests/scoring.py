@@ -241,6 +241,7 @@ def token_logprobs(tokenizer, entries: list[tuple], count: int) -> list[dict]:
             {"token_id": int(t), "text": text(int(t)), "logprob": float(v)}
             for t, v in zip(top_ids, top_values, strict=True)
         ]
-        out.append({"token_id": int(token), "text": text(token), "logprob": float(value),
-                    "top": top})  # fmt: skip
+        out.append(
+            {"token_id": int(token), "text": text(token), "logprob": float(value), "top": top}
+        )
     return out

@@ -181,8 +181,9 @@ class Sequence:
         row, last step) are its own again."""
         self.table, self.row = None, -1
         self.page_buf, self.buf_paged = pages, pages.shape[0]
-        (self._output_ids, self._num_computed, self._pending, self._last_row,
-         self._last_step) = state  # fmt: skip
+        (self._output_ids, self._num_computed, self._pending, self._last_row, self._last_step) = (
+            state
+        )
 
     @property
     def output_ids(self) -> list[int]:

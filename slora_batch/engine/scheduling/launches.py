@@ -55,8 +55,14 @@ class Launches:
         for i in done.tolist():
             self._retire(seqs[i])
 
-    def _launched_mixed(self, step: ScheduledStep, drawn: list[Sequence], number: int,
-                        b_row: np.ndarray, d_row: np.ndarray) -> None:  # fmt: skip
+    def _launched_mixed(
+        self,
+        step: ScheduledStep,
+        drawn: list[Sequence],
+        number: int,
+        b_row: np.ndarray,
+        d_row: np.ndarray,
+    ) -> None:
         """``launched`` for any other step whose rows are all in the table (``b_row``: the
         step's rows, ``d_row``: the drawn ones'): the counts by array ops, as in
         ``_launched_decode``; ``_after_computed`` only for the rows still in their prompt or

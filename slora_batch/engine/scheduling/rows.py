@@ -72,9 +72,23 @@ class RowTable:
         return len(self.seqs)
 
     def _columns(self) -> tuple[str, ...]:
-        return ("b_paged", "b_tenure", "b_slot", "b_temperature", "b_top_k", "b_top_p", "b_noise",
-                "b_max_new", "b_prompt_len", "b_watched", "b_computed", "b_pending", "b_last_row",
-                "b_last_step", "b_outputs")  # fmt: skip
+        return (
+            "b_paged",
+            "b_tenure",
+            "b_slot",
+            "b_temperature",
+            "b_top_k",
+            "b_top_p",
+            "b_noise",
+            "b_max_new",
+            "b_prompt_len",
+            "b_watched",
+            "b_computed",
+            "b_pending",
+            "b_last_row",
+            "b_last_step",
+            "b_outputs",
+        )
 
     def join(self, seq: Sequence) -> None:
         """``seq`` starts running: the next row, with its pages (a cached prefix, its first
@@ -114,8 +128,13 @@ class RowTable:
         self.scored -= not seq.draws
         self.logprobs -= seq.logprobs is not None
         paged = int(self.b_paged[row])
-        state = (self.outputs(row), int(self.b_computed[row]), int(self.b_pending[row]),
-                 int(self.b_last_row[row]), int(self.b_last_step[row]))  # fmt: skip
+        state = (
+            self.outputs(row),
+            int(self.b_computed[row]),
+            int(self.b_pending[row]),
+            int(self.b_last_row[row]),
+            int(self.b_last_step[row]),
+        )
         seq.unseat(self.pages[row, :paged].copy(), state)
         self.pages[row, :paged] = -1
         if row != last:

@@ -136,8 +136,13 @@ class Scheduler(Admission, Launches):
         seq.status = Status.RETIRED
         self.retired.append(seq)
 
-    def postprocess(self, number: int, drawn: list[Sequence], tokens: list[int],
-                    step: ScheduledStep | None = None) -> list[Sequence]:  # fmt: skip
+    def postprocess(
+        self,
+        number: int,
+        drawn: list[Sequence],
+        tokens: list[int],
+        step: ScheduledStep | None = None,
+    ) -> list[Sequence]:
         """Step ``number``'s tokens are read back: append them, finish rows on EOS, a stop
         string, the end of their grammar or their length, and release what no step in flight
         uses. Returns the rows finished by this step: scored sequences whose last chunk it ran,
@@ -265,8 +270,12 @@ class Scheduler(Admission, Launches):
         # the first row that brings more than one token; the table's columns tell at once when
         # none does (every running row is seated)
         n = len(table)
-        b_remaining = (table.b_prompt_len[:n] + table.b_outputs[:n] + table.b_pending[:n]
-                       - table.b_computed[:n])  # fmt: skip
+        b_remaining = (
+            table.b_prompt_len[:n]
+            + table.b_outputs[:n]
+            + table.b_pending[:n]
+            - table.b_computed[:n]
+        )
         count = limit
         if (b_remaining != 1).any():
             count = next((i for i, s in enumerate(running[:limit]) if s.remaining != 1), limit)
