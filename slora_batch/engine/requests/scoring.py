@@ -78,23 +78,42 @@ def scored_ids(
     each continuation (the module docstring says why). Raises ValueError / TypeError naming what
     is wrong."""
     if request.continuation_token_ids is not None or request.choices_token_ids is not None:
-        given = (
-            [request.continuation_token_ids]
-            if request.continuation_token_ids is not None
-            else request.choices_token_ids
+        return context, _given_ids(request, vocab_size)
+    texts = _continuation_texts(request)
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer: pass continuation_token_ids")
+    context_text = _context_text(request, tokenizer)
+    if request.prompt is not None:
+        context_text, texts, context = _space_to_continuations(
+            tokenizer, context_text, texts, context
         )
-        if not isinstance(given, list) or not given:
-            raise ValueError("choices_token_ids must be a non-empty list of token id lists")
-        out = []
-        for i, ids in enumerate(given):
-            if not isinstance(ids, list | tuple) or not ids:
-                raise ValueError(f"continuation {i} has no tokens")
-            ids = [int(t) for t in ids]
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"continuation {i}: token ids {bad[:3]} outside the vocabulary")
-            out.append(ids)
-        return context, out
+    special = request.prompt is not None
+    return context, [_text_ids(tokenizer, context_text, context, text, special) for text in texts]
+
+
+def _given_ids(request: Request, vocab_size: int) -> list[list[int]]:
+    """The continuations given as token ids, checked against the vocabulary."""
+    given = (
+        [request.continuation_token_ids]
+        if request.continuation_token_ids is not None
+        else request.choices_token_ids
+    )
+    if not isinstance(given, list) or not given:
+        raise ValueError("choices_token_ids must be a non-empty list of token id lists")
+    out = []
+    for i, ids in enumerate(given):
+        if not isinstance(ids, list | tuple) or not ids:
+            raise ValueError(f"continuation {i} has no tokens")
+        ids = [int(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"continuation {i}: token ids {bad[:3]} outside the vocabulary")
+        out.append(ids)
+    return out
+
+
+def _continuation_texts(request: Request) -> list[str]:
+    """The continuations given as text: a non-empty list of non-empty strings."""
     texts = [request.continuation] if request.continuation is not None else request.choices
     if not isinstance(texts, list) or not texts:
         raise ValueError("choices must be a non-empty list of strings")
@@ -103,28 +122,38 @@ def scored_ids(
             raise TypeError(f"choice {i} must be a string, got {type(text).__name__}")
         if not text:
             raise ValueError(f"{'continuation' if len(texts) == 1 else f'choice {i}'} is empty")
-    if tokenizer is None:
-        raise ValueError("the model has no tokenizer: pass continuation_token_ids")
-    context_text = _context_text(request, tokenizer)
-    if request.prompt is not None and context_text.rstrip() != context_text:
-        stripped = context_text.rstrip()
-        if stripped:  # an all-whitespace prompt stays the context
-            space = context_text[len(stripped) :]
-            context_text, texts = stripped, [space + text for text in texts]
-            context = _encode(tokenizer, stripped, True)
-    out = []
-    for text in texts:
-        ids = None
-        if context_text is not None:
-            whole = _encode(tokenizer, context_text + text, request.prompt is not None)
-            if whole[: len(context)] == context and len(whole) > len(context):
-                ids = whole[len(context) :]
-        if ids is None:  # a token spans the boundary, or the context was given as ids
-            ids = _encode(tokenizer, text, False)
-        if not ids:
-            raise ValueError(f"continuation {text!r} encodes to no tokens")
-        out.append(ids)
-    return context, out
+    return texts
+
+
+def _space_to_continuations(
+    tokenizer, context_text: str, texts: list[str], context: list[int]
+) -> tuple[str, list[str], list[int]]:
+    """A text prompt's trailing whitespace moved to the front of each continuation, and the
+    context re-encoded without it: ("The capital is ", ["Paris"]) becomes ("The capital is",
+    [" Paris"]). An all-whitespace prompt stays the context."""
+    stripped = context_text.rstrip()
+    if not stripped or stripped == context_text:
+        return context_text, texts, context
+    space = context_text[len(stripped) :]
+    return stripped, [space + text for text in texts], _encode(tokenizer, stripped, True)
+
+
+def _text_ids(
+    tokenizer, context_text: str | None, context: list[int], text: str, special: bool
+) -> list[int]:
+    """One continuation's ids: the whole (context + continuation) encoded and split at the
+    context's token count, or the continuation encoded alone when a token spans the boundary or
+    the context was given as ids."""
+    ids = None
+    if context_text is not None:
+        whole = _encode(tokenizer, context_text + text, special)
+        if whole[: len(context)] == context and len(whole) > len(context):
+            ids = whole[len(context) :]
+    if ids is None:
+        ids = _encode(tokenizer, text, False)
+    if not ids:
+        raise ValueError(f"continuation {text!r} encodes to no tokens")
+    return ids
 
 
 def answer_index(request: Request, count: int) -> int | None:
