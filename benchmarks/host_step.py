@@ -37,11 +37,12 @@ import slora_batch.engine.engine as engine_module
 from slora_batch.bench.model import build_model
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.device import to_device
-from slora_batch.engine.engine import Engine
+from slora_batch.engine.engine import Engine, assemble
 from slora_batch.engine.execution import outputs as outputs_module
 from slora_batch.engine.execution import runner as runner_module
 from slora_batch.engine.execution.batch import upload
 from slora_batch.engine.execution.memory import graph_buckets
+from slora_batch.engine.execution.parts import EngineParts
 from slora_batch.engine.requests.request import Request
 
 # "outputs" is step_outputs less "sample": the sampler's tensor math, which runs on the device
@@ -153,7 +154,7 @@ def run(rows: int, model, rank_dirs: dict[int, Path], args) -> dict:
                           num_pages=int(kv * 1.05) + args.adapter_pages, cuda_graphs=False,
                           lookahead=max(1024, 2 * rows),
                           kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-    engine = Engine(model.model_dir, adapters=adapters, config=config, weights=model.weights)
+    engine = assemble(model.model_dir, adapters, config, parts=EngineParts(model.weights))
     timer = Timer()
     stub_forward(engine, timer, model.spec.vocab_size)
     sched = engine.scheduler

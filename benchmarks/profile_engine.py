@@ -25,7 +25,8 @@ from slora_batch.bench.bench import BenchConfig
 from slora_batch.bench.engine_run import group_by_adapter
 from slora_batch.bench.workload import Workload, adapter_sources, build_model
 from slora_batch.engine.config import EngineConfig, SamplingConfig
-from slora_batch.engine.engine import Engine
+from slora_batch.engine.engine import Engine, assemble
+from slora_batch.engine.execution.parts import EngineParts
 
 log = logging.getLogger("profile_engine")
 
@@ -57,12 +58,12 @@ def describe(before: dict, after: dict) -> str:
 
 
 def run(n: int, model, rank_dirs, workload: Workload, args, out: Path) -> None:
-    engine = Engine(
+    engine = assemble(
         model.model_dir,
-        adapters=adapter_sources(n, rank_dirs) if n else {},
-        config=EngineConfig(device=str(model.device), dtype=str(model.dtype)[6:], **args.set),
-        sampling=SamplingConfig(ignore_eos=True),
-        weights=model.weights,
+        adapter_sources(n, rank_dirs) if n else {},
+        EngineConfig(device=str(model.device), dtype=str(model.dtype)[6:], **args.set),
+        SamplingConfig(ignore_eos=True),
+        EngineParts(model.weights),
     )
     requests = workload.requests(n)
     if args.order == "adapter":  # as the bench feeds its engine systems

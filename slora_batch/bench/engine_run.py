@@ -1,9 +1,10 @@
 """One timed engine run of the bench: ``slora``, ``base``, the ablations ``bmm``,
 ``no-unified`` and ``arrival``, and ``slora-off`` (``slora`` without the prefix cache).
 
-The ablations are composed from engine parts handed to ``Engine`` (its ``ops`` and ``pools``
-seams), never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for the padded
-batched matmul of ``slora_kernels.bmm``; ``no-unified`` gives adapters a pool of their own.
+The ablations are composed from engine parts (``EngineParts``: its ``ops`` and ``pools``) handed
+to ``engine.assemble``, never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for
+the padded batched matmul of ``slora_kernels.bmm``; ``no-unified`` gives adapters a pool of
+their own.
 
 A run is the same pieces for every engine system: a fresh engine (``open_bench_engine``), the
 untimed warm-up (bench/warmup.py), the clock (bench/timed_run.py) and the row's fields
@@ -12,6 +13,7 @@ The prefix cache's systems (bench/prefix_run.py) hand ``run_engine`` requests of
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from types import ModuleType
@@ -33,8 +35,8 @@ from slora_batch.bench.timed_run import timed_run
 from slora_batch.bench.warmup import warm_up
 from slora_batch.bench.workload import adapter_sources, group_by_adapter
 from slora_batch.engine.config import EngineConfig, SamplingConfig
-from slora_batch.engine.engine import Engine
-from slora_batch.engine.execution.parts import pick_backend
+from slora_batch.engine.engine import Engine, assemble
+from slora_batch.engine.execution.parts import EngineParts, pick_backend
 from slora_batch.engine.parallel.data_parallel import open_engine
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.request import Request, Result
@@ -70,13 +72,13 @@ def separate_pools(
     return kv, PagePool(adapter_pages, spec.page_size, spec.num_layers, dtype, device)
 
 
-def engine_parts(system: str, backend: str, device: torch.device) -> dict:
-    """The ``ops`` and ``pools`` an ablation hands to ``Engine`` (none for the others)."""
+def engine_parts(system: str, backend: str, device: torch.device) -> EngineParts:
+    """The parts an ablation swaps, ``ops`` or ``pools``; the defaults for the other systems."""
     if system == "bmm":
-        return {"ops": bmm_ops(pick_backend(backend, device))}
+        return EngineParts(ops=bmm_ops(pick_backend(backend, device)))
     if system == "no-unified":
-        return {"pools": separate_pools}
-    return {}
+        return EngineParts(pools=separate_pools)
+    return EngineParts()
 
 
 def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) -> dict:
@@ -169,13 +171,18 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
         if isinstance(weights, dict):  # transformers' tensors do not travel: make them there
             weights = RandomWeights(model.spec, cfg.seed, model.dtype)
         engine = open_engine(
-            model.model_dir, sources, config, SamplingConfig(ignore_eos=True), weights
+            model.model_dir, sources, config, SamplingConfig(ignore_eos=True), EngineParts(weights)
         )
     else:
-        engine = Engine(
+        parts = dataclasses.replace(
+            engine_parts(system, cfg.backend, model.device),
+            weights=model.weights,
+            grammar_tokens=grammar_tokens(model.spec.vocab_size) if system == "json" else None,
+        )
+        engine = assemble(
             model.model_dir,
-            adapters=sources,
-            config=EngineConfig(
+            sources,
+            EngineConfig(
                 device=str(model.device),
                 backend=cfg.backend,
                 dtype=dtype,
@@ -185,9 +192,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
                 weights=cfg.weights,
                 max_adapters_per_batch=cfg.max_adapters_per_batch,
             ),
-            sampling=SamplingConfig(ignore_eos=True),
-            weights=model.weights,
-            grammar_tokens=grammar_tokens(model.spec.vocab_size) if system == "json" else None,
-            **engine_parts(system, cfg.backend, model.device),
+            SamplingConfig(ignore_eos=True),
+            parts,
         )
     return engine, sources, start

@@ -15,7 +15,6 @@ import weakref
 from collections.abc import Iterable, Iterator
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -26,9 +25,9 @@ from slora_batch.engine.device import check_kv_cache_dtype, pick_device, pick_dt
 from slora_batch.engine.execution import live_engines
 from slora_batch.engine.execution.batch import plan_step
 from slora_batch.engine.execution.masks import grammar_masks
-from slora_batch.engine.execution.memory import PoolFactory, page_bytes, unified_pool
+from slora_batch.engine.execution.memory import page_bytes
 from slora_batch.engine.execution.outputs import Inflight, step_outputs, take_outputs
-from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
+from slora_batch.engine.execution.parts import EngineParts, build_parts, make_runner
 from slora_batch.engine.hub import locate
 from slora_batch.engine.models.sample_model import resolve_model
 from slora_batch.engine.models.spec import read_spec
@@ -47,14 +46,7 @@ class Engine:
 
     ``Engine(model, adapters=dir_or_mapping, config=EngineConfig(...), sampling=SamplingConfig())``
     then ``for result in engine.generate(requests): ...``. ``model`` and the mapping's paths may
-    be Hub names (``org/name[@revision]``, ``hub.locate``). ``weights`` (Hugging Face tensor names)
-    replaces reading the model directory's safetensors, for benchmarks on random weights.
-
-    Two seams let the benchmark compose its ablations from engine parts: ``ops``, the kernel
-    backend (a module with ``slora_kernels.ref``'s functions; default from ``config.backend``), and
-    ``pools``, the factory of the KV and adapter pools (default: one unified pool).
-    ``grammar_tokens`` (an ``xgrammar.TokenizerInfo``) stands in for the tokenizer in structured
-    output, for a model without one (benchmarks on random weights).
+    be Hub names (``org/name[@revision]``, ``hub.locate``).
     It holds device memory until ``close()`` (``with Engine(...) as engine:``) or dropped.
     """
 
@@ -64,11 +56,18 @@ class Engine:
         adapters: dict[str, str | Path] | str | Path | None = None,
         config: EngineConfig | None = None,
         sampling: SamplingConfig | None = None,
-        weights: dict[str, torch.Tensor] | None = None,
-        ops: ModuleType | None = None,
-        pools: PoolFactory = unified_pool,
-        grammar_tokens=None,
     ) -> None:
+        self._build(model, adapters, config, sampling, EngineParts())
+
+    def _build(
+        self,
+        model: str | Path,
+        adapters: dict[str, str | Path] | str | Path | None,
+        config: EngineConfig | None,
+        sampling: SamplingConfig | None,
+        given: EngineParts,
+    ) -> None:
+        """The engine from ``given`` parts: ``__init__``'s defaults, or ``assemble``'s."""
         began = time.perf_counter()
         self.config = config = config or EngineConfig()
         located = locate(model, adapters)  # Hub names -> snapshots in the Hugging Face cache
@@ -79,7 +78,7 @@ class Engine:
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             set_cpu_threads(config.cpu_threads)
-        self.ops = ops or pick_backend(config.backend, self.device)
+        self.ops = given.kernels(config.backend, self.device)
         self.max_model_len = min(config.max_model_len or spec.max_context, spec.max_context)
         self.tp = None  # shard(): a model that does not divide for tensor parallelism says so first
         with live_engines.Room(
@@ -89,24 +88,16 @@ class Engine:
             self.dtype,
             self.device,
             self.max_model_len,
-            weights,
+            given.weights,
         ) as room:
             if config.tensor_parallel > 1:  # rank 0 of N: the others start and build alongside
                 from slora_batch.engine.execution import tp
 
-                self.tp = tp.launch(self.model_path, adapters, config, weights)
+                self.tp = tp.launch(self.model_path, adapters, config, given)
                 self.device = self.tp.device
                 room.on_failure(self.tp.close)  # the other ranks stop
             parts = build_parts(
-                spec,
-                adapters,
-                config,
-                self.device,
-                self.dtype,
-                self.max_model_len,
-                weights,
-                pools,
-                self.tp,
+                spec, adapters, config, self.device, self.dtype, self.max_model_len, given, self.tp
             )
             warmup = time.perf_counter()
             self.config = config = parts.config  # max_num_seqs: auto resolved
@@ -120,7 +111,7 @@ class Engine:
         for exc in self.broken.values():
             log.warning("%s; its rows become error rows", exc)
         self.tokenizer = load_tokenizer(self.model_path)
-        make_info = partial(tokenizer_info, self.tokenizer, spec, grammar_tokens)
+        make_info = partial(tokenizer_info, self.tokenizer, spec, given.grammar_tokens)
         self.grammars = GrammarService(make_info, config.grammar_threads)  # formats' compiler
         self.scheduler = Scheduler(
             config, self.pool, self.residency, spec.eos_token_ids, spec.long_rope_from
@@ -378,3 +369,17 @@ class Engine:
                 seq.num_computed += step.num_new[0]
         self.scheduler.finish(seq)
         return logits[0].float()
+
+
+def assemble(
+    model: str | Path,
+    adapters: dict[str, str | Path] | str | Path | None = None,
+    config: EngineConfig | None = None,
+    sampling: SamplingConfig | None = None,
+    parts: EngineParts | None = None,
+) -> Engine:
+    """An ``Engine`` built from ``parts`` in place of the defaults: the benchmark's random
+    weights and ablations, and tests that need them. Users build ``Engine(...)``."""
+    engine = Engine.__new__(Engine)
+    engine._build(model, adapters, config, sampling, parts or EngineParts())
+    return engine

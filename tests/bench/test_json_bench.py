@@ -57,12 +57,15 @@ def test_json_system_runs_beside_slora(tmp_path):
 def test_json_outputs_follow_the_schema(tmp_path):
     from factory import make_model
 
-    from slora_batch import Engine, EngineConfig, Request
+    from slora_batch import EngineConfig, Request
     from slora_batch.bench.json_run import FORMAT, grammar_tokens
+    from slora_batch.engine.engine import assemble
+    from slora_batch.engine.execution.parts import EngineParts
 
     model_dir = make_model(tmp_path, "mha")
-    engine = Engine(model_dir, config=EngineConfig(device="cpu", dtype="float32", num_pages=6000),
-                    grammar_tokens=grammar_tokens(300))  # fmt: skip
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=6000)
+    parts = EngineParts(grammar_tokens=grammar_tokens(300))  # the model has no tokenizer
+    engine = assemble(model_dir, config=config, parts=parts)
     vocab = synthetic_vocab(300)
     requests = [Request(id=i, prompt_token_ids=[5 + i, 9, 40 + i], max_new_tokens=200,
                         ignore_eos=True, response_format=FORMAT) for i in range(4)]  # fmt: skip

@@ -22,7 +22,8 @@ from slora_batch.bench.timed_run import COUNTERS
 from slora_batch.bench.warmup import _warmup
 from slora_batch.bench.workload import PrefixWorkload, Workload, adapter_sources, drawn_adapters
 from slora_batch.engine.config import ConfigError, EngineConfig
-from slora_batch.engine.engine import Engine
+from slora_batch.engine.engine import assemble
+from slora_batch.engine.execution.parts import EngineParts
 from slora_batch.jobs.ordering import sort_key
 
 PREFIX_SYSTEMS = ["slora", "slora-off", "prefix", "prefix-off", "samples", "samples-separate"]
@@ -94,9 +95,8 @@ def test_an_engine_gives_n_results_per_sampled_prompt(tmp_path):
     model = build_model("tiny", torch.device("cpu"), torch.float32, tmp_path, seed=0, hf=False)
     sources = adapter_sources(2, model.write_adapters(tmp_path / "adapters", 0))
     prompts = Workload.generate(BenchConfig(**TINY), 300, count=4).requests(2)
-    engine = Engine(model.model_dir, adapters=sources,
-                    config=EngineConfig(device="cpu", dtype="float32", num_pages=16384),
-                    weights=model.weights)  # fmt: skip
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=16384)
+    engine = assemble(model.model_dir, sources, config, parts=EngineParts(model.weights))
     results = list(engine.generate(sample_requests(prompts, 3, separate=False)))
     assert sorted((r.id, r.sample_index) for r in results) == [(i, k) for i in range(4)
                                                                 for k in range(3)]  # fmt: skip

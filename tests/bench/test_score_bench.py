@@ -21,7 +21,8 @@ from slora_batch.bench.peft_score_run import choice_sums, score_batches
 from slora_batch.bench.warmup import WARMUP_PROMPT, _warmup
 from slora_batch.bench.workload import ScoreWorkload, adapter_sources, group_by_adapter
 from slora_batch.engine.config import ConfigError, EngineConfig
-from slora_batch.engine.engine import Engine
+from slora_batch.engine.engine import assemble
+from slora_batch.engine.execution.parts import EngineParts
 
 TINY = dict(
     model_preset="tiny",
@@ -155,9 +156,8 @@ def test_engine_and_peft_score_the_same_choices(tmp_path):
     sources = adapter_sources(3, model.write_adapters(tmp_path / "adapters", 0))
     workload = ScoreWorkload.generate(BenchConfig(**TINY), 300)
     requests = group_by_adapter(workload.requests(3, count=6))
-    engine = Engine(model.model_dir, adapters=sources,
-                    config=EngineConfig(device="cpu", dtype="float32", num_pages=16384),
-                    weights=model.weights)  # fmt: skip
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=16384)
+    engine = assemble(model.model_dir, sources, config, parts=EngineParts(model.weights))
     results = {r.id: r for r in engine.generate(requests)}
     peft = load_peft(model.hf_model, sources)
     try:

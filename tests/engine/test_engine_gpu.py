@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slora_batch import Engine, EngineConfig, Request
+from slora_batch import EngineConfig, Request
+from slora_batch.engine.engine import assemble
+from slora_batch.engine.execution.parts import EngineParts
 from slora_batch.engine.scheduling.scheduler import PAGES_PER_TOKEN
 
 pytestmark = pytest.mark.gpu
@@ -223,7 +225,7 @@ def fp32_first_logits(peft_model, cases) -> dict:
 def make_engine(model_dir, weights, adapters, **knobs):
     knobs.setdefault("num_pages", 60_000 if "llama" in str(model_dir) else 200_000)
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, **knobs)
-    return Engine(model_dir, adapters=adapters, config=config, weights=weights)
+    return assemble(model_dir, adapters, config, parts=EngineParts(weights))
 
 
 def assert_tokens_match(

@@ -17,6 +17,8 @@ import torch
 from test_engine_gpu import MARGIN, NOISE_MARGINS, SHAPES, build_case, fp32_first_logits, rows
 
 from slora_batch import Engine, EngineConfig, Request
+from slora_batch.engine.engine import assemble
+from slora_batch.engine.execution.parts import EngineParts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +55,7 @@ def _engine(model_dir, weights, adapters, **knobs) -> Engine:
     pages = 60_000 if "llama" in str(model_dir) else 200_000
     config = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=16, num_pages=pages,
                           backend="triton", **knobs)  # fmt: skip
-    return Engine(model_dir, adapters=adapters, config=config, weights=weights)
+    return assemble(model_dir, adapters, config, parts=EngineParts(weights))
 
 
 def _run(engine: Engine, cases: list[dict]) -> tuple[dict, dict]:

@@ -101,15 +101,16 @@ def test_seeded_sample_independent_of_batch(case):
 @pytest.mark.parametrize("system", ["bmm", "no-unified"])
 def test_ablations_compute_the_same(case, system):
     """The benchmark's ablations (padded bmm LoRA; separate KV and adapter pools), composed from
-    the parts the bench hands the engine, are exact too."""
+    the parts the bench assembles the engine from, are exact too."""
     import torch
 
     from slora_batch.bench.engine_run import engine_parts
+    from slora_batch.engine.engine import assemble
 
     model_dir, adapters, rows, expected = case
     config = EngineConfig(device="cpu", dtype="float32", num_pages=8000, max_num_batched_tokens=64)
     parts = engine_parts(system, "torch", torch.device("cpu"))
-    engine = Engine(model_dir, adapters=adapters, config=config, **parts)
+    engine = assemble(model_dir, adapters, config, parts=parts)
     results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
     assert_parity(results, expected)
     if system == "no-unified":

@@ -1,11 +1,19 @@
-"""What an engine builds on its device, alike on one device and on each tensor-parallel rank:
-the adapter store and its check, the model, the page pool(s), the residency, and the runner."""
+"""What an engine is built from and what it builds on its device, alike on one device and on
+each tensor-parallel rank: the adapter store and its check, the model, the page pool(s), the
+residency, and the runner.
+
+``EngineParts`` are the pieces a user never chooses: the model's tensors, the kernel backend,
+the pool factory and the grammar's token table. ``Engine(...)`` takes the defaults; the
+benchmark and the tests hand in others through ``engine.assemble`` (random weights, the
+padded-bmm and split-pool ablations, a token table for a model without a tokenizer).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +33,32 @@ from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
+
+
+class TensorSource(Protocol):
+    """A model's tensors by Hugging Face name, taken one at a time (``models.loader``): a dict,
+    or an object that makes each on demand (the benchmark's random weights)."""
+
+    def pop(self, name: str, default: Any = None) -> torch.Tensor | None: ...
+
+    def keys(self) -> Iterable[str]: ...
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """The pieces an engine is assembled from; the defaults are what ``Engine(...)`` builds.
+
+    Data-parallel workers and tensor-parallel ranks are handed the same parts (pickled: a
+    dict of tensors is copied to each, a source that makes tensors on demand suits best)."""
+
+    weights: TensorSource | None = None  # None: the model directory's safetensors
+    ops: ModuleType | None = None  # kernels with ``slora_kernels.ref``'s functions; None: backend
+    pools: PoolFactory = unified_pool  # (KV pool, adapter pool): one pool twice, unified paging
+    grammar_tokens: Any = None  # an ``xgrammar.TokenizerInfo``; None: from the model's tokenizer
+
+    def kernels(self, backend: str, device: torch.device) -> ModuleType:
+        """``ops``, else the configured backend's kernels for ``device``."""
+        return self.ops or pick_backend(backend, device)
 
 
 class RankSetup(RankGroup, Protocol):
@@ -54,15 +88,15 @@ def build_parts(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
-    weights=None,
-    pools: PoolFactory = unified_pool,
+    given: EngineParts,
     tp: RankSetup | None = None,
 ) -> DeviceParts:
     """The device side of an engine. Under tensor parallelism (``tp``) every rank calls it in
     the same order: its shard of the model and of each adapter, and the page count of the
     rank with the fewest free pages, so that rank 0's page numbers hold on every rank.
     ``max_num_seqs: auto`` resolves here, from that page count (alike on every rank); on cuda
-    the pool then takes the reserve that the resolved cap leaves (more pages, never fewer)."""
+    the pool then takes the reserve that the resolved cap leaves (more pages, never fewer).
+    ``given``: the model's tensors and the pool factory."""
     check_kv_cache_dtype(config.kv_cache_dtype, device)
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     pool_spec = spec.shard(size)
@@ -76,7 +110,7 @@ def build_parts(
             f"{what} needs fp8 matmuls (compute capability >= 8.9); {device} has "
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
         )
-    model = load_model(spec, dtype, device, max_model_len, weights, tp, fp8)
+    model = load_model(spec, dtype, device, max_model_len, given.weights, tp, fp8)
     pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     if config.max_num_seqs == "auto":
         adapters = [store.pages(name) for name in store.names if name not in broken]
@@ -85,7 +119,7 @@ def build_parts(
         config = resolved(config, seats)
         if cuda and config.num_pages is None:  # the reserve for ``seats`` rows, not the bound
             pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
-    pool, lora_pool = pools(pages, pool_spec, dtype, device)
+    pool, lora_pool = given.pools(pages, pool_spec, dtype, device)
     if config.kv_cache_dtype == "fp8":  # the KV pool; adapter pages stay in the model dtype
         pool.use_fp8_kv(pool_spec.num_kv_heads, pool_spec.kv_dim)
     residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, device)

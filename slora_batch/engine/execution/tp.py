@@ -47,7 +47,7 @@ import torch
 
 from slora_batch.engine.config import ConfigError
 from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
-from slora_batch.engine.execution.parts import build_parts, make_runner, pick_backend
+from slora_batch.engine.execution.parts import EngineParts, build_parts, make_runner
 from slora_batch.engine.execution.tp_tables import PageTableReceiver, PageTableSender
 from slora_batch.engine.models.spec import read_spec
 
@@ -173,8 +173,9 @@ def _join(rank: int, size: int, address: str, device: torch.device, timeout_s: f
     )
 
 
-def launch(model, adapters, config, weights=None) -> TensorParallel:
-    """Rank 0: starts ranks 1..N-1 as worker processes and joins the group with them."""
+def launch(model, adapters, config, given: EngineParts) -> TensorParallel:
+    """Rank 0: starts ranks 1..N-1 as worker processes, each handed ``given`` (the parts rank 0
+    builds from), and joins the group with them."""
     size = config.tensor_parallel
     device = device_of(config, 0)
     if device.type == "cuda" and torch.cuda.device_count() < size:
@@ -190,7 +191,7 @@ def launch(model, adapters, config, weights=None) -> TensorParallel:
         ours, theirs = context.Pipe()
         process = context.Process(
             target=worker_main,
-            args=(rank, size, address, model, adapters, config, weights, level, theirs),
+            args=(rank, size, address, model, adapters, config, given, level, theirs),
             name=f"slora-tp-{rank}",
             daemon=True,
         )
@@ -239,19 +240,19 @@ class TensorParallelRunner:
             ) from exc
 
 
-def build_shard(model, adapters, config, tp: TensorParallel, weights=None):
+def build_shard(model, adapters, config, tp: TensorParallel, given: EngineParts):
     """A worker rank's engine parts, built in the order rank 0 builds its own (``Engine``), so
     that their collectives meet: the shard's store, model, pool and residency, then the runner
     (which captures its graphs with the others)."""
     spec = read_spec(model)
     dtype = pick_dtype(config.dtype, tp.device)
     max_len = min(config.max_model_len or spec.max_context, spec.max_context)
-    parts = build_parts(spec, adapters, config, tp.device, dtype, max_len, weights, tp=tp)
-    ops = pick_backend(config.backend, tp.device)
+    parts = build_parts(spec, adapters, config, tp.device, dtype, max_len, given, tp)
+    ops = given.kernels(config.backend, tp.device)
     return parts, make_runner(parts, ops, tp.device, max_len)
 
 
-def worker_main(rank, size, address, model, adapters, config, weights, level, pipe) -> None:
+def worker_main(rank, size, address, model, adapters, config, given, level, pipe) -> None:
     """Ranks 1..N-1: build the shard, then repeat rank 0's steps until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: rank 0 stops us
     logging.basicConfig(level=level, format=f"%(levelname)s tp rank {rank}: %(message)s")
@@ -262,7 +263,7 @@ def worker_main(rank, size, address, model, adapters, config, weights, level, pi
             set_cpu_threads(config.cpu_threads)
         tp = TensorParallel(rank, size, device)
         _join(rank, size, address, device, config.worker_timeout_s)
-        parts, runner = build_shard(model, adapters, config, tp, weights)
+        parts, runner = build_shard(model, adapters, config, tp, given)
         _serve(parts, runner, tp, pipe)
     except Exception as exc:
         log.error("tensor-parallel rank %d failed", rank, exc_info=True)

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
@@ -44,6 +44,9 @@ from slora_batch.engine.parallel.dp_worker import (
 )
 from slora_batch.engine.requests.request import Request, Result
 
+if TYPE_CHECKING:  # torch's: imported by the worker and the engine, not here
+    from slora_batch.engine.execution.parts import EngineParts
+
 __all__ = ["DataParallelEngine", "WorkerDied", "chunks", "open_engine"]
 
 log = logging.getLogger(__name__)
@@ -54,18 +57,22 @@ MAX_FIELDS = ("load_s", "warmup_s")  # workers build at once: the slowest counts
 
 
 def open_engine(
-    model, adapters=None, config: EngineConfig | None = None, sampling=None, weights=None
+    model,
+    adapters=None,
+    config: EngineConfig | None = None,
+    sampling=None,
+    parts: EngineParts | None = None,
 ):
     """An ``Engine``, or a ``DataParallelEngine`` when the config asks for more than one worker.
-    ``weights`` as ``Engine``'s (each worker gets a copy: tensors made on demand suit best)."""
+    ``parts`` as ``engine.assemble``'s (each worker gets a copy), for the benchmark."""
     config = config or EngineConfig()
     if config.data_parallel > 1 or config.gpus:
         slots = worker_slots(config)
         if len(slots) > 1:
-            return DataParallelEngine(model, adapters, config, sampling, slots, weights=weights)
-    from slora_batch.engine.engine import Engine
+            return DataParallelEngine(model, adapters, config, sampling, slots, parts=parts)
+    from slora_batch.engine.engine import assemble
 
-    return Engine(model, adapters=adapters, config=config, sampling=sampling, weights=weights)
+    return assemble(model, adapters, config, sampling, parts)
 
 
 def chunks(requests: Iterable[Request], rows: int) -> Iterator[list[Request]]:
@@ -101,7 +108,7 @@ class DataParallelEngine:
         sampling: SamplingConfig | None = None,
         slots: list[WorkerSlot] | None = None,
         chunk_rows: int | None = None,
-        weights=None,
+        parts: EngineParts | None = None,
     ) -> None:
         began = time.perf_counter()
         self.config = config = config or EngineConfig()
@@ -131,7 +138,7 @@ class DataParallelEngine:
                 args = (slot, model, adapters, worker_config, sampling, level)
                 process = context.Process(
                     target=worker_main,
-                    args=(*args, inbox_reader, outbox_writer, weights),
+                    args=(*args, inbox_reader, outbox_writer, parts),
                     name=f"slora-dp-{slot.index}",
                     # a tensor-parallel worker starts its own ranks: daemons cannot
                     daemon=config.tensor_parallel == 1,

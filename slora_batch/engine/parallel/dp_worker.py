@@ -81,10 +81,9 @@ def worker_slots(config: EngineConfig) -> list[WorkerSlot]:
     return [WorkerSlot(i, name(i), ",".join(ids[i * per : (i + 1) * per])) for i in range(count)]
 
 
-def worker_main(
-    slot, model, adapters, config, sampling, level: int, inbox, outbox, weights=None
-) -> None:
-    """A worker process: its device first (before torch touches CUDA), then its engine."""
+def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outbox, parts) -> None:
+    """A worker process: its device first (before torch touches CUDA), then its engine, built
+    from ``parts`` (``execution.parts.EngineParts``, the driver's)."""
     if slot.visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = slot.visible
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: the driver stops us
@@ -104,9 +103,9 @@ def worker_main(
     beat = beat_s(config.worker_timeout_s)
     threading.Thread(target=_beat, args=(send, state, beat), daemon=True).start()
     try:
-        from slora_batch.engine.engine import Engine
+        from slora_batch.engine.engine import assemble
 
-        engine = Engine(model, adapters=adapters, config=config, sampling=sampling, weights=weights)
+        engine = assemble(model, adapters, config, sampling, parts)
     except Exception as exc:
         _fail(send, exc, exc)
     state.update(engine=engine, doing="idle")
