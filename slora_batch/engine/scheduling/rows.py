@@ -1,6 +1,6 @@
 """The running rows' table: one dense row per running sequence, holding what a decode step reads
 in preallocated arrays, so that the step is built by array slices instead of a Python pass over
-every row (issue 37: per-step host work grew with the rows and left the GPU waiting).
+every row (per-step host work grew with the rows and left the GPU waiting).
 
 A sequence takes the next row when it starts running and gives it up when it stops (retired,
 finished, preempted); the table's last row then moves into the hole, so rows stay dense in

@@ -1,4 +1,4 @@
-"""Iteration-level scheduling, and the one owner of a sequence's life.
+"""Iteration-level scheduling: the one owner of a sequence's life, and what each step runs.
 
 A sequence goes WAITING -> RUNNING -> (RETIRED) -> FINISHED -> RELEASED, or back from RUNNING to
 WAITING when preempted. With overlapped steps a row's token is read back one step after its
@@ -8,14 +8,37 @@ already launched in step N+1 when step N's token finished it). Both keep their a
 and the per-batch adapter cap counts every adapter pinned by this scheduler's sequences, not
 only those of running rows: admission can then never take an adapter that has no slot.
 
-Every step: running sequences first (decodes take one token, unfinished prefills a chunk), each
-getting pages for its new tokens -- evicting idle adapters, then preempting the latest arrivals
-(recompute later) when the pool runs dry. Then, once ``admit_batch`` newcomers can join (free
-seats and room under the adapter cap), waiting sequences join while the token budget, the
-sequence cap, the adapter cap and the free pages (counting the pages of an adapter not yet
-resident) allow, preferring adapters already running, then adapters already resident
-(``admission.Admission``, this class's other half).
-Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s.
+A step, as the engine drives it; ``Scheduler``'s methods come in this order:
+
+1. ``schedule``, the running rows first: decodes take one token each, unfinished prefills a
+   chunk of the token budget, each getting pages for its new tokens. The common decode step
+   takes its page pairs in one allocation (``_grow_decodes``); when the pool runs dry a row
+   evicts idle adapters and cached blocks, then preempts the latest arrivals (``_grow``,
+   ``_preempt``: they rejoin the queue's front and recompute later).
+2. Then waiting rows join, once ``admit_batch`` of them can (free seats, and room under the
+   adapter cap ``max_adapters_per_batch``, which with many adapters fills first:
+   ``_admitting``). The next one is picked by adapter clustering: a preempted row first, then
+   a row whose adapter is pinned, then resident, then in host memory (``_pick``). It is
+   admitted while the token budget, the sequence cap, the adapter cap and the free pages
+   (counting the pages of an adapter not yet resident: ``KVPages.admissible``) allow, and
+   starts past its cached prefix; a row whose prompt continues with a block that a running row
+   is computing waits for it to be cached (``_admit_waiting``).
+3. ``launched``: the step is on the device. Its K/V counts as computed (queued), and each row
+   that draws a token has one pending until read back. Rows of the row table are counted by
+   array ops over its columns; a row goes through Python only when something happens to it:
+   its prompt ends or is chunked (prompt blocks cached, followers released, a scored row
+   retired), or its pending token is its last (retired). Running example: a mixed step of
+   decodes A, B (table rows 0, 1) and C's 16-token chunk that ends its prompt (row 2), drawn
+   [A, B, C]: computed += [1, 1, 16], pending += 1 and last_row = [0, 1, 2] for all three;
+   only C goes through ``_after_computed``; B retires if its pending token is its last.
+4. ``postprocess``, one step later: the step's tokens are read back into their rows
+   (``read_back``); rows finish on EOS, a stop string, the end of their grammar or their
+   length, and their pages and adapters go back (``_release``), or wait while the step now in
+   flight still uses them (``held``).
+
+Pages themselves, cached prefix blocks included, are ``kv_pages.KVPages``'s; the running rows'
+per-step fields live in ``rows.RowTable``; the waiting queue counts its rows per adapter
+(``waiting.WaitingQueue``).
 """
 
 from __future__ import annotations
@@ -23,6 +46,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,10 +54,8 @@ from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.config import EngineConfig
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.sequence import Sequence, Status
-from slora_batch.engine.scheduling.admission import Admission, ScheduledStep
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN, KVPages
-from slora_batch.engine.scheduling.launches import Launches
-from slora_batch.engine.scheduling.prefix_cache import PrefixCache
+from slora_batch.engine.scheduling.prefix_cache import Block, PrefixCache
 from slora_batch.engine.scheduling.read_back import read_back
 from slora_batch.engine.scheduling.rows import RowTable
 from slora_batch.engine.scheduling.waiting import WaitingQueue
@@ -42,8 +64,25 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PAGES_PER_TOKEN", "ScheduledStep", "Scheduler"]
 
+MAX_DEFERRED = 64  # waiting rows set aside in one step for a prefix being computed
 
-class Scheduler(Admission, Launches):
+
+@dataclass
+class ScheduledStep:
+    """One step's rows and the tokens each computes: what ``Scheduler.schedule`` returns."""
+
+    seqs: list[Sequence]
+    num_new: list[int]  # tokens computed for each sequence this step
+    # Set when the step is every row of the scheduler's row table, in its order, one token
+    # each, each drawing one: the step is then built from the table's arrays.
+    rows: RowTable | None = None
+    mark: int | None = None  # the row table's ``mark()`` at launch (``Scheduler.postprocess``)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
@@ -68,9 +107,7 @@ class Scheduler(Admission, Launches):
         self.cache = None
         if config.prefix_caching:
             self.cache = PrefixCache(pool, config.prefix_block_tokens)
-        self.pages = KVPages(
-            pool, residency, self.cache, long_prompts
-        )  # whether the pages are there
+        self.pages = KVPages(pool, residency, self.cache, long_prompts)  # whether pages are there
         # The first uncached block of each running prompt -> the sequence computing it: a row
         # that would compute the same block waits until it is cached (``_admit_waiting``).
         self.computing: dict[int, Sequence] = {}
@@ -95,7 +132,280 @@ class Scheduler(Admission, Launches):
         """Whether any sequence still holds pages or an adapter (work, or rows in flight)."""
         return bool(self.running or self.retired or self.held or self.pinned)
 
-    # -- after a step: launch, read back ------------------------------------------------------
+    # -- 1. the running rows: decodes and prefill chunks -------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        """The next step: the running rows in arrival order, each taking what it brings (one
+        token, or a prefill chunk) while the token budget lasts, then the waiting rows that
+        may join (``_admitting``, ``_admit_waiting``)."""
+        self.steps += 1
+        self.residency.clock = self.steps
+        if self.cache is not None:
+            self.cache.clock = self.steps
+        step = ScheduledStep([], [])
+        budget = self.config.max_num_batched_tokens
+        i = self._grow_decodes(step, budget)
+        budget -= i
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, n):
+                break  # seq itself was preempted: it was the latest arrival
+            step.seqs.append(seq)
+            step.num_new.append(n)
+            budget -= n
+            i += 1
+        if self._admitting():
+            self._admit_waiting(step, budget)
+            if len(step.seqs) > i:  # newcomers: the step is no longer the table's rows alone
+                step.rows = None
+        return step
+
+    def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
+        """The common decode step in one allocation: the leading running sequences that bring one
+        token each get their page pairs from one ``alloc``, when the pool has room for all of
+        them. The same steps, page counts and evictions as growing them one by one (which
+        ``schedule`` falls back to when room runs out, to preempt); only which free pages go to
+        whom may differ. When that is every running row and each draws a token, the step lists
+        them in the row table's order and carries the table (``ScheduledStep.rows``). Returns how
+        many it scheduled."""
+        running, table = self.running, self.rows
+        limit = min(len(running), budget)
+        # the first row that brings more than one token; the table's columns tell at once when
+        # none does (every running row is seated)
+        n = len(table)
+        b_remaining = (
+            table.b_prompt_len[:n]
+            + table.b_outputs[:n]
+            + table.b_pending[:n]
+            - table.b_computed[:n]
+        )
+        count = limit
+        if (b_remaining != 1).any():
+            count = next((i for i, s in enumerate(running[:limit]) if s.remaining != 1), limit)
+        if count == 0:
+            return 0
+        whole = count == len(running) and not self.rows.scored
+        seqs = list(self.rows.seqs) if whole else running[:count]
+        if not self.pages.take_one_each(seqs, self.rows, whole):
+            return 0
+        step.seqs.extend(seqs)
+        step.num_new.extend([1] * count)
+        if whole:
+            step.rows = self.rows
+        return count
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
+        need = self.pool.kv_pages_per_token * n
+        while not self.pages.room(need):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.pages.take(seq, n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
+        self._stop_running(seq)
+        self._release([seq])
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        log.debug(
+            "preempted row %r after %d tokens (%d free pages)",
+            seq.request.id,
+            len(seq.output_ids),
+            self.pool.num_free,
+        )
+
+    # -- 2. waiting rows join ----------------------------------------------------------------------
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join this step. A running batch takes newcomers only once
+        ``admit_seats`` of them can join (or all waiting ones): ``admit_seats`` seats free, and
+        the adapter cap letting that many in (``WaitingQueue.joinable``). One prefill step for
+        many new requests instead of one mixed, graph-less step per finished request: with many
+        adapters the cap fills before the seats do (1000 adapters, fp8 KV: 591 seats, ~300 rows
+        on 256 adapters), and free seats alone admitted the row or two of each freed adapter in
+        a mixed step of its own, one step in two."""
+        if not self.running or not self.waiting:
+            return True
+        want = min(self.config.admit_seats, len(self.waiting))
+        free = self.config.seats_bound - len(self.running)
+        cap = self.config.max_adapters_per_batch
+        return free >= want and self.waiting.joinable(want, self.pinned, cap) >= want
+
+    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
+        """Waiting sequences join the step while they fit. One whose prompt continues past its
+        cached prefix with a block that a running sequence is computing waits for it to be
+        cached (the next steps), rather than compute it again: rows sharing a system prompt
+        then compute it once."""
+        deferred: list[Sequence] = []
+        while budget > 0 and len(self.running) < self.config.seats_bound:
+            seq = self._pick()
+            if seq is None:
+                break
+            hit = self.pages.prefix(seq)
+            key = self.pages.first_miss(seq, hit)
+            # ``computing`` maps a prefix block's chain key to the row computing it. Another row
+            # computes this row's first missing block now: defer this row until the block is
+            # cached, then share it (no entry, or this row itself: go on and compute it).
+            if key is not None and self.computing.get(key, seq) is not seq:
+                self.waiting.remove(seq)
+                deferred.append(seq)
+                if len(deferred) == MAX_DEFERRED:
+                    break
+                continue
+            n = min(seq.remaining - len(hit) * self.config.prefix_block_tokens, budget)
+            if not self._admit(seq, n, hit):
+                break
+            if key is not None:
+                self.computing[key] = seq
+                seq.computing = key
+            step.seqs.append(seq)
+            step.num_new.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def _pick(self) -> Sequence | None:
+        """The next waiting sequence: preempted ones first, then clustering by adapter: a row
+        whose adapter is pinned already, else one whose adapter is resident, else the first
+        whose adapter is in host memory. While rows run, a row whose adapter the loader thread
+        is still reading waits (the batch decodes meanwhile) rather than stall the step."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        if head.preemptions:  # a token still on the device: recompute once it is read back
+            return head if not head.pending and self._adapter_allowed(head.adapter) else None
+        full = len(self.pinned) >= self.config.max_adapters_per_batch
+        store = self.residency.store
+        resident = ready = None
+        for seq in self.waiting:
+            if not seq.adapter or seq.adapter in self.pinned:
+                return seq
+            if full or resident is not None:
+                continue
+            if self.residency.is_resident(seq.adapter):
+                resident = seq
+            elif ready is None and store.ready(seq.adapter):
+                ready = seq
+        if full:
+            return None
+        if resident is not None or ready is not None:
+            return resident or ready
+        return None if self.running else head
+
+    def _adapter_allowed(self, adapter: str | None) -> bool:
+        """Adapters pinned by any of this scheduler's sequences count against the cap: running
+        rows, and retired or held ones whose slot a step in flight still reads."""
+        return (
+            not adapter
+            or adapter in self.pinned
+            or len(self.pinned) < self.config.max_adapters_per_batch
+        )
+
+    def _admit(self, seq: Sequence, n: int, hit: list[Block] = ()) -> bool:
+        """``seq`` starts running with ``n`` tokens past its cached blocks ``hit``, if the pages
+        for them (and its adapter's, when not resident) are there: it takes the blocks, its
+        adapter's slot and its pages, and a row of the table. False: it stays waiting."""
+        adapter = seq.adapter
+        if not self.pages.admissible(seq, n, hit, pinned=adapter in self.pinned):
+            return False
+        self.waiting.remove(seq)
+        self.pages.attach(seq, hit)
+        if adapter:
+            seq.slot = self.residency.acquire(adapter)
+            self.pinned[adapter] += 1
+        need = self.pool.kv_pages_per_token * n
+        if not self.pages.room(need):
+            raise AssertionError(
+                f"admission counted {need} KV pages, {self.pool.num_free} free "
+                f"after loading {adapter!r}"
+            )
+        self.pages.take(seq, n)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        self.rows.join(seq)
+        return True
+
+    # -- 3. the step is launched -------------------------------------------------------------------
+
+    def launched(self, step: ScheduledStep, drawn: list[Sequence], number: int) -> None:
+        """Step ``number`` is on the device: its K/V counts as computed, and ``drawn`` (its rows
+        that draw a token) each have one token pending. A row whose pending token is its last
+        (``max_new_tokens``), or a scored sequence whose last chunk this is, leaves the running
+        set now but keeps its pages until read back."""
+        step.mark = self.rows.mark()  # before its rows retire (``postprocess``)
+        if step.rows is not None:  # every running row, one token each, each drawing one
+            self._launched_decode(step.seqs, number)
+            return
+        b_row = np.fromiter([s.row for s in step.seqs], np.int64, len(step.seqs))
+        d_row = np.fromiter([s.row for s in drawn], np.int64, len(drawn))
+        if (b_row < 0).any() or (d_row < 0).any():  # a row out of the table: one by one
+            for seq, n in zip(step.seqs, step.num_new, strict=True):
+                self._computed_tokens(seq, n, number)
+            self._pend(drawn, number)
+            return
+        self._launched_mixed(step, drawn, number, b_row, d_row)
+
+    def _launched_decode(self, seqs: list[Sequence], number: int) -> None:
+        """``launched`` for a step of the row table's rows (``ScheduledStep.rows``): array ops
+        over the table's columns; only a row whose prompt ends with this token goes through
+        ``_computed`` (its last prompt block is cached, its followers released), and only the
+        rows whose pending token is their last are retired, one by one."""
+        table, n = self.rows, len(seqs)
+        prefilling = np.flatnonzero(table.b_computed[:n] < table.b_prompt_len[:n])
+        table.b_computed[:n] += 1
+        table.b_pending[:n] += 1
+        table.b_last_row[:n] = np.arange(n)
+        table.b_last_step[:n] = number
+        done = np.flatnonzero(table.b_outputs[:n] + table.b_pending[:n] >= table.b_max_new[:n])
+        for i in prefilling.tolist():
+            self._after_computed(seqs[i], number)
+        for i in done.tolist():
+            self._retire(seqs[i])
+
+    def _launched_mixed(
+        self,
+        step: ScheduledStep,
+        drawn: list[Sequence],
+        number: int,
+        b_row: np.ndarray,
+        d_row: np.ndarray,
+    ) -> None:
+        """``launched`` for any other step whose rows are all in the table (``b_row``: the
+        step's rows, ``d_row``: the drawn ones'): the counts by array ops, as in
+        ``_launched_decode``; ``_after_computed`` only for the rows still in their prompt or
+        bringing a chunk (a decoding row past its prompt has nothing left to cache, claim or
+        release), in step order, then the drawn rows whose pending token is their last retire,
+        in draw order (the order of the one-by-one path)."""
+        table, seqs = self.rows, step.seqs
+        b_new = np.asarray(step.num_new, dtype=np.int64)
+        before = table.b_computed[b_row]
+        table.b_computed[b_row] = before + b_new
+        look = np.flatnonzero((before < table.b_prompt_len[b_row]) | (b_new > 1))
+        table.b_pending[d_row] += 1
+        table.b_last_row[d_row] = np.arange(d_row.size)
+        table.b_last_step[d_row] = number
+        done = table.b_outputs[d_row] + table.b_pending[d_row] >= table.b_max_new[d_row]
+        for i in look.tolist():
+            self._after_computed(seqs[i], number)
+        for i in np.flatnonzero(done).tolist():
+            if drawn[i].status is Status.RUNNING:
+                self._retire(drawn[i])
+
+    def _pend(self, drawn: list[Sequence], number: int) -> None:
+        """Each row of ``drawn`` has one more token pending (row ``row`` of step ``number``'s
+        draw); a row whose pending token is its last leaves the running set now."""
+        for row, seq in enumerate(drawn):
+            seq.pending += 1
+            seq.last_row, seq.last_step = row, number
+            if seq.num_drawn >= seq.max_new_tokens and seq.status is Status.RUNNING:
+                self._retire(seq)
 
     def _computed_tokens(self, seq: Sequence, n: int, number: int) -> None:
         """``n`` more tokens of ``seq``'s K/V are computed (queued) by step ``number``."""
@@ -135,6 +445,8 @@ class Scheduler(Admission, Launches):
         self._stop_running(seq)
         seq.status = Status.RETIRED
         self.retired.append(seq)
+
+    # -- 4. its tokens are read back ---------------------------------------------------------------
 
     def postprocess(
         self,
@@ -182,6 +494,14 @@ class Scheduler(Admission, Launches):
         self._release(release)
         return finished
 
+    # -- leaving: finished, dropped, preempted -----------------------------------------------------
+
+    def finish(self, seq: Sequence) -> None:
+        """A sequence is done and no step in flight uses it: pages and adapter go back."""
+        self._leave(seq)
+        seq.status = Status.FINISHED
+        self._release([seq])
+
     def abort(self) -> list[Sequence]:
         """Drop every sequence (the caller stopped pulling results, and no step is in flight):
         pages and adapters go back. Returns the dropped sequences that had not finished."""
@@ -195,36 +515,6 @@ class Scheduler(Admission, Launches):
         if self.cache is not None:  # an abandoned stream leaves the pool as it found it
             self.cache.clear()
         return dropped
-
-    def schedule(self) -> ScheduledStep:
-        self.steps += 1
-        self.residency.clock = self.steps
-        if self.cache is not None:
-            self.cache.clock = self.steps
-        step = ScheduledStep([], [])
-        budget = self.config.max_num_batched_tokens
-        i = self._grow_decodes(step, budget)
-        budget -= i
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.remaining, budget)
-            if not self._grow(seq, n):
-                break  # seq itself was preempted: it was the latest arrival
-            step.seqs.append(seq)
-            step.num_new.append(n)
-            budget -= n
-            i += 1
-        if self._admitting():
-            self._admit_waiting(step, budget)
-            if len(step.seqs) > i:  # newcomers: the step is no longer the table's rows alone
-                step.rows = None
-        return step
-
-    def finish(self, seq: Sequence) -> None:
-        """A sequence is done and no step in flight uses it: pages and adapter go back."""
-        self._leave(seq)
-        seq.status = Status.FINISHED
-        self._release([seq])
 
     def _leave(self, seq: Sequence) -> None:
         """Takes a sequence out of whichever list holds it (running, retired, or the queue when
@@ -245,67 +535,6 @@ class Scheduler(Admission, Launches):
         if self.computing.get(seq.computing) is seq:
             del self.computing[seq.computing]
         seq.computing = None
-
-    def _grow(self, seq: Sequence, n: int) -> bool:
-        """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
-        need = self.pool.kv_pages_per_token * n
-        while not self.pages.room(need):
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        self.pages.take(seq, n)
-        return True
-
-    def _grow_decodes(self, step: ScheduledStep, budget: int) -> int:
-        """The common decode step in one allocation: the leading running sequences that bring one
-        token each get their page pairs from one ``alloc``, when the pool has room for all of
-        them. The same steps, page counts and evictions as growing them one by one (which
-        ``schedule`` falls back to when room runs out, to preempt); only which free pages go to
-        whom may differ. When that is every running row and each draws a token, the step lists
-        them in the row table's order and carries the table (``ScheduledStep.rows``). Returns how
-        many it scheduled."""
-        running, table = self.running, self.rows
-        limit = min(len(running), budget)
-        # the first row that brings more than one token; the table's columns tell at once when
-        # none does (every running row is seated)
-        n = len(table)
-        b_remaining = (
-            table.b_prompt_len[:n]
-            + table.b_outputs[:n]
-            + table.b_pending[:n]
-            - table.b_computed[:n]
-        )
-        count = limit
-        if (b_remaining != 1).any():
-            count = next((i for i, s in enumerate(running[:limit]) if s.remaining != 1), limit)
-        if count == 0:
-            return 0
-        whole = count == len(running) and not self.rows.scored
-        seqs = list(self.rows.seqs) if whole else running[:count]
-        if not self.pages.take_one_each(seqs, self.rows, whole):
-            return 0
-        step.seqs.extend(seqs)
-        step.num_new.extend([1] * count)
-        if whole:
-            step.rows = self.rows
-        return count
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Drop a running sequence's KV; it rejoins the queue's front and recomputes later."""
-        self._stop_running(seq)
-        self._release([seq])
-        seq.num_computed = 0
-        seq.preemptions += 1
-        self.preemptions += 1
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
-        log.debug(
-            "preempted row %r after %d tokens (%d free pages)",
-            seq.request.id,
-            len(seq.output_ids),
-            self.pool.num_free,
-        )
 
     def _release(self, seqs: list[Sequence]) -> None:
         """The sequences' pages go back to the pool (those of cached blocks stay, one reference

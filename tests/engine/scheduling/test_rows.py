@@ -18,8 +18,8 @@ from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.execution import batch as batch_module
 from slora_batch.engine.execution.runner import ModelRunner
 from slora_batch.engine.scheduling import scheduler as scheduler_module
-from slora_batch.engine.scheduling.admission import ScheduledStep
 from slora_batch.engine.scheduling.rows import RowTable
+from slora_batch.engine.scheduling.scheduler import ScheduledStep
 
 VOCAB = 300
 

@@ -1,5 +1,6 @@
 """The waiting queue's per-adapter counts stay equal to a count of the queue through every
-change, and admission's ``_joinable`` read from them equals a walk over the queue."""
+change, and ``joinable`` read from them (how many rows the adapter cap lets join) equals a walk
+over the queue."""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ import random
 from collections import Counter
 from types import SimpleNamespace
 
-from slora_batch.engine.scheduling.admission import Admission
 from slora_batch.engine.scheduling.waiting import WaitingQueue
 
 
 def walk_joinable(waiting, pinned, cap: int, want: int) -> int:
-    """``_joinable`` as a walk over the whole queue (its definition)."""
+    """``joinable`` as a walk over the whole queue (its definition)."""
     slots = cap - len(pinned)
     if slots >= want:
         return want
@@ -49,7 +49,5 @@ def test_counts_and_joinable_follow_the_queue():
             queue.clear()
         assert queue.by_adapter == Counter(s.adapter or None for s in queue)
         pinned = Counter({a: 1 for a in rng.sample(adapters[2:], rng.randrange(0, cap + 1))})
-        owner = SimpleNamespace(waiting=queue, pinned=pinned,
-                                config=SimpleNamespace(max_adapters_per_batch=cap))  # fmt: skip
         for want in (1, 2, 3, 5, 8, 20):
-            assert Admission._joinable(owner, want) == walk_joinable(queue, pinned, cap, want)
+            assert queue.joinable(want, pinned, cap) == walk_joinable(queue, pinned, cap, want)
