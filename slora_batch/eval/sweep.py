@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slora_batch.eval.config import REQUESTS_FILE
 from slora_batch.eval.early import prepare_beside_engine
 from slora_batch.eval.encoding import Encoder
 from slora_batch.eval.report import write_results
@@ -30,6 +29,7 @@ from slora_batch.eval.rows import request_rows
 from slora_batch.eval.scoring import AdapterScoring, read_parts
 from slora_batch.eval.tasks import adapter_scorer, build_requests, load_tasks
 from slora_batch.eval.worker import ScoringProcess
+from slora_batch.jobs.eval_keys import REQUESTS_FILE
 from slora_batch.jobs.outdir import commit_file
 
 if TYPE_CHECKING:

@@ -14,10 +14,10 @@ from typing import Any
 
 from lm_eval.api.model import LM
 
-from slora_batch.eval.config import EvalConfig
 from slora_batch.eval.encoding import Encoder
 from slora_batch.eval.report import Scored, scored
 from slora_batch.eval.rows import answer
+from slora_batch.jobs.eval_keys import EvalConfig
 
 logger = logging.getLogger(__name__)
 SEEDS = {"random": 0, "numpy": 1234, "torch": 1234, "fewshot": 1234}  # simple_evaluate's

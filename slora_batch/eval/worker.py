@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from slora_batch.eval.config import EvalConfig
+from slora_batch.jobs.eval_keys import EvalConfig
 
 logger = logging.getLogger(__name__)
 READY, FAILED = "__ready__", "__failed__"  # messages beside (adapter, scored, error)

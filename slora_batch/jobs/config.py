@@ -22,7 +22,7 @@ import yaml
 
 from slora_batch.engine.config import ConfigError, EngineConfig, SamplingConfig, check, from_dict
 from slora_batch.engine.requests.request import SAMPLING_FIELDS
-from slora_batch.eval.config import EvalConfig, eval_job_raw
+from slora_batch.jobs.eval_keys import EvalConfig, eval_job_raw
 from slora_batch.jobs.prompts import check_prompt_keys
 from slora_batch.jobs.response_format import read_schema_file
 
@@ -76,7 +76,7 @@ class JobConfig:
     # and body, else rows
     input_format: str = "auto"
     output_format: str = "parquet"  # "openai": also _openai_output.jsonl, _openai_errors.jsonl
-    eval: EvalConfig | None = None  # lm-eval tasks in place of ``input`` (``eval/config.py``)
+    eval: EvalConfig | None = None  # lm-eval tasks in place of ``input`` (``jobs/eval_keys.py``)
 
     def __post_init__(self) -> None:
         for name in ("name", "model", "input", "output"):

@@ -106,11 +106,11 @@ def test_scoring_process_equals_scoring_here(tmp_path, eval_setup, caplog):
     kinds; collect stops a process that is not ready at once, answering nothing."""
     from slora_batch.engine.models.spec import read_spec
     from slora_batch.engine.requests.tokens import load_tokenizer
-    from slora_batch.eval.config import EvalConfig
     from slora_batch.eval.encoding import Encoder
     from slora_batch.eval.report import BASE_NAME, RESULTS_DIR
     from slora_batch.eval.tasks import adapter_scorer, build_requests, load_tasks
     from slora_batch.eval.worker import ScoringProcess
+    from slora_batch.jobs.eval_keys import EvalConfig
 
     model_dir, _, tasks_dir = eval_setup
     config = EvalConfig(tasks=["tiny_mc", "tiny_gen", "tiny_ppl"], include_path=str(tasks_dir),

@@ -163,13 +163,13 @@ def test_adapters_share_the_built_instances_and_rendered_documents(eval_setup):
     """Every adapter's evaluate gets the instances built once, emptied of the last answers, and
     each document's templates rendered once (a caller mutating a returned list changes no
     later answer)."""
-    from slora_batch.eval.config import EvalConfig
     from slora_batch.eval.tasks import (
         build_requests,
         load_tasks,
         reuse_doc_templates,
         reuse_instances,
     )
+    from slora_batch.jobs.eval_keys import EvalConfig
 
     _, _, tasks = eval_setup
     loaded = load_tasks(EvalConfig(tasks=["tiny_mc"], include_path=str(tasks)))
