@@ -3,7 +3,7 @@ bf16 + fp8 KV and bf16 + fp8 weights + KV, each bf16 setting compared against bf
 
     python -m benchmarks.fp8_accuracy [--device cpu|cuda] [--out DIR]
 
-Issue 28's accuracy point: against the bf16 engine, the mean |delta| of per-token log-probs is
+The accuracy targets of fp8: against the bf16 engine, the mean |delta| of per-token log-probs is
 at most 0.02 nats with an fp8 KV cache and 0.05 with fp8 weights + KV, and the best choice is
 unchanged on at least 95% of rows. bf16 against fp32 is printed beside them: the noise that
 bf16 alone brings.
@@ -212,7 +212,7 @@ def measure(
 
 
 def targets(comparisons: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 28's checks, each against the bf16 engine: mean |delta| per fp8 setting and the
+    """The fp8 accuracy targets, each against the bf16 engine: mean |delta| per fp8 setting and the
     share of rows with the same best choice (by sum and by mean per token)."""
     checks = []
     for c in comparisons:

@@ -14,7 +14,7 @@ peft_score_run.py  the scoring workload through transformers + PEFT (``peft-scor
 prefix_run.py  the prefix cache's workloads through the engine (``prefix``, ``samples``, ...)
 job_run.py     the real ``slora-batch run`` path on the bench's requests (``job``)
 report.py      results.parquet, results.md, summary.json
-acceptance.py  the acceptance lines that end results.md
+acceptance.py  the checks against the bench's targets that end results.md
 plot.py        throughput.png
 run_meta.py    the results header: date, card, commit, versions, measured rates, settings
 formatting.py  how a figure is written in results.md (blank or n/a where missing)

@@ -1,5 +1,7 @@
-"""The acceptance lines that end results.md: each issue's thresholds checked on the rows at
-hand (a check whose runs are missing says so), and the ratios of the other systems to slora."""
+"""The checks that end results.md: each target the bench holds the engine to, checked on the
+rows at hand (a check whose runs are missing says so), and the ratios of the other systems to
+slora. A target is a ratio of two runs' throughput (or a share of the roofline bound) with the
+least value that passes; each constant below says what it stands for."""
 
 from __future__ import annotations
 
@@ -9,8 +11,15 @@ from slora_batch.bench.engine_run import ABLATIONS
 from slora_batch.bench.formatting import pct
 from slora_batch.engine.counters import TURN_PHASES
 
-SCORE_TARGET = 20.0  # score@N / peft-score best, rows/s (the issue's target)
-# the prefix cache's issue: (system, the one it is measured against, need >= this), per count
+# Generation at 1000 adapters: 30x the rows/s of PEFT's best batch; within 15% of the base
+# model without adapters; and 2000 adapters within 5% of 10 (the adapter count costs little).
+PEFT_TARGET, BASE_TARGET, SCALE_TARGET = 30.0, 0.85, 0.95
+ROOFLINE_TARGET = 0.30  # base and slora runs reach 30% of the device's roofline bound
+SCORE_TARGET = 20.0  # scoring rows through the engine: 20x the rows/s of PEFT's best batch
+# The prefix cache, per adapter count: (system, the one it is measured against, need >= this).
+# A prompt prefix shared per adapter computed once: 3x the output tok/s of computing it for
+# every row; the cache costs slora at most 2% where nothing is shared; n samples of a prompt
+# that share its prefill: 4x the same samples sent as separate requests.
 PREFIX_TARGETS = (
     ("prefix", "prefix-off", 3.0),
     ("slora", "slora-off", 0.98),
@@ -20,7 +29,8 @@ OWN_WORKLOAD = ("prefix", "prefix-off", "samples", "samples-separate")  # not sl
 
 
 def acceptance(rows: list[dict]) -> list[str]:
-    """The issue's thresholds on the rows at hand; a check whose runs are missing says so."""
+    """Every target's check on the rows at hand, then the ratios to slora and the host's share
+    of each step; a check whose runs are missing says so."""
     ok = [r for r in rows if not r.get("error")]
 
     def tok(system: str, n: int) -> float | None:
@@ -34,11 +44,11 @@ def acceptance(rows: list[dict]) -> list[str]:
             "slora@1000 / peft best",
             tok("slora", 1000),
             best and best["output_tokens_per_s"],
-            30.0,
+            PEFT_TARGET,
             f" (peft best at {best['adapters']} adapters)" if best else "",
         ),
-        ("slora@1000 / base", tok("slora", 1000), tok("base", 0), 0.85, ""),
-        ("slora@2000 / slora@10", tok("slora", 2000), tok("slora", 10), 0.95, ""),
+        ("slora@1000 / base", tok("slora", 1000), tok("base", 0), BASE_TARGET, ""),
+        ("slora@2000 / slora@10", tok("slora", 2000), tok("slora", 10), SCALE_TARGET, ""),
     ]
     lines = []
     for name, num, den, need, extra in checks:
@@ -55,9 +65,10 @@ def acceptance(rows: list[dict]) -> list[str]:
     lines += _prefix_acceptance(ok)
     for r in ok:
         if r["system"] in ("base", "slora"):
+            met = r["roofline_fraction"] >= ROOFLINE_TARGET
             lines.append(
                 f"- roofline {r['system']}@{r['adapters']} = {r['roofline_fraction']:.3f} "
-                f"(need >= 0.30): {'pass' if r['roofline_fraction'] >= 0.30 else 'FAIL'}"
+                f"(need >= {ROOFLINE_TARGET:.2f}): {'pass' if met else 'FAIL'}"
             )
         engine = "slora-par" if r["system"] == "job-par" else "slora"  # what it is set against
         if r["system"] in (*ABLATIONS, "job", "job-par") and tok(engine, r["adapters"]):
@@ -94,6 +105,8 @@ def acceptance(rows: list[dict]) -> list[str]:
                     f"- slora-par@{r['adapters']} / base-par ({layout}) = "
                     f"{r['output_tokens_per_s'] / tok('base-par', 0):.2f}"
                 )
+        # The host's share of a decode step stays under 10% at a decode batch of 128 or more:
+        # the device, not the Python between steps, bounds decode.
         if r["system"] == "slora" and not math.isnan(r["decode_host_share"]):
             lines.append(
                 f"- decode host share slora@{r['adapters']} = {pct(r['decode_host_share'])}"
@@ -111,8 +124,12 @@ def acceptance(rows: list[dict]) -> list[str]:
     return lines
 
 
-JSON_TARGET = 0.9  # json@N / json-free@N output tok/s (issue 27)
-EVAL_TARGET = 0.9  # eval@N / eval-score@N rows/s (issue 29)
+# Structured output: JSON under its schema keeps 90% of the output tok/s of the same requests
+# unconstrained (json@N / json-free@N).
+JSON_TARGET = 0.9
+# The lm-eval sweep (lm-eval's requests and scoring, the job's files) keeps 90% of the rows/s
+# of the engine alone on the same rows (eval@N / eval-score@N).
+EVAL_TARGET = 0.9
 
 
 def _paired(ok: list[dict], system: str, other: str, key: str, need: float, detail) -> list[str]:

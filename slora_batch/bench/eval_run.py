@@ -1,4 +1,4 @@
-"""The lm-eval sweep in the bench (issue 29): ``eval`` and ``eval-score``, the same rows.
+"""The lm-eval sweep in the bench: ``eval`` and ``eval-score``, the same rows.
 
 The task is a local multiple-choice task in lm-eval's YAML over a JSONL the bench writes
 (``write_task``): ``eval_docs`` documents, each a passage of random words and a question with

@@ -1,4 +1,5 @@
-"""How a figure is written in results.md and its acceptance lines: blank or n/a where missing."""
+"""How a figure is written in results.md and its checks against the targets: blank or n/a
+where missing."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
     ),
-    # The families users fine-tune (issue 26); "config" names the transformers config class.
+    # The families users fine-tune; "config" names the transformers config class.
     "llama3-8b": dict(  # GQA, 128k vocabulary
         vocab_size=128256,
         hidden_size=4096,

@@ -1,5 +1,5 @@
-"""What the bench writes: results.parquet, results.md (its header and table here; the
-acceptance lines in acceptance.py), summary.json, run.json (run_meta.py) and throughput.png
+"""What the bench writes: results.parquet, results.md (its header and table here; the checks
+against the targets in acceptance.py), summary.json, run.json (run_meta.py) and throughput.png
 (plot.py).
 
 All files are rewritten after every run, so a bench cut short keeps the runs that finished.
@@ -122,7 +122,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{pct(r['decode_host_share'])} | {num(r['decode_batch'], 0)} | "
             f"{num(r.get('max_num_seqs'), 0)} | {note} |"
         )
-    lines += ["", "## Acceptance (issue 4)", ""] + acceptance(rows) + [""]
+    lines += ["", "## Checks against the targets", ""] + acceptance(rows) + [""]
     return "\n".join(lines)
 
 

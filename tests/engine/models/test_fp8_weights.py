@@ -1,4 +1,4 @@
-"""FP8 weights (issue 28) on CPU, where the fp8 product is emulated exactly: the engine's W8A8
+"""FP8 weights on CPU, where the fp8 product is emulated exactly: the engine's W8A8
 projections equal transformers + PEFT with the same W8A8 base layers and LoRA on the unquantized
 input; FP8 checkpoints (compressed-tensors per channel, HF block-wise) load to the same model as
 quantizing on the fly; bad settings are refused by name."""
