@@ -1,7 +1,9 @@
 """FP8 KV pages on the card: decode and prefill attention on e4m3 pages against the bf16 pages
-of the same sequences, and the decode tile variants on fp8 pages (issue 28).
+of the same sequences, and the decode tile variants on fp8 pages.
 
-    python3 -m benchmarks.fp8_kernels [--quick]   # from the repo root, on a CUDA device
+    python3 -m benchmarks.fp8_kernels                  # from the repo root, on a CUDA device
+    python3 -m benchmarks.fp8_kernels --default-tiles  # every shape, the default tiles only
+    python3 -m benchmarks.fp8_kernels --quick          # the default tiles, MHA at B=256
 
 Decode: B sequences with contexts U[256, 1024] (the acceptance workload's), Llama-2-7B (MHA,
 32 KV heads) and Llama-3-8B (GQA, 8 KV heads) shapes, head_dim 128, graph-replayed. Each row
@@ -106,10 +108,11 @@ def prefill_rows(kind: str, bw: float) -> list[tuple]:
 
 def main() -> None:
     quick = "--quick" in sys.argv[1:]  # the default tiles only, MHA at B=256 and prefill
+    default_tiles = quick or "--default-tiles" in sys.argv[1:]
     bw = copy_gbps()
     rows = Table()
     rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
-    if quick:
+    if default_tiles:
         VARIANTS[1:] = []
     for kind in ["mha"] if quick else SHAPES:
         for batch in (256,) if quick else (256, 512):
