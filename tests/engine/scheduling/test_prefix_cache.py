@@ -35,11 +35,18 @@ def shared_prefix_rows(adapters: list[str], seed: int) -> list[dict]:
         prefix = [rng.randrange(3, VOCAB) for _ in range(40)]
         for j in range(4):
             suffix = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 5, 12]))]
-            rows.append(dict(id=f"{a}-{j}", adapter=adapter, prompt_token_ids=prefix + suffix,
-                             max_new_tokens=rng.choice([2, 6, 10])))  # fmt: skip
+            rows.append(
+                dict(
+                    id=f"{a}-{j}",
+                    adapter=adapter,
+                    prompt_token_ids=prefix + suffix,
+                    max_new_tokens=rng.choice([2, 6, 10]),
+                )
+            )
         other = adapters[(a + 3) % len(adapters)]  # the same prompt on another adapter
-        rows.append(dict(id=f"{a}-x", adapter=other, prompt_token_ids=prefix + [7],
-                         max_new_tokens=4))  # fmt: skip
+        rows.append(
+            dict(id=f"{a}-x", adapter=other, prompt_token_ids=prefix + [7], max_new_tokens=4)
+        )
     return rows
 
 
@@ -68,14 +75,17 @@ def test_identical_prompts_on_two_adapters_share_nothing(tiny):
     model_dir, adapters = tiny
     names = list(adapters)
     prompt = list(range(10, 50))
-    rows = [dict(id=i, adapter=adapter, prompt_token_ids=prompt, max_new_tokens=3)
-            for i, adapter in enumerate([names[0], names[1], None])]  # fmt: skip
+    rows = [
+        dict(id=i, adapter=adapter, prompt_token_ids=prompt, max_new_tokens=3)
+        for i, adapter in enumerate([names[0], names[1], None])
+    ]
     expected = reference(model_dir, adapters, rows)
     tokens, engine = generate(model_dir, adapters, rows, num_pages=4000, max_num_seqs=1)
     assert tokens == expected
     assert engine.counters.prefix_hit_tokens == 0
-    again, engine = generate(model_dir, adapters, rows + [dict(rows[0], id=9)], num_pages=4000,
-                             max_num_seqs=1)  # fmt: skip
+    again, engine = generate(
+        model_dir, adapters, rows + [dict(rows[0], id=9)], num_pages=4000, max_num_seqs=1
+    )
     assert again[9] == expected[0]
     assert engine.counters.prefix_hit_tokens == 32  # the same adapter: its 2 full blocks
 
@@ -86,8 +96,14 @@ def test_evictions_and_preemptions_keep_the_tokens(tiny):
     model_dir, adapters = tiny
     rows = shared_prefix_rows(list(adapters), seed=4)
     expected = reference(model_dir, adapters, rows)
-    tokens, engine = generate(model_dir, adapters, rows, num_pages=1400,
-                              max_num_batched_tokens=48, max_adapters_per_batch=3)  # fmt: skip
+    tokens, engine = generate(
+        model_dir,
+        adapters,
+        rows,
+        num_pages=1400,
+        max_num_batched_tokens=48,
+        max_adapters_per_batch=3,
+    )
     assert tokens == expected
     counters = engine.counters
     assert counters.prefix_hit_tokens > 0
@@ -126,11 +142,16 @@ def test_rows_waiting_for_a_prefix_being_computed_find_it_cached(tiny):
     model_dir, adapters = tiny
     names = list(adapters)
     prefix = [(7 * j) % 290 + 3 for j in range(50)]  # 3 full blocks before the suffix
-    rows = [dict(id=i, adapter=names[i % 2], prompt_token_ids=prefix + [10 + i, 20 + i],
-                 max_new_tokens=3) for i in range(8)]  # fmt: skip
+    rows = [
+        dict(
+            id=i, adapter=names[i % 2], prompt_token_ids=prefix + [10 + i, 20 + i], max_new_tokens=3
+        )
+        for i in range(8)
+    ]
     expected = reference(model_dir, adapters, rows)
-    tokens, engine = generate(model_dir, adapters, rows, num_pages=4000,
-                              max_num_batched_tokens=2048)  # fmt: skip
+    tokens, engine = generate(
+        model_dir, adapters, rows, num_pages=4000, max_num_batched_tokens=2048
+    )
     assert tokens == expected
     # per adapter 4 rows: the first computes 3 blocks, the 3 others find them
     assert engine.counters.prefix_hit_tokens == 2 * 3 * 48

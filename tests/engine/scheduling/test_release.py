@@ -21,6 +21,8 @@ EOS = 9
 
 
 def state(sched, pool, residency):
+    """What a release changes. The pool's free list in order (which pages go out next) and the
+    adapters' reference counts have no public reader: the test reads them where they live."""
     cache = sched.cache
     return (
         pool._stack[: pool.num_free].tolist(),
@@ -41,23 +43,37 @@ def run(seed: int, num_pages: int, together: bool, monkeypatch) -> list:
     )
     config = EngineConfig(device="cpu", prefix_caching=True, prefix_block_tokens=4)
     sched = Scheduler(config, pool, residency, eos_token_ids=[EOS])
-    if not together:
+    if not together:  # the reference: every release goes through ``_release``, one row at a time
         one_by_one = sched._release
         monkeypatch.setattr(sched, "_release", lambda seqs: [one_by_one([s]) for s in seqs])
     rng = random.Random(seed)
     for i in range(40):
         prompt = [1 + i % 3] * 8 + [rng.randrange(8) for _ in range(rng.randrange(1, 10))]
-        sched.add(Sequence(request=Request(id=i), order=i, adapter=("x", "y", None)[i % 3],
-                           prompt_ids=prompt, max_new_tokens=rng.randrange(1, 12),
-                           temperature=0.0, top_k=0, top_p=1.0, key=0, stop=[],
-                           ignore_eos=False))  # fmt: skip
+        sched.add(
+            Sequence(
+                request=Request(id=i),
+                order=i,
+                adapter=("x", "y", None)[i % 3],
+                prompt_ids=prompt,
+                max_new_tokens=rng.randrange(1, 12),
+                temperature=0.0,
+                top_k=0,
+                top_p=1.0,
+                key=0,
+                stop=[],
+                ignore_eos=False,
+            )
+        )
     trace, inflight, number = [], None, 0
     while sched.has_work() or inflight is not None:
         step = sched.schedule() if sched.has_work() else None
         if step is not None and step.seqs:
             number += 1
-            drawn = [s for s, n in zip(step.seqs, step.num_new, strict=True)
-                     if s.draws and s.num_computed + n == s.num_tokens]  # fmt: skip
+            drawn = [
+                s
+                for s, n in zip(step.seqs, step.num_new, strict=True)
+                if s.draws and s.num_computed + n == s.num_tokens
+            ]
             sched.launched(step, drawn, number)
             current = (number, drawn)
         else:

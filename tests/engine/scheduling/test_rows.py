@@ -45,10 +45,17 @@ def requests(count: int, seed: int) -> list[Request]:
             extra = dict(n=2)
         elif i % 5 == 0:  # rows reading logprobs back (the table counts them)
             extra = dict(logprobs=2)
-        out.append(Request(id=i, adapter=rng.choice([None, "a0", "a1", "a2"]),
-                           prompt_token_ids=prompt, max_new_tokens=rng.randrange(1, 12),
-                           ignore_eos=True, temperature=rng.choice([0.0, 0.9]),
-                           **extra))  # fmt: skip
+        out.append(
+            Request(
+                id=i,
+                adapter=rng.choice([None, "a0", "a1", "a2"]),
+                prompt_token_ids=prompt,
+                max_new_tokens=rng.randrange(1, 12),
+                ignore_eos=True,
+                temperature=rng.choice([0.0, 0.9]),
+                **extra,
+            )
+        )
     return out
 
 
@@ -82,14 +89,22 @@ def check_table(sched) -> None:
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypatch, overlap,
-                                                                 seed):  # fmt: skip
+def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypatch, overlap, seed):
     model_dir, adapters = tiny
-    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, num_pages=150,
-                          overlap=overlap, cuda_graphs=False, prefix_block_tokens=4,
-                          admit_batch=2)  # fmt: skip
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=8,
+        num_pages=150,
+        overlap=overlap,
+        cuda_graphs=False,
+        prefix_block_tokens=4,
+        admit_batch=2,
+    )
     engine = Engine(model_dir, adapters=adapters, config=config)
-    graphs = ModelRunner.__new__(ModelRunner)  # the graphs' page table alone, on the CPU
+    # The graphs' page table alone, on the CPU: a built ModelRunner captures its CUDA graphs on
+    # a GPU, so nothing public writes that table here; ``_fill_pages`` is what a replay reads.
+    graphs = ModelRunner.__new__(ModelRunner)
     graphs.device, graphs.max_model_len = torch.device("cpu"), engine.max_model_len
     graphs.graph_table(16)
     plan, checked = batch_module.plan_step, []
@@ -99,8 +114,16 @@ def test_decode_steps_from_the_table_equal_a_build_from_the_rows(tiny, monkeypat
         host = plan(step)
         if step.rows is not None:
             rebuilt = batch_module.plan_step(ScheduledStep(step.seqs, step.num_new))
-            for name in ("input_ids", "positions", "out_pages", "b1_start", "b_seq_len",
-                         "b_slot", "logits_index", "prev_rows"):  # fmt: skip
+            for name in (
+                "input_ids",
+                "positions",
+                "out_pages",
+                "b1_start",
+                "b_seq_len",
+                "b_slot",
+                "logits_index",
+                "prev_rows",
+            ):
                 mine, theirs = getattr(host, name), getattr(rebuilt, name)
                 assert (mine is None) == (theirs is None), name
                 assert mine is None or np.array_equal(mine, theirs), name

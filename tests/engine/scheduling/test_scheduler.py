@@ -17,9 +17,20 @@ from slora_batch.engine.requests.request import Request
 from slora_batch.engine.requests.sequence import Sequence
 from slora_batch.engine.scheduling.scheduler import Scheduler
 
-SPEC = tiny_spec(path="fake", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1,
-                 num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=512,
-                 tie_word_embeddings=True, eos_token_ids=(), bos_token_id=None)  # fmt: skip
+SPEC = tiny_spec(
+    path="fake",
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=8,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    eos_token_ids=(),
+    bos_token_id=None,
+)
 # page_size = kv_dim = 4; a q-only adapter of rank r takes r * (8/4 + 8/4) = 4r pages.
 
 
@@ -251,12 +262,13 @@ def test_admit_batch_default_and_range():
 @pytest.mark.parametrize("num_pages", [400, 90, 70])
 def test_decode_fast_path_matches_growing_one_by_one(num_pages, monkeypatch):
     """The one-allocation decode path schedules the same steps, with as many pages per sequence,
-    the same evictions and the same preemptions, as growing each sequence alone: with room to spare (400 pages), with preemptions and an idle adapter
-    evicted (90), with preemptions (70)."""
+    the same evictions and the same preemptions, as growing each sequence alone: with room to
+    spare (400 pages), with preemptions and an idle adapter evicted (90), with preemptions
+    (70)."""
 
     def run(fast: bool):
         sched, pool, residency = make(num_pages, {"x": 2, "y": 3}, admit_batch=2)
-        if not fast:
+        if not fast:  # the reference: no public switch turns the one-allocation path off
             monkeypatch.setattr(sched, "_grow_decodes", lambda step, budget: 0)
         seqs = [seq(3 + i % 4, ("x", "y", None)[i % 3], max_new=3 + i % 5) for i in range(9)]
         for s in seqs:
@@ -264,8 +276,8 @@ def test_decode_fast_path_matches_growing_one_by_one(num_pages, monkeypatch):
         trace = []
         while sched.has_work():
             step = advance(sched)
-            trace.append((sorted((seqs.index(s), n) for s, n in tokens_of(step).items()),
-                          [s.num_paged for s in seqs], pool.num_free))  # fmt: skip
+            rows = sorted((seqs.index(s), n) for s, n in tokens_of(step).items())
+            trace.append((rows, [s.num_paged for s in seqs], pool.num_free))
         return trace, sched.preemptions, residency.evictions
 
     fast, slow = run(True), run(False)

@@ -21,8 +21,9 @@ from test_scoring import peft_model, reference_logprobs
 from slora_batch import Engine, EngineConfig, Request
 
 VOCAB = 300
-KNOBS = dict(device="cpu", dtype="float32", cpu_threads=1, max_num_batched_tokens=16,
-             max_num_seqs=6)  # fmt: skip
+KNOBS = dict(
+    device="cpu", dtype="float32", cpu_threads=1, max_num_batched_tokens=16, max_num_seqs=6
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,25 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("score-prefix")
     model_dir = make_model(root, "mha", seed=3)
     adapters = {
-        "a": make_adapter(model_dir, root / "a", rank=4, targets=["q_proj", "v_proj", "up_proj"],
-                          alpha=8, rslora=False, seed=1),
-        "b": make_adapter(model_dir, root / "b", rank=2, targets=["k_proj", "o_proj"], alpha=4,
-                          rslora=False, seed=2),
-    }  # fmt: skip
+        "a": make_adapter(
+            model_dir,
+            root / "a",
+            rank=4,
+            targets=["q_proj", "v_proj", "up_proj"],
+            alpha=8,
+            rslora=False,
+            seed=1,
+        ),
+        "b": make_adapter(
+            model_dir,
+            root / "b",
+            rank=2,
+            targets=["k_proj", "o_proj"],
+            alpha=4,
+            rslora=False,
+            seed=2,
+        ),
+    }
     return model_dir, adapters, peft_model(model_dir, adapters)
 
 
@@ -53,15 +68,35 @@ def random_rows(seed: int) -> list[Request]:
         context = tokens(rng, rng.choice([3, 7, 14, 17, 20, 31]))
         stem = tokens(rng, rng.choice([1, 2, 5, 9]))  # shared leading tokens of the choices
         choices = [stem + tokens(rng, rng.choice([1, 3, 6])) for _ in range(rng.choice([2, 3]))]
-        rows.append(Request(id=f"c{i}", adapter=adapter, prompt_token_ids=context,
-                            choices_token_ids=choices, answer=0))  # fmt: skip
+        rows.append(
+            Request(
+                id=f"c{i}",
+                adapter=adapter,
+                prompt_token_ids=context,
+                choices_token_ids=choices,
+                answer=0,
+            )
+        )
         cont = stem + tokens(rng, rng.choice([4, 11, 20]))
         for copy in range(rng.choice([1, 2, 3])):  # the same row again: every block cached
-            rows.append(Request(id=f"s{i}-{copy}", adapter=adapter, prompt_token_ids=context,
-                                continuation_token_ids=cont))  # fmt: skip
+            rows.append(
+                Request(
+                    id=f"s{i}-{copy}",
+                    adapter=adapter,
+                    prompt_token_ids=context,
+                    continuation_token_ids=cont,
+                )
+            )
         if i % 2 == 0:
-            rows.append(Request(id=f"g{i}", adapter=adapter, prompt_token_ids=context + stem,
-                                max_new_tokens=24, ignore_eos=True))  # fmt: skip
+            rows.append(
+                Request(
+                    id=f"g{i}",
+                    adapter=adapter,
+                    prompt_token_ids=context + stem,
+                    max_new_tokens=24,
+                    ignore_eos=True,
+                )
+            )
     rng.shuffle(rows)
     return rows
 
@@ -98,8 +133,9 @@ def test_repro_shared_choice_stems_and_repeated_rows(tiny):
         Request(id="again", prompt_token_ids=long_context, continuation_token_ids=cont),
     ]
     off, _ = run(model_dir, adapters, rows, prefix_caching=False, max_num_seqs=1, num_pages=4000)
-    on, engine = run(model_dir, adapters, rows, prefix_block_tokens=4, max_num_seqs=1,
-                     num_pages=4000)  # fmt: skip
+    on, engine = run(
+        model_dir, adapters, rows, prefix_block_tokens=4, max_num_seqs=1, num_pages=4000
+    )
     assert engine.counters.prefix_hit_tokens > 0
     for row in rows:
         assert scores(on[row.id]) == pytest.approx(scores(off[row.id]), abs=1e-5), row.id
