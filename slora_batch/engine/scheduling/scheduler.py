@@ -236,8 +236,9 @@ class Scheduler:
             return True
         want = min(self.config.admit_seats, len(self.waiting))
         free = self.config.seats_bound - len(self.running)
-        cap = self.config.max_adapters_per_batch
-        return free >= want and self.waiting.joinable(want, self.pinned, cap) >= want
+        if free < want:
+            return False
+        return self.waiting.joinable(want, self.pinned, self.config.max_adapters_per_batch) >= want
 
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
         """Waiting sequences join the step while they fit. One whose prompt continues past its
@@ -494,7 +495,7 @@ class Scheduler:
         self._release(release)
         return finished
 
-    # -- leaving: finished, dropped, preempted -----------------------------------------------------
+    # -- leaving: pages and adapters go back -------------------------------------------------------
 
     def finish(self, seq: Sequence) -> None:
         """A sequence is done and no step in flight uses it: pages and adapter go back."""
