@@ -13,7 +13,7 @@ from dataclasses import replace
 from slora_batch.engine.adapters.store import AdapterError, AdapterStore
 from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.models.spec import ModelSpec
-from slora_batch.engine.requests.formats import parse_format
+from slora_batch.engine.requests.formats import Format, parse_format
 from slora_batch.engine.requests.grammar import JSON_KINDS, GrammarService, GrammarState
 from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.engine.requests.sampling import noise_key
@@ -50,16 +50,9 @@ class RequestPreparer:
         self.arrivals = 0
 
     def __call__(self, request: Request) -> Sequence | Result:
-        adapter = request.adapter or None
-        if adapter is not None and adapter in self.broken:
-            return Result.failed(request, f"adapter cannot be used: {self.broken[adapter]}")
-        if adapter is not None and adapter not in self.store:
-            near = self.store.nearest(adapter)
-            hint = f"; nearest: {', '.join(near)}" if near else ""
-            return Result.failed(
-                request,
-                f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known{hint})",
-            )
+        problem = self._adapter_problem(request.adapter or None)
+        if problem is not None:
+            return Result.failed(request, problem)
         try:
             params = self.sampling_for(request)
             scored = request.scored  # a property over four fields: once
@@ -72,16 +65,31 @@ class RequestPreparer:
                 answer_index(request, len(continuations))
         except (ConfigError, ValueError, TypeError) as exc:
             return Result.failed(request, str(exc))
-        n = len(prompt_ids)
-        if n == 0:
+        if not prompt_ids:
             return Result.failed(request, "empty prompt")
-        if scored:  # the engine's (or job's) n is for generated rows: only the row's own
-            if request.n not in (None, 1) or request.sample_indices:
-                asks = f"n={request.n}" if request.n not in (None, 1) else "sample_indices"
-                return Result.failed(
-                    request, f"n is for generated rows, not scored ones (the row asks {asks})"
-                )
+        if scored:
             return self._scored(request, prompt_ids, continuations)
+        return self._generated(request, params, fmt, logprobs, prompt_ids)
+
+    def _adapter_problem(self, adapter: str | None) -> str | None:
+        """Why the row's adapter cannot be used (broken, or unknown with the nearest known
+        names), or None when it can (or the row has none)."""
+        if adapter is None:
+            return None
+        if adapter in self.broken:
+            return f"adapter cannot be used: {self.broken[adapter]}"
+        if adapter not in self.store:
+            near = self.store.nearest(adapter)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            return f"unknown adapter {adapter!r} ({len(self.store.names)} adapters known{hint})"
+        return None
+
+    def _generated(
+        self, request: Request, params: SamplingConfig, fmt, logprobs, prompt_ids: list[int]
+    ) -> Sequence | Result:
+        """One sequence per sample the row asks for (the others follow the first, which
+        computes the prompt for the prefix cache), each with its grammar, or an error result."""
+        n = len(prompt_ids)
         indices = request.sample_indices if request.sample_indices is not None else range(params.n)
         bad = [
             i
@@ -98,23 +106,32 @@ class RequestPreparer:
                 f"prompt of {n} tokens does not fit the context of {self.max_model_len} tokens",
                 prompt_tokens=n,
             )
-        seqs = [self._generated(request, params, prompt_ids, logprobs, i) for i in indices]
+        seqs = [self._sample(request, params, prompt_ids, logprobs, i) for i in indices]
         problem = self.scheduler.never_fits(seqs[0])
         if problem:
             return Result.failed(request, problem, prompt_tokens=n)
-        if fmt is not None:  # compiled off the loop, once per format; a matcher per sample
-            try:
-                future = self.grammars.submit(fmt)
-            except ValueError as exc:  # no tokenizer to build the grammar's vocabulary from
-                return Result.failed(request, str(exc), prompt_tokens=n)
-            only = self.grammars.json_allowed if fmt.kind in JSON_KINDS else None
-            for seq in seqs:
-                seq.grammar = GrammarState(future, only)
+        if fmt is not None:
+            problem = self._attach_grammar(fmt, seqs)
+            if problem:
+                return Result.failed(request, problem, prompt_tokens=n)
         seqs[0].followers = seqs[1:]  # queued when the first one's prompt is computed
         seqs[0].context_tokens = n
         return seqs[0]
 
-    def _generated(self, request, params, prompt_ids: list[int], logprobs, index: int):
+    def _attach_grammar(self, fmt: Format, seqs: list[Sequence]) -> str | None:
+        """A matcher of the format's grammar for each sample (the grammar compiled off the loop,
+        once per format), or why the grammar cannot be built."""
+        try:
+            future = self.grammars.submit(fmt)
+        except ValueError as exc:  # no tokenizer to build the grammar's vocabulary from
+            return str(exc)
+        only = self.grammars.json_allowed if fmt.kind in JSON_KINDS else None
+        for seq in seqs:
+            seq.grammar = GrammarState(future, only)
+        return None
+
+    def _sample(self, request, params, prompt_ids: list[int], logprobs, index: int) -> Sequence:
+        """The sequence of one sample of a generated row."""
         n = len(prompt_ids)
         self.arrivals += 1
         stop = list(params.stop)
@@ -145,6 +162,12 @@ class RequestPreparer:
         """One prefill-only sequence per continuation (a row with choices: one per choice, in
         a group that joins their scores; the others follow the first, which computes the
         context for the prefix cache), or an error result."""
+        if request.n not in (None, 1) or request.sample_indices:
+            # the engine's (or job's) n is for generated rows: only the row's own
+            asks = f"n={request.n}" if request.n not in (None, 1) else "sample_indices"
+            return Result.failed(
+                request, f"n is for generated rows, not scored ones (the row asks {asks})"
+            )
         n = len(context)
         choices = request.choices is not None or request.choices_token_ids is not None
         group = ChoiceGroup(request, len(continuations)) if choices else None
