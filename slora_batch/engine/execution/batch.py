@@ -91,6 +91,11 @@ def plan_step(step: ScheduledStep) -> HostStep:
         return _plan_rows(step)
     if max(step.num_new) == 1 and all(seq.draws for seq in step.seqs):
         return _plan_decode(step)
+    return _plan_mixed(step)
+
+
+def _plan_mixed(step: ScheduledStep) -> HostStep:
+    """``plan_step`` of any step: prefill chunks, decodes, scored sequences, in any mix."""
     # per sequence only Python scalars and list slices: its tokens' positions and adapter slots
     # are spread over its tokens by array ops after the loop (an arange and a full a sequence
     # cost more than the sequence's own work)
@@ -99,12 +104,8 @@ def plan_step(step: ScheduledStep) -> HostStep:
     scored: list[tuple[int, int, int, int]] = []  # (token index, target, owner, position)
     for b, (seq, n) in enumerate(zip(step.seqs, step.num_new, strict=True)):
         start = seq.num_computed
-        if not seq.draws:  # positions that predict a continuation token: p -> token p + 1
-            first, lo, hi = seq.scores.start, max(start, seq.scores.start - 1), start + n
-            targets = seq.scores.targets(seq.prompt_ids, lo, hi)  # the last one is not fed
-            row = b1_start[-1] - start
-            for p, target in zip(range(lo, hi), targets, strict=True):
-                scored.append((row + p, target, b, p + 1 - first))
+        if not seq.draws:
+            _add_scored(scored, seq, b, b1_start[-1], n)
         slots.append(seq.slot)
         if seq.pending:  # its one new token is the previous step's draw, still on the device
             assert n == 1 and seq.pending == 1, (n, seq.pending)
@@ -114,12 +115,7 @@ def plan_step(step: ScheduledStep) -> HostStep:
             if n == 1:
                 ids.append(seq.token(start))
             else:
-                prompt = seq.prompt_ids
-                ids.extend(prompt[start : start + n])
-                if start + n > len(prompt):  # a recomputed (preempted) row's outputs
-                    ids.extend(
-                        seq.output_ids[max(start - len(prompt), 0) : start + n - len(prompt)]
-                    )
+                _add_chunk_ids(ids, seq, start, n)
             prev.extend([-1] * n)
         out_pages.append(seq.pages[start : start + n])
         b1_start.append(b1_start[-1] + n)
@@ -129,13 +125,6 @@ def plan_step(step: ScheduledStep) -> HostStep:
             logits_index.append(b1_start[-1] - 1)
         else:
             logit_rows.append(-1)
-    # An even width keeps every row of the int32 [B, width, 2] table 16-byte aligned, so the
-    # prefill half of a split step can be a view at any row (Triton builds a kernel per pointer
-    # alignment).
-    width = max(seq_lens) + max(seq_lens) % 2
-    table = np.full((len(step.seqs), width, 2), -1, dtype=np.int32)
-    for b, seq in enumerate(step.seqs):
-        table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
     score = np.asarray(scored, dtype=np.int64).reshape(-1, 4).T if scored else None
     starts = np.asarray(b1_start, dtype=np.int64)
     counts = np.diff(starts)  # token i of the step, of sequence b, sits at position
@@ -149,7 +138,7 @@ def plan_step(step: ScheduledStep) -> HostStep:
         out_pages=np.concatenate(out_pages).astype(np.int32),
         b1_start=np.asarray(b1_start, dtype=np.int32),
         b_seq_len=np.asarray(seq_lens, dtype=np.int32),
-        page_table=table,
+        page_table=_page_table(step.seqs, seq_lens),
         b_slot=np.repeat(np.asarray(slots, dtype=np.int64), counts),
         logits_index=np.asarray(logits_index, dtype=np.int64),
         logit_rows=logit_rows,
@@ -169,6 +158,38 @@ def plan_step(step: ScheduledStep) -> HostStep:
             else {}
         ),
     )
+
+
+def _add_scored(scored: list[tuple[int, int, int, int]], seq, b: int, row: int, n: int) -> None:
+    """Appends to ``scored`` the positions of scored sequence ``b`` (its chunk of ``n`` tokens
+    from step token ``row`` on) that predict a continuation token, position p predicting token
+    p + 1: (its step token, the target, b, the continuation token's index)."""
+    start = seq.num_computed
+    first, lo, hi = seq.scores.start, max(start, seq.scores.start - 1), start + n
+    targets = seq.scores.targets(seq.prompt_ids, lo, hi)  # the last one is not fed
+    row -= start
+    for p, target in zip(range(lo, hi), targets, strict=True):
+        scored.append((row + p, target, b, p + 1 - first))
+
+
+def _add_chunk_ids(ids: list[int], seq, start: int, n: int) -> None:
+    """Appends to ``ids`` the ``n`` tokens of a chunk from position ``start``: the prompt's, then
+    a recomputed (preempted) row's outputs."""
+    prompt = seq.prompt_ids
+    ids.extend(prompt[start : start + n])
+    if start + n > len(prompt):
+        ids.extend(seq.output_ids[max(start - len(prompt), 0) : start + n - len(prompt)])
+
+
+def _page_table(seqs, seq_lens: list[int]) -> np.ndarray:
+    """[B, width, 2] int32: each sequence's pages up to its length, -1 past it."""
+    # An even width keeps every row of the table 16-byte aligned, so the prefill half of a
+    # split step can be a view at any row (Triton builds a kernel per pointer alignment).
+    width = max(seq_lens) + max(seq_lens) % 2
+    table = np.full((len(seqs), width, 2), -1, dtype=np.int32)
+    for b, seq in enumerate(seqs):
+        table[b, : seq_lens[b]] = seq.pages[: seq_lens[b]]
+    return table
 
 
 def _prev_rows(rows: np.ndarray) -> np.ndarray | None:
