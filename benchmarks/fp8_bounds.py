@@ -1,4 +1,5 @@
-"""FP8 KV accuracy against the bounds of issue 38, on the sample model and the random test models.
+"""FP8 KV accuracy against bounds relative to bf16's own noise, on the sample model and the random
+test models.
 
     python -m benchmarks.fp8_bounds [--device cpu|cuda] [--kinds mha,gqa,qwen2,mistral] [--out DIR]
 

@@ -14,18 +14,18 @@ from slora_kernels.lora_blocks import BLOCKS
 from slora_kernels.meta import VECTOR_ALL, LoraMeta
 
 SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
-    {},  # earlier sweeps (benchmarks/h200-tuning/) tried vk, vr, vstages, vwarps and vgrid
+    {},  # vk, vr, vstages, vwarps and vgrid overrides were swept on an H200: defaults kept
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
-    {},  # h200-knobs-9e7231f timed the rank loop software-pipelined: the same in 2 stages
+    {},  # the rank loop software-pipelined in 2 stages timed the same on an H200
 ]
 VECTOR_CASES = [(247, 2000), (256, 1000)]  # (decode tokens, adapters drawn from)
 TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
     {},
-    {"k": 64},  # 138 -> 96 registers on sm_90, yet 18% slower (benchmarks/h200-tiled-c975912)
+    {"k": 64},  # 138 -> 96 registers on sm_90, yet 18% slower on an H200
 ]
-TILED_EXPAND_VARIANTS = [  # h200-tiled-c975912 timed et 32, n 128 and 8 warps at 117 registers
-    {},  # (the scale on v's rows, since taken out): none beat this default by more than 3%
+TILED_EXPAND_VARIANTS = [  # on an H200 none of et 32, n 128 and 8 warps beat the default by
+    {},  # more than 3%
     {"et": 32, "n": 128},
 ]
 
