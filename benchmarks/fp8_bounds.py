@@ -44,8 +44,12 @@ FP8_KV = Setting("bf16 + fp8 KV", "bfloat16", kv_cache_dtype="fp8")
 
 def generate(model, adapters, requests: list[Request], setting: Setting, device: str) -> dict:
     """{request id: generated token ids} under ``setting``. Raises RuntimeError on error rows."""
-    config = EngineConfig(device=device, dtype=setting.dtype, kv_cache_dtype=setting.kv_cache_dtype,
-                          backend="torch" if device == "cpu" else "auto")  # fmt: skip
+    config = EngineConfig(
+        device=device,
+        dtype=setting.dtype,
+        kv_cache_dtype=setting.kv_cache_dtype,
+        backend="torch" if device == "cpu" else "auto",
+    )
     with Engine(model, adapters=adapters, config=config, sampling=SamplingConfig()) as engine:
         results = list(engine.generate(requests))
     errors = [r.error for r in results if r.error is not None]
@@ -61,8 +65,10 @@ def same_greedy(got: dict, want: dict, tokens: int = GREEDY_TOKENS) -> dict[str,
     for key, w in want.items():
         g, w = got[key][:tokens], w[:tokens]
         if g != w:
-            first[str(key)] = next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b),
-                                   min(len(g), len(w)))  # fmt: skip
+            first[str(key)] = next(
+                (i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b),
+                min(len(g), len(w)),
+            )
     return {"rows": len(want), "same": 1 - len(first) / len(want), "first_difference": first}
 
 
@@ -70,15 +76,27 @@ def bounds(deltas: dict[str, dict], greedy: dict[str, Any]) -> list[dict[str, An
     """The two checks: fp8 KV's delta against fp32 over bf16's, and the greedy share."""
     ratio = deltas["fp8"]["mean_abs_delta"] / deltas["bf16"]["mean_abs_delta"]
     return [
-        {"check": f"fp8 KV / bf16 mean |delta| against fp32 <= {MAX_DELTA_RATIO}",
-         "value": ratio, "pass": ratio <= MAX_DELTA_RATIO},
-        {"check": f"first {GREEDY_TOKENS} greedy tokens equal bf16's >= {MIN_SAME_GREEDY:.0%}",
-         "value": greedy["same"], "pass": greedy["same"] >= MIN_SAME_GREEDY},
-    ]  # fmt: skip
+        {
+            "check": f"fp8 KV / bf16 mean |delta| against fp32 <= {MAX_DELTA_RATIO}",
+            "value": ratio,
+            "pass": ratio <= MAX_DELTA_RATIO,
+        },
+        {
+            "check": f"first {GREEDY_TOKENS} greedy tokens equal bf16's >= {MIN_SAME_GREEDY:.0%}",
+            "value": greedy["same"],
+            "pass": greedy["same"] >= MIN_SAME_GREEDY,
+        },
+    ]
 
 
-def measure(model, adapters, scored: list[Request], generated: list[Request], device: str,
-            continuations_from_fp32: bool) -> dict[str, Any]:  # fmt: skip
+def measure(
+    model,
+    adapters,
+    scored: list[Request],
+    generated: list[Request],
+    device: str,
+    continuations_from_fp32: bool,
+) -> dict[str, Any]:
     """Greedy outputs in fp32, bf16 and bf16 + fp8 KV; log-probabilities of ``scored`` (or, with
     ``continuations_from_fp32``, of fp32's outputs of ``generated``) in the three, against fp32."""
     outputs = {
@@ -86,12 +104,21 @@ def measure(model, adapters, scored: list[Request], generated: list[Request], de
     }
     if continuations_from_fp32:
         # ids as compare() groups them: (row, adapter, choice), one choice a row
-        scored = [dataclasses.replace(r, id=(r.id, r.adapter, 0), max_new_tokens=None,
-                                      continuation_token_ids=outputs["fp32"][r.id],
-                                      ignore_eos=None) for r in generated]  # fmt: skip
+        scored = [
+            dataclasses.replace(
+                r,
+                id=(r.id, r.adapter, 0),
+                max_new_tokens=None,
+                continuation_token_ids=outputs["fp32"][r.id],
+                ignore_eos=None,
+            )
+            for r in generated
+        ]
     logprobs = {s.name: score(model, adapters, scored, s, device)[0] for s in (FP32, BF16, FP8_KV)}
-    deltas = {name: compare(logprobs[setting.name], logprobs["fp32"])
-              for name, setting in (("bf16", BF16), ("fp8", FP8_KV))}  # fmt: skip
+    deltas = {
+        name: compare(logprobs[setting.name], logprobs["fp32"])
+        for name, setting in (("bf16", BF16), ("fp8", FP8_KV))
+    }
     greedy = same_greedy(outputs[FP8_KV.name], outputs[BF16.name])
     bf16_greedy = same_greedy(outputs[BF16.name], outputs["fp32"])
     return {
@@ -110,9 +137,16 @@ def sample_case(device: str) -> dict[str, Any]:
     rows = {}
     for r in scored:  # one generation row per (question, adapter): the prompt, no choice
         row_id, adapter, _ = r.id
-        rows.setdefault((row_id, adapter), dataclasses.replace(
-            r, id=(row_id, adapter), continuation=None, max_new_tokens=GREEDY_TOKENS,
-            temperature=0.0))  # fmt: skip
+        rows.setdefault(
+            (row_id, adapter),
+            dataclasses.replace(
+                r,
+                id=(row_id, adapter),
+                continuation=None,
+                max_new_tokens=GREEDY_TOKENS,
+                temperature=0.0,
+            ),
+        )
     return measure(job.model, job.adapters, scored, list(rows.values()), device, False)
 
 
@@ -124,12 +158,18 @@ def random_case(kind: str, rows: int, device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"fp8-bounds-{kind}-") as tmp:
         model = make_model(Path(tmp), kind)
         adapters = make_adapters(model, Path(tmp) / "adapters")
-        generated = [Request(id=row["id"], adapter=row["adapter"],
-                             prompt_token_ids=row["prompt_token_ids"], temperature=0.0,
-                             max_new_tokens=GREEDY_TOKENS, ignore_eos=True)
-                     for row in make_rows(rows, 300, list(adapters), seed=7)]  # fmt: skip
-        return measure(model, {n: str(p) for n, p in adapters.items()}, [], generated, device,
-                       True)  # fmt: skip
+        generated = [
+            Request(
+                id=row["id"],
+                adapter=row["adapter"],
+                prompt_token_ids=row["prompt_token_ids"],
+                temperature=0.0,
+                max_new_tokens=GREEDY_TOKENS,
+                ignore_eos=True,
+            )
+            for row in make_rows(rows, 300, list(adapters), seed=7)
+        ]
+        return measure(model, {n: str(p) for n, p in adapters.items()}, [], generated, device, True)
 
 
 def markdown(cases: dict[str, dict[str, Any]]) -> str:
@@ -141,9 +181,11 @@ def markdown(cases: dict[str, dict[str, Any]]) -> str:
     for name, c in cases.items():
         ratio, same = (check["value"] for check in c["checks"])
         verdict = " ".join("pass" if check["pass"] else "FAIL" for check in c["checks"])
-        lines.append(f"| {name} | {c['tokens']} | {c['bf16_delta']:.4f} | {c['fp8_delta']:.4f} "
-                     f"| {ratio:.2f} | {c['greedy']['rows']} | {same:.1%} "
-                     f"| {c['bf16_greedy_vs_fp32']:.1%} | {verdict} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {c['tokens']} | {c['bf16_delta']:.4f} | {c['fp8_delta']:.4f} "
+            f"| {ratio:.2f} | {c['greedy']['rows']} | {same:.1%} "
+            f"| {c['bf16_greedy_vs_fp32']:.1%} | {verdict} |"
+        )
     lines[0] += " verdict |"
     lines[1] += "---|"
     return "\n".join(lines) + "\n"

@@ -73,16 +73,31 @@ def decode_rows(kind: str, batch: int, bw: float) -> list[tuple]:
     for variant in VARIANTS:
         attention_decode.DECODE.update(variant)
         try:
-            fn = partial(triton_ops.attention_decode, q, packed, meta8, kv_heads, 0.088,
-                         scales=scales)  # fmt: skip
+            fn = partial(
+                triton_ops.attention_decode, q, packed, meta8, kv_heads, 0.088, scales=scales
+            )
             diff = float((fn().float() - want).abs().max())
             us = _graph_us(fn)
             gbs = nbytes / us / 1e3
-            rows.append(("decode fp8 pages", f"{case} {variant or 'default'}", us,
-                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; diff {diff:.1e}"))  # fmt: skip
+            rows.append(
+                (
+                    "decode fp8 pages",
+                    f"{case} {variant or 'default'}",
+                    us,
+                    f"{gbs:.0f} GB/s",
+                    f"{gbs / bw:.2f}; diff {diff:.1e}",
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile: say so, go on
-            rows.append(("decode fp8 pages", f"{case} {variant}", float("nan"),
-                         type(exc).__name__, str(exc)[:80]))  # fmt: skip
+            rows.append(
+                (
+                    "decode fp8 pages",
+                    f"{case} {variant}",
+                    float("nan"),
+                    type(exc).__name__,
+                    str(exc)[:80],
+                )
+            )
         finally:
             attention_decode.DECODE.clear()
             attention_decode.DECODE.update(saved)

@@ -72,9 +72,17 @@ def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]
     seg_slot, counts = torch.unique_consecutive(used, return_counts=True)
     seg1 = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     rank = torch.tensor(ranks, dtype=torch.int32)
-    meta = LoraMeta(b_slot.int().cuda(), order.int().cuda(), seg1.int().cuda(),
-                    seg_slot.int().cuda(), rank.cuda(), torch.ones(len(ranks), device="cuda"),
-                    slot_pages, offsets.cuda(), int(rank[seg_slot].max()))  # fmt: skip
+    meta = LoraMeta(
+        b_slot.int().cuda(),
+        order.int().cuda(),
+        seg1.int().cuda(),
+        seg_slot.int().cuda(),
+        rank.cuda(),
+        torch.ones(len(ranks), device="cuda"),
+        slot_pages,
+        offsets.cuda(),
+        int(rank[seg_slot].max()),
+    )
     meta.pos_seg = position_segments(meta, b_slot.numel())  # as eager steps bring it
     pool = torch.randn(sum(per), page, dtype=DTYPE, device="cuda")
     return pool, meta, sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist()) * 2
@@ -111,15 +119,29 @@ def attention_rows(kind: str, batches: list[int], bw: float, rate: float) -> lis
             us = _us(partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088))
             gbs = batch * ctx * 2 * kv_dim * 2 / us / 1e3
             splits = attention_decode.num_splits_for(q.device, batch, kv_heads, ctx)
-            rows.append(("attention_decode", f"{kind} B={batch} ctx={ctx} splits={splits}", us,
-                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))  # fmt: skip
+            rows.append(
+                (
+                    "attention_decode",
+                    f"{kind} B={batch} ctx={ctx} splits={splits}",
+                    us,
+                    f"{gbs:.0f} GB/s",
+                    f"{gbs / bw:.2f}",
+                )
+            )
             del pool
     pool, meta = attn_meta([1024] * 8, [512] * 8, kv_dim)
     q = torch.randn(8 * 512, heads, 128, dtype=DTYPE, device="cuda")
     us = _us(partial(triton_ops.attention, q, pool, meta, kv_heads, 0.088))
     tflops = 8 * heads * 128 * 4 * sum(512 + i for i in range(512)) / us / 1e6  # causal QK^T, PV
-    rows.append(("attention", f"{kind} 8 x 512 new on 512 context", us, f"{tflops:.0f} TFLOP/s",
-                 f"{tflops / rate:.2f}"))  # fmt: skip
+    rows.append(
+        (
+            "attention",
+            f"{kind} 8 x 512 new on 512 context",
+            us,
+            f"{tflops:.0f} TFLOP/s",
+            f"{tflops / rate:.2f}",
+        )
+    )
     return rows
 
 
@@ -155,11 +177,25 @@ def decode_sweep_rows(kind: str, bw: float) -> list[tuple]:
             diff = float((fn().float() - default.float()).abs().max())
             us = _graph_us(fn)
             gbs = nbytes / us / 1e3
-            rows.append(("attention_decode sweep", f"{kind} B=256 ctx 256-1024 {variant or 'default'}",
-                         us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; max diff {diff:.1e}"))  # fmt: skip
+            rows.append(
+                (
+                    "attention_decode sweep",
+                    f"{kind} B=256 ctx 256-1024 {variant or 'default'}",
+                    us,
+                    f"{gbs:.0f} GB/s",
+                    f"{gbs / bw:.2f}; max diff {diff:.1e}",
+                )
+            )
         except Exception as exc:
-            rows.append(("attention_decode sweep", f"{kind} {variant}", float("nan"),
-                         type(exc).__name__, ""))  # fmt: skip
+            rows.append(
+                (
+                    "attention_decode sweep",
+                    f"{kind} {variant}",
+                    float("nan"),
+                    type(exc).__name__,
+                    "",
+                )
+            )
         finally:
             attention_decode.DECODE.clear()
             attention_decode.DECODE.update(saved)
@@ -211,10 +247,12 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
                 ),
             ]
         else:
-            variants += [("grouped tiled+vector (8)", lora_grouped, {}, 8),
-                         ("grouped tiled et64", lora_grouped, {"et": 64}, tiled),
-                         ("grouped tiled et64 n128", lora_grouped, {"et": 64, "n": 128}, tiled),
-                         ("grouped tiled et128", lora_grouped, {"et": 128}, tiled)]  # fmt: skip
+            variants += [
+                ("grouped tiled+vector (8)", lora_grouped, {}, 8),
+                ("grouped tiled et64", lora_grouped, {"et": 64}, tiled),
+                ("grouped tiled et64 n128", lora_grouped, {"et": 64, "n": 128}, tiled),
+                ("grouped tiled et128", lora_grouped, {"et": 128}, tiled),
+            ]
         saved = dict(BLOCKS)
         reference = None
         for name, step, blocks, vector_max in variants:
@@ -237,9 +275,15 @@ def lora_rows(kind: str, bw: float) -> list[tuple]:
                 BLOCKS.update(saved)
             gbs = nbytes / graph / 1e3
             rows.append((f"lora q,k,v,o {name} (eager)", case, eager, "", ""))
-            rows.append((f"lora q,k,v,o {name} (graph, splits {splits})", case, graph,
-                         f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; {graph / base:.2f}x base qkv; "
-                         f"max diff {diff:.1e}"))  # fmt: skip
+            rows.append(
+                (
+                    f"lora q,k,v,o {name} (graph, splits {splits})",
+                    case,
+                    graph,
+                    f"{gbs:.0f} GB/s",
+                    f"{gbs / bw:.2f}; {graph / base:.2f}x base qkv; max diff {diff:.1e}",
+                )
+            )
         meta.vector_max = 8
         if adapters == 8 and label == "decode":
             us = _us(partial(lora_grouped, *args, (ref.lora_shrink, ref.lora_expand)))
@@ -301,8 +345,9 @@ def main() -> None:
         w = torch.ones(4096, dtype=DTYPE, device="cuda")
         us = _us(partial(triton_ops.rms_norm, x, w, 1e-5, x))
         gbs = tokens * 4096 * 2 * 4 / us / 1e3  # x, residual in; y, r out
-        rows.append(("rms_norm+residual", f"T={tokens} H=4096", us, f"{gbs:.0f} GB/s",
-                     f"{gbs / bw:.2f}"))  # fmt: skip
+        rows.append(
+            ("rms_norm+residual", f"T={tokens} H=4096", us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}")
+        )
 
 
 if __name__ == "__main__":

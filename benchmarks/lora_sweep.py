@@ -67,8 +67,9 @@ def tiled_decode_rows(bw: float) -> list[tuple]:
         else:
             b_slot = torch.tensor(slots)
         adapters = int(b_slot.max()) + 1
-        rows += _lora_case(b_slot, adapters, 0, f"T=248 {label}", TILED_DECODE_SHRINKS,
-                           TILED_DECODE_EXPANDS, bw)  # fmt: skip
+        rows += _lora_case(
+            b_slot, adapters, 0, f"T=248 {label}", TILED_DECODE_SHRINKS, TILED_DECODE_EXPANDS, bw
+        )
     return rows
 
 
@@ -86,8 +87,9 @@ def few_adapters_case(bw: float, tokens: int = 256, adapters: int = 10) -> list[
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
     label = f"mha decode T={tokens} {adapters} adapters"
-    rows = _lora_case(b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS,
-                      TILED_EXPAND_VARIANTS, bw)  # fmt: skip
+    rows = _lora_case(
+        b_slot, adapters, 0, f"{label} tiled", TILED_SHRINK_VARIANTS, TILED_EXPAND_VARIANTS, bw
+    )
     return rows + _lora_case(b_slot, adapters, VECTOR_ALL, f"{label} vector", [{}], [{}], bw)
 
 
@@ -100,10 +102,26 @@ def mixed_case(bw: float, decode: int = 248, chunks: int = 16, chunk: int = 280)
     slots = torch.randperm(1000, generator=gen)[: decode + chunks]
     b_slot = torch.cat([slots[:decode], slots[decode:].repeat_interleave(chunk)])
     label = f"mha mixed T={b_slot.numel()} ({decode} decode + {chunks} x {chunk})"
-    rows = _lora_case(b_slot, 1000, 8, f"{label} slot order", TILED_SHRINK_VARIANTS[:1],
-                      TILED_EXPAND_VARIANTS[:1], bw, upload=False)  # fmt: skip
-    return rows + _lora_case(b_slot, 1000, 8, f"{label} long first", TILED_SHRINK_VARIANTS,
-                             TILED_EXPAND_VARIANTS, bw, upload=True)  # fmt: skip
+    rows = _lora_case(
+        b_slot,
+        1000,
+        8,
+        f"{label} slot order",
+        TILED_SHRINK_VARIANTS[:1],
+        TILED_EXPAND_VARIANTS[:1],
+        bw,
+        upload=False,
+    )
+    return rows + _lora_case(
+        b_slot,
+        1000,
+        8,
+        f"{label} long first",
+        TILED_SHRINK_VARIANTS,
+        TILED_EXPAND_VARIANTS,
+        bw,
+        upload=True,
+    )
 
 
 def _as_uploaded(meta: LoraMeta, long_first: bool) -> None:
@@ -116,8 +134,17 @@ def _as_uploaded(meta: LoraMeta, long_first: bool) -> None:
     layout.hint(meta, lambda array: torch.from_numpy(array).cuda())
 
 
-def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_variants, bw,
-               upload=None, rank_cycle=(8, 16, 32, 64)):  # fmt: skip
+def _lora_case(
+    b_slot,
+    adapters,
+    vector_max,
+    case,
+    shrink_variants,
+    expand_variants,
+    bw,
+    upload=None,
+    rank_cycle=(8, 16, 32, 64),
+):
     """q/k/v then o LoRA of one Llama-2-7B layer on the step's tokens ``b_slot``, shrinks and
     expands timed apart (replayed from CUDA graphs) for each BLOCKS variant. The fraction is of
     the copy bandwidth for the distinct adapter rows the step reads; the difference to the
@@ -166,11 +193,25 @@ def _lora_case(b_slot, adapters, vector_max, case, shrink_variants, expand_varia
                 diff = float((dst.float() - reference).abs().max() / reference.abs().max())
                 us = _graph_us(fn)
                 gbs = moved / us / 1e3
-                rows.append((f"lora {kind} sweep", f"{case} {variant or 'default'}", us,
-                             f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}; rel diff {diff:.1e}"))  # fmt: skip
+                rows.append(
+                    (
+                        f"lora {kind} sweep",
+                        f"{case} {variant or 'default'}",
+                        us,
+                        f"{gbs:.0f} GB/s",
+                        f"{gbs / bw:.2f}; rel diff {diff:.1e}",
+                    )
+                )
             except Exception as exc:  # a variant that fails to build must not stop the table
-                rows.append((f"lora {kind} sweep", f"{case} {variant}", float("nan"),
-                             f"{type(exc).__name__}: {str(exc)[:80]}", ""))  # fmt: skip
+                rows.append(
+                    (
+                        f"lora {kind} sweep",
+                        f"{case} {variant}",
+                        float("nan"),
+                        f"{type(exc).__name__}: {str(exc)[:80]}",
+                        "",
+                    )
+                )
             finally:
                 BLOCKS.clear()
                 BLOCKS.update(saved)

@@ -27,14 +27,20 @@ def main() -> None:
     for block_k in (256, 512, 1024, 2048):
         for warps in (4, 8):
             consts = dict(common, BLOCK_K=block_k, PARTIAL=False, STAGES=0, ONE_PAGE=True)
-            cubin = build(lora_shrink._shrink_vector_kernel, consts, warps,
-                          aligned=VECTOR_SHRINK_ALIGNED)  # fmt: skip
+            cubin = build(
+                lora_shrink._shrink_vector_kernel, consts, warps, aligned=VECTOR_SHRINK_ALIGNED
+            )
             rows.append(("shrink", f"16 x {block_k}", warps, cubin))
     for block_n in (128, 256, 512, 1024):
         for warps in (4, 8):
             consts = dict(common, BLOCK_N=block_n)
-            cubin = build(lora_expand._expand_vector_kernel, consts, warps, {"out_ptr": "*bf16"},
-                          EXPAND_ALIGNED)  # fmt: skip
+            cubin = build(
+                lora_expand._expand_vector_kernel,
+                consts,
+                warps,
+                {"out_ptr": "*bf16"},
+                EXPAND_ALIGNED,
+            )
             rows.append(("expand", f"16 x {block_n}", warps, cubin))
     print("| kernel | tile | warps | registers | spill bytes | programs per SM | global loads |")
     print("|---|---|---:|---:|---:|---:|---|")

@@ -112,7 +112,7 @@ def step_table(trace: str | Path, marks: list[dict]) -> tuple[str, dict]:
                 adapters=0,
                 prefill_adapters=0,
                 families=defaultdict(float),
-            ),  # fmt: skip
+            ),
         )
         k["steps"] += 1
         k["period"] += period
@@ -125,24 +125,30 @@ def step_table(trace: str | Path, marks: list[dict]) -> tuple[str, dict]:
     lines = [
         "| steps | kind | rows | prefill tok | adapters (prefill) | period ms | busy ms | idle ms | "
         + " | ".join(names)
-        + " |",  # fmt: skip
+        + " |",
         "|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names),
     ]
     figures = {}
     for kind, k in sorted(kinds.items()):
         s = k["steps"]
         fams = {f: k["families"].get(f, 0.0) / s / 1e3 for f in names}
-        row = dict(steps=s, period_ms=k["period"] / s / 1e3, busy_ms=k["busy"] / s / 1e3,
-                   rows=k["rows"] / s, prefill_tokens=k["prefill_tokens"] / s,
-                   adapters=k["adapters"] / s, prefill_adapters=k["prefill_adapters"] / s,
-                   families_ms=fams)  # fmt: skip
+        row = dict(
+            steps=s,
+            period_ms=k["period"] / s / 1e3,
+            busy_ms=k["busy"] / s / 1e3,
+            rows=k["rows"] / s,
+            prefill_tokens=k["prefill_tokens"] / s,
+            adapters=k["adapters"] / s,
+            prefill_adapters=k["prefill_adapters"] / s,
+            families_ms=fams,
+        )
         figures[kind] = row
         lines.append(
             f"| {s} | {kind} | {row['rows']:.0f} | {row['prefill_tokens']:.0f} | "
             f"{row['adapters']:.0f} ({row['prefill_adapters']:.1f}) | {row['period_ms']:.2f} | "
             f"{row['busy_ms']:.2f} | {row['period_ms'] - row['busy_ms']:.2f} | "
             + " | ".join(f"{fams[f]:.2f}" for f in names)
-            + " |"  # fmt: skip
+            + " |"
         )
     outside = sum(x.get("dur", 0) for x in per_step.get(-1, []))
     figures["side_ms"] = {f: v / 1e3 for f, v in side.items()}
