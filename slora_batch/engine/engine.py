@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -238,63 +238,81 @@ class Engine:
             self.tp.abort()
 
     def _loop(self, source: Iterator[Request]) -> Iterator[Result]:
+        """Turns until the source is exhausted and every row answered: pull requests, let the
+        rows whose grammar compiled join the queue, then run a step (or wait for a grammar)."""
         exhausted = False
-        sched, grammars = self.scheduler, self.grammars
         while True:
-            # Invariant (data-parallel workers rely on it): a row is pulled only after every
-            # result read back is yielded, and only while the rows held unanswered (waiting,
-            # running, and retired: finished at launch, read back after the next step) are
-            # under ``lookahead``. A source that blocks (a worker's pipe) so never holds back
-            # results, and a feeder that allows lookahead plus a chunk of rows outstanding
-            # always has room for more rows when the engine waits on it.
-            while (
-                not exhausted and sched.unanswered() + len(grammars.parked) < self.config.lookahead
-            ):
-                request = next(source, None)
-                if request is None:
-                    exhausted = True
-                    break
-                prepared = self.prepare(request)
-                if isinstance(prepared, Result):
-                    self.counters.count_result(prepared)
-                    yield prepared
-                elif prepared.grammar is not None:  # waits for its grammar, not the batch
-                    self.grammars.park(prepared)
-                else:  # the row's first sequence; its other samples or choices follow it
-                    sched.add(prepared)
-            if grammars.parked:  # compiled: join the queue; did not compile: error rows
-                ready, failed = grammars.take()
-                for seq in ready:
-                    sched.add(seq)
-                for result in failed:
-                    self.counters.count_result(result)
-                    yield result
+            if not exhausted:
+                exhausted = yield from self._pull(source)
+            yield from self._join_compiled()
             self.counters.mark("pull")  # the turn's phases (counters.TURN_PHASES)
-            if not sched.has_work() and self._inflight is None:
-                if exhausted and not grammars.parked:
+            if not self.scheduler.has_work() and self._inflight is None:
+                if exhausted and not self.grammars.parked:
                     return
-                grammars.wait(0.1)  # nothing runs: wait for a grammar (none: returns at once)
+                self.grammars.wait(0.1)  # nothing runs: wait for a grammar (none: returns at once)
                 continue
-            # Step N+1 is scheduled, prepared and launched while step N (in flight) runs; then
-            # step N's tokens are read back. Without overlap each step completes at once.
-            self._in_step, started = True, time.perf_counter()
-            self.prefetcher.load_ahead()
-            step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
-            self.counters.mark("schedule")
-            done = self._inflight
-            self._inflight = self._launch(step, started, done) if step else None
-            if done is not None:
-                yield from self._complete(done, started)
-            elif self._inflight is None:
-                raise RuntimeError(
-                    f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
-                    f"{self.pool.num_free} of {self.pool.num_pages} pages free"
-                )
-            if self._inflight is not None and not self.config.overlap:
-                done, self._inflight = self._inflight, None
-                yield from self._complete(done, None)
-            self._in_step = False
-            self.counters.end_turn(bool(step) and max(step.num_new) == 1)
+            yield from self._step()
+
+    def _pull(self, source: Iterator[Request]) -> Generator[Result, None, bool]:
+        """Pulls requests while the rows held are under ``lookahead``; yields the rows answered
+        at once (refused); returns whether ``source`` is exhausted.
+
+        Invariant (data-parallel workers rely on it): a row is pulled only after every result
+        read back is yielded, and only while the rows held unanswered (waiting, running, and
+        retired: finished at launch, read back after the next step) are under ``lookahead``.
+        A source that blocks (a worker's pipe) so never holds back results, and a feeder that
+        allows lookahead plus a chunk of rows outstanding always has room for more rows when
+        the engine waits on it."""
+        sched, grammars = self.scheduler, self.grammars
+        while sched.unanswered() + len(grammars.parked) < self.config.lookahead:
+            request = next(source, None)
+            if request is None:
+                return True
+            prepared = self.prepare(request)
+            if isinstance(prepared, Result):
+                self.counters.count_result(prepared)
+                yield prepared
+            elif prepared.grammar is not None:  # waits for its grammar, not the batch
+                grammars.park(prepared)
+            else:  # the row's first sequence; its other samples or choices follow it
+                sched.add(prepared)
+        return False
+
+    def _join_compiled(self) -> Iterator[Result]:
+        """Parked rows whose grammar compiled join the queue; those that did not compile are
+        yielded as error rows."""
+        if not self.grammars.parked:
+            return
+        ready, failed = self.grammars.take()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for result in failed:
+            self.counters.count_result(result)
+            yield result
+
+    def _step(self) -> Iterator[Result]:
+        """One step: step N+1 is scheduled, prepared and launched while step N (in flight) runs;
+        then step N's tokens are read back and its finished rows yielded. Without overlap each
+        step completes at once."""
+        sched = self.scheduler
+        self._in_step, started = True, time.perf_counter()
+        self.prefetcher.load_ahead()
+        step = sched.schedule() if sched.has_work() else ScheduledStep([], [])
+        self.counters.mark("schedule")
+        done = self._inflight
+        self._inflight = self._launch(step, started, done) if step else None
+        if done is not None:
+            yield from self._complete(done, started)
+        elif self._inflight is None:
+            raise RuntimeError(
+                f"no sequence could be scheduled: {len(sched.waiting)} waiting, "
+                f"{self.pool.num_free} of {self.pool.num_pages} pages free"
+            )
+        if self._inflight is not None and not self.config.overlap:
+            done, self._inflight = self._inflight, None
+            yield from self._complete(done, None)
+        self._in_step = False
+        self.counters.end_turn(bool(step) and max(step.num_new) == 1)
 
     def _launch(self, step: ScheduledStep, started: float, prev: Inflight | None) -> Inflight:
         """Plans a step and queues its forward and sampling on the device; returns at once."""

@@ -135,7 +135,7 @@ def _stream(
     """One ``generate`` over the stream that ``first`` opens, until its "end" (or "abort").
 
     The engine pulls a row only after sending every result it has read back, and only while it
-    holds fewer than ``lookahead`` rows unanswered (``Engine._loop``), so when it waits here for
+    holds fewer than ``lookahead`` rows unanswered (``Engine._pull``), so when it waits here for
     rows, every row the driver counts as outstanding is either in the engine (fewer than
     lookahead) or a result on its way: the driver, whose bound is lookahead plus two chunks,
     then always has room to send the next chunk (or "end"). No interleaving deadlocks."""
