@@ -2,12 +2,13 @@
 
 The engine's rooms, in the order a request flows through one step:
 
-engine.py     Engine, the loop: pull -> schedule -> launch -> complete (prepare.py: request -> row)
+engine.py     Engine, the loop: pull -> schedule -> launch -> complete (prepare.py: request -> row);
+              ``assemble``: an engine from other parts than the defaults (benchmark, tests)
 requests/     Request, Result, tokens and stop strings, scored rows, the admitted Sequence, sampling
 scheduling/   who runs this step and on which pages: scheduler, admission, KV pages, prefix cache
 adapters/     disk -> host -> pool: adapter files, the host store, residency, prefetch
 execution/    the step on the device: pool sizing, flat tensors, forward and CUDA graphs, outputs,
-              the parts an engine builds, tensor parallelism's ranks
+              the parts an engine is built from and builds, tensor parallelism's ranks
 models/       the checkpoint: spec, one file per family behind a registry, shared layers, loader
 parallel/     data parallelism: Engine's surface over worker processes, one device each
 config.py, counters.py, device.py, hub.py, pool.py, resolution.py   what every room may use:
