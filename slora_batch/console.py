@@ -318,16 +318,41 @@ def _fold(table: Table) -> Table:
 
 
 def print_summary(summary: JobSummary, job) -> None:
-    s = summary.stats
     shown = escape(shown_path(summary.output))
     if summary.complete_already:
         out.print(
-            f"job {escape(summary.job)}: complete already ({_plural(s['rows'], 'row')} in "
-            f"{shown}); nothing to do (--overwrite starts over)",
+            f"job {escape(summary.job)}: complete already "
+            f"({_plural(summary.stats['rows'], 'row')} in {shown}); nothing to do "
+            "(--overwrite starts over)",
             soft_wrap=True,
         )
         _print_notes(summary)
         return
+    out.print(_fold(_totals_table(summary)))
+    if summary.rows_skipped:
+        done = "row was" if summary.rows_skipped == 1 else "rows were"
+        out.print(
+            f"resumed: {summary.rows_skipped:,} {done} already done, "
+            f"{summary.rows_this_run:,} written this run"
+        )
+    out.print(_adapter_table(summary))
+    if len(summary.adapters) > ADAPTER_ROWS:
+        out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in _stats.parquet")
+    _print_scored(summary)
+    _print_problems(summary)
+    _print_notes(summary)
+    out.print(
+        f"outputs: [bold]{shown}[/] (part-*.parquet, _stats.parquet, _SUCCESS)", soft_wrap=True
+    )
+    rows = preview(job, limit=PREVIEW_ROWS)
+    if rows:
+        out.print(_fold(_preview_table(rows)))
+
+
+def _totals_table(summary: JobSummary) -> Table:
+    """The job's totals, one line each: rows, tokens, this run's time, speed, adapters, pool,
+    device."""
+    s = summary.stats
     table = Table(title=f"job {escape(summary.job)}", title_justify="left", show_header=False)
     table.add_column(style="bold")
     table.add_column()
@@ -360,22 +385,24 @@ def print_summary(summary: JobSummary, job) -> None:
         ("device", f"{s['device']}, {s['dtype']}"),
     ):
         table.add_row(name, value)
-    out.print(_fold(table))
-    if summary.rows_skipped:
-        done = "row was" if summary.rows_skipped == 1 else "rows were"
-        out.print(
-            f"resumed: {summary.rows_skipped:,} {done} already done, "
-            f"{summary.rows_this_run:,} written this run"
-        )
-    out.print(_adapter_table(summary))
-    if len(summary.adapters) > ADAPTER_ROWS:
-        out.print(f"... and {len(summary.adapters) - ADAPTER_ROWS} more adapters in _stats.parquet")
-    if s.get("scored_rows"):
-        accuracy = "" if s.get("accuracy") is None else f", accuracy {s['accuracy']:.1%}"
-        out.print(f"scored: {_plural(s['scored_rows'], 'row')}{accuracy}")
-        preference = choice_preference(summary.output, summary.choice_labels)
-        if preference is not None:
-            _print_preference(preference)
+    return table
+
+
+def _print_scored(summary: JobSummary) -> None:
+    """The scored rows' count and accuracy, and which choice label the model prefers; nothing
+    when no row was scored."""
+    s = summary.stats
+    if not s.get("scored_rows"):
+        return
+    accuracy = "" if s.get("accuracy") is None else f", accuracy {s['accuracy']:.1%}"
+    out.print(f"scored: {_plural(s['scored_rows'], 'row')}{accuracy}")
+    preference = choice_preference(summary.output, summary.choice_labels)
+    if preference is not None:
+        _print_preference(preference)
+
+
+def _print_problems(summary: JobSummary) -> None:
+    """This run's error rows (the first few, then how many more) and the empty-text warning."""
     for message in summary.errors:
         out.print(f"[yellow]error row:[/] {escape(message)}", soft_wrap=True)
     more = summary.error_rows_this_run - len(summary.errors)
@@ -384,23 +411,21 @@ def print_summary(summary: JobSummary, job) -> None:
     empty = summary.empty_text_note()
     if empty is not None:
         out.print(f"[yellow]warning:[/] {escape(empty)}", soft_wrap=True)
-    _print_notes(summary)
-    out.print(
-        f"outputs: [bold]{shown}[/] (part-*.parquet, _stats.parquet, _SUCCESS)", soft_wrap=True
-    )
-    rows = preview(job, limit=PREVIEW_ROWS)
-    if rows:
-        sample = Table(title="a few outputs", title_justify="left", show_lines=True)
-        for name in ("id", "adapter", "prompt", "output"):
-            sample.add_column(name)
-        for row in rows:
-            sample.add_row(
-                escape(row.id),
-                escape(row.adapter or "(base)"),
-                escape(_cut(row.prompt)),
-                escape(_cut(row.text)),
-            )
-        out.print(_fold(sample))
+
+
+def _preview_table(rows) -> Table:
+    """A few output rows: id, adapter, prompt and output, the last two cut short."""
+    sample = Table(title="a few outputs", title_justify="left", show_lines=True)
+    for name in ("id", "adapter", "prompt", "output"):
+        sample.add_column(name)
+    for row in rows:
+        sample.add_row(
+            escape(row.id),
+            escape(row.adapter or "(base)"),
+            escape(_cut(row.prompt)),
+            escape(_cut(row.text)),
+        )
+    return sample
 
 
 def _cut(text: str) -> str:
