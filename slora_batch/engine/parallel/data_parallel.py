@@ -42,6 +42,19 @@ from slora_batch.engine.parallel.dp_worker import (
     worker_main,
     worker_slots,
 )
+from slora_batch.engine.parallel.messages import (
+    Abort,
+    Alive,
+    Done,
+    End,
+    Failed,
+    Log,
+    Ready,
+    RowResult,
+    Rows,
+    ToDriver,
+    ToWorker,
+)
 from slora_batch.engine.requests.request import Request, Result
 
 if TYPE_CHECKING:  # torch's: imported by the worker and the engine, not here
@@ -54,6 +67,14 @@ log = logging.getLogger(__name__)
 CHUNK_ROWS = 64  # most rows per chunk; a chunk is at most lookahead // 8 rows
 STOP_WAIT_S = 10.0  # a closing worker's time to exit before it is terminated
 MAX_FIELDS = ("load_s", "warmup_s")  # workers build at once: the slowest counts; others add up
+
+
+def _as_heard(message: ToDriver) -> tuple:
+    """The message as ``WorkerHandle.heard_from`` reads it: its kind first, then for a
+    heartbeat what the worker does and its steps."""
+    if isinstance(message, Alive):
+        return ("alive", message.doing, message.steps)
+    return ("log",) if isinstance(message, Log) else (type(message).__name__,)
 
 
 def open_engine(
@@ -150,15 +171,13 @@ class DataParallelEngine:
                 log.info(
                     "data parallel: worker %d on %s, pid %d", slot.index, slot.device, process.pid
                 )
-            for worker in self.workers:
-                self._start(worker)
+            ready = [self._start(worker) for worker in self.workers]
         except BaseException:
             self.close()
             raise
-        first = self.workers[0].info
         self.device = f"{self.slots[0].device.split(':')[0]} x{len(self.workers)}"
-        self.dtype = first["dtype"]
-        self.adapter_names: list[str] = first["adapters"]
+        self.dtype = ready[0].dtype
+        self.adapter_names: list[str] = ready[0].adapters
         self.sampling = sampling or SamplingConfig()
         self._combine()
         self.counters.load_s = time.perf_counter() - began - self.counters.warmup_s
@@ -180,35 +199,36 @@ class DataParallelEngine:
             for w in self.workers
         ]
 
-    def _start(self, worker: WorkerHandle) -> None:
+    def _start(self, worker: WorkerHandle) -> Ready:
         """Waits for the worker's engine: its device, dtype, adapters and counters."""
         while worker.alive:
             for message in self._receive(worker, block=True):
-                if message[0] == "ready":
-                    worker.info, worker.counters = message[1], message[1]["counters"]
-                    worker.bound = worker.info["lookahead"] + 2 * self.chunk_rows
-                    return
-                if message[0] == "failed" and isinstance(message[2], BaseException):
-                    raise message[2]  # the engine's own error (a model it cannot load, ...)
+                if isinstance(message, Ready):
+                    worker.info, worker.counters = message._asdict(), message.counters
+                    worker.bound = message.lookahead + 2 * self.chunk_rows
+                    return message
+                if isinstance(message, Failed) and isinstance(message.error, BaseException):
+                    raise message.error  # the engine's own error (a model it cannot load, ...)
             self._watch(worker)
         raise worker.death()
 
-    def _receive(self, worker: WorkerHandle, block: bool = False) -> Iterator[tuple]:
+    def _receive(self, worker: WorkerHandle, block: bool = False) -> Iterator[ToDriver]:
         """The worker's messages waiting in its pipe (``block``: after waiting for one, or for
-        its exit). At its end (EOF, or the process gone and the pipe empty) it is marked dead."""
+        its exit), less its heartbeats and log records (logged here). At its end (EOF, or the
+        process gone and the pipe empty) it is marked dead."""
         try:
             if block:
                 wait([worker.outbox, worker.process.sentinel], self.tick_s)
             while worker.outbox.poll():
                 message = worker.outbox.recv()
-                worker.heard_from(message)
-                if message[0] == "alive":
+                worker.heard_from(_as_heard(message))
+                if isinstance(message, Alive):
                     continue
-                if message[0] == "log":
-                    relog(worker.slot.index, message[1])
+                if isinstance(message, Log):
+                    relog(worker.slot.index, message.record)
                     continue
-                if message[0] == "failed":
-                    worker.failure = message[1]
+                if isinstance(message, Failed):
+                    worker.failure = message.text
                 yield message
             if worker.process.exitcode is None:
                 return
@@ -229,64 +249,93 @@ class DataParallelEngine:
         return generator
 
     def _generate(self, source: Iterator[Request]) -> Iterator[Result]:
-        dead = [w for w in self.workers if not w.alive]
-        if dead:
-            raise dead[0].death()
-        self._epoch += 1
-        epoch, stream = self._epoch, chunks(source, self.chunk_rows)
-        for worker in self.workers:
-            worker.outstanding, worker.done = 0, False
-            worker.owed.clear()
+        """Feeds the stream's chunks to the workers with room, yields their results as they
+        come, ends the stream (``End``) when its rows are all sent or a worker died, and
+        abandons it (``Abort``) when the caller does; then raises a worker's death."""
+        epoch, stream = self._open_stream(), chunks(source, self.chunk_rows)
         chunk, ended, died, finished = next(stream, None), False, None, False
         try:
             while True:
-                while died is None and chunk is not None and (target := self._pick(chunk)):
-                    if not target.outstanding:  # busy from now on: its progress is watched
-                        target.progressed = time.monotonic()
-                    target.send(("rows", epoch, chunk))
-                    target.outstanding += len(chunk)
-                    for request in chunk:  # the results each row owes, by its key
-                        key = (request.id, request.adapter or None)
-                        owed = expected_results(request, self.sampling)
-                        target.owed.setdefault(key, deque()).append(owed)
-                    target.adapters.update(r.adapter or None for r in chunk)
-                    target.last_adapter = chunk[-1].adapter or None
-                    chunk = next(stream, None)
+                if died is None:
+                    chunk = self._feed(chunk, stream, epoch)
                 if not ended and (chunk is None or died is not None):
                     ended = True
-                    for worker in self.workers:
-                        worker.send(("end", epoch))
+                    self._tell_alive(End(epoch))
                 live = [w for w in self.workers if w.alive and not w.done]
                 if ended and not live:
                     break
                 wait([w.outbox for w in live] + [w.process.sentinel for w in live], self.tick_s)
                 for worker in live:
-                    for message in self._receive(worker):
-                        if message[1] != epoch:
-                            continue  # a stream abandoned before this one
-                        if message[0] == "result":
-                            worker.returned(message[2])
-                            worker.rows += 1
-                            if message[3] is not None:
-                                worker.counters = message[3]
-                                self._combine()
-                            yield message[2]
-                        elif message[0] == "done":
-                            worker.counters, worker.done = message[2], True
-                            self._combine()
-                    self._watch(worker)
+                    yield from self._results(worker, epoch)
                     if not worker.alive:
                         died = died or worker
                         log.error("%s", worker.death())
             finished = True
         finally:
             if not finished:
-                for worker in self.workers:
-                    if worker.alive:
-                        worker.send(("abort", epoch))
+                self._tell_alive(Abort(epoch))
             self._log_summary()
         if died is not None:
             raise died.death()
+
+    def _open_stream(self) -> int:
+        """The new stream's number, each worker's share of it empty; a dead worker's death is
+        raised instead."""
+        dead = [w for w in self.workers if not w.alive]
+        if dead:
+            raise dead[0].death()
+        self._epoch += 1
+        for worker in self.workers:
+            worker.outstanding, worker.done = 0, False
+            worker.owed.clear()
+        return self._epoch
+
+    def _feed(
+        self, chunk: list[Request] | None, stream: Iterator[list[Request]], epoch: int
+    ) -> list[Request] | None:
+        """Sends chunks, from ``chunk`` on, while a worker has room (``_pick``); the chunk no
+        worker had room for, or None when the stream is all sent."""
+        while chunk is not None and (target := self._pick(chunk)):
+            self._send_rows(target, chunk, epoch)
+            chunk = next(stream, None)
+        return chunk
+
+    def _send_rows(self, worker: WorkerHandle, chunk: list[Request], epoch: int) -> None:
+        """Sends the chunk to the worker and counts its rows, and the results each owes, as
+        outstanding there."""
+        if not worker.outstanding:  # busy from now on: its progress is watched
+            worker.progressed = time.monotonic()
+        worker.send(Rows(epoch, chunk))
+        worker.outstanding += len(chunk)
+        for request in chunk:  # the results each row owes, by its key
+            key = (request.id, request.adapter or None)
+            owed = expected_results(request, self.sampling)
+            worker.owed.setdefault(key, deque()).append(owed)
+        worker.adapters.update(r.adapter or None for r in chunk)
+        worker.last_adapter = chunk[-1].adapter or None
+
+    def _results(self, worker: WorkerHandle, epoch: int) -> Iterator[Result]:
+        """The worker's results of stream ``epoch`` waiting in its pipe, its counters taken
+        as they come and its ``Done`` noted (messages of an abandoned stream are dropped); then
+        whether it still answers (``_watch``)."""
+        for message in self._receive(worker):
+            if isinstance(message, RowResult) and message.stream == epoch:
+                worker.returned(message.result)
+                worker.rows += 1
+                if message.counters is not None:
+                    worker.counters = message.counters
+                    self._combine()
+                yield message.result
+            elif isinstance(message, Done) and message.stream == epoch:
+                worker.counters, worker.done = message.counters, True
+                self._combine()
+        self._watch(worker)
+
+    def _tell_alive(self, message: ToWorker) -> None:
+        """Sends the message to every live worker."""
+        for worker in self.workers:
+            if worker.alive:
+                worker.send(message)
 
     def _watch(self, worker: WorkerHandle) -> None:
         """After its pipe is drained: a worker that stopped answering

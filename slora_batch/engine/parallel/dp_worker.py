@@ -1,16 +1,10 @@
 """Data-parallel workers: their devices (``worker_slots``), and the worker process: one
 ``Engine`` on one device, fed rows by the driver (``data_parallel.DataParallelEngine``) through
-a pipe, its results sent back through another.
+a pipe, its results sent back through another (the messages: ``messages``).
 
-Messages in: ``("rows", stream, [Request])``, ``("end", stream)`` (no more rows: finish what is
-held), ``("abort", stream)`` (the driver abandoned the stream: drop its rows). Messages out:
-``("ready", info)``, ``("result", stream, Result, counters or None)``, ``("done", stream,
-counters)``, ``("failed", text, exception or None)`` before the process exits with status 1,
-``("log", record)``: the worker's log records, logged by the driver through its own handlers, and
-``("alive", doing, steps)`` every ``beat_s(timeout)`` from a thread of its own: what the worker
-is doing ("loading the engine", "waiting for rows", "running steps", "idle") and the engine's
-steps so far, so that the driver tells a silent worker (stopped, frozen) and one that makes no
-step while it holds rows from a busy one (``dp_handle.WorkerHandle.unresponsive``).
+A heartbeat thread sends ``Alive`` every ``beat_s(timeout)``: what the worker is doing and the
+engine's steps so far, so that the driver tells a silent worker (stopped, frozen) and one that
+makes no step while it holds rows from a busy one (``dp_handle.WorkerHandle.unresponsive``).
 A reader thread drains the driver's pipe, so the driver never blocks on a send, and ends the
 process as soon as the driver is gone (its pipe closed, or this process re-parented).
 """
@@ -30,12 +24,24 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from slora_batch.engine.config import ConfigError, EngineConfig
+from slora_batch.engine.parallel.messages import (
+    Abort,
+    Alive,
+    Done,
+    End,
+    Failed,
+    Log,
+    Ready,
+    RowResult,
+    Rows,
+    ToDriver,
+)
 from slora_batch.engine.requests.request import Request
 
 log = logging.getLogger(__name__)
 
 COUNTERS_EVERY_S = 0.5  # a worker sends its counters with a result at most this often
-Send = Callable[[tuple], None]
+Send = Callable[[ToDriver], None]
 
 
 def beat_s(timeout_s: float) -> float:
@@ -89,7 +95,7 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: the driver stops us
     lock = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(message: ToDriver) -> None:
         with lock:  # the engine's loader thread logs too
             outbox.send(message)
 
@@ -109,18 +115,19 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
     except Exception as exc:
         _fail(send, exc, exc)
     state.update(engine=engine, doing="idle")
-    info = {
-        "device": str(engine.device),
-        "dtype": str(engine.dtype),
-        "counters": engine.counters,
-        "adapters": engine.adapter_names,
-        "lookahead": config.lookahead,
-    }
-    send(("ready", info))
+    send(
+        Ready(
+            device=str(engine.device),
+            dtype=str(engine.dtype),
+            counters=engine.counters,
+            adapters=engine.adapter_names,
+            lookahead=config.lookahead,
+        )
+    )
     while True:
         state["doing"] = "idle"
         first = messages.get()
-        if first[0] == "abort" or first[1] <= aborted[0]:
+        if isinstance(first, Abort) or first.stream <= aborted[0]:
             continue  # what was left of an abandoned stream
         try:
             _stream(engine, first, messages, aborted, send, state)
@@ -130,18 +137,23 @@ def worker_main(slot, model, adapters, config, sampling, level: int, inbox, outb
 
 
 def _stream(
-    engine, first: tuple, messages: queue.SimpleQueue, aborted: list[int], send: Send, state: dict
+    engine,
+    first: Rows | End,
+    messages: queue.SimpleQueue,
+    aborted: list[int],
+    send: Send,
+    state: dict,
 ) -> None:
-    """One ``generate`` over the stream that ``first`` opens, until its "end" (or "abort").
+    """One ``generate`` over the stream that ``first`` opens, until its ``End`` (or ``Abort``).
 
     The engine pulls a row only after sending every result it has read back, and only while it
     holds fewer than ``lookahead`` rows unanswered (``Engine._pull``), so when it waits here for
     rows, every row the driver counts as outstanding is either in the engine (fewer than
     lookahead) or a result on its way: the driver, whose bound is lookahead plus two chunks,
-    then always has room to send the next chunk (or "end"). No interleaving deadlocks."""
-    stream, pending = first[1], [first]
+    then always has room to send the next chunk (or ``End``). No interleaving deadlocks."""
+    stream, pending = first.stream, [first]
 
-    def pull() -> tuple:
+    def pull() -> Rows | End | Abort:
         if pending:
             return pending.pop()
         state["doing"] = "waiting for rows"
@@ -151,13 +163,12 @@ def _stream(
 
     def requests() -> Iterator[Request]:
         while True:
-            # ("rows", stream, [Request]) -> rows == [[Request]]; ("end" | "abort", stream) -> []
-            kind, at, *rows = pull()
-            if at < stream:
+            message = pull()
+            if message.stream < stream:
                 continue  # rows of an abandoned stream still on their way
-            if kind != "rows":  # "end", or "abort"
+            if not isinstance(message, Rows):  # End, or Abort
                 return
-            yield from rows[0]
+            yield from message.requests
 
     sent, state["doing"] = time.monotonic(), "running steps"
     with contextlib.closing(engine.generate(requests())) as results:
@@ -167,8 +178,8 @@ def _stream(
             now = time.monotonic()
             counters = engine.counters if now - sent > COUNTERS_EVERY_S else None
             sent = sent if counters is None else now
-            send(("result", stream, result, counters))
-    send(("done", stream, engine.counters))
+            send(RowResult(stream, result, counters))
+    send(Done(stream, engine.counters))
 
 
 def _beat(send: Send, state: dict, every_s: float) -> None:
@@ -176,7 +187,7 @@ def _beat(send: Send, state: dict, every_s: float) -> None:
     with contextlib.suppress(Exception):  # the pipe closed: the process is ending
         while True:
             engine = state["engine"]
-            send(("alive", state["doing"], engine.counters.steps if engine is not None else 0))
+            send(Alive(state["doing"], engine.counters.steps if engine is not None else 0))
             time.sleep(every_s)
 
 
@@ -186,9 +197,9 @@ def _fail(send: Send, exc: Exception, error: Exception | None) -> None:
     text = f"{type(exc).__name__}: {exc}"
     with contextlib.suppress(Exception):
         try:
-            send(("failed", text, error))
+            send(Failed(text, error))
         except Exception:  # an exception that does not pickle: its text only
-            send(("failed", text, None))
+            send(Failed(text, None))
     os._exit(1)
 
 
@@ -199,8 +210,8 @@ def _read(inbox: Connection, messages: queue.SimpleQueue, aborted: list[int]) ->
         while os.getppid() == parent:
             if inbox.poll(1.0):
                 message = inbox.recv()
-                if message[0] == "abort":
-                    aborted[0] = max(aborted[0], message[1])
+                if isinstance(message, Abort):
+                    aborted[0] = max(aborted[0], message.stream)
                 messages.put(message)
     os._exit(0)
 
@@ -218,7 +229,7 @@ class _Forward(logging.Handler):
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
             fields = {"name": record.name, "levelno": record.levelno, "levelname": record.levelname}
-            self.send_message(("log", {**fields, "msg": text}))
+            self.send_message(Log({**fields, "msg": text}))
 
 
 def relog(index: int, record: dict[str, Any]) -> None:
