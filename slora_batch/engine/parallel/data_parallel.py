@@ -69,14 +69,6 @@ STOP_WAIT_S = 10.0  # a closing worker's time to exit before it is terminated
 MAX_FIELDS = ("load_s", "warmup_s")  # workers build at once: the slowest counts; others add up
 
 
-def _as_heard(message: ToDriver) -> tuple:
-    """The message as ``WorkerHandle.heard_from`` reads it: its kind first, then for a
-    heartbeat what the worker does and its steps."""
-    if isinstance(message, Alive):
-        return ("alive", message.doing, message.steps)
-    return ("log",) if isinstance(message, Log) else (type(message).__name__,)
-
-
 def open_engine(
     model,
     adapters=None,
@@ -221,7 +213,7 @@ class DataParallelEngine:
                 wait([worker.outbox, worker.process.sentinel], self.tick_s)
             while worker.outbox.poll():
                 message = worker.outbox.recv()
-                worker.heard_from(_as_heard(message))
+                worker.heard_from(message)
                 if isinstance(message, Alive):
                     continue
                 if isinstance(message, Log):

@@ -23,6 +23,7 @@ from typing import Any
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.counters import EngineCounters
 from slora_batch.engine.parallel.dp_worker import WorkerSlot
+from slora_batch.engine.parallel.messages import Alive, Log, ToDriver, ToWorker
 from slora_batch.engine.requests.request import Request, Result
 
 
@@ -67,21 +68,21 @@ class WorkerHandle:
     steps: int = 0  # its engine's steps, by its last heartbeat
     hung: str | None = None  # why the driver killed it: it stopped answering
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: ToWorker) -> None:
         try:
             self.inbox.send(message)
         except OSError:  # dying: its exit shows on the outbox and the sentinel
             self.closed = True
 
-    def heard_from(self, message: tuple) -> None:
+    def heard_from(self, message: ToDriver) -> None:
         """Any message: the worker answers. A result, a step more or a new state: progress."""
         self.heard = now = time.monotonic()
-        if message[0] == "log":
+        if isinstance(message, Log):
             return
-        if message[0] == "alive":
-            if (message[1], message[2]) == (self.doing, self.steps):
+        if isinstance(message, Alive):
+            if (message.doing, message.steps) == (self.doing, self.steps):
                 return
-            self.doing, self.steps = message[1], message[2]
+            self.doing, self.steps = message.doing, message.steps
         self.progressed = now
 
     def unresponsive(self, timeout_s: float) -> str | None:
