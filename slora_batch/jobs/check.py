@@ -1,6 +1,7 @@
-"""Checking a job before any work: ``check_job`` (model config, adapter headers, input files,
-output directory, fan-out; no weights, no input rows) makes its ``JobPlan``; ``JobError`` is what
-a job that cannot run raises."""
+"""Checking a job: ``check_job`` (model config, adapter headers, input files, output
+directory, fan-out; no weights, no input rows) makes its ``JobPlan`` before any work; once the
+input is scanned, ``check_scan`` refuses what the scan shows cannot run and ``input_notes`` says
+what a user should hear about the input. ``JobError`` is what a job that cannot run raises."""
 
 from __future__ import annotations
 
@@ -10,25 +11,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from slora_batch.engine.adapters.adapter_files import (
     AdapterError,
     AdapterInfo,
     check_adapters,
     resolve_sources,
 )
-from slora_batch.engine.config import ConfigError
+from slora_batch.engine.config import ConfigError, EngineConfig
 from slora_batch.engine.hub import HubError, Snapshot, locate
 from slora_batch.engine.models.sample_model import ModelNotFoundError, resolve_model
 from slora_batch.engine.models.spec import ModelError, ModelSpec, read_spec
 from slora_batch.jobs.column_notes import NO_PROMPT, column_notes, prompt_source_problem
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.fsio import FsDir
-from slora_batch.jobs.openai_input import OpenAIBatch, base_model_name, is_openai_line
+from slora_batch.jobs.openai_input import OpenAIBatch, openai_batch
 from slora_batch.jobs.outdir import OutputError
 from slora_batch.jobs.prompts import Prompts
-from slora_batch.jobs.reader import InputError, file_records, iter_input_files, parquet_file
+from slora_batch.jobs.reader import InputError, first_record, input_files
 from slora_batch.jobs.scan import InputScan
 
 
@@ -94,6 +93,146 @@ class JobPlan:
         self.rows_total = scan.samples(self.job.sampling.n)
 
 
+def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:
+    """Every job, or the one called ``name``."""
+    if name is None:
+        return jobs
+    chosen = [job for job in jobs if job.name == name]
+    if not chosen:
+        raise JobError(f"no job {name!r} (jobs: {', '.join(job.name for job in jobs)})")
+    return chosen
+
+
+def job_error(job: JobConfig, exc: Exception) -> JobError:
+    message = str(exc)
+    return JobError(message if f"job {job.name!r}" in message else f"job {job.name!r}: {message}")
+
+
+def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None) -> JobPlan:
+    """Everything that can fail a job, checked without loading weights or reading the input's
+    rows, in this order: the devices, the model (its config, its shards under
+    tensor_parallel, its chat template), the output directory, the adapters and the fan-out,
+    the input files and their format. An adapter the engine cannot run does not fail the
+    job (its rows become error rows). ``input_fs``: the filesystem ``job.input`` is a path on;
+    ``output``: the output directory when it is not on the local disk (the Ray runner;
+    ``fsio``)."""
+    engine = job.engine
+    try:
+        _check_device(engine)
+        located = locate(job.model, job.adapters)  # every Hub name, here, once
+        model_path = resolve_model(located.model)
+        spec = read_spec(model_path)
+        if engine.tensor_parallel > 1:
+            spec.shard(engine.tensor_parallel)  # ModelError naming the sizes that do not divide
+        _check_tensor_parallel_devices(engine)
+        chat = _chat_template(model_path, job.model, job.apply_chat_template)
+        _check_output(job.output, output)
+        not_openai = _openai_refusal(job)
+        _check_adapters_dir(located.adapters)
+        sweep = fanout_adapters(job)
+        adapters, broken = check_adapters(spec, located.adapters)
+        files = input_files(job.input, input_fs)
+        first = first_record(files, input_fs)
+        openai = openai_batch(
+            job.input_format,
+            files,
+            first,
+            model=job.model,
+            model_dir=model_path,
+            adapters=[a.name for a in adapters] + list(broken),  # a broken one's: error rows
+            columns=job.columns,
+        )
+        if openai is not None and not_openai is not None:
+            raise ConfigError(not_openai)
+    except JOB_ERRORS as exc:
+        raise job_error(job, exc) from exc
+    return JobPlan(
+        job,
+        model_path,
+        spec,
+        adapters,
+        {name: str(exc) for name, exc in broken.items()},
+        files,
+        sweep,
+        input_fs=input_fs,
+        sources=located.adapters,
+        snapshots=located.snapshots,
+        openai=openai,
+        chat_template=chat,
+    )
+
+
+def _check_device(engine: EngineConfig) -> None:
+    """The engine's device is there: CUDA when it names one, and enough devices for its
+    data-parallel workers."""
+    if engine.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"engine.device is {engine.device!r} but no CUDA device is available")
+    if engine.data_parallel > 1 or engine.gpus:
+        from slora_batch.engine.parallel.data_parallel import worker_slots
+
+        worker_slots(engine)  # enough devices for the workers
+
+
+def _check_tensor_parallel_devices(engine: EngineConfig) -> None:
+    """Under ``tensor_parallel`` on CUDA, no more ranks than visible CUDA devices (gloo ranks
+    run on the CPU; data-parallel slots are ``worker_slots``' to count)."""
+    size = engine.tensor_parallel
+    if size == 1 or engine.device == "cpu" or engine.data_parallel > 1 or engine.gpus:
+        return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < size:
+        raise ConfigError(
+            f"engine.tensor_parallel is {size} but {torch.cuda.device_count()} CUDA devices "
+            "are visible"
+        )
+
+
+def _chat_template(model_path: Path, model: str, required: bool) -> bool | None:
+    """Whether the model's tokenizer has a chat template, read from its files as transformers
+    saves them (``chat_template.jinja``, ``chat_template.json``, or the ``chat_template`` key of
+    ``tokenizer_config.json``) without loading the tokenizer (transformers' import alone costs
+    seconds a process); None when the model has no tokenizer files. ``required``
+    (apply_chat_template): a model without one fails the job, named as the job names it
+    (``model``)."""
+    config_file = model_path / "tokenizer_config.json"
+    has_tokenizer = config_file.is_file() or (model_path / "tokenizer.json").is_file()
+    has = (model_path / "chat_template.jinja").is_file() or (
+        model_path / "chat_template.json"
+    ).is_file()
+    if not has and config_file.is_file():
+        try:
+            settings = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            if required:
+                raise ModelError(
+                    f"apply_chat_template: model {model!r}: cannot read {config_file}: {exc}"
+                ) from exc
+            return None
+        has = isinstance(settings, dict) and bool(settings.get("chat_template"))
+    if required and not has:
+        what = "has no chat template" if has_tokenizer else "has no tokenizer"
+        raise ConfigError(
+            f"apply_chat_template: model {model!r} ({model_path}) {what}, so prompts cannot "
+            "be sent as chat turns. Set apply_chat_template: false and write the model's prompt "
+            "format in prompt_template, or use a model that ships a chat template"
+        )
+    return has if has_tokenizer else None
+
+
+def _check_adapters_dir(sources: Any) -> None:
+    """A directory of adapters is there: its absence is the job's error, said as such."""
+    if isinstance(sources, str | Path) and not Path(sources).is_dir():
+        what = "is not a directory" if Path(sources).exists() else "does not exist"
+        raise ConfigError(
+            f"adapters directory {str(sources)!r} {what} (adapters: a directory of PEFT adapter "
+            "directories, or a mapping {name: path})"
+        )
+
+
 def adapter_names(adapters: str | dict[str, str] | None) -> list[str]:
     """Names of the job's adapters, sorted, by the engine's own rule (``resolve_sources``):
     mapping keys, or every sub-directory of the adapters directory (name = folder name)."""
@@ -122,150 +261,42 @@ def fanout_adapters(job: JobConfig) -> list[str | None] | None:
     return list(job.fanout)
 
 
-def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:
-    """Every job, or the one called ``name``."""
-    if name is None:
-        return jobs
-    chosen = [job for job in jobs if job.name == name]
-    if not chosen:
-        raise JobError(f"no job {name!r} (jobs: {', '.join(job.name for job in jobs)})")
-    return chosen
-
-
-def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None) -> JobPlan:
-    """Everything that can fail a job, checked without loading weights or reading the input's
-    rows. An adapter the engine cannot run does not fail the job (its rows become error rows).
-    ``input_fs``: the filesystem ``job.input`` is a path on; ``output``: the output directory
-    when it is not on the local disk (the Ray runner; ``fsio``)."""
-    try:
-        device = job.engine.device
-        if device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(f"engine.device is {device!r} but no CUDA device is available")
-        if job.engine.data_parallel > 1 or job.engine.gpus:
-            from slora_batch.engine.parallel.data_parallel import worker_slots
-
-            worker_slots(job.engine)  # enough devices for the workers
-        located = locate(job.model, job.adapters)  # every Hub name, here, once
-        model_path = resolve_model(located.model)
-        spec = read_spec(model_path)
-        _check_tensor_parallel(job, spec)
-        adapters, broken = _adapters(spec, located.adapters)
-        files = iter_input_files(job.input, input_fs)
-        for file in files:  # every Parquet footer: an unreadable file fails here
-            if file.suffix.lower() == ".parquet":
-                try:
-                    parquet_file(file, input_fs).metadata  # noqa: B018
-                except (OSError, pa.ArrowException) as exc:
-                    raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
-        sweep = fanout_adapters(job)
-        names = [a.name for a in adapters] + list(broken)  # a broken one's rows: error rows
-        openai = _openai(job, files, names, Path(model_path), input_fs)
-        if openai is not None and job.prompt_template is not None:
-            raise ConfigError(
-                "prompt_template builds prompts from input columns: the input holds OpenAI Batch "
-                "lines, which give their own"
-            )
-        chat = _chat_template(job, Path(model_path))
-        if output is not None:
-            if not output.is_file_or_missing():
-                raise OutputError(f"output {str(output)!r} exists and is not a directory")
-        elif Path(job.output).exists() and not Path(job.output).is_dir():
-            raise OutputError(f"output {str(Path(job.output))!r} exists and is not a directory")
-    except JOB_ERRORS as exc:
-        raise job_error(job, exc) from exc
-    reasons = {name: str(exc) for name, exc in broken.items()}
-    return JobPlan(
-        job,
-        model_path,
-        spec,
-        adapters,
-        reasons,
-        files,
-        sweep,
-        input_fs=input_fs,
-        sources=located.adapters,
-        snapshots=located.snapshots,
-        openai=openai,
-        chat_template=chat,
-    )
-
-
-def _chat_template(job: JobConfig, model_path: Path) -> bool | None:
-    """Whether the model's tokenizer has a chat template, read from its files as transformers
-    saves them (``chat_template.jinja``, ``chat_template.json``, or the ``chat_template`` key of
-    ``tokenizer_config.json``) without loading the tokenizer (transformers' import alone costs
-    seconds a process); None when the model has no tokenizer files. With apply_chat_template a
-    model without one fails the job."""
-    config_file = model_path / "tokenizer_config.json"
-    has_tokenizer = config_file.is_file() or (model_path / "tokenizer.json").is_file()
-    has = (model_path / "chat_template.jinja").is_file() or (
-        model_path / "chat_template.json"
-    ).is_file()
-    if not has and config_file.is_file():
-        try:
-            settings = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            if job.apply_chat_template:
-                raise ModelError(
-                    f"apply_chat_template: model {job.model!r}: cannot read {config_file}: {exc}"
-                ) from exc
-            return None
-        has = isinstance(settings, dict) and bool(settings.get("chat_template"))
-    if job.apply_chat_template and not has:
-        what = "has no chat template" if has_tokenizer else "has no tokenizer"
-        raise ConfigError(
-            f"apply_chat_template: model {job.model!r} ({model_path}) {what}, so prompts cannot "
-            "be sent as chat turns. Set apply_chat_template: false and write the model's prompt "
-            "format in prompt_template, or use a model that ships a chat template"
+def _openai_refusal(job: JobConfig) -> str | None:
+    """Why the job cannot read OpenAI Batch lines, or None: they name each line's adapter
+    (no fanout) and give their own prompts (no prompt_template)."""
+    if job.fanout is not None:
+        return "input_format openai names each line's adapter (body.model): no fanout"
+    if job.prompt_template is not None:
+        return (
+            "prompt_template builds prompts from input columns: the input holds OpenAI Batch "
+            "lines, which give their own"
         )
-    return has if has_tokenizer else None
+    return None
 
 
-def _check_tensor_parallel(job: JobConfig, spec: ModelSpec) -> None:
-    """What the engine refuses at once under ``tensor_parallel``: a model whose heads or sizes
-    it does not divide, and more ranks than visible CUDA devices when it runs on CUDA."""
-    size = job.engine.tensor_parallel
-    if size == 1:
-        return
-    spec.shard(size)  # ModelError naming the sizes that do not divide
-    if job.engine.device == "cpu" or job.engine.data_parallel > 1 or job.engine.gpus:
-        return  # gloo ranks on the CPU; data-parallel slots are worker_slots' to count
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() < size:
-        raise ConfigError(
-            f"engine.tensor_parallel is {size} but {torch.cuda.device_count()} CUDA devices "
-            "are visible"
-        )
-
-
-def _adapters(spec: ModelSpec, sources) -> tuple[list[AdapterInfo], dict[str, AdapterError]]:
-    """``check_adapters``; a missing adapters directory is the job's error, said as such."""
-    if isinstance(sources, str | Path) and not Path(sources).is_dir():
-        what = "is not a directory" if Path(sources).exists() else "does not exist"
-        raise ConfigError(
-            f"adapters directory {str(sources)!r} {what} (adapters: a directory of PEFT adapter "
-            "directories, or a mapping {name: path})"
-        )
-    return check_adapters(spec, sources)
+def _check_output(path: str, output: FsDir | None) -> None:
+    """The output directory is a directory, or not there yet (``output``: it, on another
+    filesystem; else ``path`` on the local disk)."""
+    if output is not None:
+        if not output.is_file_or_missing():
+            raise OutputError(f"output {str(output)!r} exists and is not a directory")
+    elif Path(path).exists() and not Path(path).is_dir():
+        raise OutputError(f"output {str(Path(path))!r} exists and is not a directory")
 
 
 def check_scan(plan: JobPlan, scan: InputScan, after: str = "") -> None:
     """Refuse a job its input scan shows cannot run as asked: rows whose (id, adapter) repeat,
     a prompt_template naming a column the input does not have. ``after``: the message's end."""
-    job = plan.job
+    name = plan.job.name
     if scan.duplicates:
-        raise JobError(f"job {job.name!r}: {scan.duplicates_message()}{after}")
+        raise JobError(f"job {name!r}: {scan.duplicates_message()}{after}")
     present = list(scan.column_kinds)
-    missing = [name for name in plan.prompts.fields if name not in present]
+    missing = [column for column in plan.prompts.fields if column not in present]
     if missing and (present or scan.rows):
         close = difflib.get_close_matches(missing[0], present, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise JobError(
-            f"job {job.name!r}: prompt_template names column {missing[0]!r}, which the input "
+            f"job {name!r}: prompt_template names column {missing[0]!r}, which the input "
             f"does not have (its columns: {', '.join(present) or 'none'}){hint}{after}"
         )
 
@@ -297,43 +328,17 @@ def chat_note(plan: JobPlan, scan: InputScan) -> str | None:
 
 
 def input_notes(plan: JobPlan, scan: InputScan) -> list[str]:
-    """The scan's notes on the input's columns, the raw-prompt note (``chat_note``), an input
-    without a prompt column (``prompt_source_problem``), and a warning when it has no row."""
-    notes = column_notes(scan, plan.job.columns, plan.prompts.fields)
-    for note in (chat_note(plan, scan), prompt_source_problem(plan.job, scan, plan.chat_template)):
-        if note is not None:
-            notes.insert(0, note)
-    if scan.rows == 0:
-        files = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
-        notes.insert(
-            0, f"the input has no rows ({len(plan.files)} file(s): {files}): nothing to run"
-        )
-    return notes
+    """A warning when the input has no row (first: a run logs it), an input without a prompt
+    column (``prompt_source_problem``), the raw-prompt note (``chat_note``), then the scan's
+    notes on the input's columns (``column_notes``)."""
+    job = plan.job
+    empty = _no_rows_note(plan.files) if scan.rows == 0 else None
+    chat = chat_note(plan, scan)
+    no_prompt = prompt_source_problem(job, scan, plan.chat_template)
+    notes = column_notes(scan, job.columns, plan.prompts.fields)
+    return [note for note in (empty, no_prompt, chat) if note is not None] + notes
 
 
-def job_error(job: JobConfig, exc: Exception) -> JobError:
-    message = str(exc)
-    return JobError(message if f"job {job.name!r}" in message else f"job {job.name!r}: {message}")
-
-
-def _openai(
-    job: JobConfig, files: list[Path], adapters: list[str], model_dir: Path, fs: Any = None
-) -> OpenAIBatch | None:
-    """The job's OpenAI Batch reading, or None for plain rows: ``input_format: openai``, or
-    ``auto`` when every file is JSONL and the first line of the first is an OpenAI Batch line.
-    Raises ``InputError`` for an openai input with a Parquet file, ``ConfigError`` with fanout."""
-    jsonl = all(str(f).lower().endswith(".jsonl") for f in files)
-    if job.input_format == "rows" or (job.input_format == "auto" and not jsonl):
-        return None
-    if not jsonl:
-        parquet = next(f for f in files if not str(f).lower().endswith(".jsonl"))
-        raise InputError(f"input_format openai reads .jsonl files only, got {str(parquet)!r}")
-    if job.input_format == "auto":
-        first = next(iter(file_records(files[0], None, fs)), None) if files else None
-        if first is None or not is_openai_line(first[1]):
-            return None
-    if job.fanout is not None:
-        raise ConfigError("input_format openai names each line's adapter (body.model): no fanout")
-    name = base_model_name(job.model)
-    bases = {name, name.rsplit("/", 1)[-1], job.model, Path(model_dir).name}
-    return OpenAIBatch(bases, adapters, job.columns)
+def _no_rows_note(files: list[Path]) -> str:
+    shown = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+    return f"the input has no rows ({len(files)} file(s): {shown}): nothing to run"

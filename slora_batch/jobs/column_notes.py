@@ -17,7 +17,7 @@ from slora_batch.jobs.reader import used_columns
 from slora_batch.jobs.scan import InputScan
 from slora_batch.jobs.text import plural
 
-# the kinds of values (``column_types.value_kind``) of a column a scoring column is suggested for
+# the kinds of values (``scan.value_kind``) of a column a scoring column is suggested for
 SCORING_KINDS = {
     "continuation": ("text",),
     "choices": ("list",),

@@ -19,9 +19,11 @@ Running example: line 3 ``{"custom_id": "q1", "method": "POST", "url": "/v1/comp
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
+from slora_batch.jobs.reader import InputError
 from slora_batch.jobs.text import describe
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -49,6 +51,38 @@ def is_openai_line(record: Any) -> bool:
     return (
         isinstance(record, dict) and "custom_id" in record and isinstance(record.get("body"), dict)
     )
+
+
+def holds_openai_lines(input_format: str, files: list[Path], first: dict | None) -> bool:
+    """Whether the input holds OpenAI Batch lines: ``input_format: openai``, or ``auto`` when
+    every file is JSONL and the input's ``first`` record (``reader.first_record``) is an OpenAI
+    Batch line. Raises ``InputError`` for an openai input with a file that is not JSONL."""
+    jsonl = all(str(f).lower().endswith(".jsonl") for f in files)
+    if input_format == "rows" or (input_format == "auto" and not jsonl):
+        return False
+    if not jsonl:
+        parquet = next(f for f in files if not str(f).lower().endswith(".jsonl"))
+        raise InputError(f"input_format openai reads .jsonl files only, got {str(parquet)!r}")
+    return input_format == "openai" or is_openai_line(first)
+
+
+def openai_batch(
+    input_format: str,
+    files: list[Path],
+    first: dict | None,
+    *,
+    model: str,
+    model_dir: Path,
+    adapters: Iterable[str],
+    columns: dict[str, str],
+) -> OpenAIBatch | None:
+    """The input's OpenAI Batch reading (``holds_openai_lines``), or None for plain rows.
+    ``model``: the base model as the job names it, ``model_dir`` its directory (either names it
+    in a body); ``adapters``: the job's adapter names; ``columns``: the job's column names."""
+    if not holds_openai_lines(input_format, files, first):
+        return None
+    name = base_model_name(model)
+    return OpenAIBatch({name, name.rsplit("/", 1)[-1], model, model_dir.name}, adapters, columns)
 
 
 class OpenAIBatch:
@@ -89,6 +123,17 @@ class OpenAIReading:
     def __init__(self, batch: OpenAIBatch) -> None:
         self.batch = batch
         self.seen: dict[str, str] = {}  # custom_id -> where its first line is
+
+    def records(
+        self, records: Iterator[tuple[int, dict | None, str | None]], name: str
+    ) -> Iterator[tuple[int, dict | None, str | None]]:
+        """(number, record, error) of the lines of file ``name`` (``reader.file_records``), each
+        line converted to the job's columns; a bad line keeps its record when it has a usable
+        custom_id."""
+        for number, record, error in records:
+            if record is not None:
+                record, error = self.convert(record, f"{name} line {number}")
+            yield number, record, error
 
     def convert(self, record: dict, where: str) -> tuple[dict | None, str | None]:
         """(record of the job's columns, error) of one line; the record is None when the line

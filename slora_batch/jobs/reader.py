@@ -17,16 +17,18 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slora_batch.jobs import fsio
 from slora_batch.jobs.config import COLUMN_KEYS, ROW_OPTIONS
-from slora_batch.jobs.openai_input import OpenAIBatch, OpenAIReading
 from slora_batch.jobs.response_format import format_value
 from slora_batch.jobs.text import type_name
+
+if TYPE_CHECKING:  # openai_input reads its first line through this module
+    from slora_batch.jobs.openai_input import OpenAIBatch
 
 SUFFIXES = (".jsonl", ".parquet")
 PARQUET_BATCH_ROWS = 1024
@@ -34,6 +36,30 @@ PARQUET_BATCH_ROWS = 1024
 
 class InputError(ValueError):
     """The input spec matches nothing readable; the message names the spec or file."""
+
+
+def input_files(spec: str, fs=None) -> list[Path]:
+    """The job's input files (``iter_input_files``), each Parquet file's footer read: a file
+    that cannot be read as Parquet fails the job here, before any work."""
+    files = iter_input_files(spec, fs)
+    for file in files:
+        if file.suffix.lower() == ".parquet":
+            parquet_file(file, fs)
+    return files
+
+
+def first_record(files: list[Path], fs=None) -> dict | None:
+    """The input's first record when every file is JSONL (what tells OpenAI Batch lines from
+    rows: ``openai_input.holds_openai_lines``), else None; None too when that line is not an
+    object or the first file has none."""
+    if not files or any(f.suffix.lower() != ".jsonl" for f in files):
+        return None
+    records = _jsonl_records(files[0], fs)
+    try:
+        first = next(records, None)
+    finally:
+        records.close()
+    return None if first is None else first[1]
 
 
 def iter_input_files(spec: str, fs=None) -> list[Path]:
@@ -159,7 +185,10 @@ def read_rows(
         if limit is not None and position >= limit:
             return
         name = relative_name(file, root)
-        for number, record, error in converted(file_records(file, wanted, fs), reading, name):
+        records = file_records(file, wanted, fs)
+        if reading is not None:
+            records = reading.records(records, name)
+        for number, record, error in records:
             if limit is not None and position >= limit:
                 return
             values, kept, found = {}, {}, {}
@@ -196,27 +225,13 @@ def file_records(
     return _parquet_records(file, columns, fs)
 
 
-def converted(
-    records: Iterator[tuple[int, dict | None, str | None]],
-    reading: OpenAIReading | None,
-    name: str,
-) -> Iterator[tuple[int, dict | None, str | None]]:
-    """``records`` as they are (``reading`` None), or each OpenAI Batch line converted to the
-    job's columns; a bad line keeps its record when it has a usable custom_id."""
-    if reading is None:
-        yield from records
-        return
-    for number, record, error in records:
-        if record is not None:
-            record, error = reading.convert(record, f"{name} line {number}")
-        yield number, record, error
-
-
 def parquet_file(file: Path, fs=None) -> pq.ParquetFile:
-    """A Parquet file on the local disk (``fs`` None) or on ``fs``."""
-    if fs is None:
-        return pq.ParquetFile(file)
-    return pq.ParquetFile(fs.open_input_file(str(file)))
+    """A Parquet file on the local disk (``fs`` None) or on ``fs``, its footer read (schema,
+    row count); ``InputError`` naming the file when it cannot be read as Parquet."""
+    try:
+        return pq.ParquetFile(file if fs is None else fs.open_input_file(str(file)))
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
 
 
 def _jsonl_records(file: Path, fs=None) -> Iterator[tuple[int, dict | None, str | None]]:

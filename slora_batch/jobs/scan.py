@@ -1,7 +1,8 @@
 """The input scan: one pass over every row before a job's first run, for the output's id type,
 the kept columns' types, the columns neither used nor kept (with a did-you-mean), the rows
 whose (id, adapter) repeat and the output rows the job will make (n samples per row).
-``InputScan`` is kept in the job manifest, so a resume does not read the input twice."""
+``InputScan`` is kept in the job manifest, so a resume does not read the input twice; a kept
+column's Arrow type is kept there as text (``type_to_text``)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from slora_batch.engine.config import SamplingConfig
-from slora_batch.jobs.column_types import (
-    TypeOf,
-    arrow_kind,
-    type_from_text,
-    type_to_text,
-    value_kind,
-)
 from slora_batch.jobs.config import SCORE_KEYS
-from slora_batch.jobs.openai_input import OpenAIBatch
+from slora_batch.jobs.openai_input import OpenAIBatch, OpenAIReading
 from slora_batch.jobs.reader import (
-    InputError,
     InputRow,
-    converted,
     file_records,
     input_root,
     parquet_file,
@@ -42,6 +33,7 @@ from slora_batch.jobs.text import plural
 DUPLICATE_EXAMPLES = 5  # duplicates named in the scan's message
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 KEPT_PREFIX = "input_"  # a kept column named as an output column is kept as "input_<name>"
+INFER_ROWS = 4096  # JSONL values of a kept column typed together, then unified
 
 
 @dataclass
@@ -113,17 +105,6 @@ class InputScan:
         return cls(**data)
 
 
-def _same_choices(scan: InputScan, choices: Any) -> None:
-    """Follows whether every row's ``choices`` is one list (rows without it do not count)."""
-    if choices is None or scan.choices_differ:
-        return
-    if scan.choices is None:
-        scan.choices = list(choices) if isinstance(choices, list) else None
-        scan.choices_differ = scan.choices is None
-    elif choices != scan.choices:
-        scan.choices, scan.choices_differ = None, True
-
-
 def scan_input(
     files: list[Path],
     columns: dict[str, str],
@@ -147,127 +128,231 @@ def scan_input(
     disk); ``openai``: they hold OpenAI Batch lines (ids are strings; "all" keeps no column
     the job reads). ``fields``: the columns the job's prompt_template reads; ``limit``: scan
     only the first rows of the input."""
-    reading = openai.reading() if openai is not None else None
-    used = set(used_columns(columns)) | set(fields)
-    score_columns = [columns.get(key, key) for key in SCORE_KEYS]  # a scored row makes 1 row
-    keep_all = keep == "all"
-    wanted = [] if keep_all or not keep else list(keep)
-    # "all" leaves out the id and adapter (the output's own), and an OpenAI line's fields
-    not_all = {columns["id"], columns["adapter"]} | (used if openai is not None else set())
-    scan = InputScan(limit=limit)
-    types: dict[str, TypeOf] = {name: TypeOf() for name in wanted}
-    taken = set(reserved) | {name for name in wanted if name not in reserved}
-    out_names = {name: name for name in wanted if name not in reserved}
-    for name in wanted:
-        if name in reserved:
-            out_names[name] = kept_name(name, taken)
-    all_ints = True
-    seen: set[str] = set()
-    found: set[str] = set()
-    repeats: list[tuple[str, str]] = []  # (key, where) of the first few repeated rows
+    used = {*used_columns(columns), *fields}
     root = input_root(files, fs)
-
-    def take(name: str) -> TypeOf | None:
-        """The type tracker of a column the row has, or None when it is not kept."""
-        if name in used:
-            found.add(name)
-        if name in types:
-            return types[name]
-        if keep_all and name not in not_all:
-            out_names[name] = kept_name(name, taken)
-            types[name] = TypeOf()
-            return types[name]
-        return None
-
-    def full() -> bool:
-        return limit is not None and scan.rows >= limit
-
+    reading = openai.reading() if openai is not None else None
+    kept = _KeptColumns(keep, reserved, used, {columns["id"], columns["adapter"]}, openai)
+    scanner = _Scanner(InputScan(limit=limit), kept, columns, fanout)
     for file in files:
-        if full():
+        if scanner.full:
             break
-        rows_before = scan.rows
-        if file.suffix.lower() == ".parquet":
-            schema = _parquet_schema(file, fs)
-            rows = parquet_file(file, fs).metadata.num_rows
-            if limit is not None:
-                rows = min(rows, limit - scan.rows)
-            for name in schema.names:
-                if scan.column_kinds.get(name, "null") == "null":
-                    scan.column_kinds[name] = arrow_kind(schema.field(name).type)
-                tracker = take(name)
-                if tracker is not None:
-                    tracker.merge(schema.field(name).type)
-                elif name not in used and not keep_all:
-                    count = scan.unused.setdefault(
-                        name, [0, f"{relative_name(file, root)} (every row)"]
-                    )
-                    count[0] += rows
-            parquet_wanted = [columns["id"], columns["adapter"], "n", *score_columns]
-        else:
-            parquet_wanted = None
-        name_ = relative_name(file, root)
-        records = converted(file_records(file, parquet_wanted, fs), reading, name_)
-        for number, record, error in records:
-            if full():
-                break
-            scan.rows += 1
-            if record is None:
-                scan.own_n_rows += 1
-                scan.own_n_samples += 1
-                continue
-            row = InputRow(0, file, name_, number, {}, columns, {}, error)
-            if parquet_wanted is None:
-                kinds = scan.column_kinds
-                for name, value in record.items():
-                    if kinds.get(name, "null") == "null":
-                        kinds[name] = value_kind(value)
-                    tracker = take(name)
-                    if tracker is not None:
-                        tracker.add(value)
-                    elif name not in used and not keep_all:
-                        count = scan.unused.setdefault(name, [0, row.where])
-                        count[0] += 1
-            row.values = {
-                "id": record.get(columns["id"]),
-                "adapter": record.get(columns["adapter"]),
-            }
-            id_, adapter, problem = identity(row, fanout)
-            scored = any(record.get(name) is not None for name in score_columns)
-            _same_choices(scan, record.get(columns.get("choices", "choices")))
-            if problem is not None or record.get("n") is not None or scored:
-                scan.own_n_rows += 1
-                n = 1 if problem else row_samples(record.get("n"), SamplingConfig(), scored)
-                scan.own_n_samples += n
-            if problem is not None or isinstance(id_, RowSource):
-                continue
-            if isinstance(id_, str) or not INT64_MIN <= id_ <= INT64_MAX:
-                all_ints = False
-            key = row_key(id_, adapter)
-            if key in seen:
-                scan.duplicates += 1
-                if len(repeats) < DUPLICATE_EXAMPLES:
-                    repeats.append((key, row.where))
-            else:
-                seen.add(key)
-        scan.file_rows.append(scan.rows - rows_before)
-    del seen
-    scan.columns_found = sorted(found)
-    scan.position_ids = openai is None and columns["id"] not in scan.column_kinds
-    scan.id_type = "int64" if all_ints and openai is None else "string"
-    for name, tracker in types.items():
-        out = out_names[name]
-        if out != name:
-            scan.kept_as[name] = out
-        tracker.settle()
-        if tracker.json:
-            scan.json_text.append(out)
-        scan.keep[out] = pa.string() if tracker.json else (tracker.type or pa.null())
-    if repeats:
-        firsts = _first_rows(files, columns, fanout, {key for key, _ in repeats}, fs, openai)
+        scanner.read(file, root, fs, reading)
+    scan = scanner.finish(openai is None)
+    if scanner.repeats:
+        keys = {key for key, _ in scanner.repeats}
+        firsts = _first_rows(files, columns, fanout, keys, fs, openai)
         scan.duplicate_examples = [
-            f"{where} repeats {firsts.get(key, '?')}" for key, where in repeats
+            f"{where} repeats {firsts.get(key, '?')}" for key, where in scanner.repeats
         ]
     return scan
+
+
+class _Scanner:
+    """One pass over the input's files, filling ``scan``: per file its columns (a Parquet
+    file's from its schema), per row its columns (a JSONL record's), its identity (the id
+    type, the duplicates) and the output rows it makes per adapter."""
+
+    def __init__(
+        self, scan: InputScan, kept: _KeptColumns, columns: dict[str, str], fanout: bool
+    ) -> None:
+        self.scan, self.kept, self.columns, self.fanout = scan, kept, columns, fanout
+        self.score_columns = [columns.get(key, key) for key in SCORE_KEYS]  # a scored row: 1
+        self.choices_column = columns.get("choices", "choices")
+        # what a Parquet file's rows are read for: their kinds and kept types are the schema's
+        self.parquet_wanted = [columns["id"], columns["adapter"], "n", *self.score_columns]
+        self.sampling = SamplingConfig()  # a row's own n is checked against the defaults
+        self.all_ints = True  # every usable id is an int64
+        self.keys: set[str] = set()  # (id, adapter) of every usable row, freed at the end
+        self.repeats: list[tuple[str, str]] = []  # (key, where) of the first few repeated rows
+
+    @property
+    def full(self) -> bool:
+        """Whether the scan has read the ``limit`` rows it was asked for."""
+        limit = self.scan.limit
+        return limit is not None and self.scan.rows >= limit
+
+    def read(self, file: Path, root: Path, fs, reading: OpenAIReading | None) -> None:
+        """Every row of one file (named relative to ``root`` in messages)."""
+        before = self.scan.rows
+        name = relative_name(file, root)
+        parquet = parquet_file(file, fs) if file.suffix.lower() == ".parquet" else None
+        records = file_records(file, None if parquet is None else self.parquet_wanted, fs)
+        if reading is not None:
+            records = reading.records(records, name)
+        if parquet is not None:
+            rows = parquet.metadata.num_rows
+            if self.scan.limit is not None:
+                rows = min(rows, self.scan.limit - self.scan.rows)
+            self.kept.schema(self.scan, parquet.schema_arrow, rows, f"{name} (every row)")
+        for number, record, error in records:
+            if self.full:
+                break
+            row = InputRow(0, file, name, number, {}, self.columns, {}, error)
+            self._read_row(row, record, parquet is None)
+        self.scan.file_rows.append(self.scan.rows - before)
+
+    def _read_row(self, row: InputRow, record: dict | None, own_columns: bool) -> None:
+        """One row: its columns (``own_columns``: a JSONL record's, each row its own), its
+        choices, its identity and the output rows it makes per adapter. A line that cannot
+        be read (no ``record``) is one error row."""
+        self.scan.rows += 1
+        if record is None:
+            self._owes(1)
+            return
+        if own_columns:
+            self.kept.record(self.scan, record, row.where)
+        self._same_choices(record.get(self.choices_column))
+        columns = self.columns
+        row.values = {"id": record.get(columns["id"]), "adapter": record.get(columns["adapter"])}
+        id_, adapter, problem = identity(row, self.fanout)
+        usable = problem is None and not isinstance(id_, RowSource)
+        key = row_key(id_, adapter) if usable else None
+        scored = any(record.get(name) is not None for name in self.score_columns)
+        n = 1 if problem else row_samples(record.get("n"), self.sampling, scored)
+        if problem is not None or record.get("n") is not None or scored:
+            self._owes(n)
+        if key is not None:
+            self._identity(id_, key, row.where)
+
+    def _owes(self, n: int) -> None:
+        """A row whose output rows per adapter are not the job's n: its own n, 1 for a scored
+        row, 1 error row for one that fails."""
+        self.scan.own_n_rows += 1
+        self.scan.own_n_samples += n
+
+    def _identity(self, id_: Any, key: str, where: str) -> None:
+        """A usable id: whether it fits int64, and whether an earlier row has its key."""
+        if isinstance(id_, str) or not INT64_MIN <= id_ <= INT64_MAX:
+            self.all_ints = False
+        if key not in self.keys:
+            self.keys.add(key)
+            return
+        self.scan.duplicates += 1
+        if len(self.repeats) < DUPLICATE_EXAMPLES:
+            self.repeats.append((key, where))
+
+    def _same_choices(self, choices: Any) -> None:
+        """Follows whether every row's ``choices`` is one list (rows without it do not count)."""
+        scan = self.scan
+        if choices is None or scan.choices_differ:
+            return
+        if scan.choices is None:
+            scan.choices = list(choices) if isinstance(choices, list) else None
+            scan.choices_differ = scan.choices is None
+        elif choices != scan.choices:
+            scan.choices, scan.choices_differ = None, True
+
+    def finish(self, ids_given: bool) -> InputScan:
+        """The scan, with what is settled once every row is read. ``ids_given``: the rows'
+        ids are their id column's (not OpenAI Batch custom_ids, always strings)."""
+        scan = self.scan
+        self.keys.clear()
+        scan.position_ids = ids_given and self.columns["id"] not in scan.column_kinds
+        scan.id_type = "int64" if self.all_ints and ids_given else "string"
+        self.kept.finish(scan)
+        return scan
+
+
+class _KeptColumns:
+    """The input's columns as the scan meets them: the kind of each (of its first value that is
+    not null), the kept ones' output names and types, the used ones some row has, and the
+    columns neither used nor kept, with the rows that have them.
+
+    ``keep``: a list of columns, "all" (every column but ``own``, the id and adapter ones, and
+    for OpenAI Batch lines the ones the job reads) or None; a kept column named as one of
+    ``reserved`` is kept as "input_<name>" (``kept_name``). ``used``: the columns the job
+    reads."""
+
+    def __init__(
+        self,
+        keep: list[str] | str | None,
+        reserved: Iterable[str],
+        used: set[str],
+        own: set[str],
+        openai: OpenAIBatch | None,
+    ) -> None:
+        self.used = used
+        self.keep_all = keep == "all"
+        self.not_all = own | (used if openai is not None else set())
+        wanted = [] if self.keep_all or not keep else list(keep)
+        reserved = set(reserved)
+        self.taken = reserved | {name for name in wanted if name not in reserved}
+        self.out_names = {
+            name: kept_name(name, self.taken) if name in reserved else name for name in wanted
+        }
+        self.types = {name: TypeOf() for name in wanted}
+        self.found: set[str] = set()
+
+    def schema(self, scan: InputScan, schema: pa.Schema, rows: int, where: str) -> None:
+        """A Parquet file's columns: each of its ``rows`` rows has each, of the schema's type."""
+        for name in schema.names:
+            type_ = schema.field(name).type
+            if scan.column_kinds.get(name, "null") == "null":
+                scan.column_kinds[name] = arrow_kind(type_)
+            tracker = self._take(name)
+            if tracker is not None:
+                tracker.merge(type_)
+            elif name not in self.used and not self.keep_all:
+                _count_unused(scan, name, rows, where)
+
+    def record(self, scan: InputScan, record: dict[str, Any], where: str) -> None:
+        """A JSONL record's columns: a record has a few keys, walked rather than every name."""
+        kinds = scan.column_kinds
+        for name, value in record.items():
+            if kinds.get(name, "null") == "null":
+                kinds[name] = value_kind(value)
+            tracker = self._take(name)
+            if tracker is not None:
+                tracker.add(value)
+            elif name not in self.used and not self.keep_all:
+                _count_unused(scan, name, 1, where)
+
+    def _take(self, name: str) -> TypeOf | None:
+        """The type tracker of a column a row has, or None when it is not kept."""
+        if name in self.used:
+            self.found.add(name)
+        if name in self.types:
+            return self.types[name]
+        if self.keep_all and name not in self.not_all:
+            self.out_names[name] = kept_name(name, self.taken)
+            self.types[name] = TypeOf()
+            return self.types[name]
+        return None
+
+    def finish(self, scan: InputScan) -> None:
+        """The used columns found, and each kept column's output name and settled type."""
+        scan.columns_found = sorted(self.found)
+        for name, tracker in self.types.items():
+            out = self.out_names[name]
+            if out != name:
+                scan.kept_as[name] = out
+            tracker.settle()
+            if tracker.json:
+                scan.json_text.append(out)
+            scan.keep[out] = pa.string() if tracker.json else (tracker.type or pa.null())
+
+
+def _count_unused(scan: InputScan, name: str, rows: int, where: str) -> None:
+    """``rows`` more rows have the column neither used nor kept (``where``: its first)."""
+    count = scan.unused.setdefault(name, [0, where])
+    count[0] += rows
+
+
+def _first_rows(
+    files: list[Path], columns: dict[str, str], fanout: bool, keys: set[str], fs=None, openai=None
+) -> dict[str, str]:
+    """Where each of ``keys`` first occurs (a second pass, stopping when all are found)."""
+    found: dict[str, str] = {}
+    for row in read_rows(files, columns, fs=fs, openai=openai):
+        id_, adapter, problem = identity(row, fanout)
+        usable = problem is None and not isinstance(id_, RowSource)
+        key = row_key(id_, adapter) if usable else None
+        if key in keys and key not in found:
+            shown = "" if fanout else f", adapter {adapter!r}"
+            found[key] = f"{row.where} (id {id_!r}{shown})"
+            if len(found) == len(keys):
+                break
+    return found
 
 
 def limit_changed(manifest: dict[str, Any], limit: int | None) -> bool:
@@ -289,26 +374,69 @@ def kept_name(name: str, taken: set[str]) -> str:
     return out
 
 
-def _first_rows(
-    files: list[Path], columns: dict[str, str], fanout: bool, keys: set[str], fs=None, openai=None
-) -> dict[str, str]:
-    """Where each of ``keys`` first occurs (a second pass, stopping when all are found)."""
-    found: dict[str, str] = {}
-    for row in read_rows(files, columns, root=input_root(files, fs), fs=fs, openai=openai):
-        id_, adapter, problem = identity(row, fanout)
-        if problem is None and not isinstance(id_, RowSource):
-            key = row_key(id_, adapter)
-            if key in keys and key not in found:
-                found[key] = (
-                    f"{row.where} (id {id_!r}" + ("" if fanout else f", adapter {adapter!r}") + ")"
-                )
-                if len(found) == len(keys):
-                    break
-    return found
+class TypeOf:
+    """A kept column's type over its values: pyarrow's inference per chunk, unified permissively
+    (null -> int64 -> double ...); types that do not unify make it JSON text."""
+
+    def __init__(self, type_: pa.DataType | None = None) -> None:
+        self.type, self.json, self.values = type_, False, []
+
+    def add(self, value: Any) -> None:
+        if not self.json:
+            self.values.append(value)
+            if len(self.values) >= INFER_ROWS:
+                self.settle()
+
+    def merge(self, other: pa.DataType) -> None:
+        if self.json or self.type == other:
+            return
+        if self.type is None:
+            self.type = other
+            return
+        try:
+            schemas = [pa.schema([("x", self.type)]), pa.schema([("x", other)])]
+            self.type = pa.unify_schemas(schemas, promote_options="permissive").field("x").type
+        except (pa.ArrowException, TypeError, ValueError):
+            self.json = True
+
+    def settle(self) -> None:
+        if self.values and not self.json:
+            try:
+                self.merge(pa.array(self.values).type)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                self.json = True
+        self.values = []
 
 
-def _parquet_schema(file: Path, fs=None) -> pa.Schema:
-    try:
-        return pq.read_schema(file) if fs is None else parquet_file(file, fs).schema_arrow
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(f"{file}: cannot read as Parquet: {exc}") from exc
+def type_to_text(type_: pa.DataType) -> str:
+    return pa.schema([("x", type_)]).serialize().to_pybytes().hex()
+
+
+def type_from_text(text: str) -> pa.DataType:
+    return pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(text))).field("x").type
+
+
+def value_kind(value: Any) -> str:
+    """The kind of a JSON value, for hints: "text", "number", "bool", "list", "object", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    return "list" if isinstance(value, list) else "object"
+
+
+def arrow_kind(type_: pa.DataType) -> str:
+    """``value_kind`` of a Parquet column's type."""
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_):
+        return "text"
+    if pa.types.is_integer(type_) or pa.types.is_floating(type_):
+        return "number"
+    if pa.types.is_boolean(type_):
+        return "bool"
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        return "list"
+    return "null" if pa.types.is_null(type_) else "object"
