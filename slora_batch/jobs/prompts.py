@@ -144,6 +144,18 @@ class Prompts:
         listed = "; ".join(f"template {i}: {r}" for i, r in enumerate(reasons))
         return None, f"no prompt_template fits the row ({listed})"
 
+    def sent(
+        self, prompt: str | None, messages: list[dict[str, str]] | None
+    ) -> tuple[str | None, list[dict[str, str]] | None]:
+        """A row's checked prompt as the engine gets it: a messages row's messages with the
+        system prompt first (``with_system``), and with apply_chat_template a text prompt as
+        chat turns (``turns``), a messages row from here on."""
+        if messages is not None:
+            return prompt, self.with_system(messages)
+        if prompt is not None and self.chat:
+            return None, self.turns(prompt)
+        return prompt, messages
+
     def turns(self, prompt: str) -> list[dict[str, str]]:
         """A text prompt as chat turns: the system prompt (when set), then the user's."""
         return self.with_system([{"role": "user", "content": prompt}])
