@@ -1,13 +1,9 @@
 """Text checks shared by the row checks and the writer: what UTF-8 cannot encode (a lone
-surrogate from a JSON ``\\u`` escape), its repair, and short descriptions of values for
-messages."""
+surrogate from a JSON ``\\u`` escape), and short descriptions of values for messages."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-SURROGATE = re.compile("[\ud800-\udfff]")  # what UTF-8 cannot encode in a Python str
 
 
 def encodable(text: str) -> bool:
@@ -30,13 +26,6 @@ def unencodable(text: str) -> str:
             "a lone surrogate from a JSON \\u escape?)"
         )
     return f"{text[:40]!r} is fine"
-
-
-def clean(text: str | None) -> str | None:
-    """``text`` with every character UTF-8 cannot encode (lone surrogates) replaced by U+FFFD."""
-    if text is None or encodable(text):
-        return text
-    return SURROGATE.sub("\ufffd", text)
 
 
 def type_name(value: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,13 +26,14 @@ from slora_batch.jobs.schema import (
     SCORE_NAMES,
     kept_names,
 )
-from slora_batch.jobs.text import clean, encodable
+from slora_batch.jobs.text import encodable
 
 logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FINISH_REASONS = ("stop", "length", "score", "error")
 SCORED = (*SCORE_NAMES, "logprobs")  # ``Result`` fields stored under their own names
+SURROGATE = re.compile("[\ud800-\udfff]")  # what UTF-8 cannot encode in a Python str
 
 
 class OutputWriter:
@@ -160,43 +162,24 @@ class PartRows:
         self._json = {f.name for f in schema if f.metadata == JSON_TEXT}
 
     def row(self, result: Result) -> list[Any]:
-        """The output row's values in schema order; ``OutputWriter``'s docstring says what is fixed."""
+        """The output row's values in schema order; ``OutputWriter``'s docstring says what is
+        fixed: texts are cleaned, and a row whose id, adapter or token ids cannot be stored
+        becomes an error row without an id."""
         extra = result.extra or {}
-        source = extra.get("source")
-        id_, problem = result.id, None
+        id_, source = result.id, extra.get("source")
         if isinstance(id_, RowSource):
             id_, source = None, id_.source
-        elif isinstance(id_, int) and not isinstance(id_, bool):
-            if not self._int_ids:
-                id_ = str(id_)
-            elif not INT64_MIN <= id_ <= INT64_MAX:
-                problem = f"id {id_} does not fit the int64 id column"
-        elif isinstance(id_, str):
-            if self._int_ids:
-                problem = f"id {id_!r} is a string but this output's ids are integers"
-            elif not encodable(id_):
-                problem = f"id {id_!r} has characters that cannot be encoded as UTF-8"
-        elif id_ is not None:
-            problem = f"id {_short(id_)} is neither a string nor an integer"
-        adapter = result.adapter or BASE_ADAPTER
-        if not (isinstance(adapter, str) and encodable(adapter)):
-            problem = problem or f"adapter {adapter!r} cannot be stored (not a UTF-8 string)"
-        tokens = result.token_ids
-        if tokens and not (min(tokens) >= -(2**31) and max(tokens) < 2**31):
-            problem = problem or f"token ids out of the int32 range ({min(tokens)}..{max(tokens)})"
-        source = clean(source) if isinstance(source, str) else None
-        index = extra.get("row_index")
-        values = {
-            "row_index": index if isinstance(index, int) and not isinstance(index, bool) else None,
-            "prompt": _prompt_text(extra.get("prompt")),
-            "sample_index": result.sample_index,
-            "prompt_tokens": result.prompt_tokens,
-            "source": source,
-        }
+        elif isinstance(id_, int) and not isinstance(id_, bool) and not self._int_ids:
+            id_ = str(id_)  # a string id column holds an int id as its decimal text
+        values = self._values(result, extra, id_, source)
+        kept = [self._kept_value(name, extra.get(name)) for name in self._kept]
+        problem = self._problem(id_, values["adapter"], result.token_ids)
         if problem is not None:
+            source = values["source"]
             logger.warning("%s: %s; written as an error row without an id", source, problem)
             where = f"{source}: " if source else ""
             values.update(
+                {name: None for name in self._scores},
                 id=None,
                 adapter=None,
                 text="",
@@ -205,31 +188,60 @@ class PartRows:
                 finish_reason="error",
                 error=f"{where}row cannot be stored: {problem}",
             )
-        else:
-            values.update(
-                id=id_,
-                adapter=adapter,
-                text=clean(result.text),
-                token_ids=list(tokens),
-                completion_tokens=result.completion_tokens,
-                finish_reason=result.finish_reason,
-                error=clean(result.error),
-            )
-            for name in self._scores:
-                values[name] = getattr(result, name)
-            logprobs = values.get("logprobs")
-            if logprobs is not None:  # token texts are decoded pieces: lone surrogates too
-                values["logprobs"] = [_clean_entry(entry) for entry in logprobs]
-        kept = [self._kept_value(name, extra.get(name)) for name in self._kept]
         return [*(values.get(name) for name in self._own), *kept]
+
+    def _values(
+        self, result: Result, extra: dict[str, Any], id_: Any, source: Any
+    ) -> dict[str, Any]:
+        """The own columns' values of ``result`` as given, their texts cleaned."""
+        index = extra.get("row_index")
+        values = {
+            "id": id_,
+            "adapter": result.adapter or BASE_ADAPTER,
+            "row_index": index if isinstance(index, int) and not isinstance(index, bool) else None,
+            "prompt": _prompt_text(extra.get("prompt")),
+            "sample_index": result.sample_index,
+            "text": _clean(result.text),
+            "token_ids": list(result.token_ids),
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "finish_reason": result.finish_reason,
+            "error": _clean(result.error),
+            "source": _clean(source) if isinstance(source, str) else None,
+        }
+        for name in self._scores:
+            values[name] = getattr(result, name)
+        if values.get("logprobs") is not None:  # token texts are decoded pieces: lone surrogates
+            values["logprobs"] = [_clean_entry(entry) for entry in values["logprobs"]]
+        return values
+
+    def _problem(self, id_: Any, adapter: Any, tokens: list[int]) -> str | None:
+        """Why the row cannot be stored as given: an id that is not a string or an int64 of
+        this output's id column, or that UTF-8 cannot encode; such an adapter; token ids beyond
+        int32. None when it can."""
+        if isinstance(id_, int) and not isinstance(id_, bool):
+            if not INT64_MIN <= id_ <= INT64_MAX:
+                return f"id {id_} does not fit the int64 id column"
+        elif isinstance(id_, str):
+            if self._int_ids:
+                return f"id {id_!r} is a string but this output's ids are integers"
+            if not encodable(id_):
+                return f"id {id_!r} has characters that cannot be encoded as UTF-8"
+        elif id_ is not None:
+            return f"id {_short(id_)} is neither a string nor an integer"
+        if not (isinstance(adapter, str) and encodable(adapter)):
+            return f"adapter {adapter!r} cannot be stored (not a UTF-8 string)"
+        if tokens and not (min(tokens) >= -(2**31) and max(tokens) < 2**31):
+            return f"token ids out of the int32 range ({min(tokens)}..{max(tokens)})"
+        return None
 
     def _kept_value(self, name: str, value: Any) -> Any:
         if value is None:
             return None
         if name in self._json:
-            return clean(value if isinstance(value, str) else _json_text(value))
+            return _clean(value if isinstance(value, str) else _json_text(value))
         if isinstance(value, str):
-            return clean(value)
+            return _clean(value)
         return value
 
     def table(self, rows: list[list[Any]]) -> pa.Table:
@@ -271,10 +283,17 @@ class PartRows:
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
 
+def _clean(text: str | None) -> str | None:
+    """``text`` with every character UTF-8 cannot encode (lone surrogates) replaced by U+FFFD."""
+    if text is None or text.isascii():
+        return text
+    return SURROGATE.sub("\ufffd", text)
+
+
 def _clean_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """A ``logprobs`` entry with its texts (the token's and each alternative's) cleaned."""
-    top = [{**t, "text": clean(t.get("text"))} for t in entry.get("top") or ()]
-    return {**entry, "text": clean(entry.get("text")), "top": top}
+    top = [{**t, "text": _clean(t.get("text"))} for t in entry.get("top") or ()]
+    return {**entry, "text": _clean(entry.get("text")), "top": top}
 
 
 def _prompt_text(prompt: Any) -> str | None:
@@ -282,7 +301,7 @@ def _prompt_text(prompt: Any) -> str | None:
     text, a messages list as JSON text, None (token id rows) as null."""
     if prompt is None:
         return None
-    return clean(prompt if isinstance(prompt, str) else _json_text(prompt))
+    return _clean(prompt if isinstance(prompt, str) else _json_text(prompt))
 
 
 def _json_text(value: Any) -> str:
