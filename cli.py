@@ -1,8 +1,8 @@
 """The ``slora-batch`` command: argument handling, progress and printing over ``slora_batch``.
 
-Everything a job does lives in ``slora_batch.jobs.run``; this file only turns options into calls,
-draws progress (rich bars on a terminal, a plain line every ``--progress-every`` seconds
-otherwise) and prints summaries. Exit status: 0 every job done; 1 a job failed (one message on
+Everything a job does lives in ``slora_batch.runner`` and below; this file only turns options
+into calls, draws progress (rich bars on a terminal, a plain line every ``--progress-every``
+seconds otherwise) and prints summaries. Exit status: 0 every job done; 1 a job failed (one message on
 stderr each, no traceback; the jobs after it still ran); 130 interrupted by SIGINT, 143 by
 SIGTERM (the message says how many rows are committed and how many a re-run will do).
 
@@ -34,8 +34,9 @@ from slora_batch.extras import MissingPackage, require
 from slora_batch.jobs.check import JOB_ERRORS, JobError, select_jobs
 from slora_batch.jobs.config import JobConfig, load_jobs
 from slora_batch.jobs.quick import QuickFlags, is_job_file, quick_job
-from slora_batch.jobs.run import JobFailure, run_jobs
-from slora_batch.jobs.validate import VALIDATE_ROWS, validate_job
+from slora_batch.jobs.summary import JobFailure, JobSummary
+from slora_batch.jobs.validate import VALIDATE_ROWS
+from slora_batch.runner import run_jobs, validate_job
 
 app = typer.Typer(
     help="Offline batch inference of one base LLM with many LoRA adapters (S-LoRA design).",
@@ -273,27 +274,14 @@ def run(
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with display:
-            if ray_address is not None:  # ray and the cluster code load only here
-                from slora_batch.ray.job import RaySettings, run_ray_jobs
-
-                settings = RaySettings(ray_address, replicas, gpus_per_replica)
-                outcomes = run_ray_jobs(
-                    jobs, settings, overwrite=overwrite, progress=display.update
-                )
-            else:
-                outcomes = run_jobs(jobs, overwrite=overwrite, progress=display.update)
+            outcomes = _outcomes(jobs, overwrite, display, ray_address, replicas, gpus_per_replica)
             for outcome in outcomes:
                 display.finish()
                 if isinstance(outcome, JobFailure):
                     failures.append(outcome)
                     print_error(outcome.error)
                 elif not quiet:
-                    print_summary(outcome, next(j for j in jobs if j.name == outcome.job))
-                    if outcome.eval_results:  # an eval job: lm-eval's metrics per adapter
-                        from slora_batch.console import out
-                        from slora_batch.eval.report import eval_table
-
-                        out.print(eval_table(outcome.eval_results))
+                    _print_outcome(outcome, jobs)
     except (JobError, *JOB_ERRORS) as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -307,6 +295,33 @@ def run(
             names = ", ".join(f.job for f in failures)
             print_error(f"{len(failures)} of {len(jobs)} jobs ({names})", "failed")
         raise typer.Exit(1)
+
+
+def _outcomes(
+    jobs: list[JobConfig],
+    overwrite: bool,
+    display: ProgressDisplay,
+    ray_address: str | None,
+    replicas: int,
+    gpus_per_replica: float,
+):
+    """Each job's summary or failure as it ends: in this process, or on Ray with --ray."""
+    if ray_address is None:
+        return run_jobs(jobs, overwrite=overwrite, progress=display.update)
+    from slora_batch.ray.job import RaySettings, run_ray_jobs  # ray and the cluster code
+
+    settings = RaySettings(ray_address, replicas, gpus_per_replica)
+    return run_ray_jobs(jobs, settings, overwrite=overwrite, progress=display.update)
+
+
+def _print_outcome(summary: JobSummary, jobs: list[JobConfig]) -> None:
+    """A job's summary, and an eval job's lm-eval metrics per adapter."""
+    print_summary(summary, next(j for j in jobs if j.name == summary.job))
+    if summary.eval_results:
+        from slora_batch.console import out
+        from slora_batch.eval.report import eval_table
+
+        out.print(eval_table(summary.eval_results))
 
 
 def _interrupted(name: str, display: ProgressDisplay, jobs, code: int) -> None:

@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
-from collections.abc import Callable
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from slora_batch.eval.early import prepare_beside_engine
 from slora_batch.eval.encoding import Encoder
@@ -29,13 +30,15 @@ from slora_batch.eval.rows import request_rows
 from slora_batch.eval.scoring import AdapterScoring, read_parts
 from slora_batch.eval.tasks import adapter_scorer, build_requests, load_tasks
 from slora_batch.eval.worker import ScoringProcess
+from slora_batch.jobs.check import JobPlan, check_job
+from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.eval_keys import REQUESTS_FILE
-from slora_batch.jobs.outdir import commit_file
-
-if TYPE_CHECKING:
-    from slora_batch.jobs.check import JobPlan
-    from slora_batch.jobs.config import JobConfig
-    from slora_batch.jobs.summary import JobSummary
+from slora_batch.jobs.manifest import fingerprint
+from slora_batch.jobs.outdir import SUCCESS_FILE, commit_file
+from slora_batch.jobs.progress import ProgressCallback
+from slora_batch.jobs.run import run_plan
+from slora_batch.jobs.summary import JobSummary
+from slora_batch.jobs.validate import ValidationReport, validate_job
 
 logger = logging.getLogger(__name__)
 
@@ -87,23 +90,17 @@ def prepare(job: JobConfig, out: Path, cuda: bool = True) -> tuple[Encoder, dict
     return encoder, loaded, rows
 
 
-def validate_with_requests(job: JobConfig, validate: Callable, limit: int | None):
-    """``validate`` (``jobs.validate.validate_job``) of an eval job that has not run yet: its
-    requests built into a temporary directory, the output directory untouched."""
-    import dataclasses
-    import tempfile
-
+def validate_with_requests(job: JobConfig, limit: int | None) -> ValidationReport:
+    """``jobs.validate.validate_job`` of an eval job that has not run yet: its requests built
+    into a temporary directory, the output directory untouched."""
     with tempfile.TemporaryDirectory() as tmp:
         prepare(job, Path(tmp))
-        return validate(dataclasses.replace(job, input=str(Path(tmp) / REQUESTS_FILE)), limit)
+        return validate_job(dataclasses.replace(job, input=str(Path(tmp) / REQUESTS_FILE)), limit)
 
 
 def checked(job: JobConfig, out: Path) -> tuple[Encoder, dict[str, Any], int, JobPlan]:
     """``prepare`` (CPU seeds only: beside the engine's start-up), then the job checked and its
     fingerprint taken (``JobPlan.taken``), as the run would take it."""
-    from slora_batch.jobs.check import check_job
-    from slora_batch.jobs.manifest import fingerprint
-
     prepared = prepare(job, out, cuda=False)
     plan = check_job(job)
     plan.taken = fingerprint(plan)
@@ -111,17 +108,12 @@ def checked(job: JobConfig, out: Path) -> tuple[Encoder, dict[str, Any], int, Jo
 
 
 def run_eval(
-    job: JobConfig,
-    run_plan: Callable[..., JobSummary],
-    overwrite: bool = False,
-    progress: Callable | None = None,
+    job: JobConfig, overwrite: bool = False, progress: ProgressCallback | None = None
 ) -> JobSummary:
-    """Run an eval job (``run_plan`` is ``jobs.run.run_plan``, handed in: no import circle).
-    A job that will run builds its engine while lm-eval prepares (``early``), and scores each
-    adapter as soon as its rows are in, in a process of its own (``scoring``, ``worker``)."""
-    from slora_batch.jobs.check import check_job
-    from slora_batch.jobs.outdir import SUCCESS_FILE
-
+    """Run an eval job: its input (lm-eval's requests) built, then the job's run
+    (``jobs.run.run_plan``) with the sweep's hooks. A job that will run builds its engine while
+    lm-eval prepares (``early``), and scores each adapter as soon as its rows are in, in a
+    process of its own (``scoring``, ``worker``)."""
     config, out = job.eval, Path(job.output)
     fresh = overwrite or not (out / SUCCESS_FILE).exists()  # else complete: scored from parts
     worker = early = None

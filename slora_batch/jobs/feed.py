@@ -30,6 +30,7 @@ class RunRecord:
         on_result: Callable[[Result], None] | None = None,
     ) -> None:
         self.job, self.done, self.total, self.notify = job, done, total, notify
+        self.skipped = done  # rows committed before this run
         self.on_result = on_result  # handed every result once it is written (an eval job's)
         self.due = SamplesDue()
         self.counters = None  # the engine's, once it runs

@@ -1,12 +1,18 @@
 """One run per output directory: ``OutputLock`` holds an ``flock`` on ``LOCK_FILE`` while a run
-writes (the kernel drops it when the process dies)."""
+writes (the kernel drops it when the process dies); ``output_lock`` takes it for an output on
+the local disk, and nothing elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from pathlib import Path
 
+from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import LOCK_FILE, OutputError
+
+logger = logging.getLogger(__name__)
 
 
 class OutputLock:
@@ -17,6 +23,9 @@ class OutputLock:
     file meanwhile sees that the path no longer names what it locked and tries again, so two
     runs never both hold the directory. A killed process leaves the file, unlocked (the kernel
     drops an flock with its last descriptor), and the next run takes it.
+
+    As a context, a directory the lock made that holds nothing when the context fails (a job
+    refused before any work) is removed after the lock file.
     """
 
     ATTEMPTS = 5  # a lock file removed under us this many times in a row: give up
@@ -25,6 +34,7 @@ class OutputLock:
         import fcntl  # POSIX only, like the atomic renames the writer relies on
 
         self.path = Path(os.path.abspath(out_dir)) / LOCK_FILE  # abspath: "a/../b" reads "b"
+        self.made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(self.ATTEMPTS):
             handle = open(self.path, "a+")  # noqa: SIM115 -- held until release()
@@ -60,8 +70,11 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         self.release()
+        if exc_type is not None and self.made_dir:
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()  # fails on a directory that holds anything
 
 
 def _same_file(path: Path, handle) -> bool:
@@ -69,3 +82,21 @@ def _same_file(path: Path, handle) -> bool:
         return os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
     except FileNotFoundError:
         return False
+
+
+_warned_unlocked: set[str] = set()
+
+
+def output_lock(out: Path | FsDir) -> OutputLock | contextlib.nullcontext:
+    """The output's ``OutputLock`` on the local disk. Other filesystems have no ``flock`` and
+    object stores no atomic create-if-absent, so nothing is locked there: a second run on the
+    same output would write the same part names beside the first (logged once per output)."""
+    if isinstance(out, Path):
+        return OutputLock(out)
+    if str(out) not in _warned_unlocked:
+        _warned_unlocked.add(str(out))
+        logger.warning(
+            "output %s is not on the local disk and is not locked: run one job at a time on it",
+            out,
+        )
+    return contextlib.nullcontext()

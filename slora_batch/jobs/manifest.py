@@ -38,7 +38,7 @@ from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.resolution import resolve
 from slora_batch.jobs import fsio
 from slora_batch.jobs.check import JobError, JobPlan
-from slora_batch.jobs.config import SCORE_KEYS, JobConfig, prompt_keys
+from slora_batch.jobs.config import SCORE_KEYS, prompt_keys
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
@@ -61,25 +61,29 @@ FIRST_READS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")
 FIRST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
-def new_manifest(plan: JobPlan, current: dict[str, Any], scan: InputScan) -> dict[str, Any]:
-    """The manifest of a job's first run: its fingerprint ``current``, its input scan, the
-    input columns it reads and the output's own columns its parts hold (``scan_columns``)."""
+def new_manifest(
+    name: str, columns: dict[str, str], current: dict[str, Any], scan: InputScan
+) -> dict[str, Any]:
+    """The manifest of job ``name``'s first run: its fingerprint ``current``, its input scan,
+    the input columns it reads (by its ``columns`` mapping) and the output's own columns its
+    parts hold (``scan_columns``)."""
     return {
         "version": MANIFEST_VERSION,
-        "job": plan.job.name,
+        "job": name,
         "fingerprint": current,
         "scan": scan.to_json(),
-        "reads": used_columns(plan.job.columns),
-        "output_columns": scan_columns(plan.job, scan),
+        "reads": used_columns(columns),
+        "output_columns": scan_columns(columns, scan),
     }
 
 
-def scan_columns(job: JobConfig, scan: InputScan) -> list[str]:
+def scan_columns(columns: dict[str, str], scan: InputScan) -> list[str]:
     """The output's own columns of a job over the input ``scan`` found: the scoring columns
-    when the input has a scoring column, ``logprobs`` when it has a ``logprobs`` column (an
-    OpenAI Batch body asking for them included); the core columns always."""
+    when the input has a scoring column (named by the job's ``columns`` mapping), ``logprobs``
+    when it has a ``logprobs`` column (an OpenAI Batch body asking for them included); the core
+    columns always."""
     found = set(scan.columns_found)
-    scoring = any(job.columns.get(key, key) in found for key in SCORE_KEYS)
+    scoring = any(columns.get(key, key) in found for key in SCORE_KEYS)
     return job_columns(scoring, "logprobs" in found)
 
 
@@ -125,19 +129,18 @@ def read_manifest(out_dir: str | Path | FsDir) -> dict[str, Any] | None:
 
 
 def resumable_manifest(
-    plan: JobPlan, current: dict[str, Any], out: FsDir | None = None
+    out: Path | FsDir, name: str, columns: dict[str, str], current: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """The output's manifest when it describes this job as it is now; None when there is none
-    or it is stale but no row was committed under it. Refuses (``JobError``) an output that holds
-    rows of other inputs or settings, or rows without a manifest. ``out``: the output directory
-    when it is not on the local disk."""
-    job, out = plan.job, (Path(plan.job.output) if out is None else out)
+    """The manifest of output ``out`` when it describes job ``name`` (its ``columns`` mapping,
+    its fingerprint ``current``) as it is now; None when there is none or it is stale but no
+    row was committed under it. Refuses (``JobError``) an output that holds rows of other
+    inputs or settings, or rows without a manifest."""
     manifest = read_manifest(out)
     has_rows = bool(part_files(out)) or read_success(out) is not None
     if manifest is None:
         if has_rows:
             raise JobError(
-                f"job {job.name!r}: output {str(out)!r} holds parts but no {MANIFEST_FILE}, so "
+                f"job {name!r}: output {str(out)!r} holds parts but no {MANIFEST_FILE}, so "
                 "what produced them is unknown (an older slora-batch or another tool); nothing "
                 "was run. Re-run with --overwrite to start over, or give the job another output"
             )
@@ -146,19 +149,19 @@ def resumable_manifest(
         changes = [f"manifest version {manifest.get('version')!r} -> {MANIFEST_VERSION}"]
     else:
         changes = fingerprint_changes(manifest.get("fingerprint") or {}, current)
-        changes += column_changes(manifest, job)
+        changes += column_changes(manifest, columns)
     if not changes:
         if manifest["fingerprint"] != current:  # an earlier version's, or a touched input
             manifest = {**manifest, "fingerprint": current}
             write_manifest(out, manifest)
         return manifest
     if not has_rows:
-        logger.info("job %s: starting afresh (%s)", job.name, "; ".join(changes))
+        logger.info("job %s: starting afresh (%s)", name, "; ".join(changes))
         return None
     shown = "; ".join(changes[:CHANGES_SHOWN])
     more = len(changes) - CHANGES_SHOWN
     raise JobError(
-        f"job {job.name!r}: output {str(out)!r} holds rows made from other inputs or settings: "
+        f"job {name!r}: output {str(out)!r} holds rows made from other inputs or settings: "
         f"{shown}{f'; and {more} more' if more > 0 else ''}. Nothing was run; re-run with "
         "--overwrite to start over, or give the job another output"
     )
@@ -203,20 +206,21 @@ def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
     return json.loads(json.dumps(taken))  # tuples -> lists, as read back from the manifest
 
 
-def column_changes(manifest: dict[str, Any], job: JobConfig) -> list[str]:
+def column_changes(manifest: dict[str, Any], columns: dict[str, str]) -> list[str]:
     """Input columns the manifest's rows were made without that this version reads (found in
-    the input by the manifest's scan), and kept columns whose names the output now has itself."""
+    the input by the manifest's scan; named by the job's ``columns`` mapping), and kept columns
+    whose names the output now has itself."""
     scan = manifest["scan"]
     read_then = manifest.get("reads")
     if read_then is None:
-        read_then = [job.columns[key] for key in FIRST_READS] + list(FIRST_OPTIONS)
+        read_then = [columns[key] for key in FIRST_READS] + list(FIRST_OPTIONS)
     present = {*scan.get("unused", {}), *scan.get("keep", {}), *scan.get("clashing", [])}
     # an answer acts only on a scored row, whose scoring column is checked itself: a reference
     # answer kept beside generated rows (GSM8K's "answer") changes none of them
     changes = [
         f"input column {name!r} is read now but was not when the rows were made"
-        for name in used_columns(job.columns)
-        if name not in read_then and name in present and name != job.columns["answer"]
+        for name in used_columns(columns)
+        if name not in read_then and name in present and name != columns["answer"]
     ]
     changes += [
         f"kept column {name!r} is now one of the output's own columns"

@@ -37,7 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.jobs.check import JobPlan
+from slora_batch.engine.config import EngineConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.outdir import OLD_STATS_FILE, STATS_FILE, commit, part_files
@@ -181,9 +181,15 @@ def read_stats(out_dir: str | Path | FsDir) -> tuple[dict[str, Any], list[dict[s
 
 
 def stats_rows(
-    out_dir: Path | FsDir, plan: JobPlan, run: RunRecord, wall_s: float
+    out_dir: Path | FsDir,
+    run: RunRecord,
+    wall_s: float,
+    adapters_broken: int,
+    engine: EngineConfig,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The job row and the per-adapter rows of ``_stats.parquet`` (see the module docstring)."""
+    """The job row and the per-adapter rows of ``_stats.parquet`` (see the module docstring)
+    after ``run``, which took ``wall_s``; ``engine``: the job's settings, whose device and dtype
+    a run without an engine names when no earlier run's stats do."""
     per_adapter = output_counts(out_dir)
     totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS + ANSWER_KEYS}
     counters = run.counters
@@ -208,7 +214,7 @@ def stats_rows(
         "read_s": run.read_s,
         "write_s": run.write_s,
         "adapters_seen": sum(1 for a, c in per_adapter.items() if a is not None and c["ok_rows"]),
-        "adapters_broken": len(plan.broken),
+        "adapters_broken": adapters_broken,
         "adapter_loads": getattr(counters, "adapter_loads", 0),
         "adapter_disk_loads": getattr(counters, "disk_loads", 0),
         "adapter_evictions": getattr(counters, "adapter_evictions", 0),
@@ -221,8 +227,8 @@ def stats_rows(
         "grammar_rows": getattr(counters, "grammar_rows", 0),
         "grammar_mask_s": getattr(counters, "grammar_mask_s", 0.0),
         # no engine this run (every row was done): the device of the run that made them
-        "device": previous.get("device") or plan.job.engine.device,
-        "dtype": previous.get("dtype") or plan.job.engine.dtype,
+        "device": previous.get("device") or engine.device,
+        "dtype": previous.get("dtype") or engine.dtype,
     }
     if run.device is not None:
         job_row["device"], job_row["dtype"] = run.device, run.dtype

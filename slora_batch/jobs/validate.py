@@ -66,14 +66,12 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
     (only the sample alias's one-time conversion reads its GGUF); problems of rows are reported
     (a run writes error rows for them), problems of the job raise ``JobError``: duplicate rows,
     a prompt_template naming a column the input lacks, an input without a prompt source
-    (``prompt_source_problem``), and an input no checked row of can run."""
-    if job.eval is not None and not Path(job.input).is_file():  # built when an eval job runs
-        from slora_batch.eval.sweep import validate_with_requests
-
-        return validate_with_requests(job, validate_job, limit)
+    (``prompt_source_problem``), and an input no checked row of can run. An eval job's input
+    is built when it runs: ``slora_batch.runner.validate_job`` builds it for one that never
+    ran."""
     plan = check_job(job)
     try:
-        resumable_manifest(plan, fingerprint(plan))
+        resumable_manifest(Path(job.output), job.name, job.columns, fingerprint(plan))
     except JOB_ERRORS as exc:
         raise job_error(job, exc) from exc
     fanout = plan.sweep is not None

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from slora_batch.jobs.fsio import FsDir
-from slora_batch.jobs.outdir import commit, part_files
+from slora_batch.jobs.outdir import commit, part_files, remove_file
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,6 @@ def _names(out: Path | FsDir) -> list[str]:
     return [path.name for _, path in part_files(out)]
 
 
-def _remove(out: Path | FsDir, name: str) -> None:
-    if isinstance(out, FsDir):
-        out.remove(name)
-    else:
-        (out / name).unlink(missing_ok=True)
-
-
 def remove_late_parts(out: Path | FsDir, fence: dict | None) -> list[str]:
     """Remove the Ray parts committed after ``fence`` was written by runs other than its own."""
     if fence is None:
@@ -93,7 +86,7 @@ def remove_late_parts(out: Path | FsDir, fence: dict | None) -> list[str]:
             part_run(name),
             fence["run"],
         )
-        _remove(out, name)
+        remove_file(out, name)
     return late
 
 
@@ -121,7 +114,7 @@ def still_ours(out: Path | FsDir, run: int, name: str) -> bool:
     logger.warning(
         "%s: run %d started after run %d's part %s; removing it", out, fence["run"], run, name
     )
-    _remove(out, name)
+    remove_file(out, name)
     return False
 
 

@@ -1,13 +1,11 @@
 """Where a Ray job's files live: its input and output resolved through ``pyarrow.fs`` (a local
-path, ``file://``, ``s3://``, ``gs://``, any filesystem pyarrow knows, or an explicit one), the
-output's lock (local disk only), and a part committed atomically: on the local disk by the job
-tool's ``commit_file`` (temp file, fsync, rename), elsewhere (``jobs.fsio.FsDir``) in one upload,
-which on object stores stores the whole object or nothing."""
+path, ``file://``, ``s3://``, ``gs://``, any filesystem pyarrow knows, or an explicit one), a
+part committed atomically (on the local disk by the job tool's ``commit_file``: temp file,
+fsync, rename; elsewhere, ``jobs.fsio.FsDir``, in one upload, which on object stores stores the
+whole object or nothing), and the leftovers of actors that died mid-commit."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,10 +17,7 @@ from slora_batch.engine.config import ConfigError
 from slora_batch.jobs.check import JobError
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.fsio import FsDir, open_fs
-from slora_batch.jobs.lock import OutputLock
 from slora_batch.jobs.outdir import SUCCESS_FILE, TMP_MARK, commit
-
-logger = logging.getLogger(__name__)
 
 
 def commit_table(output: str | FsDir, name: str, table: pa.Table) -> None:
@@ -46,40 +41,11 @@ def resolved(job: JobConfig, filesystem) -> tuple[JobConfig, Any, FsDir | None]:
     return job, input_fs, None if output_fs is None else FsDir(output_fs, output_path)
 
 
-_warned_unlocked: set[str] = set()
-
-
-def output_lock(out: Path | FsDir):
-    """The output's ``OutputLock`` on the local disk. Other filesystems have no ``flock`` and
-    object stores no atomic create-if-absent, so nothing is locked there: a second run on the
-    same output would write the same part names beside the first (logged once per output)."""
-    if isinstance(out, Path):
-        return OutputLock(out)
-    if str(out) not in _warned_unlocked:
-        _warned_unlocked.add(str(out))
-        logger.warning(
-            "output %s is not on the local disk and is not locked: run one job at a time on it",
-            out,
-        )
-    return contextlib.nullcontext()
-
-
-def shown(out: Path | FsDir) -> Path:
-    return out.resolve() if isinstance(out, Path) else Path(out.path)
-
-
 def remove_leftovers(out: Path | FsDir) -> None:
+    """Remove the complete marker and the temp files of commits that never finished."""
     if isinstance(out, FsDir):  # committed in one upload: no temp files
         out.remove(SUCCESS_FILE)
         return
     for path in out.iterdir():
         if (path.name.startswith(".") and TMP_MARK in path.name) or path.name == SUCCESS_FILE:
             path.unlink(missing_ok=True)
-
-
-def remove_name(out: Path | FsDir, name: str) -> None:
-    if isinstance(out, FsDir):
-        if out.exists(name):
-            out.remove(name)
-    else:
-        (out / name).unlink(missing_ok=True)

@@ -18,7 +18,7 @@ KILL = """
 import os, signal, sys
 from slora_batch.jobs import writer
 from slora_batch.jobs.config import load_jobs
-from slora_batch.jobs.run import run_job
+from slora_batch.runner import run_job
 
 parts = 0
 real_commit = writer.commit_file
@@ -67,7 +67,7 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
     )
     from slora_batch.jobs.config import load_jobs
     from slora_batch.jobs.outdir import part_files
-    from slora_batch.jobs.run import run_job
+    from slora_batch.runner import run_job
 
     model_dir, adapters, tasks_dir = eval_setup
     job = {"name": "sweep", "model": str(model_dir), "adapters": str(adapters), "output": "out",
@@ -144,7 +144,7 @@ def test_validate_builds_the_requests_without_touching_the_output(tmp_path, eval
     """An eval job that never ran validates: its requests are built in a temporary directory,
     checked like any input, and no output directory appears."""
     from slora_batch.jobs.config import load_jobs
-    from slora_batch.jobs.validate import validate_job
+    from slora_batch.runner import validate_job
 
     model_dir, adapters, tasks_dir = eval_setup
     job = {"name": "sweep", "model": str(model_dir), "adapters": str(adapters), "output": "out",

@@ -88,7 +88,7 @@ def test_a_logged_run_has_one_format_and_its_progress_rates_are_its_summarys(
     result = invoke("run", write_job(tmp_path, tiny), "--progress-every", "0")
     assert result.exit_code == 0, result.output
     logged = records(result.stderr)
-    assert ("INFO", "slora_batch.jobs.run", "job tiny: 6 rows to do") in logged
+    assert ("INFO", "slora_batch.jobs.lifecycle", "job tiny: 6 rows to do") in logged
     assert not [r for r in logged if r[0] == "ERROR"], logged
     progress = [message for _, name, message in logged if name == "slora_batch.progress"]
     assert progress[0] == "job tiny: loading the model"

@@ -77,12 +77,13 @@ def test_resume_refuses_rows_of_another_resolved_device_and_dtype(tmp_path, tiny
 
 def test_an_engine_built_otherwise_than_recorded_is_refused_before_any_row():
     """The safeguard after the build: a data-parallel engine's "cuda x2" against cpu rows."""
-    job = SimpleNamespace(name="j", output="out")
     engine = SimpleNamespace(device="cuda x2", dtype=torch.bfloat16)
     recorded = {"device": "cpu", "dtype": "float32", "backend": "torch"}
     with pytest.raises(JobError, match=r"device cpu -> cuda; dtype float32 -> bfloat16"):
-        jobrun.check_resolution(job, engine, recorded)
-    jobrun.check_resolution(job, SimpleNamespace(device="cpu", dtype=torch.float32), recorded)
+        jobrun.check_resolution("j", "out", engine, recorded)
+    jobrun.check_resolution(
+        "j", "out", SimpleNamespace(device="cpu", dtype=torch.float32), recorded
+    )
 
 
 def test_a_rewrite_of_the_same_size_is_refused_and_a_touch_is_not(tmp_path, tiny):

@@ -42,8 +42,7 @@ KEYS = dict(part_rows=4, part_seconds=0.05, sampling={"max_new_tokens": 8},
 
 DRIVER = """
 import io, os, signal, sys
-from slora_batch.jobs import run as jobrun
-from slora_batch.jobs import outdir, writer
+from slora_batch.jobs import lifecycle, outdir, writer
 
 job_file, moment, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = 0
@@ -77,9 +76,9 @@ def commit(path, write):
 
 writer.commit_file = commit  # the parts' commits; stats, manifest and marker are outdir's
 if moment == "before-stats":
-    jobrun.write_stats = lambda *args, **kwargs: die()
+    lifecycle.write_stats = lambda *args, **kwargs: die()
 if moment == "before-marker":
-    jobrun.write_success = lambda *args, **kwargs: die()
+    lifecycle.write_success = lambda *args, **kwargs: die()
 
 from cli import app
 app(["run", job_file, "--quiet"])
