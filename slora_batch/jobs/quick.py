@@ -66,13 +66,21 @@ def quick_job(input_path: str, flags: QuickFlags, base_dir: Path | None = None) 
             f"input of a one-file job, which needs {' and '.join(missing)} (e.g. slora-batch run "
             f"{input_path} --model MODEL --output OUT)"
         )
-    base_dir = base_dir or Path.cwd()
     raw: dict[str, Any] = {
         "name": flags.name or Path(flags.output).name or "job",
         "model": flags.model,
         "input": input_path,
         "output": flags.output,
+        **_job_keys(flags),
+        **_settings(flags),
     }
+    return job_from_mapping(raw, base_dir or Path.cwd(), WHERE)
+
+
+def _job_keys(flags: QuickFlags) -> dict[str, Any]:
+    """The job keys the flags give (adapters, fanout, columns, keep_columns, the prompt keys,
+    output_format, limit), as a job file writes them."""
+    raw: dict[str, Any] = {}
     if flags.adapters:
         raw["adapters"] = _adapters(flags.adapters)
     if flags.fanout is not None:
@@ -87,6 +95,13 @@ def quick_job(input_path: str, flags: QuickFlags, base_dir: Path | None = None) 
             raw[key] = getattr(flags, key)
     if flags.apply_chat_template:
         raw["apply_chat_template"] = True
+    return raw
+
+
+def _settings(flags: QuickFlags) -> dict[str, Any]:
+    """The sampling and engine mappings the flags give: ``--sampling key=value``, with
+    ``--max-new-tokens`` and ``--temperature`` over them, and ``--engine key=value``."""
+    raw: dict[str, Any] = {}
     sampling = _pairs(flags.sampling, "--sampling")
     for key in ("max_new_tokens", "temperature"):
         if getattr(flags, key) is not None:
@@ -95,7 +110,7 @@ def quick_job(input_path: str, flags: QuickFlags, base_dir: Path | None = None) 
         raw["sampling"] = sampling
     if flags.engine:
         raw["engine"] = _pairs(flags.engine, "--engine")
-    return job_from_mapping(raw, base_dir, WHERE)
+    return raw
 
 
 def _adapters(values: list[str]) -> str | dict[str, str]:
