@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.manifest import read_manifest
-from slora_batch.jobs.openai_input import OpenAIBatch, is_openai_line
+from slora_batch.jobs.openai_input import OpenAIBatch, holds_openai_lines
 from slora_batch.jobs.outdir import OutputError, part_files
 from slora_batch.jobs.prompts import Prompts
-from slora_batch.jobs.reader import InputError, file_records, iter_input_files, read_rows
+from slora_batch.jobs.reader import InputError, first_record, iter_input_files, read_rows
 from slora_batch.jobs.rows import RowSource, to_request
 from slora_batch.jobs.schema import adapter_name
 
@@ -40,11 +40,8 @@ def preview(job: JobConfig, limit: int = 5, scan: int = 50) -> list[PreviewRow]:
     prompts: dict[Any, str] = {}
     try:
         files = iter_input_files(job.input)
-        jsonl = files[0].suffix.lower() == ".jsonl"
-        first = next(iter(file_records(files[0], None)), None) if jsonl else None
-        openai = job.input_format == "openai" or (
-            job.input_format == "auto" and first is not None and is_openai_line(first[1])
-        )  # ids are all the preview needs: any body.model reads as an adapter
+        openai = holds_openai_lines(job.input_format, files, first_record(files))
+        # ids are all the preview needs: any body.model reads as an adapter
         batch = OpenAIBatch((), None, job.columns) if openai else None
         settings = Prompts.of(job)
         rows = read_rows(

@@ -18,7 +18,7 @@ from slora_batch.engine.config import ConfigError, SamplingConfig
 from slora_batch.engine.requests.request import SAMPLING_FIELDS, Request, Result
 from slora_batch.jobs.prompts import Prompts
 from slora_batch.jobs.reader import InputRow
-from slora_batch.jobs.scoring import scoring_fields
+from slora_batch.jobs.scoring import scoring_fields, token_ids_problem
 from slora_batch.jobs.text import describe, encodable, unencodable
 
 NO_PROMPTS = Prompts()  # a job without prompt settings: rows as they are
@@ -237,16 +237,8 @@ def _message_problem(message: Any, where: str) -> str | None:
 
 
 def _check_token_ids(token_ids: Any, column: str) -> tuple[list[int] | None, str | None]:
-    if (
-        isinstance(token_ids, list)
-        and token_ids
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids)
-    ):
-        return token_ids, None
-    return None, (
-        f"column {column!r} must be a non-empty list of token ids (integers >= 0), "
-        f"got {describe(token_ids)}"
-    )
+    problem = token_ids_problem(token_ids, column)
+    return (None if problem else token_ids), problem
 
 
 # the check of each column a row's prompt may come from (a row gives one)

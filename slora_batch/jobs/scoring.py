@@ -95,7 +95,9 @@ def _is_ids(ids: Any) -> bool:
     )
 
 
-def _check_ids(ids: Any, column: str) -> str | None:
+def token_ids_problem(ids: Any, column: str) -> str | None:
+    """Why column ``column``'s value is not a non-empty list of token ids, or None (a row's
+    prompt_token_ids are checked by this too)."""
     if _is_ids(ids):
         return None
     return (
@@ -121,7 +123,7 @@ def _check_id_lists(lists: Any, column: str) -> str | None:
 _CHECKS = {
     "continuation": _check_text,
     "choices": _check_texts,
-    "continuation_token_ids": _check_ids,
+    "continuation_token_ids": token_ids_problem,
     "choices_token_ids": _check_id_lists,
 }
 
