@@ -149,6 +149,22 @@ class RunRecord:
             )
         )
 
+    def finished(self, rows: int) -> JobProgress:
+        """The run's last progress event: the output complete with ``rows`` (an error row
+        stands for its samples), at the stats' rates."""
+        return JobProgress(
+            self.job,
+            "done",
+            rows,
+            rows,
+            self.tokens,
+            self.engine_s,
+            self.resident,
+            self.rows,
+            self.computed,
+            self.row_tokens,
+        )
+
     @property
     def computed(self) -> int:
         """Tokens the engine computed this run: prefill (scored continuations included) and

@@ -18,6 +18,7 @@ import os
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -44,15 +45,35 @@ def file_info(fs: pafs.FileSystem, path: str) -> pafs.FileInfo:
     return fs.get_file_info(str(path))
 
 
-def stat(fs: pafs.FileSystem, path: str) -> list[int | str | None]:
-    """[size, mtime in ns, content digest] as the manifest keeps them; mtime is None where the
-    filesystem gives none (fsspec's memory filesystem): then size and digest tell a change."""
-    info = file_info(fs, path)
+def stat(fs: pafs.FileSystem | None, path: str | Path) -> list[int | str | None]:
+    """[size, mtime in ns, content digest] as the manifest keeps them, of a file on ``fs`` (None:
+    the local disk); mtime is None where the filesystem gives none (fsspec's memory
+    filesystem): then size and digest tell a change."""
+    if fs is None:
+        local = os.stat(path)
+        with open(path, "rb") as handle:
+            return [local.st_size, local.st_mtime_ns, edge_digest(handle, local.st_size)]
+    info = file_info(fs, str(path))
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"{path}: no such file")
     with fs.open_input_file(path) as handle:
         digest = edge_digest(handle, info.size)
     return [info.size, info.mtime_ns, digest]
+
+
+def dir_stats(path: str | Path) -> dict[str, list[int | str | None]]:
+    """``stat`` of a local file, or of every visible file directly in a local directory, by
+    name; {} when there is neither."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: stat(None, path)}
+    if not path.is_dir():
+        return {}
+    return {
+        p.name: stat(None, p)
+        for p in sorted(path.iterdir())
+        if p.is_file() and not p.name.startswith(".")
+    }
 
 
 def edge_digest(handle, size: int) -> str:

@@ -37,18 +37,21 @@ from slora_batch.engine.adapters.adapter_files import resolve_sources
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.engine.resolution import resolve
 from slora_batch.jobs import fsio
-from slora_batch.jobs.check import JobError, JobPlan
+from slora_batch.jobs.check import JobError, JobPlan, check_scan
 from slora_batch.jobs.config import SCORE_KEYS, prompt_keys
 from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.openai_input import kept_columns
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
+    SUCCESS_FILE,
     OutputError,
     commit,
     part_files,
     read_success,
+    remove_file,
 )
 from slora_batch.jobs.reader import input_root, relative_name, used_columns
-from slora_batch.jobs.scan import InputScan
+from slora_batch.jobs.scan import InputScan, limit_changed, scan_input
 from slora_batch.jobs.schema import LEGACY_COLUMNS, OUTPUT_COLUMNS, job_columns, part_schema
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,54 @@ CHANGES_SHOWN = 6  # fingerprint differences named in a refusal
 # ``columns`` maps them) and these per-row options. Frozen: a later option is not among them.
 FIRST_READS = ("id", "adapter", "prompt", "messages", "prompt_token_ids")
 FIRST_OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+def run_manifest(
+    out: Path | FsDir,
+    name: str,
+    columns: dict[str, str],
+    current: dict[str, Any],
+    limit: int | None,
+) -> tuple[dict[str, Any] | None, bool]:
+    """(the manifest a run of job ``name`` resumes under, ``resumable_manifest``'s, or None for
+    a first run; whether the output is complete under it: its ``_SUCCESS`` marker written). A
+    manifest whose scan was taken under another ``limit`` is a first run's too: its row counts
+    and completion are of other rows, so the marker is removed first; the rows the output holds
+    stay (a larger limit adds the new ones)."""
+    manifest = resumable_manifest(out, name, columns, current)
+    if manifest is not None and limit_changed(manifest, limit):
+        logger.info("job %s: limit is %s now: scanning the input again", name, limit)
+        remove_file(out, SUCCESS_FILE)
+        manifest = None
+    return manifest, manifest is not None and read_success(out) is not None
+
+
+def first_manifest(plan: JobPlan, out: Path | FsDir, current: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of the output's first run, written: the input scanned (``scan_for_run``)."""
+    job = plan.job
+    manifest = new_manifest(job.name, job.columns, current, scan_for_run(plan))
+    write_manifest(out, manifest)
+    return manifest
+
+
+def scan_for_run(plan: JobPlan) -> InputScan:
+    """The job's input scan (on the input's filesystem); duplicate rows fail the job."""
+    job = plan.job
+    files = len(plan.files)
+    logger.info("job %s: scanning %d input file%s", job.name, files, "" if files == 1 else "s")
+    scan = scan_input(
+        plan.files,
+        job.columns,
+        kept_columns(job.keep_columns, plan.openai),
+        plan.sweep is not None,
+        reserved=OUTPUT_COLUMNS,
+        fs=plan.input_fs,
+        openai=plan.openai,
+        fields=plan.prompts.fields,
+        limit=job.limit,
+    )
+    check_scan(plan, scan, "; nothing was run")  # duplicates, a template's missing column
+    return scan
 
 
 def new_manifest(
@@ -174,15 +225,17 @@ def fingerprint(plan: JobPlan, gpu: bool | None = None) -> dict[str, Any]:
     max_model_len, dtype) and what the engine settings resolve to (``resolution.resolve``;
     ``gpu``: whether the engines will see a GPU, None: this process's answer). JSON-ready."""
     job = plan.job
-    root = input_root(plan.files, plan.input_fs)
     sources = resolve_sources(plan.sources)
     model = plan.snapshots.get("model")  # a Hub name pinned to a revision is the same model
     model_name = model.repo_id if model is not None else job.model
-    stat = _stat if plan.input_fs is None else lambda f: fsio.stat(plan.input_fs, str(f))
+    root = input_root(plan.files, plan.input_fs)
+    input_stats = [fsio.stat(plan.input_fs, f) for f in plan.files]
+    model_stats = fsio.dir_stats(plan.model_path)
+    adapter_stats = {name: fsio.dir_stats(path) for name, path in sorted(sources.items())}
     taken = {
-        "input": {relative_name(f, root): stat(f) for f in plan.files},
-        "model": {"model": model_name, "files": _dir_stats(plan.model_path)},
-        "adapters": {name: _dir_stats(path) for name, path in sorted(sources.items())},
+        "input": {relative_name(f, root): s for f, s in zip(plan.files, input_stats, strict=True)},
+        "model": {"model": model_name, "files": model_stats},
+        "adapters": adapter_stats,
         "sampling": dataclasses.asdict(job.sampling),
         "job": {
             # renamed columns only: a column key a later version adds (mapped to itself) must
@@ -228,26 +281,6 @@ def column_changes(manifest: dict[str, Any], columns: dict[str, str]) -> list[st
         if name in OUTPUT_COLUMNS
     ]
     return changes
-
-
-def _stat(path: Path) -> list[int | str]:
-    stat = Path(path).stat()
-    with open(path, "rb") as handle:
-        return [stat.st_size, stat.st_mtime_ns, fsio.edge_digest(handle, stat.st_size)]
-
-
-def _dir_stats(path: Path) -> dict[str, list[int | str]]:
-    """``_stat`` of a file, or of every visible file directly in a directory."""
-    path = Path(path)
-    if path.is_file():
-        return {path.name: _stat(path)}
-    if not path.is_dir():
-        return {}
-    return {
-        p.name: _stat(p)
-        for p in sorted(path.iterdir())
-        if p.is_file() and not p.name.startswith(".")
-    }
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

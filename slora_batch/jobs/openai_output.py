@@ -33,7 +33,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from slora_batch.jobs.openai_input import CHAT, REQUEST_COLUMN
+from slora_batch.jobs.fsio import FsDir
+from slora_batch.jobs.openai_input import CHAT, REQUEST_COLUMN, base_model_name
 from slora_batch.jobs.outdir import commit_file, part_files
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,18 @@ COLUMNS = (
     REQUEST_COLUMN,
 )
 FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero (JSON has no -inf)
+
+
+def job_openai_files(out_dir: Path | FsDir, job_name: str, model: str, complete: bool) -> None:
+    """A job's OpenAI files once its run is committed: written from the parts, or for a job
+    that was ``complete`` already only when they are stale (``openai_stale``). A local output
+    only: an output elsewhere keeps its parts alone (said after a run)."""
+    if isinstance(out_dir, FsDir):
+        if not complete:
+            logger.warning("job %s: output_format openai writes a local output only", job_name)
+        return
+    if not complete or openai_stale(out_dir):
+        write_openai_files(out_dir, job_name, base_model_name(model))
 
 
 def write_openai_files(out_dir: str | Path, job_name: str, base_model: str) -> tuple[int, int]:

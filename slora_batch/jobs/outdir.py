@@ -113,12 +113,6 @@ def remove_file(out_dir: str | Path | FsDir, name: str) -> None:
         (Path(out_dir) / name).unlink(missing_ok=True)
 
 
-def shown_output(out_dir: Path | FsDir) -> Path:
-    """The output directory as a summary names it: absolute on the local disk, else its path on
-    its filesystem."""
-    return out_dir.resolve() if isinstance(out_dir, Path) else Path(out_dir.path)
-
-
 def write_success(out_dir: str | Path | FsDir, job: str, rows: int) -> Path:
     """Write the completion marker (last, after parts and stats): JSON with job, rows, time."""
     marker = {"job": job, "rows": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -40,7 +40,13 @@ import pyarrow.parquet as pq
 from slora_batch.engine.config import EngineConfig
 from slora_batch.jobs.feed import RunRecord
 from slora_batch.jobs.fsio import FsDir
-from slora_batch.jobs.outdir import OLD_STATS_FILE, STATS_FILE, commit, part_files
+from slora_batch.jobs.outdir import (
+    OLD_STATS_FILE,
+    STATS_FILE,
+    commit,
+    part_files,
+    remove_file,
+)
 from slora_batch.jobs.progress import per_second
 from slora_batch.jobs.schema import adapter_name
 
@@ -149,11 +155,7 @@ def write_stats(
             raise ValueError(f"stats {row['kind']} row: unknown column {unknown[0]!r}")
     table = pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
     path = commit(out_dir, STATS_FILE, lambda handle: pq.write_table(table, handle))
-    if isinstance(out_dir, FsDir):
-        if out_dir.exists(OLD_STATS_FILE):
-            out_dir.remove(OLD_STATS_FILE)
-    else:
-        (Path(out_dir) / OLD_STATS_FILE).unlink(missing_ok=True)
+    remove_file(out_dir, OLD_STATS_FILE)
     return path
 
 
@@ -178,6 +180,31 @@ def read_stats(out_dir: str | Path | FsDir) -> tuple[dict[str, Any], list[dict[s
     names = [name for name in STATS_SCHEMA.names if name != "kind"]
     strip = lambda row: {name: row.get(name) for name in names}
     return strip(job[0]), [strip(r) for r in rows if r["kind"] == "adapter"]
+
+
+def complete_stats(
+    out_dir: Path | FsDir,
+) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The stats of a complete output, or None when they cannot be read: the job then runs,
+    with nothing left to do but the stats."""
+    try:
+        return read_stats(out_dir)
+    except (OSError, pa.ArrowException):
+        return None
+
+
+def write_run_stats(
+    out_dir: Path | FsDir,
+    run: RunRecord,
+    wall_s: float,
+    adapters_broken: int,
+    engine: EngineConfig,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``stats_rows`` after ``run``, written to ``_stats.parquet``; the job row and the
+    adapter rows."""
+    job_row, adapter_rows = stats_rows(out_dir, run, wall_s, adapters_broken, engine)
+    write_stats(out_dir, job_row, adapter_rows)
+    return job_row, adapter_rows
 
 
 def stats_rows(

@@ -1,11 +1,19 @@
-"""What a job run returns: its summary, or the failure of a job ``run_jobs`` could not run
-(apart from ``run.py``, so that the eval sweep, which ``run_job`` calls, names them too)."""
+"""What a job run returns: its summary (``run_summary`` makes it from the run's account and its
+stats), or the failure of a job ``run_jobs`` could not run."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from slora_batch.jobs.fsio import FsDir
+
+if TYPE_CHECKING:
+    from slora_batch.jobs.feed import RunRecord
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +47,50 @@ class JobSummary:
         return empty_text_note(
             self.generated_rows_this_run, self.empty_rows_this_run, self.raw_prompts_this_run
         )
+
+
+def run_summary(
+    run: RunRecord,
+    stats: tuple[dict[str, Any], list[dict[str, Any]]],
+    out: Path | FsDir,
+    notes: list[str],
+    broken: dict[str, str],
+    choice_labels: list[str] | None,
+    complete: bool,
+) -> JobSummary:
+    """The summary of ``run`` over output ``out`` with its ``stats`` (job row, adapter rows):
+    ``complete``, the job was complete already and nothing ran. What the run did is logged,
+    and a warning when most of its generated rows are empty."""
+    job_row, adapter_rows = stats
+    summary = JobSummary(
+        job=run.job,
+        output=out.resolve() if isinstance(out, Path) else Path(out.path),
+        stats=job_row,
+        adapters=adapter_rows,
+        rows_skipped=run.skipped,
+        rows_this_run=run.rows,
+        errors=run.errors,
+        error_rows_this_run=run.error_rows,
+        prompt_tokens_this_run=run.prompt_tokens,
+        completion_tokens_this_run=run.tokens,
+        notes=notes,
+        broken=broken,
+        complete_already=complete,
+        choice_labels=choice_labels,
+        generated_rows_this_run=run.generated_rows,
+        empty_rows_this_run=run.empty_rows,
+        raw_prompts_this_run=2 * run.raw_prompts > run.requests,
+    )
+    rows = f"{job_row['rows']:,} row{'' if job_row['rows'] == 1 else 's'}"
+    if complete:
+        logger.info("job %s: complete already (%s in %s); nothing to do", run.job, rows, out)
+        return summary
+    this_run = f"{run.rows:,} row{'' if run.rows == 1 else 's'}"
+    logger.info("job %s: %s this run, %.1f s", run.job, this_run, job_row["wall_s"])
+    empty = summary.empty_text_note()
+    if empty is not None:
+        logger.warning("job %s: %s", run.job, empty)
+    return summary
 
 
 def empty_text_note(generated: int, empty: int, raw_prompts: bool) -> str | None:

@@ -173,7 +173,7 @@ def test_ray_read_tasks_number_rows_across_files(tmp_path, tiny):
 
     pytest.importorskip("ray")
     from slora_batch.jobs.check import check_job
-    from slora_batch.jobs.lifecycle import scan_for_run
+    from slora_batch.jobs.manifest import scan_for_run
     from slora_batch.jobs.reader import input_root
     from slora_batch.jobs.samples import DoneSamples
     from slora_batch.ray.execute import read_units

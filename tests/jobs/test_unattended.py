@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from slora_batch.engine.requests.request import Result
-from slora_batch.jobs import lifecycle
+from slora_batch.jobs import manifest
 from slora_batch.jobs import run as jobrun
 from slora_batch.jobs.outdir import SUCCESS_FILE, part_files, read_success
 from slora_batch.jobs.run import JobError, JobSummary, run_job
@@ -170,7 +170,7 @@ def test_rerunning_a_complete_job_is_a_quick_no_op(tmp_path, tiny, monkeypatch):
     def no_reading(*args, **kwargs):
         raise AssertionError("a complete job's input was read")
 
-    monkeypatch.setattr(lifecycle, "scan_input", no_reading)  # the scan: no input row is read
+    monkeypatch.setattr(manifest, "scan_input", no_reading)  # the scan: no input row is read
     monkeypatch.setattr(jobrun, "pending_items", no_reading)  # nor done rows skipped
     summary = run_job(job)
     assert summary.complete_already and summary.rows_this_run == 0
@@ -552,7 +552,7 @@ def test_progress_lines_without_a_terminal_and_verbose_debug(tmp_path, tiny):
     assert result.exit_code == 0, result.output
     assert "\r" not in result.stderr and "━" not in result.stderr
     logged = [(name, message) for level, name, message in records(result.stderr)]
-    assert logged[0] == ("slora_batch.jobs.lifecycle", "job tiny: scanning 1 input file")
+    assert logged[0] == ("slora_batch.jobs.manifest", "job tiny: scanning 1 input file")
     assert ("slora_batch.progress", "job tiny: loading the model") in logged
     progress = [message for name, message in logged if "/6 rows" in message]
     assert len(progress) == 7  # each row, then the end

@@ -42,7 +42,7 @@ KEYS = dict(part_rows=4, part_seconds=0.05, sampling={"max_new_tokens": 8},
 
 DRIVER = """
 import io, os, signal, sys
-from slora_batch.jobs import lifecycle, outdir, writer
+from slora_batch.jobs import lifecycle, outdir, stats, writer
 
 job_file, moment, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 parts = 0
@@ -76,7 +76,7 @@ def commit(path, write):
 
 writer.commit_file = commit  # the parts' commits; stats, manifest and marker are outdir's
 if moment == "before-stats":
-    lifecycle.write_stats = lambda *args, **kwargs: die()
+    stats.write_stats = lambda *args, **kwargs: die()
 if moment == "before-marker":
     lifecycle.write_success = lambda *args, **kwargs: die()
 

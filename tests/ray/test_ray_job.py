@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from factory import make_adapter  # noqa: E402
 from test_jobrun import build_tiny, outputs, write_job  # noqa: E402
 
-from slora_batch.jobs import lifecycle  # noqa: E402
+from slora_batch.jobs import manifest  # noqa: E402
 from slora_batch.jobs.config import load_jobs  # noqa: E402
 from slora_batch.jobs.outdir import part_files, read_success  # noqa: E402
 from slora_batch.jobs.run import run_job  # noqa: E402
@@ -325,7 +325,7 @@ def test_an_interrupted_overwrite_leaves_no_previous_ray_file(tmp_path, tiny, mo
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lifecycle, "write_manifest", interrupted)  # interrupted once cleared
+    monkeypatch.setattr(manifest, "write_manifest", interrupted)  # interrupted once cleared
     with pytest.raises(KeyboardInterrupt):
         run_ray_job(job, RaySettings(**SETTINGS), overwrite=True)
     assert not (directory / "out" / "_ray.json").exists()
