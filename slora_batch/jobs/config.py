@@ -202,6 +202,26 @@ def prompt_keys(job: JobConfig) -> dict[str, Any]:
 def load_jobs(path: str | Path) -> list[JobConfig]:
     """Read a job file; every job validated, paths resolved against the file's directory."""
     path = Path(path)
+    defaults, jobs = _job_file(path)
+    unknown = _unknown_keys(defaults, f"{path.name}: defaults")
+    for index, raw in enumerate(jobs):
+        unknown += _unknown_keys(
+            raw, f"{path.name}: job {raw.get('name') or f'{path.stem}-{index}'!r}"
+        )
+    if unknown:  # every one at once: a user fixes them all in one edit
+        raise ConfigError("; ".join(unknown))
+    base_dir = path.resolve().parent
+    result: list[JobConfig] = []
+    for index, raw in enumerate(jobs):
+        name = raw.get("name") or f"{path.stem}-{index}"
+        where = f"{path.name}: job {name!r}"
+        result.append(_build(_merge(defaults, raw), name, base_dir, where))
+    _check_distinct(result, path.name)
+    return result
+
+
+def _job_file(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A job file's ``defaults`` mapping and ``jobs`` list of mappings, as YAML gives them."""
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -221,33 +241,25 @@ def load_jobs(path: str | Path) -> list[JobConfig]:
         raise ConfigError(f"{path.name}: 'jobs' must be a non-empty list of job mappings")
     if "name" in defaults:
         raise ConfigError(f"{path.name}: defaults cannot set 'name' (every job needs its own)")
-    unknown = _unknown_keys(defaults, f"{path.name}: defaults")
     for index, raw in enumerate(jobs):
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"{path.name}: job {index} must be a mapping, got {type(raw).__name__}"
             )
-        unknown += _unknown_keys(
-            raw, f"{path.name}: job {raw.get('name') or f'{path.stem}-{index}'!r}"
-        )
-    if unknown:  # every one at once: a user fixes them all in one edit
-        raise ConfigError("; ".join(unknown))
-    base_dir = path.resolve().parent
-    result: list[JobConfig] = []
-    for index, raw in enumerate(jobs):
-        name = raw.get("name") or f"{path.stem}-{index}"
-        where = f"{path.name}: job {name!r}"
-        result.append(_build(_merge(defaults, raw), name, base_dir, where))
+    return defaults, jobs
+
+
+def _check_distinct(jobs: list[JobConfig], file: str) -> None:
+    """Two jobs of one file never share a name or an output directory."""
     for key in ("name", "output"):
         seen: dict[str, str] = {}
-        for job in result:
+        for job in jobs:
             value = getattr(job, key)
             if value in seen:
                 raise ConfigError(
-                    f"{path.name}: jobs {seen[value]!r} and {job.name!r} have the same {key} {value!r}"
+                    f"{file}: jobs {seen[value]!r} and {job.name!r} have the same {key} {value!r}"
                 )
             seen[value] = job.name
-    return result
 
 
 def job_from_mapping(raw: dict[str, Any], base_dir: str | Path, where: str) -> JobConfig:
