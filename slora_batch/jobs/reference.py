@@ -19,6 +19,7 @@ import re
 import sys
 import textwrap
 import tokenize
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,31 @@ def field_comments(cls: type) -> dict[str, str]:
     """
     source = textwrap.dedent(inspect.getsource(cls))
     lines = source.splitlines()
-    names = {f.name for f in dataclasses.fields(cls)}
+    statements = _statements(source, {f.name for f in dataclasses.fields(cls)})
+    trailing, standalone = _comments(source, lines)
+    own = {
+        name: [text for row in range(first, last + 1) for text in trailing.get(row, [])]
+        for name, first, last in statements
+        if name is not None
+    }
+    above: dict[str, list[str]] = {name: [] for name in own}
+    for (prev, _, prev_end), (name, first, _) in zip(statements, statements[1:], strict=False):
+        gap = range(prev_end + 1, first)
+        if prev in own and own[prev] and (name is None or own.get(name)):
+            own[prev] += _comment_run(gap, standalone)  # right below prev
+        elif name is not None:
+            above[name] = _comment_run(reversed(gap), standalone)[::-1]  # right above the field
+    last = statements[-1] if statements else None
+    if last is not None and last[0] is not None and own[last[0]]:  # a field ends the class
+        own[last[0]] += _comment_run(range(last[2] + 1, len(lines) + 1), standalone)
+    return {name: _prose(above[name] + own[name]) for name in own}
+
+
+def _statements(source: str, names: set[str]) -> list[tuple[str | None, int, int]]:
+    """The class body's statements in source order: (the field's name, or None for any other
+    statement; first line; last line), 1-based."""
     body = ast.parse(source).body[0].body
-    statements = [  # (name or None, first line, last line), 1-based, in source order
+    return [
         (
             s.target.id
             if isinstance(s, ast.AnnAssign)
@@ -103,8 +126,13 @@ def field_comments(cls: type) -> dict[str, str]:
         )
         for s in body
     ]
-    trailing: dict[int, list[str]] = {}  # line -> comments after code on it
-    standalone: dict[int, str] = {}  # line -> the comment that is the whole line
+
+
+def _comments(source: str, lines: list[str]) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """(line -> the comments after code on it, line -> the comment that is the whole line),
+    pragmas (``# noqa``, ``# fmt: ...``) left out."""
+    trailing: dict[int, list[str]] = {}
+    standalone: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type != tokenize.COMMENT:
             continue
@@ -116,35 +144,18 @@ def field_comments(cls: type) -> dict[str, str]:
             trailing.setdefault(row, []).append(text)
         else:
             standalone[row] = text
-    own = {
-        name: [text for row in range(first, last + 1) for text in trailing.get(row, [])]
-        for name, first, last in statements
-        if name is not None
-    }
-    above: dict[str, list[str]] = {name: [] for name in own}
-    for (prev, _, prev_end), (name, first, _) in zip(statements, statements[1:], strict=False):
-        gap = list(range(prev_end + 1, first))
-        if prev in own and own[prev] and (name is None or own.get(name)):
-            block = []  # comment lines right below prev, up to the first other line
-            for row in gap:
-                if row not in standalone:
-                    break
-                block.append(standalone[row])
-            own[prev] += block
-        elif name is not None:
-            block = []  # comment lines right above the field, up to the first other line
-            for row in reversed(gap):
-                if row not in standalone:
-                    break
-                block.insert(0, standalone[row])
-            above[name] = block
-    if statements and statements[-1][0] is not None and own[statements[-1][0]]:
-        last = statements[-1]  # the last statement of the class is a field: lines below it
-        for row in range(last[2] + 1, len(lines) + 1):
-            if row not in standalone:
-                break
-            own[last[0]].append(standalone[row])
-    return {name: _prose(above[name] + own[name]) for name in own}
+    return trailing, standalone
+
+
+def _comment_run(rows: Iterable[int], standalone: dict[int, str]) -> list[str]:
+    """The whole-line comments of ``rows``, in their order, up to the first row that is not
+    one."""
+    run = []
+    for row in rows:
+        if row not in standalone:
+            break
+        run.append(standalone[row])
+    return run
 
 
 def _prose(parts: list[str]) -> str:
