@@ -278,3 +278,34 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Shape: gate_up [T, 2 * I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture of experts: each token through its top-k SwiGLU experts, weighted and summed.
+
+    Semantics: for token t and j < K with e = topk_ids[t, j] >= 0 (-1: no expert, adds nothing),
+      g, u = x[t] @ w_gate_up[e, :I]^T, x[t] @ w_gate_up[e, I:]^T   (rounded to x's dtype)
+      a = silu(g) * u                                             (rounded to x's dtype)
+      y_tj = topk_weights[t, j] * (a @ w_down[e]^T)               (fp32, rounded to x's dtype)
+      out[t] = sum_j y_tj                                         (fp32, in x's dtype at the end)
+    Experts run in ascending order, each on its tokens together (transformers' order).
+    Shape: x [T, H]; w_gate_up [E, 2 * I, H]; w_down [E, H, I]; topk_weights [T, K] fp32;
+      topk_ids [T, K] int32 or int64. Returns [T, H] in x's dtype.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1).float()
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in flat[flat >= 0].unique().tolist():
+        slots = (flat == e).nonzero()[:, 0]  # [n_e] flat indices t * K + j, ascending
+        tokens = slots // top_k
+        a = silu_mul(F.linear(x[tokens], w_gate_up[e]))
+        y = F.linear(a, w_down[e]).float() * weights[slots, None]
+        out.index_add_(0, tokens, y.to(x.dtype).float())
+    return out.to(x.dtype)

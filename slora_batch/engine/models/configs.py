@@ -1,4 +1,5 @@
-"""What each family's ``config.json`` says beyond the shapes: RoPE, windows, norms, soft-caps.
+"""What each family's ``config.json`` says beyond the shapes: RoPE, windows, norms, soft-caps,
+experts.
 
 Torch-free (the job tool checks models with it). Both config formats are read: transformers 5
 (``rope_parameters``, per layer type for Gemma 3; ``layer_types``) and the older one that most
@@ -11,6 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
+QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SLIDING = "sliding_attention"
 ROPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope "su"
 
@@ -38,8 +46,20 @@ def family_fields(path: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         layer_windows=tuple(window if t == SLIDING else 0 for t in layer_types) if window else (),
         rotary_dim=None if partial == 1.0 else int(head_dim * partial),
     )
-    if arch == "Qwen3ForCausalLM":
+    fields.update(_arch_fields(path, arch, cfg, head_dim))
+    act = cfg.get("hidden_act", "silu")
+    if fields.get("activation", "silu") == "silu" and act != "silu":
+        raise ModelError(f"model {path!r}: hidden_act {act!r} is not supported (silu)")
+    return fields
+
+
+def _arch_fields(path: str, arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The fields one family sets beyond the common ones (``family_fields``)."""
+    fields: dict[str, Any] = {}
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         fields.update(qk_norm=True)
+    if arch in MOE_ARCHITECTURES:
+        fields.update(moe_fields(path, arch, cfg))
     elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu"):
@@ -63,9 +83,53 @@ def family_fields(path: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             )
     elif arch == "Phi3ForCausalLM":
         fields.update(fused_projections=True, attention_bias=False, o_bias=False)
-    act = cfg.get("hidden_act", "silu")
-    if fields.get("activation", "silu") == "silu" and act != "silu":
-        raise ModelError(f"model {path!r}: hidden_act {act!r} is not supported (silu)")
+    return fields
+
+
+def moe_fields(path: str, arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts model's ``ModelSpec`` fields, as transformers builds its layers.
+
+    Mixtral and OLMoE: every layer's MLP is the experts, each of ``intermediate_size``; Mixtral
+    always renormalizes the top-k weights. Qwen2/3-MoE: experts of ``moe_intermediate_size``,
+    ``norm_topk_prob``, and a dense MLP of ``intermediate_size`` in the layers of
+    ``mlp_only_layers`` and those that ``decoder_sparse_step`` skips; Qwen2-MoE adds a shared
+    expert (``shared_expert_intermediate_size``) and q/k/v biases (``qkv_bias``). OLMoE
+    normalizes the whole q and k projections (``clip_qkv`` is refused)."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("quantization_config"):
+        raise ModelError(
+            f"model {path!r}: quantized weights are not supported for {arch} "
+            "(mixture-of-experts models run in float32, bfloat16 or float16)"
+        )
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts < 1 or not cfg.get("num_experts_per_tok"):
+        raise ModelError(
+            f"model {path!r}: {arch} needs num_experts (or num_local_experts) and "
+            f"num_experts_per_tok, got {experts} and {cfg.get('num_experts_per_tok')}"
+        )
+    fields: dict[str, Any] = dict(
+        num_experts=experts,
+        experts_per_token=int(cfg["num_experts_per_tok"]),
+        expert_size=int(cfg["intermediate_size"]),
+        norm_topk=arch == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+    )
+    if arch in QWEN_MOE:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only = set(cfg.get("mlp_only_layers") or ())
+        fields.update(
+            expert_size=int(cfg["moe_intermediate_size"]),
+            dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step),
+        )
+    if arch == "Qwen2MoeForCausalLM":
+        fields.update(
+            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            attention_bias=bool(cfg.get("qkv_bias", True)),
+            o_bias=False,
+        )
+    if arch == "OlmoeForCausalLM":
+        if cfg.get("clip_qkv") is not None:
+            raise ModelError(f"model {path!r}: OLMoE's clip_qkv {cfg['clip_qkv']} is not supported")
+        fields.update(qk_norm=True, qk_norm_whole=True)
     return fields
 
 
@@ -120,6 +184,8 @@ def _layer_types(path: str, arch: str, cfg: dict[str, Any]) -> list[str]:
     window = cfg.get("sliding_window")
     if not window:
         return ["full_attention"] * n
+    if arch in QWEN_MOE:
+        return _qwen_moe_layer_types(arch, cfg)
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window"):
             return ["full_attention"] * n
@@ -131,6 +197,18 @@ def _layer_types(path: str, arch: str, cfg: dict[str, Any]) -> list[str]:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
         return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
     return [SLIDING] * n  # Mistral, Phi-3: every layer
+
+
+def _qwen_moe_layer_types(arch: str, cfg: dict[str, Any]) -> list[str]:
+    """Qwen2/3-MoE without ``layer_types``: no window unless ``use_sliding_window``; then every
+    layer (Qwen3-MoE), or the even layers below ``max_window_layers`` (Qwen2-MoE)."""
+    n = cfg["num_hidden_layers"]
+    if not cfg.get("use_sliding_window"):
+        return ["full_attention"] * n
+    if arch == "Qwen3MoeForCausalLM":
+        return [SLIDING] * n
+    first = cfg.get("max_window_layers", n)
+    return [SLIDING if (i + 1) % 2 and i < first else "full_attention" for i in range(n)]
 
 
 def _rope(

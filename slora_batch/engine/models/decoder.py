@@ -1,8 +1,9 @@
 """The decoder every family runs: pre-norm blocks of attention over the paged KV cache and a
-gated MLP, with LoRA deltas added per target. The families (``llama``, ``qwen3``, ``gemma``,
-``phi3``) differ in how they read their weights and in the ``ModelSpec`` switches read here: q/k
-norms, Gemma's extra norms and scaled embeddings, GeGLU, soft-capped logits, sliding windows per
-layer, a RoPE of the local layers' own, partial rotary, fused LoRA targets.
+gated MLP or a mixture of experts (``moe``), with LoRA deltas added per target. The families
+(``llama``, ``qwen3``, ``gemma``, ``phi3``, ``moe_families``) differ in how they read their
+weights and in the ``ModelSpec`` switches read here: q/k norms (per head, or over the whole
+projection), Gemma's extra norms and scaled embeddings, GeGLU, soft-capped logits, sliding
+windows per layer, a RoPE of the local layers' own, partial rotary, fused LoRA targets.
 
 ``h = x W + (x A) B * scale``: the base projection runs once for the whole batch; the LoRA
 factors of every token's own adapter are gathered from pool pages by the kernel backend.
@@ -10,6 +11,7 @@ factors of every token's own adapter are gathered from pool pages by the kernel 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from slora_batch.engine.models.layers import add_lora, rope_cos_sin
+from slora_batch.engine.models.moe import MoeWeights, moe_mlp
 from slora_batch.engine.models.quant import linear
 from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import ModelSpec
@@ -36,12 +39,13 @@ class LayerWeights:
     o: torch.Tensor  # [H, q_dim]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]: before the MLP (Gemma: after attention, see ff_norms)
-    gate_up: torch.Tensor  # [2 * I, H]
-    down: torch.Tensor  # [H, I]
-    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    gate_up: torch.Tensor | None  # [2 * I, H]; None in a mixture-of-experts layer (moe)
+    down: torch.Tensor | None  # [H, I]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3); [q_dim] (OLMoE)
     k_norm: torch.Tensor | None = None
     # Gemma: (pre-MLP norm, post-MLP norm); post_norm then normalizes the attention output.
     ff_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    moe: MoeWeights | None = None  # the experts in place of gate_up and down (``models.moe``)
 
 
 class DecoderModel:
@@ -146,11 +150,7 @@ class DecoderModel:
             else:  # Gemma: the attention output normalized, then the pre-MLP norm
                 o = ops.rms_norm(o, layer.post_norm, eps)[0]
                 h, residual = ops.rms_norm(o, layer.ff_norms[0], eps, residual)
-            gate_up = linear(h, layer.gate_up)
-            self._lora(h, gate_up, self.gate_up_cols, *lora, cut=True)
-            a = act(gate_up)
-            down = linear(a, layer.down)
-            self._lora(a, down, {"down": row_cols}, *lora)
+            down = self._mlp(h, layer, lora, act)
             if tp is not None:
                 tp.all_reduce(down)
             x = down if layer.ff_norms is None else ops.rms_norm(down, layer.ff_norms[1], eps)[0]
@@ -160,17 +160,36 @@ class DecoderModel:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits if tp is None else tp.gather_vocab(logits, spec.vocab_size)
 
+    def _mlp(
+        self, h: torch.Tensor, layer: LayerWeights, lora: tuple, act: Callable
+    ) -> torch.Tensor:
+        """The MLP's output [T, H] (under tensor parallelism a partial sum, for the all-reduce):
+        the gated MLP with its LoRA deltas, or the mixture of experts (no LoRA)."""
+        ops = lora[-1]
+        if layer.moe is not None:
+            return moe_mlp(h, layer.moe, ops)
+        gate_up = linear(h, layer.gate_up)
+        self._lora(h, gate_up, self.gate_up_cols, *lora, cut=True)
+        a = act(gate_up)
+        down = linear(a, layer.down)
+        self._lora(a, down, {"down": self.hidden_cols}, *lora)
+        return down
+
     def _heads(
         self, q: torch.Tensor, k: torch.Tensor, layer: LayerWeights, ops: ModuleType
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim] and k [T, kv_heads, head_dim], contiguous; with q/k norms,
-        each head normalized (RMSNorm over head_dim)."""
+        each head normalized (RMSNorm over head_dim), or the whole of q and of k (OLMoE)."""
         spec = self.spec
         d = spec.head_dim
         if layer.q_norm is None:
             q = q.reshape(-1, spec.num_heads, d).contiguous()
             return q, k.reshape(-1, spec.num_kv_heads, d).contiguous()
         eps = spec.rms_norm_eps
+        if spec.qk_norm_whole:
+            q = ops.rms_norm(q.contiguous(), layer.q_norm, eps)[0]
+            k = ops.rms_norm(k.contiguous(), layer.k_norm, eps)[0]
+            return q.view(-1, spec.num_heads, d), k.view(-1, spec.num_kv_heads, d)
         q = ops.rms_norm(q.reshape(-1, d), layer.q_norm, eps)[0].view(-1, spec.num_heads, d)
         k = ops.rms_norm(k.reshape(-1, d), layer.k_norm, eps)[0].view(-1, spec.num_kv_heads, d)
         return q, k

@@ -27,9 +27,18 @@ class LlamaModel(DecoderModel):
             o=w.linear(p + "self_attn.o_proj.weight", dim=1),
             o_bias=w.take(p + "self_attn.o_proj.bias", spec.o_bias),
             post_norm=w.norm(p + "post_attention_layernorm.weight"),
-            gate_up=w.cat([w.linear(p + f"mlp.{t}_proj.weight", dim=0) for t in ("gate", "up")]),
-            down=w.linear(p + "mlp.down_proj.weight", dim=1),
+            **cls.read_mlp(w, spec, i),
             **cls.extra_norms(w, spec, p),
+        )
+
+    @classmethod
+    def read_mlp(cls, w: TensorReader, spec: ModelSpec, i: int) -> dict:
+        """The ``LayerWeights`` fields of layer ``i``'s MLP: the dense gate_up and down here
+        (a mixture-of-experts family reads its experts)."""
+        p = f"model.layers.{i}.mlp."
+        return dict(
+            gate_up=w.cat([w.linear(p + f"{t}_proj.weight", dim=0) for t in ("gate", "up")]),
+            down=w.linear(p + "down_proj.weight", dim=1),
         )
 
     @classmethod

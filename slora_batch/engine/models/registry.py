@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from slora_batch.engine.models.gemma import GemmaModel
 from slora_batch.engine.models.llama import LlamaModel
+from slora_batch.engine.models.moe_families import MixtralModel, MoeModel, Qwen3MoeModel
 from slora_batch.engine.models.phi3 import Phi3Model
 from slora_batch.engine.models.qwen3 import Qwen3Model
 from slora_batch.engine.models.spec import SUPPORTED_ARCHITECTURES, ModelError, ModelSpec
@@ -22,6 +23,10 @@ FAMILIES: dict[str, type[LlamaModel]] = {
     "Gemma2ForCausalLM": GemmaModel,
     "Gemma3ForCausalLM": GemmaModel,
     "Phi3ForCausalLM": Phi3Model,
+    "MixtralForCausalLM": MixtralModel,
+    "Qwen3MoeForCausalLM": Qwen3MoeModel,
+    "Qwen2MoeForCausalLM": MoeModel,  # q/k/v biases and the shared expert, read from the spec
+    "OlmoeForCausalLM": Qwen3MoeModel,  # Qwen3-MoE's names; q/k norms over whole projections
 }
 
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from slora_batch.engine.models.configs import SUPPORTED_ROPE, ModelError, family_fields
+from slora_batch.engine.models.configs import (
+    MOE_ARCHITECTURES,
+    SUPPORTED_ROPE,
+    ModelError,
+    family_fields,
+)
 
 __all__ = ["SUPPORTED_ROPE", "ModelError", "ModelSpec", "read_spec"]
 
@@ -19,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 MODEL_TYPES = {  # for configs without "architectures"
     "llama": "LlamaForCausalLM",
@@ -28,6 +35,10 @@ MODEL_TYPES = {  # for configs without "architectures"
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 # LoRA targets in their canonical order; the page layout and kernels index them by position.
@@ -47,6 +58,13 @@ MODULE_OF = {
 }
 FUSED_TARGETS = ("qkv", "o", "gate_up", "down")  # the modules a fused-projection model has
 SPLIT_TARGETS = TARGETS[:7]
+ATTENTION_TARGETS = TARGETS[:4]  # what a mixture-of-experts model's adapters may target
+# An adapter tensor on a module of the MoE block: the experts (one per expert as transformers 4
+# made them, or PEFT's ``target_parameters`` on the fused ones), the router, the shared expert.
+_MOE_MODULE = re.compile(
+    r"layers\.\d+\.((?:mlp|block_sparse_moe)\.(?:experts|gate|shared_expert(?:_gate)?)\b.*?)"
+    r"(?:\.base_layer)?\.lora_"
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,18 @@ class ModelSpec:
     rotary_dim: int | None = None  # leading dims of a head that RoPE rotates; None: all
     fused_projections: bool = False  # qkv_proj and gate_up_proj weights (Phi-3)
     quantization: dict | None = None  # an FP8 checkpoint's format (``configs.quantization``)
+    qk_norm_whole: bool = False  # q/k norms over the whole projection, not per head (OLMoE)
+    # Mixture of experts (``configs.moe_fields``); 0 experts: a dense model. Each MoE layer
+    # routes a token to its top ``experts_per_token`` of ``num_experts`` SwiGLU experts of
+    # ``expert_size`` (a rank's share under tensor parallelism), beside Qwen2-MoE's shared
+    # expert of ``shared_expert_size`` (0: none); ``dense_layers`` keep a dense MLP of
+    # ``intermediate_size`` (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk: bool = False  # the top-k weights renormalized to sum to 1 (Mixtral; Qwen's flag)
+    shared_expert_size: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def q_dim(self) -> int:
@@ -116,8 +146,43 @@ class ModelSpec:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """The LoRA targets this model's adapters may have (fused modules for Phi-3)."""
+        """The LoRA targets this model's adapters may have (fused modules for Phi-3; attention
+        only for a mixture-of-experts model: its experts and router take no LoRA yet)."""
+        if self.num_experts:
+            return ATTENTION_TARGETS
         return FUSED_TARGETS if self.fused_projections else SPLIT_TARGETS
+
+    def lora_refusal(self, key: str) -> str | None:
+        """Why an adapter tensor named ``key`` cannot run on this model where it is LoRA on a
+        module of the mixture-of-experts block (experts, router, shared expert), else None."""
+        m = _MOE_MODULE.search(key) if self.num_experts else None
+        if m is None:
+            return None
+        modules = ", ".join(MODULE_OF[t].split(".")[1] for t in self.lora_targets)
+        return (
+            f"tensor {key!r} is LoRA on {m.group(1)}, in {self.architecture}'s "
+            "mixture-of-experts block: LoRA on the experts, the router or the shared expert is "
+            f"not supported (this model's adapters may target {modules})"
+        )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (not one of ``dense_layers``)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def projection_params(self) -> int:
+        """Elements of every layer's projections on one rank (``spec``: a rank's shard under
+        tensor parallelism): attention, and the dense MLP or the experts, router and shared
+        expert of each layer. Embeddings, norms and biases are left out."""
+        h = self.hidden_size
+        attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        dense = 3 * h * self.intermediate_size
+        moe = self.num_experts * (3 * h * self.expert_size + h)  # experts and router rows
+        if self.shared_expert_size:
+            moe += 3 * h * self.shared_expert_size + h  # the shared expert and its gate
+        return sum(
+            attention + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers)
+        )
 
     def window(self, layer: int) -> int:
         """The sliding window of ``layer`` (0: it attends to the whole context)."""
@@ -145,15 +210,23 @@ class ModelSpec:
 
     def shard(self, size: int) -> ModelSpec:
         """One rank's spec under ``size``-way tensor parallelism (Megatron cuts: heads, KV
-        heads and the intermediate size by ``size``); raises ``ModelError`` with the numbers
-        when the model does not divide."""
+        heads and the intermediate sizes, the experts' too, by ``size``); raises ``ModelError``
+        with the numbers when the model does not divide, or naming the model where its layers
+        cannot be cut (OLMoE's whole-projection q/k norms)."""
         if size == 1:
             return self
+        if self.qk_norm_whole:
+            raise ModelError(
+                f"model {self.path!r}: tensor_parallel {size} is not supported for "
+                f"{self.architecture} (its q/k norms span every head; use tensor_parallel 1)"
+            )
         dims = {
             "attention heads": self.num_heads,
             "KV heads": self.num_kv_heads,
             "intermediate size": self.intermediate_size,
             "hidden size": self.hidden_size,
+            "experts' intermediate size": self.expert_size,
+            "shared expert's intermediate size": self.shared_expert_size,
         }
         bad = [f"{what} {n}" for what, n in dims.items() if n % size]
         if bad:
@@ -165,6 +238,8 @@ class ModelSpec:
             num_heads=self.num_heads // size,
             num_kv_heads=self.num_kv_heads // size,
             intermediate_size=self.intermediate_size // size,
+            expert_size=self.expert_size // size,
+            shared_expert_size=self.shared_expert_size // size,
             tp_size=size,
         )
 

@@ -94,3 +94,46 @@ class TensorReader:
             rows = torch.cat([t.weight.view(torch.uint8) for t in tensors]).view(FP8)
             return Fp8Weight(rows.contiguous(), torch.cat([t.scale for t in tensors]))
         return torch.cat(tensors).contiguous()
+
+    def experts(
+        self, fused: str, split: str, names: tuple[str, str, str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MoE layer's experts: gate_up [E, 2 * I, H] (each expert's gate rows, then its
+        up rows) and down [E, H, I], I the rank's share of ``spec.expert_size``.
+
+        Read from either layout a checkpoint may have: transformers 5's fused 3-D tensors
+        ``{fused}gate_up_proj`` [E, 2 * I, H] and ``{fused}down_proj`` [E, H, I] (a loaded
+        model's state dict), or one tensor per expert as the Hub and ``save_pretrained`` store
+        them, ``{split}{e}.{gate}.weight``, ``{up}``, ``{down}`` with ``names`` = (gate, up,
+        down): ("gate_proj", "up_proj", "down_proj") for Qwen and OLMoE, ("w1", "w3", "w2")
+        for Mixtral."""
+        spec = self.spec
+        if self.fp8:
+            raise ModelError(
+                f"model {spec.path!r}: fp8 weights are not supported for {spec.architecture} "
+                "(mixture-of-experts models run in float32, bfloat16 or float16; weights: auto)"
+            )
+        inter = spec.expert_size
+        gate_up = self.take(fused + "gate_up_proj", required=False, dim=1, parts=(inter, inter))
+        if gate_up is not None:
+            return gate_up, self.take(fused + "down_proj", dim=2)
+        gate, up, down = names
+        return self._stack_experts(split, gate, up, down)
+
+    def _stack_experts(
+        self, split: str, gate: str, up: str, down: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-expert tensors copied into one [E, ...] tensor each, one expert at a time (no
+        second copy of a layer's experts on the device)."""
+        count = self.spec.num_experts
+        gate_up = down_all = None
+        for e in range(count):
+            prefix = f"{split}{e}."
+            g, u = (self.take(prefix + name + ".weight", dim=0) for name in (gate, up))
+            d = self.take(prefix + down + ".weight", dim=1)
+            if gate_up is None:
+                gate_up = g.new_empty(count, 2 * g.shape[0], g.shape[1])
+                down_all = d.new_empty(count, *d.shape)
+            gate_up[e, : g.shape[0]], gate_up[e, g.shape[0] :] = g, u
+            down_all[e] = d
+        return gate_up, down_all

@@ -1,0 +1,131 @@
+"""Tiny random mixture-of-experts models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE) and their
+adapters in Hugging Face / PEFT format, beside ``factory`` (whose ``make_adapter``, ``make_rows``
+and ``reference`` they share).
+
+Each model has 2 layers, hidden 64, GQA 4/2, top-2 routing over 4 or 8 experts, and weights
+large enough (``initializer_range`` 0.2) that the router spreads tokens over every expert.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from factory import make_adapter
+
+VOCAB = 300
+MOE_KINDS = ("qwen3-moe", "mixtral", "qwen2-moe", "olmoe")
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# (name, rank, targets, alpha, rslora): mixed ranks on attention targets, the MoE adapters' case
+ATTENTION_ADAPTERS = [
+    ("r1-qv", 1, ["q_proj", "v_proj"], 2, False),
+    ("r3-attn", 3, ATTN, 6, False),
+    ("r8-attn-rs", 8, ATTN, 16, True),
+    ("r5-qo", 5, ["q_proj", "o_proj"], 5, False),
+    ("r16-kv", 16, ["k_proj", "v_proj"], 8, False),
+]
+
+
+def moe_config(kind: str):
+    """The transformers config of one tiny MoE model: Qwen3-MoE with norm_topk_prob and 8
+    experts; Mixtral with 4; Qwen2-MoE with a shared expert and layer 1 dense
+    (``mlp_only_layers``); OLMoE with whole-projection q/k norms and no top-k renormalization."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        num_experts_per_tok=2,
+    )
+    if kind == "qwen3-moe":  # head_dim 24, not 64 / 4
+        return tf.Qwen3MoeConfig(
+            head_dim=24,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            norm_topk_prob=True,
+            **common,
+        )
+    if kind == "mixtral":
+        return tf.MixtralConfig(intermediate_size=48, num_local_experts=4, **common)
+    if kind == "qwen2-moe":
+        return tf.Qwen2MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            **common,
+        )
+    if kind == "olmoe":
+        return tf.OlmoeConfig(intermediate_size=32, num_experts=8, **common)
+    raise ValueError(kind)
+
+
+def moe_hf_model(kind: str, seed: int = 0):
+    """The transformers model of ``kind`` with random weights, in fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(kind), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def make_moe_model(root: Path, kind: str, seed: int = 0) -> Path:
+    """``moe_hf_model`` saved with ``save_pretrained``: one tensor per expert, as on the Hub."""
+    out = root / f"model-{kind}"
+    moe_hf_model(kind, seed).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def save_fused(model, out: Path) -> Path:
+    """``model``'s state dict as it is in memory under transformers 5 (fused 3-D experts:
+    ``mlp.experts.gate_up_proj`` [E, 2 * I, H], ``mlp.experts.down_proj`` [E, H, I]) in one
+    safetensors file, with its config."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, out / "model.safetensors")
+    model.config.to_json_file(out / "config.json")
+    return out
+
+
+def make_attention_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+    """``ATTENTION_ADAPTERS`` for ``model_dir`` (random non-zero A and B)."""
+    return {
+        name: make_adapter(model_dir, root / name, r, t, a, rs, seed=i + 1)
+        for i, (name, r, t, a, rs) in enumerate(ATTENTION_ADAPTERS)
+    }
+
+
+def write_adapter(out: Path, tensors: dict[str, tuple[int, int]], rank: int = 2, **cfg) -> Path:
+    """A PEFT adapter directory written by hand: zero tensors of the given shapes under the given
+    names (``base_model.model.`` prepended), and an ``adapter_config.json`` of ``cfg``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    save_file(
+        {f"base_model.model.{k}": torch.zeros(shape) for k, shape in tensors.items()},
+        out / "adapter_model.safetensors",
+    )
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, **cfg}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
