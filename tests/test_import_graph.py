@@ -1,6 +1,7 @@
-"""The package's import graph, read from the source: no circle anywhere in ``slora_batch/``
-(function-level imports count, so a circle cannot hide inside a function), and the engine's
-rooms import only downward, in the order ``slora_batch/engine/__init__.py`` lists them.
+"""The package's import graph, read from the source: no circle anywhere in ``slora_batch/``,
+neither between modules nor between its packages (function-level imports count, so a circle
+cannot hide inside a function), ``jobs/`` imports nothing of ``eval/``, and the engine's rooms
+import only downward, in the order ``slora_batch/engine/__init__.py`` lists them.
 
 An import under ``if TYPE_CHECKING:`` is left out: it is never run.
 """
@@ -140,6 +141,60 @@ def test_no_import_cycle():
     assert not found, "import cycles in slora_batch/: " + "; ".join(
         " <-> ".join(component) for component in found
     )
+
+
+def package_of(module: str) -> str:
+    """The package of ``slora_batch`` a module belongs to: ``slora_batch.jobs`` for
+    ``slora_batch.jobs.run``, a top-level module itself (``slora_batch.runner``), and
+    ``slora_batch`` for the root's ``__init__``."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{package: the other packages its modules import}."""
+    packages: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        here = package_of(module)
+        packages.setdefault(here, set()).update(
+            package_of(dep) for dep in deps if package_of(dep) != here
+        )
+    return packages
+
+
+def test_no_import_cycle_between_packages():
+    """Packages import each other one way only (``runner`` sits above ``jobs`` and ``eval``):
+    a function-level import counts, so a circle cannot hide inside a function."""
+    found = cycles(package_graph(import_graph(ROOT)))
+    assert not found, "import cycles between packages of slora_batch/: " + "; ".join(
+        " <-> ".join(component) for component in found
+    )
+
+
+def test_jobs_import_nothing_of_eval():
+    """The job tool runs without lm-eval's bridge: an eval job plugs in from above
+    (``slora_batch.runner``), and its ``eval:`` keys are the job file's (``jobs/eval_keys.py``)."""
+    graph = import_graph(ROOT)
+    found = sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        if package_of(module) == f"{PACKAGE}.jobs"
+        for dep in deps
+        if package_of(dep) == f"{PACKAGE}.eval"
+    )
+    assert not found, "jobs/ imports eval/: " + ", ".join(found)
+
+
+def test_package_graph_sees_a_circle_through_function_level_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for name in ("jobs", "eval"):
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "jobs" / "run.py").write_text("def f():\n    from slora_batch.eval import sweep\n")
+    (pkg / "eval" / "sweep.py").write_text("from slora_batch.jobs.run import f\n")
+    packages = package_graph(import_graph(tmp_path))
+    assert packages[f"{PACKAGE}.jobs"] == {f"{PACKAGE}.eval"}
+    assert cycles(packages) == [[f"{PACKAGE}.eval", f"{PACKAGE}.jobs"]]
 
 
 def test_rooms_import_only_downward():
