@@ -85,9 +85,29 @@ RESUME = """
 import json, os, sys, threading
 from types import SimpleNamespace
 import pyarrow.parquet as pq
-from slora_batch.jobs import resume, run as jobrun
-from slora_batch.jobs.config import load_jobs
-from slora_batch.engine.requests.request import Result
+from slora_batch.jobs import scan
+
+
+def counted(module, name, calls, per_item=False):
+    # module.name wrapped: calls[name] counts its calls (or the items it yields)
+    real = getattr(module, name)
+    calls[name] = 0
+
+    def wrapper(*args, **kwargs):
+        if not per_item:
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return (calls.__setitem__(name, calls[name] + 1) or item for item in real(*args, **kwargs))
+
+    setattr(module, name, wrapper)
+
+
+calls = {}
+# the manifest holds the scan: never again (wrapped before the job's modules import it)
+counted(scan, "scan_input", calls)
+from slora_batch.jobs import resume, run as jobrun  # noqa: E402
+from slora_batch.jobs.config import load_jobs  # noqa: E402
+from slora_batch.engine.requests.request import Result  # noqa: E402
 
 
 class InstantEngine:
@@ -123,24 +143,8 @@ def sample(peak, stop):
         peak[0] = max(peak[0], rss_kb())
 
 
-def counted(module, name, calls, per_item=False):
-    # module.name wrapped: calls[name] counts its calls (or the items it yields)
-    real = getattr(module, name)
-    calls[name] = 0
-
-    def wrapper(*args, **kwargs):
-        if not per_item:
-            calls[name] += 1
-            return real(*args, **kwargs)
-        return (calls.__setitem__(name, calls[name] + 1) or item for item in real(*args, **kwargs))
-
-    setattr(module, name, wrapper)
-
-
 engine = InstantEngine()
 jobrun._build_engine = lambda plan: engine
-calls = {}
-counted(jobrun, "scan_input", calls)  # the manifest holds the scan: never again
 counted(resume, "read_rows", calls, per_item=True)  # input rows read while resuming
 counted(resume, "to_request", calls)  # requests made: the pending rows only
 resume.pq = SimpleNamespace(read_schema=pq.read_schema, read_table=pq.read_table)
