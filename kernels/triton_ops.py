@@ -14,6 +14,7 @@ from slora_kernels.fused import gelu_tanh_mul, rms_norm, rope, silu_mul
 from slora_kernels.kv import kv_write
 from slora_kernels.lora_expand import lora_expand
 from slora_kernels.lora_shrink import lora_shrink
+from slora_kernels.moe import fused_moe
 from slora_kernels.ref import gather_kv, gather_lora_rows, lora_group
 
 CUDA_GRAPHS = True  # every op is capturable: the engine captures decode steps with this backend
@@ -21,6 +22,7 @@ CUDA_GRAPHS = True  # every op is capturable: the engine captures decode steps w
 __all__ = [
     "attention",
     "attention_decode",
+    "fused_moe",
     "gather_kv",
     "gather_lora_rows",
     "gelu_tanh_mul",
