@@ -11,7 +11,6 @@ factors of every token's own adapter are gathered from pool pages by the kernel 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -121,7 +120,6 @@ class DecoderModel:
         rope_pos = self._rope_positions(step)
         tp = self.tp
         row_cols = self.hidden_cols  # o's and down's LoRA output: all columns, or the rank's
-        act = getattr(ops, self.act)
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             kv = pool.kv_args(index)  # fp8 pages: the layer's scale table
@@ -150,7 +148,7 @@ class DecoderModel:
             else:  # Gemma: the attention output normalized, then the pre-MLP norm
                 o = ops.rms_norm(o, layer.post_norm, eps)[0]
                 h, residual = ops.rms_norm(o, layer.ff_norms[0], eps, residual)
-            down = self._mlp(h, layer, lora, act)
+            down = self._mlp(h, layer, lora, ops)
             if tp is not None:
                 tp.all_reduce(down)
             x = down if layer.ff_norms is None else ops.rms_norm(down, layer.ff_norms[1], eps)[0]
@@ -161,16 +159,16 @@ class DecoderModel:
         return logits if tp is None else tp.gather_vocab(logits, spec.vocab_size)
 
     def _mlp(
-        self, h: torch.Tensor, layer: LayerWeights, lora: tuple, act: Callable
+        self, h: torch.Tensor, layer: LayerWeights, lora: tuple, ops: ModuleType
     ) -> torch.Tensor:
         """The MLP's output [T, H] (under tensor parallelism a partial sum, for the all-reduce):
-        the gated MLP with its LoRA deltas, or the mixture of experts (no LoRA)."""
-        ops = lora[-1]
+        the gated MLP with its LoRA deltas (``lora``: ``_lora``'s pool, meta, buffer and ops),
+        or the mixture of experts (no LoRA)."""
         if layer.moe is not None:
             return moe_mlp(h, layer.moe, ops)
         gate_up = linear(h, layer.gate_up)
         self._lora(h, gate_up, self.gate_up_cols, *lora, cut=True)
-        a = act(gate_up)
+        a = getattr(ops, self.act)(gate_up)
         down = linear(a, layer.down)
         self._lora(a, down, {"down": self.hidden_cols}, *lora)
         return down

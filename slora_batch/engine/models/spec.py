@@ -184,6 +184,21 @@ class ModelSpec:
             attention + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers)
         )
 
+    @property
+    def mlp_step_width(self) -> int:
+        """Elements per token of the MLP's temporaries in one step, with head room: the dense
+        MLP's 6 x intermediate (gate/up, activation, output), or at least the MoE block's: per
+        token K activations of the expert size and K weighted outputs of the hidden size,
+        router logits, softmax and top-k (fp32: 2 elements each), the fp32 sum, the shared
+        expert's gate/up and activation."""
+        dense = 6 * self.intermediate_size
+        if not self.num_experts:
+            return dense
+        k = self.experts_per_token
+        moe = k * (self.expert_size + self.hidden_size) + 6 * self.num_experts
+        moe += 4 * self.hidden_size + 3 * self.shared_expert_size
+        return max(dense, moe)
+
     def window(self, layer: int) -> int:
         """The sliding window of ``layer`` (0: it attends to the whole context)."""
         return self.layer_windows[layer] if self.layer_windows else 0

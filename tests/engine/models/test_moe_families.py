@@ -333,3 +333,59 @@ def test_router_weights_follow_each_models_normalization():
     assert ids.dtype == torch.int32 and (w.sum(-1) < 1).all()
     w_norm, ids_norm = route(h, router, 2, norm_topk=True)
     assert torch.equal(ids, ids_norm) and torch.allclose(w_norm.sum(-1), torch.ones(5))
+
+
+def test_moe_scores_equal_transformers_peft(moe_case):
+    """Scored rows (log-likelihood of a continuation), prefix caching on: transformers + PEFT's
+    log-probs."""
+    import random
+
+    from test_scoring import peft_model, reference_logprobs
+
+    kind, model_dir, adapters, _, _ = moe_case
+    rng = random.Random(3)
+    names = [None, *adapters]
+    rows = []
+    for i in range(10):
+        context = [rng.randrange(3, VOCAB) for _ in range(rng.choice([3, 9, 20]))]
+        stem = context[: rng.choice([0, 4])]
+        cont = [rng.randrange(3, VOCAB) for _ in range(rng.choice([1, 4, 9]))]
+        rows.append(
+            Request(
+                id=i,
+                adapter=names[i % len(names)],
+                prompt_token_ids=stem + context,
+                continuation_token_ids=cont,
+            )
+        )
+    config = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        num_pages=20000,
+        max_num_batched_tokens=24,
+        prefix_caching=True,
+        prefix_block_tokens=4,
+    )
+    results = {r.id: r for r in Engine(model_dir, adapters=adapters, config=config).generate(rows)}
+    model = peft_model(model_dir, adapters)
+    for row in rows:
+        ctx, cont = row.prompt_token_ids, row.continuation_token_ids
+        logp = reference_logprobs(model, row.adapter, ctx + cont)
+        want = [float(logp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont)]
+        assert results[row.id].token_logprobs == pytest.approx(want, abs=1e-4), (kind, row.id)
+
+
+def test_spec_sizes_for_memory_match_the_dense_formula_and_grow_with_experts():
+    """``projection_params`` of a dense model is the per-layer attention and 3 x hidden x
+    intermediate that weight sizing counts; ``mlp_step_width`` of a dense model is 6 x
+    intermediate, of an MoE model at least its K activations and K weighted outputs a token."""
+    from factory import tiny_spec
+
+    dense = tiny_spec()
+    h, i = dense.hidden_size, dense.intermediate_size
+    attention = h * (dense.q_dim + 2 * dense.kv_dim) + dense.q_dim * h
+    assert dense.projection_params == dense.num_layers * (attention + 3 * h * i)
+    assert dense.mlp_step_width == 6 * i
+    moe = tiny_spec(num_experts=64, experts_per_token=8, expert_size=32, intermediate_size=32)
+    assert moe.mlp_step_width >= 8 * (32 + 64) > 6 * 32
+    assert moe.projection_params > dense.projection_params
