@@ -89,8 +89,14 @@ class JobPlan:
         return None if self.rows_total is None else self.rows_total * len(self.sweep or [None])
 
     def scanned(self, scan: InputScan) -> None:
-        """Take the output rows per adapter from the input's scan."""
-        self.rows_total = scan.samples(self.job.sampling.n)
+        """Take the output rows per adapter from the input's scan: the job's n for each row,
+        but a row's own for the rows that have one (``InputScan.own_n_rows``), when every row
+        that can be read makes its samples (one that fails makes one error row instead).
+
+        Running example: 10 rows, 2 of them with n 5 and one line unreadable, a job with n 3:
+        (10 - 3) * 3 + 5 + 5 + 1 = 32."""
+        n = self.job.sampling.n
+        self.rows_total = (scan.rows - scan.own_n_rows) * n + scan.own_n_samples
 
 
 def select_jobs(jobs: list[JobConfig], name: str | None) -> list[JobConfig]:

@@ -127,7 +127,7 @@ class OpenAIReading:
     def records(
         self, records: Iterator[tuple[int, dict | None, str | None]], name: str
     ) -> Iterator[tuple[int, dict | None, str | None]]:
-        """(number, record, error) of the lines of file ``name`` (``reader.file_records``), each
+        """(number, record, error) of the lines of file ``name`` (``reader.input_records``), each
         line converted to the job's columns; a bad line keeps its record when it has a usable
         custom_id."""
         for number, record, error in records:

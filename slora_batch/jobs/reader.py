@@ -173,22 +173,13 @@ def read_rows(
     ``start`` is the position of the first row of ``files`` in the job's input (a later file
     read alone); rows stop before position ``limit``. ``position_ids``: the input has no id
     column (``scan.InputScan.position_ids``), each row's id is its position."""
-    reading = openai.reading() if openai is not None else None
-    files = list(files)
-    root = root or (input_root(files, fs) if files else Path("."))
     logical = {column: key for key, column in reversed(_pairs(columns))}  # column -> name
     keep = dict(keep) if isinstance(keep, Mapping) else {name: name for name in keep}
     fields = list(fields)
     wanted = list(logical) + list(keep) + fields
     position = start
-    for file in files:
-        if limit is not None and position >= limit:
-            return
-        name = relative_name(file, root)
-        records = file_records(file, wanted, fs)
-        if reading is not None:
-            records = reading.records(records, name)
-        for number, record, error in records:
+    for file in input_records(files, fs, openai, wanted, root):
+        for number, record, error in file.records:
             if limit is not None and position >= limit:
                 return
             values, kept, found = {}, {}, {}
@@ -200,8 +191,48 @@ def read_rows(
                     found = {c: record[c] for c in fields if c in record}
             if position_ids:
                 values["id"] = position
-            yield InputRow(position, file, name, number, values, columns, kept, error, found)
+            yield InputRow(
+                position, file.path, file.name, number, values, columns, kept, error, found
+            )
             position += 1
+
+
+@dataclass(slots=True)
+class InputFile:
+    """One file of a pass over the input (``input_records``)."""
+
+    path: Path
+    name: str  # relative to the input root, as messages and ``source`` show it
+    parquet: pq.ParquetFile | None  # a Parquet file, its footer read; None for JSONL
+    records: Iterator[tuple[int, dict | None, str | None]]  # (number, record, error) per row
+
+
+def input_records(
+    files: Iterable[Path],
+    fs=None,
+    openai: OpenAIBatch | None = None,
+    columns: list[str] | None = None,
+    root: Path | None = None,
+) -> Iterator[InputFile]:
+    """One pass over the input: each of ``files`` (on ``fs``; None: the local disk) in order,
+    named relative to ``root`` (default: the folder that holds them all), with its records; a
+    Parquet file's are read for ``columns`` only (None: all). ``openai``: the files hold OpenAI
+    Batch lines, converted (``openai_input.py``) by one reading per pass, so that a custom_id's
+    first line wins. Raises only when a file cannot be opened or read."""
+    files = list(files)
+    root = root or (input_root(files, fs) if files else Path("."))
+    reading = None  # the pass's, made at its first file
+    for file in files:
+        name = relative_name(file, root)
+        if file.suffix.lower() == ".jsonl":
+            parquet, records = None, _jsonl_records(file, fs)
+        else:
+            parquet = parquet_file(file, fs)
+            records = _parquet_records(file, parquet, columns)
+        if openai is not None:
+            reading = reading or openai.reading()
+            records = reading.records(records, name)
+        yield InputFile(file, name, parquet, records)
 
 
 def relative_name(file: Path, root: Path) -> str:
@@ -214,15 +245,6 @@ def relative_name(file: Path, root: Path) -> str:
         return str(Path(os.path.abspath(file)).relative_to(root))
     except ValueError:
         return str(file)
-
-
-def file_records(
-    file: Path, columns: list[str] | None, fs=None
-) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(number, record, error) of every row; Parquet reads only ``columns`` (None: all)."""
-    if file.suffix.lower() == ".jsonl":
-        return _jsonl_records(file, fs)
-    return _parquet_records(file, columns, fs)
 
 
 def parquet_file(file: Path, fs=None) -> pq.ParquetFile:
@@ -258,11 +280,12 @@ def _jsonl_records(file: Path, fs=None) -> Iterator[tuple[int, dict | None, str 
 
 
 def _parquet_records(
-    file: Path, columns: list[str] | None, fs=None
+    file: Path, parquet: pq.ParquetFile, columns: list[str] | None
 ) -> Iterator[tuple[int, dict | None, str | None]]:
+    """(number, record, None) of every row of ``parquet`` (``file``), of ``columns`` only (None:
+    all)."""
     number = 0
     try:
-        parquet = parquet_file(file, fs)
         names = parquet.schema_arrow.names
         wanted = names if columns is None else [c for c in dict.fromkeys(columns) if c in names]
         # a response_format struct column holds every row's fields, the others null: each row

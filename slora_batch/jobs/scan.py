@@ -16,16 +16,8 @@ import pyarrow as pa
 
 from slora_batch.engine.config import SamplingConfig
 from slora_batch.jobs.config import SCORE_KEYS
-from slora_batch.jobs.openai_input import OpenAIBatch, OpenAIReading
-from slora_batch.jobs.reader import (
-    InputRow,
-    file_records,
-    input_root,
-    parquet_file,
-    read_rows,
-    relative_name,
-    used_columns,
-)
+from slora_batch.jobs.openai_input import OpenAIBatch
+from slora_batch.jobs.reader import InputFile, InputRow, input_records, used_columns
 from slora_batch.jobs.rows import RowSource, identity, row_key
 from slora_batch.jobs.samples import row_samples
 from slora_batch.jobs.text import plural
@@ -69,14 +61,6 @@ class InputScan:
     position_ids: bool = False
     kept_as: dict[str, str] = field(default_factory=dict)  # kept column -> its output name
     limit: int | None = None  # the job's ``limit`` the scan was taken with (None: every row)
-
-    def samples(self, n: int) -> int:
-        """Output rows per adapter of a job whose ``sampling.n`` is ``n``, when every row that
-        can be read makes its samples (one that fails makes one error row instead).
-
-        Running example: 10 rows, 2 of them with n 5 and one line unreadable, a job with n 3:
-        (10 - 3) * 3 + 5 + 5 + 1 = 32."""
-        return (self.rows - self.own_n_rows) * n + self.own_n_samples
 
     def kept_columns(self) -> dict[str, str]:
         """The kept input columns and the output name each is kept under."""
@@ -129,14 +113,12 @@ def scan_input(
     the job reads). ``fields``: the columns the job's prompt_template reads; ``limit``: scan
     only the first rows of the input."""
     used = {*used_columns(columns), *fields}
-    root = input_root(files, fs)
-    reading = openai.reading() if openai is not None else None
     kept = _KeptColumns(keep, reserved, used, {columns["id"], columns["adapter"]}, openai)
     scanner = _Scanner(InputScan(limit=limit), kept, columns, fanout)
-    for file in files:
+    for file in input_records(files, fs, openai, scanner.parquet_wanted):
         if scanner.full:
             break
-        scanner.read(file, root, fs, reading)
+        scanner.read(file)
     scan = scanner.finish(openai is None)
     if scanner.repeats:
         keys = {key for key, _ in scanner.repeats}
@@ -171,23 +153,18 @@ class _Scanner:
         limit = self.scan.limit
         return limit is not None and self.scan.rows >= limit
 
-    def read(self, file: Path, root: Path, fs, reading: OpenAIReading | None) -> None:
-        """Every row of one file (named relative to ``root`` in messages)."""
-        before = self.scan.rows
-        name = relative_name(file, root)
-        parquet = parquet_file(file, fs) if file.suffix.lower() == ".parquet" else None
-        records = file_records(file, None if parquet is None else self.parquet_wanted, fs)
-        if reading is not None:
-            records = reading.records(records, name)
+    def read(self, file: InputFile) -> None:
+        """Every row of one file: a Parquet file's columns are its schema's, for every row."""
+        before, parquet = self.scan.rows, file.parquet
         if parquet is not None:
             rows = parquet.metadata.num_rows
             if self.scan.limit is not None:
                 rows = min(rows, self.scan.limit - self.scan.rows)
-            self.kept.schema(self.scan, parquet.schema_arrow, rows, f"{name} (every row)")
-        for number, record, error in records:
+            self.kept.schema(self.scan, parquet.schema_arrow, rows, f"{file.name} (every row)")
+        for number, record, error in file.records:
             if self.full:
                 break
-            row = InputRow(0, file, name, number, {}, self.columns, {}, error)
+            row = InputRow(0, file.path, file.name, number, {}, self.columns, {}, error)
             self._read_row(row, record, parquet is None)
         self.scan.file_rows.append(self.scan.rows - before)
 
@@ -343,15 +320,21 @@ def _first_rows(
 ) -> dict[str, str]:
     """Where each of ``keys`` first occurs (a second pass, stopping when all are found)."""
     found: dict[str, str] = {}
-    for row in read_rows(files, columns, fs=fs, openai=openai):
-        id_, adapter, problem = identity(row, fanout)
-        usable = problem is None and not isinstance(id_, RowSource)
-        key = row_key(id_, adapter) if usable else None
-        if key in keys and key not in found:
-            shown = "" if fanout else f", adapter {adapter!r}"
-            found[key] = f"{row.where} (id {id_!r}{shown})"
-            if len(found) == len(keys):
-                break
+    for file in input_records(files, fs, openai, [columns["id"], columns["adapter"]]):
+        for number, record, error in file.records:
+            if record is None:  # a line that cannot be read has no id to repeat
+                continue
+            values = {"id": record.get(columns["id"]), "adapter": record.get(columns["adapter"])}
+            row = InputRow(0, file.path, file.name, number, values, columns, {}, error)
+            id_, adapter, problem = identity(row, fanout)
+            if problem is not None or isinstance(id_, RowSource):
+                continue
+            key = row_key(id_, adapter)
+            if key in keys and key not in found:
+                shown = "" if fanout else f", adapter {adapter!r}"
+                found[key] = f"{row.where} (id {id_!r}{shown})"
+                if len(found) == len(keys):
+                    return found
     return found
 
 
