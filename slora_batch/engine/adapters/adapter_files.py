@@ -119,7 +119,8 @@ def _check_shapes(
             )
         m = _KEY.search(key)
         if m is None or m.group(3) not in _MODULE_TO_TARGET:
-            raise AdapterError(name, path, f"unexpected tensor {key!r} {list(shape)}")
+            refusal = spec.lora_refusal(key)
+            raise AdapterError(name, path, refusal or f"unexpected tensor {key!r} {list(shape)}")
         layer, target, factor = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)], m.group(4)
         if target not in spec.lora_targets:
             modules = ", ".join(MODULE_OF[t].split(".")[1] for t in spec.lora_targets)

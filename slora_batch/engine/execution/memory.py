@@ -74,12 +74,10 @@ def weight_bytes(spec: ModelSpec, dtype: torch.dtype, fp8: bool = False) -> int:
     LM head (a rank's share of its rows). Norms and biases are left out: a lower bound."""
     elt = torch.finfo(dtype).bits // 8
     h = spec.hidden_size
-    attention = h * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * h
-    mlp = 3 * h * spec.intermediate_size
     projection_elt = 1 if fp8 or spec.quantization else elt
     embed = spec.vocab_size * h * elt
     head = 0 if spec.tie_word_embeddings else embed // spec.tp_size
-    return spec.num_layers * (attention + mlp) * projection_elt + embed + head
+    return spec.projection_params * projection_elt + embed + head
 
 
 def min_engine_bytes(
@@ -152,7 +150,7 @@ def reserve_bytes(
       bucket, and each bucket's logits [bucket, vocab] fp32.
     """
     elt = torch.finfo(dtype).bits // 8
-    width = 3 * (spec.q_dim + 2 * spec.kv_dim) + 6 * spec.intermediate_size + 8 * spec.hidden_size
+    width = 3 * (spec.q_dim + 2 * spec.kv_dim) + spec.mlp_step_width + 8 * spec.hidden_size
     activations = config.max_num_batched_tokens * width * elt
     sampler = config.seats_bound * spec.vocab_size * 4 * 12
     graphs = 0

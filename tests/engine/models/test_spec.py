@@ -47,7 +47,7 @@ def test_transformers5_rope_parameters(tmp_path):
     "cfg, words",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel' is not supported"),
-        ({"architectures": ["MixtralForCausalLM"]}, "'MixtralForCausalLM' is not supported"),
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "'DeepseekV3ForCausalLM' is not supported"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
         ({"mlp_bias": True}, "mlp_bias"),
     ],
