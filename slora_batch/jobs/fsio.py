@@ -53,7 +53,8 @@ def stat(fs: pafs.FileSystem | None, path: str | Path) -> list[int | str | None]
         local = os.stat(path)
         with open(path, "rb") as handle:
             return [local.st_size, local.st_mtime_ns, edge_digest(handle, local.st_size)]
-    info = file_info(fs, str(path))
+    path = str(path)
+    info = file_info(fs, path)
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"{path}: no such file")
     with fs.open_input_file(path) as handle:

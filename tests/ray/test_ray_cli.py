@@ -85,7 +85,9 @@ def test_readme_ray_local_survives_sigterm_and_completes_on_this_machine(
     assert sorted(r["id"] for r in rows) == list(range(ROWS))  # every row once
     assert all(r["finish_reason"] == "length" for r in rows)
     assert read_success(out)["rows"] == ROWS
-    assert "WARNING" not in stderr and "concurrency" not in stderr, stderr  # Ray kept quiet
+    ray_lines = [line for line in stderr.splitlines() if "slora_batch.jobs" not in line]
+    assert not any("WARNING" in line or "concurrency" in line for line in ray_lines), stderr
+    # Ray kept quiet; the job's own notes on its input are warned as a run in one process does
 
     (job,) = load_jobs(job_file)
 

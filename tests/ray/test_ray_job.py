@@ -161,7 +161,7 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
 
     killer = threading.Thread(target=kill_the_busy_actor)
     killer.start()
-    with caplog.at_level("WARNING", logger="slora_batch.ray.fs"):
+    with caplog.at_level("WARNING", logger="slora_batch.jobs.lock"):
         summary = run()
     killer.join()
     assert killed, "no engine actor was caught in the middle of a unit"
