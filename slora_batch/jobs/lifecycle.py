@@ -42,7 +42,7 @@ from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.lock import output_lock
 from slora_batch.jobs.manifest import fingerprint, first_manifest, run_manifest
 from slora_batch.jobs.openai_output import job_openai_files
-from slora_batch.jobs.outdir import OutputError, clear_output, write_success
+from slora_batch.jobs.outdir import OutputError, clear_output, part_files, write_success
 from slora_batch.jobs.progress import JobProgress, ProgressCallback
 from slora_batch.jobs.samples import DoneSamples
 from slora_batch.jobs.scan import InputScan
@@ -95,24 +95,27 @@ def run_output(
             clear_output(out)
             rows.clear(out)
         current = plan.taken if plan.taken is not None else fingerprint(plan, gpu=rows.gpu)
-        manifest, marked = run_manifest(out, job.name, job.columns, current, job.limit)
-        stats = complete_stats(out) if marked else None  # a complete job's
-        if manifest is None:
+        resumed = run_manifest(out, job.name, job.columns, current, job.limit)
+        if resumed is None:
             notify(JobProgress(job.name, "scanning", 0, None, 0, 0.0, 0))
-            manifest = first_manifest(plan, out, current)
-        scan = InputScan.from_json(manifest["scan"])
+            resumed = (*first_manifest(plan, out, current), False)
+        manifest, scan, marked = resumed
+        stats = complete_stats(out) if marked else None  # a complete job's
         plan.scanned(scan)
         notes = input_notes(plan, scan)
         complete = stats is not None  # nothing runs and nothing is written
         if complete:
             run = RunRecord(job.name, stats[0]["rows"], stats[0]["rows"], notify)
         else:
-            pending = Pending(plan, scan, rows.open(out), out, manifest, lock, notify)
-            run = _run(rows, pending, notes)
+            run = _run(
+                rows, Pending(plan, scan, rows.open(out), out, manifest, lock, notify), notes
+            )
+        parts = part_files(out)  # as committed: what the stats count, what the OpenAI files hold
+        if not complete:
             wall_s = time.perf_counter() - started
-            stats = write_run_stats(out, run, wall_s, len(plan.broken), job.engine)
+            stats = write_run_stats(out, parts, run, wall_s, len(plan.broken), job.engine)
         if job.output_format == "openai":  # from the parts: whole after any kill, each id once
-            job_openai_files(out, job.name, job.model, complete)
+            job_openai_files(out, parts, job.name, job.model, complete)
         if not complete:
             write_success(out, job.name, rows=stats[0]["rows"])
     notify(run.finished(stats[0]["rows"]))

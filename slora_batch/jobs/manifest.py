@@ -44,11 +44,11 @@ from slora_batch.jobs.openai_input import kept_columns
 from slora_batch.jobs.outdir import (
     MANIFEST_FILE,
     SUCCESS_FILE,
-    OutputError,
-    commit,
     part_files,
+    read_manifest,
     read_success,
     remove_file,
+    write_manifest,
 )
 from slora_batch.jobs.reader import input_root, relative_name, used_columns
 from slora_batch.jobs.scan import InputScan, limit_changed, scan_input
@@ -70,26 +70,35 @@ def run_manifest(
     columns: dict[str, str],
     current: dict[str, Any],
     limit: int | None,
-) -> tuple[dict[str, Any] | None, bool]:
-    """(the manifest a run of job ``name`` resumes under, ``resumable_manifest``'s, or None for
-    a first run; whether the output is complete under it: its ``_SUCCESS`` marker written). A
-    manifest whose scan was taken under another ``limit`` is a first run's too: its row counts
-    and completion are of other rows, so the marker is removed first; the rows the output holds
-    stay (a larger limit adds the new ones)."""
+) -> tuple[dict[str, Any], InputScan, bool] | None:
+    """The manifest a run of job ``name`` resumes under (``resumable_manifest``'s), its input
+    scan, and whether the output is complete under it (its ``_SUCCESS`` marker written); None
+    for a first run. A manifest whose scan was taken under another ``limit`` is a first run's
+    too: its row counts and completion are of other rows, so the marker is removed first; the
+    rows the output holds stay (a larger limit adds the new ones)."""
     manifest = resumable_manifest(out, name, columns, current)
-    if manifest is not None and limit_changed(manifest, limit):
+    if manifest is None:
+        return None
+    scan = InputScan.from_json(manifest["scan"])
+    if limit_changed(manifest, limit):
         logger.info("job %s: limit is %s now: scanning the input again", name, limit)
         remove_file(out, SUCCESS_FILE)
-        manifest = None
-    return manifest, manifest is not None and read_success(out) is not None
+        return None
+    if manifest["fingerprint"] != current:
+        manifest = {**manifest, "fingerprint": current}  # an earlier version's, a touched input
+        write_manifest(out, manifest)
+    return manifest, scan, read_success(out) is not None
 
 
-def first_manifest(plan: JobPlan, out: Path | FsDir, current: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of the output's first run, written: the input scanned (``scan_for_run``)."""
+def first_manifest(
+    plan: JobPlan, out: Path | FsDir, current: dict[str, Any]
+) -> tuple[dict[str, Any], InputScan]:
+    """The manifest of the output's first run, written, and its input scan (``scan_for_run``)."""
     job = plan.job
-    manifest = new_manifest(job.name, job.columns, current, scan_for_run(plan))
+    scan = scan_for_run(plan)
+    manifest = new_manifest(job.name, job.columns, current, scan)
     write_manifest(out, manifest)
-    return manifest
+    return manifest, scan
 
 
 def scan_for_run(plan: JobPlan) -> InputScan:
@@ -118,13 +127,14 @@ def new_manifest(
     """The manifest of job ``name``'s first run: its fingerprint ``current``, its input scan,
     the input columns it reads (by its ``columns`` mapping) and the output's own columns its
     parts hold (``scan_columns``)."""
+    output_columns = scan_columns(columns, scan)
     return {
         "version": MANIFEST_VERSION,
         "job": name,
         "fingerprint": current,
         "scan": scan.to_json(),
         "reads": used_columns(columns),
-        "output_columns": scan_columns(columns, scan),
+        "output_columns": output_columns,
     }
 
 
@@ -151,34 +161,6 @@ def output_schema(manifest: dict[str, Any]) -> pa.Schema:
     return part_schema(scan.id_type, scan.keep, scan.json_text, output_columns(manifest))
 
 
-def write_manifest(out_dir: str | Path | FsDir, manifest: dict[str, Any]) -> Path:
-    """Write ``MANIFEST_FILE`` (JSON) atomically."""
-    text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False)
-    return commit(out_dir, MANIFEST_FILE, lambda handle: handle.write(text.encode() + b"\n"))
-
-
-def read_manifest(out_dir: str | Path | FsDir) -> dict[str, Any] | None:
-    """The manifest, or None when there is none; ``OutputError`` when it is not one."""
-    if isinstance(out_dir, FsDir):
-        path = out_dir.child(MANIFEST_FILE)
-        read = lambda: out_dir.read(MANIFEST_FILE)  # noqa: E731
-    else:
-        path = Path(out_dir) / MANIFEST_FILE
-        if not path.is_file():
-            return None
-        read = path.read_text
-    try:
-        text = read()
-        if text is None:
-            return None
-        manifest = json.loads(text)
-    except (OSError, ValueError) as exc:
-        raise OutputError(f"{path}: unreadable job manifest: {exc}") from exc
-    if not isinstance(manifest, dict):
-        raise OutputError(f"{path}: unreadable job manifest: not a JSON object")
-    return manifest
-
-
 def resumable_manifest(
     out: Path | FsDir, name: str, columns: dict[str, str], current: dict[str, Any]
 ) -> dict[str, Any] | None:
@@ -202,9 +184,6 @@ def resumable_manifest(
         changes = fingerprint_changes(manifest.get("fingerprint") or {}, current)
         changes += column_changes(manifest, columns)
     if not changes:
-        if manifest["fingerprint"] != current:  # an earlier version's, or a touched input
-            manifest = {**manifest, "fingerprint": current}
-            write_manifest(out, manifest)
         return manifest
     if not has_rows:
         logger.info("job %s: starting afresh (%s)", name, "; ".join(changes))

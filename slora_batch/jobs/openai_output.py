@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from slora_batch.jobs.fsio import FsDir
 from slora_batch.jobs.openai_input import CHAT, REQUEST_COLUMN, base_model_name
-from slora_batch.jobs.outdir import commit_file, part_files
+from slora_batch.jobs.outdir import commit_file
 
 logger = logging.getLogger(__name__)
 
@@ -57,30 +57,39 @@ COLUMNS = (
 FLOOR_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero (JSON has no -inf)
 
 
-def job_openai_files(out_dir: Path | FsDir, job_name: str, model: str, complete: bool) -> None:
-    """A job's OpenAI files once its run is committed: written from the parts, or for a job
-    that was ``complete`` already only when they are stale (``openai_stale``). A local output
-    only: an output elsewhere keeps its parts alone (said after a run)."""
+def job_openai_files(
+    out_dir: Path | FsDir,
+    parts: list[tuple[int, Path]],
+    job_name: str,
+    model: str,
+    complete: bool,
+) -> None:
+    """A job's OpenAI files once its run is committed: written from its committed ``parts``
+    (``outdir.part_files``' list), or for a job that was ``complete`` already only when they
+    are stale (``openai_stale``). A local output only: an output elsewhere keeps its parts
+    alone (said after a run)."""
     if isinstance(out_dir, FsDir):
         if not complete:
             logger.warning("job %s: output_format openai writes a local output only", job_name)
         return
     if not complete or openai_stale(out_dir):
-        write_openai_files(out_dir, job_name, base_model_name(model))
+        write_openai_files(out_dir, parts, job_name, base_model_name(model))
 
 
-def write_openai_files(out_dir: str | Path, job_name: str, base_model: str) -> tuple[int, int]:
-    """Rebuild both files from the parts of ``out_dir``; (output lines, error lines).
-    ``base_model``: the name the bodies give base-model rows."""
+def write_openai_files(
+    out_dir: str | Path, parts: list[tuple[int, Path]], job_name: str, base_model: str
+) -> tuple[int, int]:
+    """Rebuild both files of ``out_dir`` from its committed ``parts``; (output lines, error
+    lines). ``base_model``: the name the bodies give base-model rows."""
     out_dir = Path(out_dir)
     counts: Counter = Counter()
-    for rows in _part_rows(out_dir, ("id", "source")):
+    for rows in _part_rows(parts, ("id", "source")):
         counts.update(_key(row) for row in rows)
     written = [0, 0]
     created = int(time.time())
 
     def write_both(output, errors) -> None:
-        for group in _groups(out_dir, counts):
+        for group in _groups(parts, counts):
             line, failed = _line(group, job_name, base_model, created)
             (errors if failed else output).write(json.dumps(line, ensure_ascii=False).encode())
             (errors if failed else output).write(b"\n")
@@ -108,8 +117,8 @@ def openai_stale(out_dir: str | Path) -> bool:
     return missing or any((out_dir / name).is_file() for name in OLD_FILES)
 
 
-def _part_rows(out_dir: Path, columns: tuple[str, ...]) -> Iterator[list[dict]]:
-    for _, path in part_files(out_dir):
+def _part_rows(parts: list[tuple[int, Path]], columns: tuple[str, ...]) -> Iterator[list[dict]]:
+    for _, path in parts:
         names = pq.read_schema(path).names
         yield pq.read_table(path, columns=[c for c in columns if c in names]).to_pylist()
 
@@ -119,10 +128,10 @@ def _key(row: dict) -> str:
     return f"id:{row['id']}" if row.get("id") is not None else f"source:{row.get('source')}"
 
 
-def _groups(out_dir: Path, counts: Counter) -> Iterator[list[dict]]:
+def _groups(parts: list[tuple[int, Path]], counts: Counter) -> Iterator[list[dict]]:
     """Every output id's rows (its samples, by index), as soon as the last one is read."""
     pending: dict[str, list[dict]] = {}
-    for rows in _part_rows(out_dir, COLUMNS):
+    for rows in _part_rows(parts, COLUMNS):
         for row in rows:
             key = _key(row)
             group = pending.setdefault(key, [])

@@ -1,14 +1,14 @@
 """The output directory's files, and the atomic commit every one of them is written with.
 
-A job writes ``part-NNNNN.parquet`` parts, ``_stats.parquet``, the manifest ``_job.json`` and,
-last, the completion marker ``_SUCCESS``. Every file but the parts starts with "_" (or "."), so
-readers of a directory of Parquet files (pyarrow datasets, pandas, Spark) read the parts alone;
-earlier versions named the stats ``stats.parquet``, which is still read and is removed when the
-stats are next written; ``.lock`` exists while a run holds the directory
-(``lock.py``). ``commit_file`` writes each to a hidden temp name in the same directory, fsyncs
-it and ``os.replace``s it, so a committed file is always whole, also after kill -9. An output
-on another filesystem (``fsio.FsDir``, the Ray runner's) is read and written through it, each
-file committed in one upload.
+A job writes ``part-NNNNN.parquet`` parts, ``_stats.parquet``, the manifest ``_job.json`` (read
+and written here; what it holds is ``manifest.py``'s) and, last, the completion marker
+``_SUCCESS``. Every file but the parts starts with "_" (or "."), so readers of a directory of
+Parquet files (pyarrow datasets, pandas, Spark) read the parts alone; earlier versions named the
+stats ``stats.parquet``, which is still read and is removed when the stats are next written;
+``.lock`` exists while a run holds the directory (``lock.py``). ``commit_file`` writes each to a
+hidden temp name in the same directory, fsyncs it and ``os.replace``s it, so a committed file is
+always whole, also after kill -9. An output on another filesystem (``fsio.FsDir``, the Ray
+runner's) is read and written through it, each file committed in one upload.
 """
 
 from __future__ import annotations
@@ -103,6 +103,34 @@ def clear_output(out_dir: str | Path | FsDir) -> None:
 def _ours(name: str) -> bool:
     ours = (STATS_FILE, OLD_STATS_FILE, SUCCESS_FILE, MANIFEST_FILE)
     return bool(PART_RE.match(name)) or name in ours
+
+
+def write_manifest(out_dir: str | Path | FsDir, manifest: dict[str, Any]) -> Path:
+    """Write ``MANIFEST_FILE`` (JSON) atomically (what it holds: ``manifest.py``)."""
+    text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False)
+    return commit(out_dir, MANIFEST_FILE, lambda handle: handle.write(text.encode() + b"\n"))
+
+
+def read_manifest(out_dir: str | Path | FsDir) -> dict[str, Any] | None:
+    """The manifest, or None when there is none; ``OutputError`` when it is not one."""
+    if isinstance(out_dir, FsDir):
+        path = out_dir.child(MANIFEST_FILE)
+        read = lambda: out_dir.read(MANIFEST_FILE)  # noqa: E731
+    else:
+        path = Path(out_dir) / MANIFEST_FILE
+        if not path.is_file():
+            return None
+        read = path.read_text
+    try:
+        text = read()
+        if text is None:
+            return None
+        manifest = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"{path}: unreadable job manifest: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise OutputError(f"{path}: unreadable job manifest: not a JSON object")
+    return manifest
 
 
 def remove_file(out_dir: str | Path | FsDir, name: str) -> None:

@@ -103,9 +103,14 @@ ANSWER_KEYS = ("answered_rows", "correct_rows")  # rows with an answer, those ri
 def output_counts(out_dir: str | Path | FsDir) -> dict[str | None, dict[str, int]]:
     """Rows, ok, error and scored rows, prompt and completion tokens, rows with an answer and
     those answered right, per adapter over every committed part (None = base model)."""
+    return part_counts(part_files(out_dir), out_dir.fs if isinstance(out_dir, FsDir) else None)
+
+
+def part_counts(parts: list[tuple[int, Path]], fs: Any = None) -> dict[str | None, dict[str, int]]:
+    """``output_counts`` of the committed ``parts`` (``outdir.part_files``' list) of an output
+    on ``fs`` (None: the local disk)."""
     counts: dict[str | None, dict[str, int]] = {}
-    fs = out_dir.fs if isinstance(out_dir, FsDir) else None
-    for _, path in part_files(out_dir):
+    for _, path in parts:
         has_correct = "correct" in pq.read_schema(str(path), filesystem=fs).names
         table = pq.read_table(
             str(path),
@@ -195,6 +200,7 @@ def complete_stats(
 
 def write_run_stats(
     out_dir: Path | FsDir,
+    parts: list[tuple[int, Path]],
     run: RunRecord,
     wall_s: float,
     adapters_broken: int,
@@ -202,28 +208,30 @@ def write_run_stats(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``stats_rows`` after ``run``, written to ``_stats.parquet``; the job row and the
     adapter rows."""
-    job_row, adapter_rows = stats_rows(out_dir, run, wall_s, adapters_broken, engine)
+    job_row, adapter_rows = stats_rows(out_dir, parts, run, wall_s, adapters_broken, engine)
     write_stats(out_dir, job_row, adapter_rows)
     return job_row, adapter_rows
 
 
 def stats_rows(
     out_dir: Path | FsDir,
+    parts: list[tuple[int, Path]],
     run: RunRecord,
     wall_s: float,
     adapters_broken: int,
     engine: EngineConfig,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The job row and the per-adapter rows of ``_stats.parquet`` (see the module docstring)
-    after ``run``, which took ``wall_s``; ``engine``: the job's settings, whose device and dtype
-    a run without an engine names when no earlier run's stats do."""
-    per_adapter = output_counts(out_dir)
+    of output ``out_dir`` whose committed parts are ``parts``, after ``run``, which took
+    ``wall_s``; ``engine``: the job's settings, whose device and dtype a run without an engine
+    names when no earlier run's stats do."""
+    previous = _previous_stats(out_dir)
+    per_adapter = part_counts(parts, out_dir.fs if isinstance(out_dir, FsDir) else None)
     totals = {key: sum(c[key] for c in per_adapter.values()) for key in COUNT_KEYS + ANSWER_KEYS}
     counters = run.counters
     engine_s = run.engine_s
     # the engine's own count: a Ray run's actors report none
     computed = run.computed if hasattr(counters, "prefill_tokens") else None
-    previous = _previous_stats(out_dir)
     job_row = {
         **{key: totals[key] for key in COUNT_KEYS},
         "accuracy": accuracy(totals),

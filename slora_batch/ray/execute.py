@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from slora_batch.jobs.check import JobError, JobPlan
 from slora_batch.jobs.fsio import FsDir
-from slora_batch.jobs.manifest import output_schema, read_manifest
+from slora_batch.jobs.manifest import output_schema
+from slora_batch.jobs.outdir import read_manifest
 from slora_batch.jobs.reader import input_root
 from slora_batch.jobs.resume import pending_rows
 from slora_batch.jobs.samples import DoneSamples
