@@ -47,7 +47,10 @@ class LoraMeta:
       q, k, v, o, gate, up, down), first the A rows (rank x ceil(d_in / page_size) pages), then
       the B^T rows (rank x ceil(d_out / page_size) pages).
     slot_offsets [N, num_targets, 2] int32: start in slot_pages of (A, B^T) per target; -1 when
-      the adapter does not target it.
+      the adapter does not target it. A mixture-of-experts adapter's expert targets (gate_up,
+      down) hold E blocks of their own rank r_t per factor, expert by expert, the B^T rows times
+      the target's scale (``slora_kernels.ref.gather_expert_rows``); slot_rank and slot_scale
+      are the other targets'.
     max_rank: the largest rank among this step's slots (0 when no token uses an adapter).
     targets: the target indices some slot of the step has (host tuple).
     """

@@ -309,3 +309,100 @@ def fused_moe(
         y = F.linear(a, w_down[e]).float() * weights[slots, None]
         out.index_add_(0, tokens, y.to(x.dtype).float())
     return out.to(x.dtype)
+
+
+def gather_expert_rows(
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    slot: int,
+    target: int,
+    which: int,
+    expert: int,
+    dims: tuple[int, int],
+    num_experts: int,
+) -> torch.Tensor:
+    """One expert's rows of an adapter's expert target: A (which=0, rows of d_in) or B^T
+    (which=1, rows of d_out), ``dims`` = (d_in, d_out). Returns [r_t, width].
+
+    An expert target's factor holds E blocks of r_t rows, expert by expert: row j of expert e's
+    A lies in pages slot_pages[slot, a0 + (e * r_t + j) * per_in + c] with a0 the A offset and
+    per_in = ceil(d_in / page_size); likewise B^T from its offset b0. The A block of every
+    expert comes before b0, so r_t = (b0 - a0) / (E * per_in). Example: E 8, d_in 64, pages of
+    32, a0 0, b0 96: per_in 2, r_t = 96 / 16 = 6.
+    """
+    page_size = pool_layer.shape[1]
+    per_in = -(-dims[0] // page_size)
+    a0, b0 = (int(v) for v in meta.slot_offsets[slot, target])
+    rank = (b0 - a0) // (num_experts * per_in)
+    per_row = -(-dims[which] // page_size)
+    start = (b0 if which else a0) + expert * rank * per_row
+    pages = meta.slot_pages[slot, start : start + rank * per_row].long()
+    return pool_layer[pages].reshape(rank, per_row * page_size)[:, : dims[which]]
+
+
+def _add_expert_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    target: int,
+    expert: int,
+    num_experts: int,
+) -> None:
+    """out[i] += (x[i] @ A^T) @ B^T of row i's adapter slot ``slots[i]`` and ``expert``, in
+    fp32, rounded to out's dtype once; rows of slot -1 or of an adapter without ``target`` are
+    untouched."""
+    dims = (x.shape[1], out.shape[1])
+    for s in slots.unique().tolist():
+        if s < 0 or int(meta.slot_offsets[s, target, 0]) < 0:
+            continue
+        rows = slots == s
+        a = gather_expert_rows(pool_layer, meta, s, target, 0, expert, dims, num_experts)
+        b = gather_expert_rows(pool_layer, meta, s, target, 1, expert, dims, num_experts)
+        delta = (x[rows].float() @ a.float().T) @ b.float()
+        out[rows] = (out[rows].float() + delta).to(out.dtype)
+
+
+def fused_moe_lora(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    pool_layer: torch.Tensor,
+    meta: LoraMeta,
+    targets: tuple[int, int],
+) -> torch.Tensor:
+    """``fused_moe`` with each (token, expert) slot's LoRA on that expert, of the token's
+    adapter (slot s = b_slot[t]), gathered from pool pages at the adapter's own rank per target.
+
+    Semantics: for token t, j < K with e = topk_ids[t, j] >= 0 and s = b_slot[t]:
+      gu = x[t] @ w_gate_up[e]^T                                   (rounded to x's dtype)
+      gu += (x[t] @ A_gu[s, e]^T) @ Bt_gu[s, e]                    (fp32, rounded to x's dtype)
+      a = silu(gu[:I]) * gu[I:]                                    (rounded to x's dtype)
+      y = a @ w_down[e]^T; y += (a @ A_d[s, e]^T) @ Bt_d[s, e]     (as gu)
+      out[t] = sum_j topk_weights[t, j] * y                        (as ``fused_moe``)
+    with targets = (gate_up's index, down's index) into slot_offsets; a slot of -1 or an
+    adapter without the target adds nothing (``gather_expert_rows`` says where the rows lie;
+    their B^T rows carry the target's LoRA scale: no slot_scale here).
+    Shape: as ``fused_moe``; pool_layer [P, page_size]; meta.b_slot [T].
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w_gate_up.shape[0]
+    flat = topk_ids.reshape(-1).long()
+    weights = topk_weights.reshape(-1).float()
+    b_slot = meta.b_slot.long().repeat_interleave(top_k)  # [T * K]: each slot's adapter
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in flat[flat >= 0].unique().tolist():
+        slots = (flat == e).nonzero()[:, 0]  # [n_e] flat indices t * K + j, ascending
+        tokens = slots // top_k
+        lora = (b_slot[slots], pool_layer, meta)
+        gate_up = F.linear(x[tokens], w_gate_up[e])
+        _add_expert_lora(gate_up, x[tokens], *lora, targets[0], e, num_experts)
+        a = silu_mul(gate_up)
+        y = F.linear(a, w_down[e])
+        _add_expert_lora(y, a, *lora, targets[1], e, num_experts)
+        y = y.float() * weights[slots, None]
+        out.index_add_(0, tokens, y.to(x.dtype).float())
+    return out.to(x.dtype)

@@ -129,3 +129,124 @@ def write_adapter(out: Path, tensors: dict[str, tuple[int, int]], rank: int = 2,
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, **cfg}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
+
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def make_expert_adapter(
+    model_dir: Path,
+    out: Path,
+    rank: int,
+    alpha: float,
+    seed: int,
+    modules: list[str] = (),
+    parameters: list[str] = EXPERT_PARAMETERS,
+    rslora: bool = False,
+    **extra,
+) -> Path:
+    """A PEFT adapter on the experts' fused parameters (``target_parameters``) beside LoRA on
+    ``modules`` (attention, the router "gate", or the experts' projections, which PEFT turns
+    into the fused parameters with a rank_pattern), random non-zero A and B."""
+    return make_adapter(
+        model_dir,
+        out,
+        rank,
+        list(modules),
+        alpha,
+        rslora,
+        seed,
+        target_parameters=list(parameters) or None,
+        **extra,
+    )
+
+
+def write_per_expert_adapter(
+    model_dir: Path,
+    out: Path,
+    rank: int,
+    alpha: float,
+    seed: int,
+    projections: tuple[str, ...] = ("gate", "up", "down"),
+    router: bool = False,
+    attention: tuple[str, ...] = (),
+    rslora: bool = False,
+) -> Path:
+    """An adapter as PEFT saved LoRA on transformers 4's per-expert modules
+    (``experts.{e}.gate_proj`` ..., Mixtral's ``block_sparse_moe.experts.{e}.w1`` ...), the
+    router ``gate`` and attention projections: random A and B of ``rank`` for every expert of
+    every MoE layer."""
+    from safetensors.torch import save_file
+
+    from slora_batch.engine.models.spec import read_spec
+
+    spec = read_spec(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    names = dict(zip(("gate", "up", "down"), spec.expert_names, strict=True))
+    block = "block_sparse_moe" if spec.architecture == "MixtralForCausalLM" else "mlp"
+    h, inter = spec.hidden_size, spec.expert_size
+    dims = {"gate": (h, inter), "up": (h, inter), "down": (inter, h)}
+    modules = {}
+    for layer in spec.target_layers("expert_down"):
+        p = f"base_model.model.model.layers.{layer}."
+        for e in range(spec.num_experts):
+            for proj in projections:
+                modules[f"{p}{block}.experts.{e}.{names[proj]}"] = dims[proj]
+        if router:
+            modules[f"{p}{block}.gate"] = (h, spec.num_experts)
+        for t in attention:
+            modules[f"{p}self_attn.{t}_proj"] = spec.target_dims(t)
+    tensors = {}
+    for module, (d_in, d_out) in modules.items():
+        tensors[f"{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
+        tensors[f"{module}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * (
+            0.5 / rank**0.5
+        )
+    out.mkdir(parents=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    targets = [names[p] for p in projections] + (["gate"] if router else [])
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "target_modules": targets + [f"{t}_proj" for t in attention],
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+def reference_each(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> dict:
+    """Greedy generations of transformers + PEFT with each adapter loaded alone on a fresh
+    base (PEFT holds adapters of different ``target_parameters`` in one model only one at a
+    time); base rows on the plain model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name in {row["adapter"] for row in rows}:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if name:
+            model = PeftModel.from_pretrained(model, adapters[name])
+        model.eval()
+        eos = model.config.eos_token_id
+        for row in rows:
+            if row["adapter"] == name:
+                out[row["id"]] = _greedy(model, row, eos)
+    return out
+
+
+def _greedy(model, row: dict, eos: int) -> list[int]:
+    ids = torch.tensor([row["prompt_token_ids"]])
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=row["max_new_tokens"],
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    tokens = gen[0, ids.shape[1] :].tolist()
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens

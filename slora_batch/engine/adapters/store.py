@@ -29,7 +29,8 @@ from slora_batch.engine.adapters.adapter_files import (
     parse_adapter,
     resolve_sources,
 )
-from slora_batch.engine.models.spec import TARGETS, ModelSpec
+from slora_batch.engine.adapters.expert_weights import ExpertRows
+from slora_batch.engine.models.spec import EXPERT_TARGETS, TARGETS, ModelSpec
 
 __all__ = [
     "CONFIG_FILE",
@@ -88,35 +89,53 @@ def shard_adapter(weights, rank: int, size: int, spec: ModelSpec | None = None):
 def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> AdapterWeights:
     """Read an adapter's factors into host memory, stacked over layers (``stack=False``: a list
     of each layer's tensor per factor, B^T rows as views, for ``to_pages`` to place with no
-    stacked copy in between)."""
-    a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
-    b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in info.targets}
+    stacked copy in between). Expert targets come as ``expert_weights`` lays them out."""
+    dense = [t for t in info.targets if t not in info.expert_ranks]
+    a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in dense}
+    b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in dense}
+    experts = ExpertRows(info, spec)
     try:
         with safe_open(str(info.path / WEIGHTS_FILE), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118
+                tensor = f.get_tensor(key)
+                if spec.num_experts and experts.add(key, tensor):
+                    continue
                 m = _KEY.search(key)
                 layer, target = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)]
-                tensor = f.get_tensor(key)
                 if m.group(4) == "A":
                     a[target][layer] = tensor  # [r, d_in]
                 else:
                     b[target][layer] = tensor.t()  # [d_out, r] -> [r, d_out]
+        expert_a, expert_b = experts.rows() if info.experts else ({}, {})
     except Exception as exc:
         raise AdapterError(info.name, info.path, f"cannot read weights: {exc}") from exc
-    for factors, kind in ((a, "lora_A"), (b, "lora_B")):
-        for target, layers in factors.items():
-            if any(t is None for t in layers):
-                missing = [i for i, t in enumerate(layers) if t is None]
-                raise AdapterError(
-                    info.name,
-                    info.path,
-                    f"no {kind} weights of {target} in layers {missing[:8]} of {spec.num_layers}",
-                )
+    _fill_absent_layers(info, spec, a, b)
+    a.update(expert_a)
+    b.update(expert_b)
     if not stack:
         return AdapterWeights(a=a, b_t=b)  # type: ignore[arg-type]
     return AdapterWeights(
         a={t: torch.stack(v) for t, v in a.items()}, b_t={t: torch.stack(v) for t, v in b.items()}
     )
+
+
+def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, a: dict, b: dict) -> None:
+    """Zero rows in the layers a target does not exist in (a router in a MoE model's dense
+    layers); raises naming the layers where a factor is missing from one it exists in."""
+    for factors, kind in ((a, "lora_A"), (b, "lora_B")):
+        for target, layers in factors.items():
+            present = spec.target_layers(target)
+            missing = [i for i in present if layers[i] is None]
+            if missing:
+                raise AdapterError(
+                    info.name,
+                    info.path,
+                    f"no {kind} weights of {target} in layers {missing[:8]} of {spec.num_layers}",
+                )
+            some = layers[present[0]]
+            for i, tensor in enumerate(layers):
+                if tensor is None:
+                    layers[i] = torch.zeros_like(some)
 
 
 @dataclass
@@ -231,6 +250,17 @@ class AdapterStore:
         """``check_adapters`` over the store: the usable ones stay parsed, the broken ones
         leave it (their rows become error rows; the others run)."""
         infos, broken = check_adapters(self.spec, self.sources)
+        if self.shard[1] > 1:  # the MoE block's LoRA has no tensor-parallel cut
+            for info in infos:
+                moe = [t for t in info.targets if t == "router" or t in EXPERT_TARGETS]
+                if moe:
+                    broken[info.name] = AdapterError(
+                        info.name,
+                        info.path,
+                        f"LoRA on the router or the experts ({', '.join(moe)}) is not "
+                        f"supported under tensor_parallel {self.shard[1]}",
+                    )
+            infos = [info for info in infos if info.name not in broken]
         self._infos.update((info.name, info) for info in infos)
         self._pages.clear()
         for name in broken:
@@ -245,7 +275,9 @@ class AdapterStore:
         pages = self._pages.get(name)
         if pages is None:
             info = self.info(name)
-            pages = self._pages[name] = self.page_spec.adapter_pages(info.rank, info.targets)
+            pages = self._pages[name] = self.page_spec.adapter_pages(
+                info.rank, info.targets, info.expert_ranks
+            )
         return pages
 
     def nbytes(self, name: str) -> int:

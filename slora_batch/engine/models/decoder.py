@@ -162,10 +162,11 @@ class DecoderModel:
         self, h: torch.Tensor, layer: LayerWeights, lora: tuple, ops: ModuleType
     ) -> torch.Tensor:
         """The MLP's output [T, H] (under tensor parallelism a partial sum, for the all-reduce):
-        the gated MLP with its LoRA deltas (``lora``: ``_lora``'s pool, meta, buffer and ops),
-        or the mixture of experts (no LoRA)."""
+        the gated MLP or the mixture of experts, with their LoRA deltas (``lora``: ``_lora``'s
+        pool, meta, buffer and ops; the router's and the experts' run on one rank only, as
+        the store refuses them under tensor parallelism)."""
         if layer.moe is not None:
-            return moe_mlp(h, layer.moe, ops)
+            return moe_mlp(h, layer.moe, ops, lora)
         gate_up = linear(h, layer.gate_up)
         self._lora(h, gate_up, self.gate_up_cols, *lora, cut=True)
         a = getattr(ops, self.act)(gate_up)

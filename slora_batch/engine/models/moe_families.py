@@ -1,6 +1,7 @@
 """The mixture-of-experts families: Llama's layer with the MLP of ``spec.is_moe_layer`` layers
 read as a ``moe.MoeWeights`` block (the forward is ``decoder``'s, which runs ``moe.moe_mlp``
-there). Their adapters may target attention only (``ModelSpec.lora_targets``).
+there). Their adapters may target attention, the router and the experts
+(``ModelSpec.lora_targets``; the experts' LoRA runs in ``moe.moe_mlp``).
 
 - Mixtral: the block under ``block_sparse_moe`` in the Hub's files, experts ``w1`` (gate),
   ``w3`` (up), ``w2`` (down); top-k weights renormalized.

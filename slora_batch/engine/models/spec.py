@@ -43,8 +43,23 @@ MODEL_TYPES = {  # for configs without "architectures"
 
 # LoRA targets in their canonical order; the page layout and kernels index them by position.
 # qkv and gate_up are the fused modules of Phi-3: one A, and one B spanning the q | k | v (gate |
-# up) columns of the fused projection.
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
+# up) columns of the fused projection. router, expert_gate_up and expert_down are a
+# mixture-of-experts block's: the router is an ordinary linear (E outputs); an expert target holds
+# one factor pair per expert, each of the target's own rank (``adapters.expert_files``).
+TARGETS = (
+    "q",
+    "k",
+    "v",
+    "o",
+    "gate",
+    "up",
+    "down",
+    "qkv",
+    "gate_up",
+    "router",
+    "expert_gate_up",
+    "expert_down",
+)
 MODULE_OF = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -55,15 +70,20 @@ MODULE_OF = {
     "down": "mlp.down_proj",
     "qkv": "self_attn.qkv_proj",
     "gate_up": "mlp.gate_up_proj",
+    "router": "mlp.gate",
+    "expert_gate_up": "mlp.experts.gate_up_proj",
+    "expert_down": "mlp.experts.down_proj",
 }
 FUSED_TARGETS = ("qkv", "o", "gate_up", "down")  # the modules a fused-projection model has
 SPLIT_TARGETS = TARGETS[:7]
-ATTENTION_TARGETS = TARGETS[:4]  # what a mixture-of-experts model's adapters may target
-# An adapter tensor on a module of the MoE block: the experts (one per expert as transformers 4
-# made them, or PEFT's ``target_parameters`` on the fused ones), the router, the shared expert.
-_MOE_MODULE = re.compile(
-    r"layers\.\d+\.((?:mlp|block_sparse_moe)\.(?:experts|gate|shared_expert(?:_gate)?)\b.*?)"
-    r"(?:\.base_layer)?\.lora_"
+ATTENTION_TARGETS = TARGETS[:4]
+EXPERT_TARGETS = ("expert_gate_up", "expert_down")
+# What a mixture-of-experts model's adapters may target: attention, the router and the experts
+# (the shared expert and the dense layers' MLPs take no LoRA).
+MOE_TARGETS = (*ATTENTION_TARGETS, "router", *EXPERT_TARGETS)
+# An adapter tensor on Qwen2-MoE's shared expert or its gate, which take no LoRA.
+_SHARED_EXPERT = re.compile(
+    r"layers\.\d+\.(mlp\.shared_expert(?:_gate)?\b.*?)(?:\.base_layer)?\.lora_"
 )
 
 
@@ -146,24 +166,43 @@ class ModelSpec:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """The LoRA targets this model's adapters may have (fused modules for Phi-3; attention
-        only for a mixture-of-experts model: its experts and router take no LoRA yet)."""
+        """The LoRA targets this model's adapters may have (fused modules for Phi-3; attention,
+        the router and the experts for a mixture-of-experts model)."""
         if self.num_experts:
-            return ATTENTION_TARGETS
+            return MOE_TARGETS
         return FUSED_TARGETS if self.fused_projections else SPLIT_TARGETS
 
     def lora_refusal(self, key: str) -> str | None:
-        """Why an adapter tensor named ``key`` cannot run on this model where it is LoRA on a
-        module of the mixture-of-experts block (experts, router, shared expert), else None."""
-        m = _MOE_MODULE.search(key) if self.num_experts else None
+        """Why an adapter tensor named ``key`` cannot run on this model where it is LoRA on
+        Qwen2-MoE's shared expert (or its gate), else None."""
+        m = _SHARED_EXPERT.search(key) if self.num_experts else None
         if m is None:
             return None
-        modules = ", ".join(MODULE_OF[t].split(".")[1] for t in self.lora_targets)
         return (
             f"tensor {key!r} is LoRA on {m.group(1)}, in {self.architecture}'s "
-            "mixture-of-experts block: LoRA on the experts, the router or the shared expert is "
-            f"not supported (this model's adapters may target {modules})"
+            "mixture-of-experts block: LoRA on the shared expert is not supported (this "
+            f"model's adapters may target {self.lora_modules})"
         )
+
+    @property
+    def lora_modules(self) -> str:
+        """The modules this model's adapters may target, as a message names them."""
+        return ", ".join(MODULE_OF[t].split(".", 1)[1] for t in self.lora_targets)
+
+    @property
+    def expert_names(self) -> tuple[str, str, str]:
+        """The per-expert projections (gate, up, down) of transformers 4's MoE modules, which
+        adapters trained then are named by: Mixtral's w1, w3, w2; Qwen's and OLMoE's own."""
+        if self.architecture == "MixtralForCausalLM":
+            return ("w1", "w3", "w2")
+        return ("gate_proj", "up_proj", "down_proj")
+
+    def target_layers(self, target: str) -> tuple[int, ...]:
+        """The layers a LoRA target exists in: the mixture-of-experts layers for the router and
+        the experts, every layer for the others."""
+        if target == "router" or target in EXPERT_TARGETS:
+            return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+        return tuple(range(self.num_layers))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts (not one of ``dense_layers``)."""
@@ -208,9 +247,10 @@ class ModelSpec:
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     def target_dims(self, target: str) -> tuple[int, int]:
-        """(d_in, d_out) of a LoRA target's base projection; of a shard's factors under tensor
-        parallelism, where both sides are 1/N (``adapters.store.shard_adapter`` cuts them)."""
-        h, i = self.hidden_size // self.tp_size, self.intermediate_size
+        """(d_in, d_out) of a LoRA target's base projection (of one expert's, for an expert
+        target); of a shard's factors under tensor parallelism, where both sides are 1/N
+        (``adapters.store.shard_adapter`` cuts them)."""
+        h, i, e = self.hidden_size // self.tp_size, self.intermediate_size, self.expert_size
         return {
             "q": (h, self.q_dim),
             "k": (h, self.kv_dim),
@@ -221,6 +261,9 @@ class ModelSpec:
             "down": (i, h),
             "qkv": (h, self.q_dim + 2 * self.kv_dim),
             "gate_up": (h, 2 * i),
+            "router": (h, self.num_experts),
+            "expert_gate_up": (h, 2 * e),
+            "expert_down": (e, h),
         }[target]
 
     def shard(self, size: int) -> ModelSpec:
@@ -261,12 +304,21 @@ class ModelSpec:
     def pages_per_row(self, width: int) -> int:
         return math.ceil(width / self.page_size)
 
-    def adapter_pages(self, rank: int, targets: tuple[str, ...]) -> int:
-        """Pages an adapter takes: its rank times the row pages of its targets' two factors."""
-        return rank * sum(
-            self.pages_per_row(d_in) + self.pages_per_row(d_out)
-            for d_in, d_out in map(self.target_dims, targets)
-        )
+    def adapter_pages(
+        self, rank: int, targets: tuple[str, ...], expert_ranks: dict[str, int] | None = None
+    ) -> int:
+        """Pages an adapter takes: per target, its rows times the row pages of its two factors.
+        A target has ``rank`` rows; an expert target one block per expert at its own rank
+        (``expert_ranks``, default ``rank``): E x that rank."""
+        expert_ranks = expert_ranks or {}
+        pages = 0
+        for target in targets:
+            d_in, d_out = self.target_dims(target)
+            rows = rank
+            if target in EXPERT_TARGETS:
+                rows = self.num_experts * expert_ranks.get(target, rank)
+            pages += rows * (self.pages_per_row(d_in) + self.pages_per_row(d_out))
+        return pages
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:

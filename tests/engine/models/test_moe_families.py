@@ -4,7 +4,9 @@ token for token in fp32 on CPU, with LoRA on attention in the same batch as base
 Tiny random models (``moe_factory``): top-2 routing over 4 or 8 experts, Qwen's
 ``norm_topk_prob``, Mixtral's renormalized top-k, Qwen2-MoE's shared expert and a dense layer
 (``mlp_only_layers``), OLMoE's whole-projection q/k norms. Adapters: attention targets of ranks
-1, 3, 5, 8 (rslora) and 16 in one batch; adapters on experts or the router are refused by name.
+1, 3, 5, 8 (rslora) and 16 in one batch; adapters on the MoE block that cannot run (the shared
+expert, half of the experts' gate/up pair) are refused by name. LoRA on the experts and the
+router: ``test_moe_lora``.
 """
 
 from __future__ import annotations
@@ -158,20 +160,11 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path, kind):
 
 
 def expert_adapters(root, model_dir, kind) -> dict:
-    """Adapters a MoE model cannot run yet: PEFT ``target_parameters`` on the fused experts,
-    the router, one LoRA per expert as transformers 4 made them, a shared expert's MLP."""
+    """Adapters on the MoE block a model cannot run: one per-expert projection without its
+    gate/up partner (transformers 4's modules: Qwen's gate_proj alone, Mixtral's w1 alone), a
+    shared expert's MLP."""
     adapters = {}
     if kind == "qwen3-moe":
-        adapters["experts-params"] = make_adapter(
-            model_dir,
-            root / "experts-params",
-            2,
-            ["q_proj"],
-            4,
-            False,
-            seed=0,
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-        )
         per_expert = {
             f"model.layers.{i}.mlp.experts.{e}.gate_proj.lora_{f}.weight": (2, 64)
             if f == "A"
@@ -184,9 +177,6 @@ def expert_adapters(root, model_dir, kind) -> dict:
             root / "per-expert", per_expert, target_modules=["gate_proj"]
         )
     if kind == "mixtral":
-        adapters["router"] = make_adapter(
-            model_dir, root / "router", 2, ["q_proj", "gate"], 4, False, seed=0
-        )
         w1 = {
             f"model.layers.{i}.block_sparse_moe.experts.{e}.w1.lora_{f}.weight": (2, 64)
             if f == "A"
@@ -204,16 +194,14 @@ def expert_adapters(root, model_dir, kind) -> dict:
 
 
 MODULES = {  # the module each refused adapter's message names
-    "experts-params": "mlp.experts.",
-    "per-expert": "mlp.experts.0.gate_proj",
-    "router": "mlp.gate.",
-    "w1": "block_sparse_moe.experts.0.w1",
+    "per-expert": "experts.0.gate_proj",
+    "w1": "experts.0.w1",
     "shared-mlp": "mlp.shared_expert.gate_proj",
 }
 
 
 @pytest.mark.parametrize("kind", ["qwen3-moe", "mixtral", "qwen2-moe"])
-def test_adapters_on_experts_or_router_are_refused_by_name(tmp_path, kind):
+def test_adapters_the_moe_block_cannot_run_are_refused_by_name(tmp_path, kind):
     """Each such adapter's rows are error rows naming the adapter and the module; rows of an
     attention adapter beside them run."""
     model_dir = make_moe_model(tmp_path, kind)
@@ -231,23 +219,25 @@ def test_adapters_on_experts_or_router_are_refused_by_name(tmp_path, kind):
         assert repr(name) in error and MODULES[name] in error, error
 
 
-def test_lora_refusal_names_the_moe_module():
-    """The reason ``ModelSpec.lora_refusal`` gives for a tensor of the MoE block; none for a
-    dense model's router-like names or an attention tensor."""
+def test_lora_refusal_names_the_shared_expert():
+    """The reason ``ModelSpec.lora_refusal`` gives for a tensor on the shared expert; none for
+    the experts, the router, an attention tensor or a dense model."""
     from factory import tiny_spec
 
-    spec = tiny_spec(architecture="Qwen3MoeForCausalLM", num_experts=8, experts_per_token=2)
-    key = "base_model.model.model.layers.3.mlp.experts.base_layer.lora_A.weight"
+    spec = tiny_spec(architecture="Qwen2MoeForCausalLM", num_experts=8, experts_per_token=2)
+    key = "base_model.model.model.layers.3.mlp.shared_expert.gate_proj.lora_A.weight"
     reason = spec.lora_refusal(key)
-    assert "mlp.experts" in reason and "Qwen3MoeForCausalLM" in reason
-    assert "q_proj, k_proj, v_proj, o_proj" in reason
-    router = "base_model.model.model.layers.0.mlp.gate.lora_B.weight"
-    assert "LoRA on mlp.gate," in spec.lora_refusal(router)
-    assert (
-        spec.lora_refusal("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") is None
-    )
-    assert spec.lora_refusal("base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight") is None
-    assert tiny_spec().lora_refusal(router) is None
+    assert "mlp.shared_expert.gate_proj" in reason and "Qwen2MoeForCausalLM" in reason
+    assert "q_proj, k_proj, v_proj, o_proj, gate, experts.gate_up_proj" in reason
+    gate = "base_model.model.model.layers.0.mlp.shared_expert_gate.lora_B.weight"
+    assert "LoRA on mlp.shared_expert_gate," in spec.lora_refusal(gate)
+    for fine in (
+        "base_model.model.model.layers.3.mlp.experts.base_layer.lora_A.weight",
+        "base_model.model.model.layers.0.mlp.gate.lora_B.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+    ):
+        assert spec.lora_refusal(fine) is None, fine
+    assert tiny_spec().lora_refusal(key) is None
 
 
 def test_spec_counts_the_experts_parameters(tmp_path):
@@ -273,7 +263,7 @@ def test_spec_reads_the_moe_switches(tmp_path):
     assert [qwen2.is_moe_layer(i) for i in range(2)] == [True, False]
     mixtral = read_spec(make_moe_model(tmp_path, "mixtral"))
     assert mixtral.norm_topk and mixtral.expert_size == 48 and mixtral.dense_layers == ()
-    assert mixtral.lora_targets == ("q", "k", "v", "o")
+    assert mixtral.lora_targets == ("q", "k", "v", "o", "router", "expert_gate_up", "expert_down")
     olmoe = read_spec(make_moe_model(tmp_path, "olmoe"))
     assert olmoe.qk_norm_whole and olmoe.qk_norm and not olmoe.norm_topk
 
