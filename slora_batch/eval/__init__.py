@@ -1,6 +1,7 @@
 """The lm-evaluation-harness bridge (the optional ``[eval]`` extra).
 
-- ``config``: the job file's ``eval:`` section (no lm-eval import: job files load without it);
+- ``config``: the job file's ``eval:`` section under this package's name (its keys are the job
+  file's: ``jobs/eval_keys.py``, loaded without lm-eval);
 - ``encoding``: lm-eval's requests as token ids, by the rules of lm-eval's ``hf`` model (the
   token boundary of a context ending in whitespace, rolling windows, left truncation);
 - ``rows``: one lm-eval request as engine ``Request`` fields, and results back as lm-eval answers;
@@ -9,5 +10,8 @@
   scored per adapter by lm-eval's own ``evaluate`` (``tasks``) as soon as its rows are in
   (``scoring``), in a process of its own (``worker``); ``report``: _eval_results.parquet and the JSONs.
 
-Only these modules import ``lm_eval``, and nothing outside an eval job imports them.
+Only these modules import ``lm_eval``, and nothing outside an eval job imports them: an eval
+job runs and validates through ``slora_batch.runner``, which sits above this package and the
+job tool (``jobs/`` imports nothing of this package; the sweep calls the job's run with its
+hooks: ``run_plan(on_result=..., build_engine=...)``).
 """
