@@ -48,8 +48,9 @@ class TensorSource(Protocol):
 class EngineParts:
     """The pieces an engine is assembled from; the defaults are what ``Engine(...)`` builds.
 
-    Data-parallel workers and tensor-parallel ranks are handed the same parts (pickled: a
-    dict of tensors is copied to each, a source that makes tensors on demand suits best)."""
+    Data-parallel workers and tensor-parallel ranks are handed the same parts, pickled: a dict
+    of tensors is copied to each (a source that makes tensors on demand suits best), and
+    ``ops``, a module, does not pickle, so an engine of several processes keeps ``ops`` None."""
 
     weights: TensorSource | None = None  # None: the model directory's safetensors
     ops: ModuleType | None = None  # kernels with ``slora_kernels.ref``'s functions; None: backend
