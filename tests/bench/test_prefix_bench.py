@@ -177,7 +177,7 @@ def test_prefix_cache_systems_run_and_report_their_counters(tmp_path):
     for off in ("slora-off", "prefix-off"):
         assert by[off]["prefix_hit_tokens"] == 0
     # the cache is on for samples-separate: a prompt's later copies wait for the blocks its first
-    # copy computes and start past them (engine/scheduling/admission.py)
+    # copy computes and start past them (engine/scheduling/scheduler.py, Scheduler._admit)
     assert by["samples-separate"]["prefix_hit_tokens"] > 0
     assert by["prefix-off"]["cached_blocks"] == by["slora-off"]["cached_blocks"] == 0
     prefix = by["prefix"]
