@@ -107,9 +107,8 @@ def run_output(
         if complete:
             run = RunRecord(job.name, stats[0]["rows"], stats[0]["rows"], notify)
         else:
-            run = _run(
-                rows, Pending(plan, scan, rows.open(out), out, manifest, lock, notify), notes
-            )
+            pending = Pending(plan, scan, rows.open(out), out, manifest, lock, notify)
+            run = _run(rows, pending, notes)
         parts = part_files(out)  # as committed: what the stats count, what the OpenAI files hold
         if not complete:
             wall_s = time.perf_counter() - started
