@@ -240,3 +240,21 @@ def test_keep_columns_and_part_seconds(tmp_path):
     text = MINIMAL + "    keep_columns: [label]\n    part_seconds: 5\n"
     (job,) = load_jobs(write(tmp_path, text))
     assert (job.keep_columns, job.part_seconds) == (["label"], 5.0)
+
+
+def test_an_eval_job_loads_without_lm_eval_and_runs_only_through_the_runner(tmp_path):
+    """The ``eval:`` section is the job file's (``jobs/eval_keys.py``): the job loads with its
+    input the requests file in its output; the job tool refuses to run it as plain rows (its
+    input is built and scored by the sweep, which ``slora_batch.runner`` plugs in), and writes
+    nothing."""
+    from slora_batch.jobs.check import JobError
+    from slora_batch.jobs.eval_keys import REQUESTS_FILE
+    from slora_batch.jobs.run import run_job
+
+    text = "jobs:\n  - {name: e, model: m, output: out, eval: {tasks: [t], limit: 2}}\n"
+    (job,) = load_jobs(write(tmp_path, text))
+    assert job.eval.tasks == ["t"] and job.fanout == "all"
+    assert job.input == str(tmp_path / "out" / REQUESTS_FILE)
+    with pytest.raises(JobError, match=r"job 'e' has an eval section: .*slora_batch\.runner"):
+        run_job(job)
+    assert not (tmp_path / "out").exists()
