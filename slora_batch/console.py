@@ -48,7 +48,7 @@ from slora_batch.jobs.progress import (
     seconds_left,
     tokens_per_s,
 )
-from slora_batch.jobs.run import JobSummary
+from slora_batch.jobs.summary import JobSummary
 from slora_batch.jobs.validate import ValidationReport
 
 out = Console(highlight=False)

@@ -145,8 +145,8 @@ def write_task(root: Path, docs: int, context_words: int, seed: int) -> Path:
 
 def eval_job(ctx, n: int, model_dir: Path, adapters: Path | None, out: Path):
     """The sweep's job: the bench task, every adapter and the base model, no limit."""
-    from slora_batch.eval.config import REQUESTS_FILE, EvalConfig
     from slora_batch.jobs.config import JobConfig
+    from slora_batch.jobs.eval_keys import REQUESTS_FILE, EvalConfig
 
     cfg, model = ctx.config, ctx.model
     root = Path(model.model_dir).parent
@@ -172,8 +172,8 @@ def eval_job(ctx, n: int, model_dir: Path, adapters: Path | None, out: Path):
 def sweep_rows(ctx, n: int) -> list[Request]:
     """The sweep's engine rows (``eval/sweep.prepare`` on the bench's model directory, which
     holds the config and the tokenizer) for the base model and each of ``n`` adapters."""
-    from slora_batch.eval.config import REQUESTS_FILE
     from slora_batch.eval.sweep import prepare
+    from slora_batch.jobs.eval_keys import REQUESTS_FILE
 
     root = Path(ctx.model.model_dir).parent
     out = root / f"eval-rows-{n}"
@@ -196,7 +196,7 @@ def sweep_rows(ctx, n: int) -> list[Request]:
 def scored_tokens(out: Path) -> int:
     """The fed tokens of one adapter's rows in a sweep's requests file: context and
     continuation less its last token, never fed (``score_run.computed_tokens``)."""
-    from slora_batch.eval.config import REQUESTS_FILE
+    from slora_batch.jobs.eval_keys import REQUESTS_FILE
 
     rows = map(json.loads, (out / REQUESTS_FILE).read_text().splitlines())
     return sum(len(r["prompt_token_ids"]) + len(r["continuation_token_ids"]) - 1 for r in rows)
@@ -213,7 +213,7 @@ def run_eval_system(ctx, n: int) -> dict:
     """``eval``: the sweep as a user runs it (``run_job`` of an ``eval:`` job), timed whole."""
     import torch
 
-    from slora_batch.jobs.run import run_job
+    from slora_batch.runner import run_job
 
     cfg, model = ctx.config, ctx.model
     root = Path(model.model_dir).parent

@@ -1,7 +1,7 @@
 """The lm-evaluation-harness bridge (the optional ``[eval]`` extra).
 
-- ``config``: the job file's ``eval:`` section under this package's name (its keys are the job
-  file's: ``jobs/eval_keys.py``, loaded without lm-eval);
+- the job file's ``eval:`` keys are the job tool's (``jobs/eval_keys.py``, loaded without lm-eval);
+  ``slora_batch.runner`` hands a job that has them to ``sweep``;
 - ``encoding``: lm-eval's requests as token ids, by the rules of lm-eval's ``hf`` model (the
   token boundary of a context ending in whitespace, rolling windows, left truncation);
 - ``rows``: one lm-eval request as engine ``Request`` fields, and results back as lm-eval answers;

@@ -6,13 +6,13 @@ reader.py    input files (JSONL, Parquet) and their rows, streamed
 rows.py      a row into a Request or an error Result; its identity (RowSource, row_key)
 scoring.py   a row's scoring columns (continuation, choices, answer) and logprobs, checked
 scan.py      the input scan: id type, kept columns' types, duplicates, unused columns
-text.py      UTF-8 checks and repair, short descriptions of values for messages
+text.py      UTF-8 checks, short descriptions of values for messages
 ordering.py  bounded windows sorted by adapter and prompt, fan-out
 schema.py    the output parts' schema: id type, core and scoring columns, kept columns
 outdir.py    the output directory's files: atomic commit, parts, _SUCCESS, clearing
 fsio.py      input files and output directories on other pyarrow.fs filesystems (Ray runner)
 lock.py      OutputLock: one run per output directory
-writer.py    OutputWriter: buffered rows committed as parts by rows and by time
+writer.py    OutputWriter: buffered rows committed as parts by rows and by time; text repair
 manifest.py  _job.json: the fingerprint of what decides the rows, the columns read, the resume check
 resume.py    keys of the rows already committed, and the input rows not yet among them
 samples.py   n samples per row: which of a row's samples are committed, which it still owes
@@ -20,7 +20,10 @@ progress.py  JobProgress: what a progress display is told
 feed.py      RunRecord: requests into the engine, results to the writer, this run's account
 stats.py     _stats.parquet: its schema, the job and adapter rows, output counts, accuracy
 preference.py  which choice each adapter prefers, from the parts (for the run summary)
-run.py       running jobs: lock, fingerprint, scan, resume, feed the engine, summarize
+lifecycle.py one job's run over its output (lock, manifest, resume, scan, stats, marker), its rows
+             run by an executor: run.EngineRows here, ray.job.RayRows on Ray
+run.py       running a job in this process: the engine (or data-parallel engines) as the executor
+eval_keys.py the job file's eval: keys (EvalConfig); slora_batch.eval runs them
 summary.py   JobSummary and JobFailure: what a run returns (the eval sweep names them too)
 preview.py   a few finished outputs next to their prompts
 validate.py  every check a run makes, and a sample of rows, without running

@@ -153,7 +153,7 @@ def test_an_empty_input_warns(tmp_path, tiny, caplog):
     (tmp_path / "rows.jsonl").write_text("")
     job = load_job(tmp_path, tiny)
     assert any("the input has no rows" in note for note in validate_job(job).notes)
-    with caplog.at_level(logging.WARNING, logger="slora_batch.jobs.run"):
+    with caplog.at_level(logging.WARNING, logger="slora_batch.jobs"):
         summary = run_job(job)
     assert summary.stats["rows"] == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -273,7 +273,7 @@ def test_an_interrupted_job_says_what_is_committed_and_what_is_left(tmp_path, ti
 
 def test_after_a_resume_the_summary_gives_this_runs_tokens_beside_the_whole_outputs(tmp_path):
     from slora_batch.console import _tokens
-    from slora_batch.jobs.run import JobSummary
+    from slora_batch.jobs.summary import JobSummary
 
     stats = {"prompt_tokens": 1000, "completion_tokens": 500, "scored_rows": 0}
     resumed = JobSummary("j", tmp_path, stats, [], rows_skipped=30, rows_this_run=10,

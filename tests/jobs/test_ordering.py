@@ -118,8 +118,8 @@ def test_eval_jobs_fan_out_adapter_by_adapter(tmp_path, seed):
     import json
     from types import SimpleNamespace
 
-    from slora_batch.eval.config import EvalConfig
     from slora_batch.jobs.config import JobConfig
+    from slora_batch.jobs.eval_keys import EvalConfig
     from slora_batch.jobs.resume import pending_items
     from slora_batch.jobs.rows import row_key
     from slora_batch.jobs.samples import DoneSamples
