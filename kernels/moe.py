@@ -13,9 +13,11 @@ j-th expert. The launcher:
    expert's down rows, times the slot's routing weight in the epilogue, written to ``y[slot]``.
 4. ``out[t] = sum_j y[t * K + j]`` in fp32.
 
-Blocks past the last expert's segment (block expert -1) and padding slots (slot N) write
-nothing; so do slots whose expert is -1 ("no expert"). Both kernels accumulate in fp32 and round
-where the twin rounds: gate and up, the activation, each slot's weighted output.
+The GEMM loops of steps 2 and 3 are ``_gate_up_tile`` and ``_down_tile``, which the expert LoRA
+kernels (``moe_lora``) share. Blocks past the last expert's segment (block expert -1) and padding
+slots (slot N) write nothing; so do slots whose expert is -1 ("no expert"). Both kernels
+accumulate in fp32 and round where the twin rounds: gate and up, the activation, each slot's
+weighted output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,78 @@ import triton
 import triton.language as tl
 
 BLOCK_N, BLOCK_K, WARPS = 64, 64, 4
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr,
+    x_stride,
+    w_expert,
+    w_stride_n,
+    tokens,
+    live_m,
+    cols,
+    live_n,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """(gate, up) [BLOCK_M, BLOCK_N] fp32: the ``tokens`` rows of x times the expert's gate and
+    up rows ``cols`` (``w_expert``: the expert's [2 * I, H] weights)."""
+    w_gate = w_expert + cols[None, :] * w_stride_n  # rows of gate
+    w_up = w_gate + INTER * w_stride_n  # the same columns' rows of up
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        live_k = ks < HIDDEN
+        xt = tl.load(
+            x_ptr + tokens[:, None] * x_stride + ks[None, :],
+            mask=live_m[:, None] & live_k[None, :],
+            other=0.0,
+        )
+        w_live = live_k[:, None] & live_n[None, :]
+        gate = tl.load(w_gate + ks[:, None], mask=w_live, other=0.0)  # [BLOCK_K, BLOCK_N]
+        up = tl.load(w_up + ks[:, None], mask=w_live, other=0.0)
+        acc_gate = tl.dot(xt, gate, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(xt, up, acc_up, input_precision=PRECISION)
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _down_tile(
+    act_ptr,
+    w_expert,
+    w_stride_n,
+    slots,
+    live_m,
+    cols,
+    live_n,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] fp32: the ``slots`` rows of act times the expert's down rows
+    ``cols`` (``w_expert``: the expert's [H, I] weights)."""
+    w_rows = w_expert + cols[None, :] * w_stride_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        live_k = ks < INTER
+        a = tl.load(
+            act_ptr + slots[:, None] * INTER + ks[None, :],
+            mask=live_m[:, None] & live_k[None, :],
+            other=0.0,
+        )
+        w = tl.load(w_rows + ks[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -55,23 +129,22 @@ def _gate_up_kernel(
     tokens = slots // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of I
     live_n = cols < INTER
-    w_gate = w_ptr + expert * w_stride_e + cols[None, :] * w_stride_n  # rows of gate
-    w_up = w_gate + INTER * w_stride_n  # the same columns' rows of up
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        live_k = ks < HIDDEN
-        xt = tl.load(
-            x_ptr + tokens[:, None] * x_stride + ks[None, :],
-            mask=live_m[:, None] & live_k[None, :],
-            other=0.0,
-        )
-        w_live = live_k[:, None] & live_n[None, :]
-        gate = tl.load(w_gate + ks[:, None], mask=w_live, other=0.0)  # [BLOCK_K, BLOCK_N]
-        up = tl.load(w_up + ks[:, None], mask=w_live, other=0.0)
-        acc_gate = tl.dot(xt, gate, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(xt, up, acc_up, input_precision=PRECISION)
+    acc_gate, acc_up = _gate_up_tile(
+        x_ptr,
+        x_stride,
+        w_ptr + expert * w_stride_e,
+        w_stride_n,
+        tokens,
+        live_m,
+        cols,
+        live_n,
+        HIDDEN,
+        INTER,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        PRECISION,
+    )
     dtype = act_ptr.dtype.element_ty
     g = acc_gate.to(dtype).to(tl.float32)  # rounded as the twin's projections are
     u = acc_up.to(dtype).to(tl.float32)
@@ -109,18 +182,21 @@ def _down_kernel(
     live_m = slots < num_slots
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of H
     live_n = cols < HIDDEN
-    w_rows = w_ptr + expert * w_stride_e + cols[None, :] * w_stride_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        live_k = ks < INTER
-        a = tl.load(
-            act_ptr + slots[:, None] * INTER + ks[None, :],
-            mask=live_m[:, None] & live_k[None, :],
-            other=0.0,
-        )
-        w = tl.load(w_rows + ks[:, None], mask=live_k[:, None] & live_n[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    acc = _down_tile(
+        act_ptr,
+        w_ptr + expert * w_stride_e,
+        w_stride_n,
+        slots,
+        live_m,
+        cols,
+        live_n,
+        HIDDEN,
+        INTER,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        PRECISION,
+    )
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + slots, mask=live_m, other=0.0)  # the routing weight, fp32
     y = acc.to(dtype).to(tl.float32) * weight[:, None]

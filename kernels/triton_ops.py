@@ -1,7 +1,8 @@
 """The Triton backend: every function of ``slora_kernels.ref`` under the same name and signature.
 
 The engine picks it with ``backend="triton"`` (``from slora_kernels import triton_ops``). The host
-helpers ``gather_kv``, ``gather_lora_rows`` and ``lora_group`` are no per-step kernels and come from ``ref``.
+helpers ``gather_kv``, ``gather_lora_rows``, ``gather_expert_rows`` and ``lora_group`` are no
+per-step kernels and come from ``ref``.
 With ``scales`` (an fp8 KV cache, ``slora_kernels.fp8``) ``kv_write`` writes e4m3 pages and
 ``attention`` / ``attention_decode`` read them, as the twins do.
 """
@@ -15,7 +16,8 @@ from slora_kernels.kv import kv_write
 from slora_kernels.lora_expand import lora_expand
 from slora_kernels.lora_shrink import lora_shrink
 from slora_kernels.moe import fused_moe
-from slora_kernels.ref import gather_kv, gather_lora_rows, lora_group
+from slora_kernels.moe_lora import fused_moe_lora
+from slora_kernels.ref import gather_expert_rows, gather_kv, gather_lora_rows, lora_group
 
 CUDA_GRAPHS = True  # every op is capturable: the engine captures decode steps with this backend
 
@@ -23,6 +25,8 @@ __all__ = [
     "attention",
     "attention_decode",
     "fused_moe",
+    "fused_moe_lora",
+    "gather_expert_rows",
     "gather_kv",
     "gather_lora_rows",
     "gelu_tanh_mul",
