@@ -187,15 +187,17 @@ def write_per_expert_adapter(
     h, inter = spec.hidden_size, spec.expert_size
     dims = {"gate": (h, inter), "up": (h, inter), "down": (inter, h)}
     modules = {}
-    for layer in spec.target_layers("expert_down"):
+    for layer in range(spec.num_layers):
         p = f"base_model.model.model.layers.{layer}."
+        for t in attention:
+            modules[f"{p}self_attn.{t}_proj"] = spec.target_dims(t)
+        if not spec.is_moe_layer(layer):
+            continue
         for e in range(spec.num_experts):
             for proj in projections:
                 modules[f"{p}{block}.experts.{e}.{names[proj]}"] = dims[proj]
         if router:
             modules[f"{p}{block}.gate"] = (h, spec.num_experts)
-        for t in attention:
-            modules[f"{p}self_attn.{t}_proj"] = spec.target_dims(t)
     tensors = {}
     for module, (d_in, d_out) in modules.items():
         tensors[f"{module}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
@@ -250,3 +252,32 @@ def _greedy(model, row: dict, eos: int) -> list[int]:
         )
     tokens = gen[0, ids.shape[1] :].tolist()
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def expert_adapters(model_dir: Path, root: Path, kind: str) -> dict[str, Path]:
+    """Adapters of Qwen3-MoE, Mixtral or OLMoE in every format, ranks 1 to 8 per expert target: on the
+    fused parameters (both, or down_proj alone with the router), PEFT's conversion of
+    target_modules naming the experts (gate_up at 2r, rslora), transformers 4's per-expert
+    modules with the router, and an attention-only one."""
+    experts = ["w1", "w3", "w2"] if kind == "mixtral" else ["gate_proj", "up_proj", "down_proj"]
+    return {
+        "fused": make_expert_adapter(model_dir, root / "fused", 3, 6, seed=1, modules=["q_proj"]),
+        "down-router": make_expert_adapter(
+            model_dir,
+            root / "down-router",
+            1,
+            2,
+            seed=2,
+            modules=["gate"],
+            parameters=["mlp.experts.down_proj"],
+        ),
+        "modules-rs": make_adapter(
+            model_dir, root / "modules-rs", 2, [*experts, "v_proj"], 3, True, seed=3
+        ),
+        "per-expert": write_per_expert_adapter(
+            model_dir, root / "per-expert", 4, 8, seed=4, router=True, attention=("o",)
+        ),
+        "attention": make_adapter(
+            model_dir, root / "attention", 5, ["q_proj", "k_proj"], 5, False, seed=5
+        ),
+    }

@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from slora_batch.engine.adapters.expert_files import (
+    FUSED_KEY,
     ExpertFactor,
     check_experts,
     is_expert_key,
@@ -99,13 +100,12 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
     rank = int(cfg.get("r", 0))
     dense = {k: v for k, v in shapes.items() if not (spec.num_experts and is_expert_key(k))}
     on_experts = {k: v for k, v in shapes.items() if k not in dense}
-    targets = _check_shapes(name, path, dense, spec, rank)
-    try:
+    try:  # patterns first: a rank they set would otherwise read as a wrong shape
+        _check_patterns(cfg, [k for k in shapes if not FUSED_KEY.search(k)])
         experts, expert_format = check_experts(on_experts, spec, cfg) if on_experts else ((), "")
-        _check_patterns(cfg, [*dense, *(on_experts if expert_format == "per_expert" else ())])
     except ValueError as exc:
         raise AdapterError(name, path, str(exc)) from exc
-    targets += tuple(f.target for f in experts)
+    targets = _check_shapes(name, path, dense, spec, rank) + tuple(f.target for f in experts)
     return AdapterInfo(
         name=name,
         path=path,

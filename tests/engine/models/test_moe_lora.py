@@ -1,5 +1,5 @@
 """LoRA on a mixture-of-experts block's experts and router against transformers + PEFT, token
-for token in fp32 on CPU (tiny random Qwen3-MoE and Mixtral, ``moe_factory``).
+for token in fp32 on CPU (tiny random Qwen3-MoE, Mixtral and OLMoE, ``moe_factory``).
 
 Adapters in both formats PEFT writes: ``target_parameters`` on the fused 3-D expert parameters
 (both, or down_proj alone beside the router), PEFT's own conversion of ``target_modules`` that
@@ -15,10 +15,10 @@ import torch
 from factory import make_adapter, make_rows
 from moe_factory import (
     VOCAB,
+    expert_adapters,
     make_expert_adapter,
     make_moe_model,
     reference_each,
-    write_per_expert_adapter,
 )
 
 from slora_batch import Engine, EngineConfig, Request
@@ -26,33 +26,7 @@ from slora_batch.engine.adapters.store import AdapterStore, parse_adapter
 from slora_batch.engine.models.spec import read_spec
 
 ROWS = 24
-KINDS = ("qwen3-moe", "mixtral")
-
-
-def expert_adapters(model_dir, root, kind) -> dict:
-    """Mixed ranks and formats, ranks 1 to 5 per expert target, plus an attention-only one."""
-    experts = ["gate_proj", "up_proj", "down_proj"] if kind == "qwen3-moe" else ["w1", "w3", "w2"]
-    return {
-        "fused": make_expert_adapter(model_dir, root / "fused", 3, 6, seed=1, modules=["q_proj"]),
-        "down-router": make_expert_adapter(
-            model_dir,
-            root / "down-router",
-            1,
-            2,
-            seed=2,
-            modules=["gate"],
-            parameters=["mlp.experts.down_proj"],
-        ),
-        "modules-rs": make_adapter(
-            model_dir, root / "modules-rs", 2, [*experts, "v_proj"], 3, True, seed=3
-        ),
-        "per-expert": write_per_expert_adapter(
-            model_dir, root / "per-expert", 4, 8, seed=4, router=True, attention=("o",)
-        ),
-        "attention": make_adapter(
-            model_dir, root / "attention", 5, ["q_proj", "k_proj"], 5, False, seed=5
-        ),
-    }
+KINDS = ("qwen3-moe", "mixtral", "olmoe")
 
 
 @pytest.fixture(scope="module", params=KINDS)
