@@ -142,7 +142,9 @@ def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, a: dict, b: dict) ->
 class PagedAdapter:
     """An adapter laid out the way it sits in the pool: ``data[layer, i]`` goes to the adapter's
     i-th page. Per target (canonical order) the A rows, then the B^T rows, each row padded to
-    whole pages. ``offsets[target, 0 or 1]`` is the first page index of A or B^T (-1: absent)."""
+    whole pages; an expert target's are E blocks of its rank, expert by expert
+    (``expert_weights``). ``offsets[target, 0 or 1]`` is the first page index of A or B^T (-1:
+    absent)."""
 
     info: AdapterInfo
     data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
@@ -250,22 +252,30 @@ class AdapterStore:
         """``check_adapters`` over the store: the usable ones stay parsed, the broken ones
         leave it (their rows become error rows; the others run)."""
         infos, broken = check_adapters(self.spec, self.sources)
-        if self.shard[1] > 1:  # the MoE block's LoRA has no tensor-parallel cut
-            for info in infos:
-                moe = [t for t in info.targets if t == "router" or t in EXPERT_TARGETS]
-                if moe:
-                    broken[info.name] = AdapterError(
-                        info.name,
-                        info.path,
-                        f"LoRA on the router or the experts ({', '.join(moe)}) is not "
-                        f"supported under tensor_parallel {self.shard[1]}",
-                    )
-            infos = [info for info in infos if info.name not in broken]
+        broken.update(self._unsharded(infos))
+        infos = [info for info in infos if info.name not in broken]
         self._infos.update((info.name, info) for info in infos)
         self._pages.clear()
         for name in broken:
             del self.sources[name]
         return infos, broken
+
+    def _unsharded(self, infos: list[AdapterInfo]) -> dict[str, AdapterError]:
+        """Why each adapter with LoRA on the router or the experts cannot run on a shard under
+        tensor parallelism: the MoE block's LoRA has no tensor-parallel cut."""
+        if self.shard[1] == 1:
+            return {}
+        broken = {}
+        for info in infos:
+            moe = [t for t in info.targets if t == "router" or t in EXPERT_TARGETS]
+            if moe:
+                broken[info.name] = AdapterError(
+                    info.name,
+                    info.path,
+                    f"LoRA on the router or the experts ({', '.join(moe)}) is not supported "
+                    f"under tensor_parallel {self.shard[1]}",
+                )
+        return broken
 
     def nearest(self, name: str, n: int = 3) -> list[str]:
         """Known adapter names closest to ``name`` (for "unknown adapter" messages)."""
