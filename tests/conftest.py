@@ -66,7 +66,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
     pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) each group of
     ``xdist_group`` shares one worker. The Ray group is ``slow`` (a local cluster per module,
-    actors killed and restarted): the README's second test step."""
+    actors killed and restarted). The slow tests go first (a stable sort): the workers take the
+    long ones while many short ones are left to even out their ends."""
     import torch
 
     for item in items:
@@ -75,6 +76,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
         if group == "ray":
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
