@@ -86,7 +86,9 @@ def write_openai_files(
     for rows in _part_rows(parts, ("id", "source")):
         counts.update(_key(row) for row in rows)
     written = [0, 0]
-    created = int(time.time())
+    # when the rows were made: the newest part's commit, so a rebuild from the same parts (after
+    # a kill, or of an earlier version's files) writes the same lines
+    created = int(max((path.stat().st_mtime for _, path in parts), default=time.time()))
 
     def write_both(output, errors) -> None:
         for group in _groups(parts, counts):
