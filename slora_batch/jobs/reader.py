@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,8 +27,21 @@ from slora_batch.jobs.config import COLUMN_KEYS, ROW_OPTIONS
 from slora_batch.jobs.response_format import format_value
 from slora_batch.jobs.text import type_name
 
-if TYPE_CHECKING:  # openai_input reads its first line through this module
-    from slora_batch.jobs.openai_input import OpenAIBatch
+Records = Iterator[tuple[int, dict | None, str | None]]  # (number, record, parse error)
+
+
+class LineReading(Protocol):
+    """One pass's conversion of a file's records (``openai_input.OpenAIReading``)."""
+
+    def records(self, records: Records, name: str) -> Records: ...
+
+
+class LineConverter(Protocol):
+    """What the reader asks of a converter of input lines (``openai_input.OpenAIBatch``, which
+    itself reads through this module): a reading per pass over the input."""
+
+    def reading(self) -> LineReading: ...
+
 
 SUFFIXES = (".jsonl", ".parquet")
 PARQUET_BATCH_ROWS = 1024
@@ -158,7 +171,7 @@ def read_rows(
     keep: Iterable[str] | Mapping[str, str] = (),
     root: Path | None = None,
     fs=None,
-    openai: OpenAIBatch | None = None,
+    openai: LineConverter | None = None,
     *,
     fields: Iterable[str] = (),
     start: int = 0,
@@ -210,7 +223,7 @@ class InputFile:
 def input_records(
     files: Iterable[Path],
     fs=None,
-    openai: OpenAIBatch | None = None,
+    openai: LineConverter | None = None,
     columns: list[str] | None = None,
     root: Path | None = None,
 ) -> Iterator[InputFile]:
