@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from factory import make_adapter
 
+from slora_batch import Engine, EngineConfig, Request
+
 VOCAB = 300
 MOE_KINDS = ("qwen3-moe", "mixtral", "qwen2-moe", "olmoe")
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -281,3 +283,22 @@ def expert_adapters(model_dir: Path, root: Path, kind: str) -> dict[str, Path]:
             model_dir, root / "attention", 5, ["q_proj", "k_proj"], 5, False, seed=5
         ),
     }
+
+
+def run(model_dir, adapters, rows, **knobs):
+    """The CPU engine in fp32 over ``rows``: (results by id, the engine); no row may fail."""
+    config = EngineConfig(device="cpu", dtype="float32", **knobs)
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
+    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
+    return results, engine
+
+
+def assert_parity(results, expected) -> None:
+    """Every row's tokens are the reference's (transformers + PEFT)."""
+    wrong = {
+        i: (results[i].token_ids, want)
+        for i, want in expected.items()
+        if results[i].token_ids != want
+    }
+    assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"

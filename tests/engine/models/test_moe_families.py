@@ -17,9 +17,11 @@ from factory import make_adapter, make_rows, reference
 from moe_factory import (
     MOE_KINDS,
     VOCAB,
+    assert_parity,
     make_attention_adapters,
     make_moe_model,
     moe_hf_model,
+    run,
     save_fused,
     write_adapter,
 )
@@ -38,23 +40,6 @@ def moe_case(request, tmp_path_factory):
     adapters = make_attention_adapters(model_dir, root / "adapters")
     rows = make_rows(ROWS, VOCAB, list(adapters), seed=len(kind))
     return kind, model_dir, adapters, rows, reference(model_dir, adapters, rows)
-
-
-def run(model_dir, adapters, rows, **knobs):
-    config = EngineConfig(device="cpu", dtype="float32", **knobs)
-    engine = Engine(model_dir, adapters=adapters, config=config)
-    results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
-    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
-    return results, engine
-
-
-def assert_parity(results, expected) -> None:
-    wrong = {
-        i: (results[i].token_ids, want)
-        for i, want in expected.items()
-        if results[i].token_ids != want
-    }
-    assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"
 
 
 def test_moe_greedy_tokens_equal_transformers_peft(moe_case):

@@ -15,10 +15,12 @@ import torch
 from factory import make_adapter, make_rows
 from moe_factory import (
     VOCAB,
+    assert_parity,
     expert_adapters,
     make_expert_adapter,
     make_moe_model,
     reference_each,
+    run,
 )
 
 from slora_batch import Engine, EngineConfig, Request
@@ -37,23 +39,6 @@ def case(request, tmp_path_factory):
     adapters = expert_adapters(model_dir, root / "adapters", kind)
     rows = make_rows(ROWS, VOCAB, list(adapters), seed=len(kind))
     return kind, model_dir, adapters, rows, reference_each(model_dir, adapters, rows)
-
-
-def run(model_dir, adapters, rows, **knobs):
-    config = EngineConfig(device="cpu", dtype="float32", **knobs)
-    engine = Engine(model_dir, adapters=adapters, config=config)
-    results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
-    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
-    return results, engine
-
-
-def assert_parity(results, expected) -> None:
-    wrong = {
-        i: (results[i].token_ids, want)
-        for i, want in expected.items()
-        if results[i].token_ids != want
-    }
-    assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"
 
 
 def test_expert_lora_tokens_equal_transformers_peft(case):
