@@ -15,21 +15,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from interpreter import INTERPRETED, run_interpreted
 
 from slora_batch.engine.execution.batch import lora_layout, vector_tokens
 from slora_kernels import ref
 from slora_kernels.meta import VECTOR_ALL, AttnMeta, LoraMeta
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TARGET_DIMS = {  # hidden 64, q_dim 64, kv_dim 32, intermediate 96: rows of 1, 2 and 3 pages of 32
     "q": (64, 64),
     "k": (64, 32),
@@ -58,29 +54,7 @@ if not INTERPRETED:
     @pytest.mark.slow
     @pytest.mark.parametrize("group", list(CHILDREN))
     def test_kernels_in_interpreter(group):
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                __file__,
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-o",
-                "addopts=",  # no xdist workers inside the child
-                "--tb=short",
-                "-k",
-                CHILDREN[group],
-            ],
-            cwd=Path(__file__).resolve().parents[2],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
+        run_interpreted(__file__, "-k", CHILDREN[group])  # no xdist workers inside the child
 
 
 @pytest.fixture(scope="module")

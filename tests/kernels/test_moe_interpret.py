@@ -11,45 +11,21 @@ or leaves experts out ("no expert" ids, -1), decode and prefill block sizes.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import INTERPRETED, run_interpreted
 
 from slora_kernels import ref
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2)}
 
 if not INTERPRETED:
 
     @pytest.mark.slow
     def test_moe_kernels_in_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                __file__,
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-o",
-                "addopts=",
-                "--tb=short",
-            ],
-            cwd=Path(__file__).resolve().parents[2],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+        out = run_interpreted(__file__)
+        assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 def routing(

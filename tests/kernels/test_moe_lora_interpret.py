@@ -12,20 +12,16 @@ random places of the pool and a page size no power of two.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import INTERPRETED, run_interpreted
 from test_moe_interpret import experts, routing
 
 from slora_kernels import ref
 from slora_kernels.meta import LoraMeta
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (1e-2, 1e-2)}
 NUM_TARGETS = 12  # slot_offsets' width: every LoRA target of the engine
 TARGETS = (10, 11)  # expert gate_up, expert down
@@ -34,28 +30,8 @@ if not INTERPRETED:
 
     @pytest.mark.slow
     def test_moe_lora_kernels_in_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                __file__,
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-o",
-                "addopts=",
-                "--tb=short",
-            ],
-            cwd=Path(__file__).resolve().parents[2],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+        out = run_interpreted(__file__, timeout=900)
+        assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
 @dataclass
