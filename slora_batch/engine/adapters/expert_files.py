@@ -92,9 +92,12 @@ def _fused_factors(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tupl
     """``check_experts`` of the fused format: each (layer, nesting) pair named by its shapes,
     every MoE layer with the same targets at one rank, that rank the config's."""
     pairs: dict[tuple[int, str], dict[str, tuple]] = {}
+    names: dict[tuple[int, str], str] = {}  # the pair's lora_A tensor, for messages
     for key, shape in shapes.items():
         m = FUSED_KEY.search(key)
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tuple(shape)
+        if m.group(3) == "A":
+            names[int(m.group(1)), m.group(2)] = key
     ranks: dict[str, dict[int, int]] = {}
     for (layer, depth), factors in sorted(pairs.items()):
         if set(factors) != {"A", "B"} or not spec.is_moe_layer(layer):
@@ -103,15 +106,16 @@ def _fused_factors(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tupl
                 f"a mixture-of-experts layer (of {spec.target_layers('expert_down')}) needs A "
                 "and B"
             )
-        target, rank = _fused_pair(factors["A"], factors["B"], spec, layer)
+        target, rank = _fused_pair(factors["A"], factors["B"], spec, names[layer, depth])
         if layer in ranks.setdefault(target, {}):
             raise ValueError(f"layer {layer} has two LoRA pairs on mlp.experts.{target}")
         ranks[target][layer] = rank
     return tuple(_fused_factor(t, ranks[t], spec, cfg) for t in PARAMETER_OF if t in ranks)
 
 
-def _fused_pair(a: tuple, b: tuple, spec: ModelSpec, layer: int) -> tuple[str, int]:
-    """(target, rank per expert) of one layer's lora_A ``a`` and lora_B ``b`` shapes."""
+def _fused_pair(a: tuple, b: tuple, spec: ModelSpec, key: str) -> tuple[str, int]:
+    """(target, rank per expert) of one layer's lora_A ``a`` and lora_B ``b`` shapes; ``key``
+    names the pair's lora_A tensor in a message."""
     experts = spec.num_experts
     for target in PARAMETER_OF:
         d_in, d_out = spec.target_dims(target)
@@ -120,7 +124,7 @@ def _fused_pair(a: tuple, b: tuple, spec: ModelSpec, layer: int) -> tuple[str, i
             return target, rows // experts
     gate_up, down = (spec.target_dims(t) for t in PARAMETER_OF)
     raise ValueError(
-        f"layer {layer}'s expert LoRA pair has shapes A {list(a)}, B {list(b)}: the model's "
+        f"tensor {key!r} and its lora_B have shapes A {list(a)}, B {list(b)}: the model's "
         f"{experts} experts need A [r * {experts}, {gate_up[0]}] and B [{gate_up[1]}, "
         f"r * {experts}] (gate_up_proj) or A [r * {experts}, {down[0]}] and B [{down[1]}, "
         f"r * {experts}] (down_proj)"
