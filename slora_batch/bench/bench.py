@@ -2,8 +2,10 @@
 
 One random-weight base model (a transformers ``LlamaForCausalLM`` built on the device) serves all
 systems: the engine takes its state dict, PEFT wraps the model itself. Adapters: ONE PEFT
-directory per distinct rank (8, 16, 32, 64), and adapter id i maps to the directory of rank
-RANKS[i % 4]; the engine still parses, loads, pages and evicts each id on its own. The scoring
+directory per distinct rank (``--adapter-targets attention``: 8, 16, 32, 64 on q, k, v, o;
+``experts``: 8, 16 on q, k, v, o and every expert of a mixture-of-experts preset), and adapter
+id i maps to the directory of the (i % ranks)-th rank; the engine still parses, loads, pages
+and evicts each id on its own. The scoring
 systems (``score``, ``peft-score``) run their own rows (``workload.ScoreWorkload``), and the
 prefix cache's (``prefix``, ``prefix-off``; ``samples``, ``samples-separate``) theirs
 (``workload.PrefixWorkload``; a ``Workload`` of ``samples_prompts``), each made only when one of
@@ -30,7 +32,7 @@ from slora_batch.bench.eval_run import (
     tokenizer_vocab,
 )
 from slora_batch.bench.formatting import brief
-from slora_batch.bench.model import PRESETS, RANKS, BenchModel, build_model
+from slora_batch.bench.model import ADAPTER_TARGETS, PRESETS, BenchModel, build_model
 from slora_batch.bench.prefix_run import PREFIX_ROWS, SAMPLES, run_prefix, run_samples
 from slora_batch.bench.report import write_outputs
 from slora_batch.bench.roofline import Rates, measure_rates
@@ -92,6 +94,7 @@ class BenchConfig:
     kv_cache_dtype: str = "auto"  # the engines' KV pages: auto (the model dtype) or fp8
     weights: str = "auto"  # the engines' base projections: auto or fp8 (W8A8)
     max_adapters_per_batch: int = 256  # the engines' adapter cap (EngineConfig's)
+    adapter_targets: str = "attention"  # or "experts" (bench/adapters.py; an MoE preset)
     max_seconds: float = 0.0  # per engine run: stop there, count the work done; 0 = no limit
     peft_max_seconds: float = 0.0  # per peft run, the same; 0 = no limit
     total_seconds: float = 0.0  # skip runs that would start past this; 0 = no limit
@@ -210,6 +213,7 @@ class BenchConfig:
             self.model_preset in PRESETS,
             f"model_preset must be one of {', '.join(PRESETS)}, got {self.model_preset!r}",
         )
+        self._check_adapter_targets()
         check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
@@ -221,6 +225,29 @@ class BenchConfig:
         check(
             self.tokenizer is None or Path(self.tokenizer).is_dir(),
             f"tokenizer must be a directory, got {self.tokenizer!r}",
+        )
+
+    def _check_adapter_targets(self) -> None:
+        """Expert adapters need a mixture-of-experts preset, and run on the engine alone:
+        transformers + PEFT batches adapters on the fused expert parameters one at a time."""
+        check(
+            self.adapter_targets in ADAPTER_TARGETS,
+            f"adapter_targets must be one of {', '.join(ADAPTER_TARGETS)}, "
+            f"got {self.adapter_targets!r}",
+        )
+        if self.adapter_targets != "experts":
+            return
+        check(
+            "num_experts" in PRESETS[self.model_preset],
+            "adapter_targets experts needs a mixture-of-experts model_preset "
+            f"({', '.join(p for p, f in PRESETS.items() if 'num_experts' in f)}), "
+            f"got {self.model_preset!r}",
+        )
+        peft = sorted(set(PEFT_SYSTEMS) & set(self.systems))
+        check(
+            not peft,
+            f"adapter_targets experts runs the engine's systems; leave {', '.join(peft)} out "
+            "of systems (PEFT mixes no adapters on the experts in one batch)",
         )
 
     def plan(self) -> list[tuple[str, int]]:
@@ -281,7 +308,9 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
         model = build_model(config.model_preset, device, dtype, Path(tmp), config.seed, hf, vocab)
         if config.tokenizer:  # beside the config: the eval systems' requests need it
             copy_tokenizer(Path(config.tokenizer), model.model_dir)
-        rank_dirs = model.write_adapters(Path(tmp) / "adapters", config.seed)
+        rank_dirs = model.write_adapters(
+            Path(tmp) / "adapters", config.seed, config.adapter_targets
+        )
         rates = measure_rates(device, dtype)
         log.info(
             "measured: matmul %.1f TFLOP/s, copy %.2f TB/s",
@@ -297,7 +326,7 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
             prefix = PrefixWorkload.generate(config, model.spec.vocab_size)
         if set(SAMPLES) & set(config.systems):
             samples = Workload.generate(config, model.spec.vocab_size, config.samples_prompts)
-        meta = run_meta(device, dtype, rates, config, model, len(RANKS))
+        meta = run_meta(device, dtype, rates, config, model, list(rank_dirs))
         log.info("setup took %.1f s", time.perf_counter() - started)
         ctx = BenchContext(config, model, rank_dirs, workload, rates, scoring, prefix, samples)
         for system, n in runs:
@@ -369,6 +398,6 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
                 ctx.model.num_params * ctx.model.dtype.itemsize / 2**30,
             )
     row.setdefault("error", None)
-    row["weight_sets"] = min(n, len(RANKS))
+    row["weight_sets"] = min(n, len(ctx.rank_dirs))
     log.info("%s@%d: %s", system, n, brief(row))
     return row

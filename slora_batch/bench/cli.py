@@ -65,7 +65,14 @@ def bench(
     seed: int = typer.Option(D.seed, help="Seed of the workload and the random weights."),
     model_preset: str = typer.Option(
         D.model_preset,
-        help="Model shapes: llama2-7b, llama2-70b (GQA), llama3-8b, qwen3-8b, gemma2-9b or tiny.",
+        help="Model shapes: llama2-7b, llama2-70b (GQA), llama3-8b, qwen3-8b, gemma2-9b, "
+        "qwen3-30b-a3b (mixture of experts), tiny or tiny-moe.",
+    ),
+    adapter_targets: str = typer.Option(
+        D.adapter_targets,
+        help="What the adapters adapt: attention (q, k, v, o; ranks 8, 16, 32, 64) or experts "
+        "(q, k, v, o and every expert's gate_up and down; ranks 8, 16; a mixture-of-experts "
+        "--model-preset, engine systems only).",
     ),
     device: str = typer.Option(D.device, help="auto, cpu or cuda[:N]."),
     backend: str = typer.Option(D.backend, help="Engine kernels: auto, torch or triton."),
@@ -173,6 +180,7 @@ def bench(
             max_output=max_output,
             seed=seed,
             model_preset=model_preset,
+            adapter_targets=adapter_targets,
             device=device,
             backend=backend,
             max_num_seqs=max_num_seqs,

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from slora_batch.bench.floor import trace_steps
+from slora_batch.bench.floor import Routing, trace_steps
 from slora_batch.bench.json_run import free_requests, grammar_tokens, json_requests
 from slora_batch.bench.model import RandomWeights
 from slora_batch.bench.roofline import Work
@@ -103,7 +103,8 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
                 raise ValueError(f"json-free@{n} needs json@{n} to run first (add json)")
             requests = free_requests(requests, ctx.json_lengths[n])
     warmup_builds = warm_up(ctx, engine, requests, sources)
-    trace = trace_steps(engine) if hasattr(engine, "_launch") else None  # the timed steps
+    traced = hasattr(engine, "_launch")  # the timed steps (not a data-parallel driver's)
+    trace = trace_steps(engine, Routing.of(ctx.model.spec)) if traced else None
     setup_s = time.perf_counter() - setup
     asked = {r.id: r.max_new_tokens for r in requests}
     outputs = sum(r.n or 1 for r in requests)

@@ -28,10 +28,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from slora_batch.bench.model import RANKS
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.row_fields import figures
-from slora_batch.bench.workload import adapter_name, group_by_adapter
+from slora_batch.bench.workload import adapter_name, adapter_sources, group_by_adapter
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.jobs.config import JobConfig
 from slora_batch.jobs.run import run_job
@@ -59,12 +58,13 @@ def write_adapters(ctx, root: Path, n: int) -> Path:
     """One PEFT directory per adapter id, its files hard links to its rank's (a copy where the
     file system has no hard links)."""
     adapters = root / f"job-adapters-{n}"
+    sources = adapter_sources(n, ctx.rank_dirs)
     for i in range(n):
         target = adapters / adapter_name(i)
         if target.exists():
             continue
         target.mkdir(parents=True)
-        for source in ctx.rank_dirs[RANKS[i % len(RANKS)]].iterdir():
+        for source in sources[adapter_name(i)].iterdir():
             try:
                 os.link(source, target / source.name)
             except OSError:

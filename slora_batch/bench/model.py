@@ -1,9 +1,9 @@
-"""The bench's model: random weights of a preset's shapes (Llama-2 7B and 70B, a tiny one for
-the CPU), and the PEFT adapters written for it, one directory per rank (benchmarks/README.md)."""
+"""The bench's model: random weights of a preset's shapes (Llama-2 7B and 70B, the families users
+fine-tune, Qwen3-30B-A3B's mixture of experts, tiny ones for the CPU), and the PEFT adapters
+written for it, one directory per rank (``bench/adapters.py``; benchmarks/README.md)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -12,15 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from slora_batch.bench.adapters import write_attention_adapters, write_expert_adapters
 from slora_batch.bench.roofline import kv_bytes_per_token
 from slora_batch.engine.models.spec import ModelSpec, read_spec
 
 log = logging.getLogger(__name__)
 
-RANKS = (8, 16, 32, 64)  # adapter id i has rank RANKS[i % 4] (workload.adapter_sources)
-LORA_TARGETS = ("q", "k", "v", "o")
+# Adapter id i has rank RANKS[i % 4] on q, k, v, o (--adapter-targets attention), or
+# EXPERT_RANKS[i % 2] on q, k, v, o and every expert's gate_up and down (experts): rank 16 on
+# Qwen3-30B-A3B's 48 x 128 experts is 1.3 GB in bf16 (workload.adapter_sources).
+RANKS = (8, 16, 32, 64)
+EXPERT_RANKS = (8, 16)
+ADAPTER_TARGETS = ("attention", "experts")
 
 PRESETS: dict[str, dict] = {
     "llama2-7b": dict(
@@ -85,6 +89,39 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     ),
+    "qwen3-30b-a3b": dict(  # 128 experts of 768, 8 a token: 30.5B parameters, 3.3B active
+        config="Qwen3MoeConfig",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,  # a dense layer's MLP: none here (every layer has experts)
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "tiny-moe": dict(  # Qwen3-MoE's layer at CPU size: 8 experts of 32, 2 a token
+        config="Qwen3MoeConfig",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+    ),
     "tiny": dict(
         vocab_size=300,
         hidden_size=64,
@@ -113,32 +150,56 @@ class RandomWeights:
 
     def names(self) -> list[str]:
         s = self.spec
-        per_layer = [
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-            *(f"self_attn.{t}_proj.weight" for t in "qkvo"),
-            *(f"mlp.{t}_proj.weight" for t in ("gate", "up", "down")),
-        ]
-        if s.attention_bias:
-            per_layer += [f"self_attn.{t}_proj.bias" for t in "qkv"]
-        if s.qk_norm:
-            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        if s.gemma_norms:
-            per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
-        names = [f"model.layers.{i}.{n}" for i in range(s.num_layers) for n in per_layer]
+        names = [f"model.layers.{i}.{n}" for i in range(s.num_layers) for n in self._layer(i)]
         names += ["model.embed_tokens.weight", "model.norm.weight"]
         return names + ([] if s.tie_word_embeddings else ["lm_head.weight"])
 
+    def _layer(self, i: int) -> list[str]:
+        """Layer ``i``'s tensors, under the names the engine's loader reads."""
+        s = self.spec
+        names = [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            *(f"self_attn.{t}_proj.weight" for t in "qkvo"),
+            *self._mlp(i),
+        ]
+        if s.attention_bias:
+            names += [f"self_attn.{t}_proj.bias" for t in "qkv"]
+        if s.qk_norm:
+            names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        if s.gemma_norms:
+            names += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+        return names
+
+    def _mlp(self, i: int) -> list[str]:
+        """A dense layer's gate, up and down; a mixture-of-experts layer's router and experts
+        as transformers 5 holds them, fused 3-D (``TensorReader.experts`` reads that layout:
+        one tensor a layer instead of 3 x E), and Qwen2-MoE's shared expert and its gate."""
+        s = self.spec
+        if not s.is_moe_layer(i):
+            return [f"mlp.{t}_proj.weight" for t in ("gate", "up", "down")]
+        names = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        if s.shared_expert_size:
+            names += [f"mlp.shared_expert.{t}_proj.weight" for t in ("gate", "up", "down")]
+            names.append("mlp.shared_expert_gate.weight")
+        return names
+
     def shape(self, name: str) -> tuple[int, ...]:
         s = self.spec
-        h, q, kv, i = s.hidden_size, s.q_dim, s.kv_dim, s.intermediate_size
+        h, q, kv = s.hidden_size, s.q_dim, s.kv_dim
+        if name.endswith("mlp.experts.gate_up_proj"):
+            return (s.num_experts, 2 * s.expert_size, h)  # per expert: gate rows, then up rows
+        if name.endswith("mlp.experts.down_proj"):
+            return (s.num_experts, h, s.expert_size)
         last = name.split(".")[-2]
         if last in ("q_norm", "k_norm"):
-            return (s.head_dim,)
+            whole = q if last == "q_norm" else kv  # OLMoE normalizes the whole projection
+            return (whole if s.qk_norm_whole else s.head_dim,)
         if name.endswith("norm.weight") or last.endswith("layernorm"):
             return (h,)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return (s.vocab_size, h)
+        i = s.shared_expert_size if ".shared_expert." in name else s.intermediate_size
         out_in = {
             "q_proj": (q, h),
             "k_proj": (kv, h),
@@ -147,6 +208,8 @@ class RandomWeights:
             "gate_proj": (i, h),
             "up_proj": (i, h),
             "down_proj": (h, i),
+            "gate": (s.num_experts, h),  # the router
+            "shared_expert_gate": (1, h),
         }[last]
         return out_in[:1] if name.endswith(".bias") else out_in
 
@@ -186,6 +249,16 @@ class RandomWeights:
         return sum(math.prod(self.shape(n)) for n in self.names())
 
 
+def active_params(spec: ModelSpec, num_params: int) -> int:
+    """Parameters a token computes with: all but the experts it is not routed to (per
+    mixture-of-experts layer, E - k experts of 3 x hidden x expert size). Qwen3-30B-A3B: 30.5B
+    parameters, 3.3B active (the embedding table and LM head counted, as for every preset)."""
+    idle = spec.num_experts - spec.experts_per_token
+    per_expert = 3 * spec.hidden_size * spec.expert_size
+    moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    return num_params - moe_layers * idle * per_expert
+
+
 @dataclass
 class BenchModel:
     """The transformers model every system runs, and what the engine and the roofline need."""
@@ -200,47 +273,21 @@ class BenchModel:
     num_params: int
 
     @property
+    def active_params(self) -> int:
+        """Parameters a token computes with (``num_params`` on a dense model)."""
+        return active_params(self.spec, self.num_params)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.spec.num_layers, self.spec.kv_dim, self.dtype)
 
-    def write_adapters(self, root: Path, seed: int) -> dict[int, Path]:
-        """One PEFT LoRA directory per rank in RANKS, targets q/k/v/o, A and B random non-zero."""
-        dirs = {}
-        for rank in RANKS:
-            gen = torch.Generator().manual_seed(seed * 1000 + rank)
-            tensors = {}
-            for layer in range(self.spec.num_layers):
-                for target in LORA_TARGETS:
-                    d_in, d_out = self.spec.target_dims(target)
-                    key = f"base_model.model.model.layers.{layer}.self_attn.{target}_proj"
-                    a = torch.randn(rank, d_in, generator=gen) / d_in**0.5  # [r, d_in]
-                    b = torch.randn(d_out, rank, generator=gen) * 0.02  # [d_out, r]
-                    tensors[f"{key}.lora_A.weight"] = a.to(self.dtype)
-                    tensors[f"{key}.lora_B.weight"] = b.to(self.dtype)
-            out = root / f"rank{rank}"
-            out.mkdir(parents=True)
-            save_file(tensors, str(out / "adapter_model.safetensors"))
-            (out / "adapter_config.json").write_text(json.dumps(_peft_config(rank), indent=1))
-            dirs[rank] = out
-        return dirs
-
-
-def _peft_config(rank: int) -> dict:
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": rank,
-        "target_modules": [f"{t}_proj" for t in LORA_TARGETS],
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "base_model_name_or_path": None,
-    }
+    def write_adapters(self, root: Path, seed: int, targets: str = "attention") -> dict[int, Path]:
+        """One PEFT LoRA directory per rank, A and B random non-zero: ranks RANKS on q, k, v, o
+        (``targets`` "attention"), or EXPERT_RANKS on q, k, v, o and the experts' gate_up and
+        down ("experts", a mixture-of-experts model). Returns rank -> directory."""
+        if targets == "experts":
+            return write_expert_adapters(self.spec, self.dtype, root, seed, EXPERT_RANKS)
+        return write_attention_adapters(self.spec, self.dtype, root, seed, RANKS)
 
 
 def build_model(

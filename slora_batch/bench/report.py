@@ -63,12 +63,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"- measured: {meta['dtype']} matmul {meta['matmul_tflops']:.4g} TFLOP/s, "
         f"copy {meta['copy_tb_per_s']:.4g} TB/s (read + write)",
         f"- model: {meta['settings']['model_preset']} shapes, random weights, "
-        f"{meta['parameters'] / 1e9:.2f}B parameters",
+        f"{meta['parameters'] / 1e9:.2f}B parameters{_active(meta)}",
         f"- workload: {meta['settings']['requests']} requests, input {meta['settings']['min_input']}-"
         f"{meta['settings']['max_input']}, output {meta['settings']['min_output']}-"
         f"{meta['settings']['max_output']}, popularity power({0.1 if meta['settings']['skewed'] else 1})"
-        f", seed {meta['settings']['seed']}; adapter ids share {meta['adapter_weight_sets']} weight "
-        "sets (one per rank 8/16/32/64), each id loaded, paged and evicted on its own",
+        f", seed {meta['settings']['seed']}; {_adapters(meta)}",
         f"- time limits: engine runs {_limit(meta['settings']['max_seconds'])}, peft runs "
         f"{_limit(meta['settings']['peft_max_seconds'])} (a run cut at its limit counts the work "
         "done by then: note *cut*)",
@@ -151,6 +150,24 @@ def _prefix_note(row: dict) -> str:
     if missing(hits) or not hits:
         return ""
     return f"{int(hits)} prefix hit tokens"
+
+
+def _active(meta: dict) -> str:
+    """ ", 3.35B active" where a mixture of experts runs fewer parameters a token than it has."""
+    active = meta.get("active_parameters", meta["parameters"])
+    return f", {active / 1e9:.2f}B active" if active != meta["parameters"] else ""
+
+
+def _adapters(meta: dict) -> str:
+    """What the adapter ids are: their targets, ranks and shared weight sets."""
+    targets = meta["settings"].get("adapter_targets", "attention")
+    on = "q, k, v, o and the experts" if targets == "experts" else "q, k, v, o"
+    ranks = meta.get("adapter_ranks", [8, 16, 32, 64])
+    return (
+        f"adapters on {on}, ranks cycling {'/'.join(map(str, ranks))}; adapter ids share "
+        f"{meta['adapter_weight_sets']} weight sets (one per rank), each id loaded, paged and "
+        "evicted on its own"
+    )
 
 
 def _scoring_workload(settings: dict) -> list[str]:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from slora_batch.bench.floor import PARTS, StepWork, floor_parts, weight_bytes
+from slora_batch.bench.floor import PARTS, StepWork, WeightBytes, floor_parts
 from slora_batch.bench.roofline import Work
 from slora_batch.bench.timed_run import Timed
 from slora_kernels.builds import BuildLog
@@ -55,16 +55,18 @@ def step_fields(timed: Timed) -> dict[str, float]:
 
 def figures(ctx, work: Work, finished: int, wall_s: float, devices: int = 1) -> dict:
     """The rates and the roofline fraction of a run that did ``work`` in ``wall_s`` seconds
-    (on ``devices`` cards like the one measured: their floor is 1/devices of one card's)."""
+    (on ``devices`` cards like the one measured: their floor is 1/devices of one card's). FLOPs
+    count the active parameters (a mixture of experts runs k of its E experts a token)."""
     model = ctx.model
-    floor_s = work.floor_seconds(model.num_params, model.kv_bytes_per_token, ctx.rates) / devices
+    params = model.active_params
+    floor_s = work.floor_seconds(params, model.kv_bytes_per_token, ctx.rates) / devices
     return dict(
         prompt_tokens=work.prompt_tokens,
         output_tokens=work.output_tokens,
         wall_s=wall_s,
         requests_per_s=finished / wall_s,
         output_tokens_per_s=work.output_tokens / wall_s,
-        flops=work.flops(model.num_params),
+        flops=work.flops(params),
         kv_bytes=work.kv_bytes(model.kv_bytes_per_token),
         floor_s=floor_s,
         roofline_fraction=floor_s / wall_s,
@@ -78,13 +80,10 @@ def floor_fields(
     seconds over ``wall_s``; NaN for a run whose steps were not traced (data-parallel)."""
     if trace is None:
         return dict.fromkeys((*PARTS, "floor2_s", "floor_fraction"), math.nan)
-    model, spec = ctx.model, ctx.model.spec
-    elt = torch.finfo(model.dtype).bits // 8
-    weights = weight_bytes(
-        model.num_params, spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings, elt
-    )
+    model = ctx.model
+    weights = WeightBytes.of(model.spec, model.num_params, torch.finfo(model.dtype).bits // 8)
     parts = floor_parts(
-        trace, weights, model.kv_bytes_per_token, model.num_params, ctx.rates, devices
+        trace, weights, model.kv_bytes_per_token, model.active_params, ctx.rates, devices
     )
     parts["floor_fraction"] = parts["floor2_s"] / wall_s
     return parts

@@ -17,9 +17,10 @@ COMMIT_ENV = "SLORA_BATCH_COMMIT"  # where the tree travels without .git (the de
 
 
 def run_meta(
-    device: torch.device, dtype: torch.dtype, rates, config, model, weight_sets: int
+    device: torch.device, dtype: torch.dtype, rates, config, model, ranks: list[int]
 ) -> dict:
-    """The results header: date, card, commit, versions, the two measured rates, the settings."""
+    """The results header: date, card, commit, versions, the two measured rates, the settings;
+    ``ranks``: the adapters' weight sets, one per rank."""
     if device.type == "cuda":
         card = torch.cuda.get_device_name(device)
     else:
@@ -34,9 +35,11 @@ def run_meta(
         "versions": {name: _version(name) for name in ("torch", "triton", "transformers", "peft")},
         "dtype": str(dtype).removeprefix("torch."),
         "parameters": model.num_params,
+        "active_parameters": model.active_params,
         "matmul_tflops": rates.matmul_flops_per_s / 1e12,
         "copy_tb_per_s": rates.copy_bytes_per_s / 1e12,
-        "adapter_weight_sets": weight_sets,
+        "adapter_weight_sets": len(ranks),
+        "adapter_ranks": ranks,
         "settings": settings,
         "skipped": [],
     }

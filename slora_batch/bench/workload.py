@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from slora_batch.bench.model import RANKS
 from slora_batch.bench.model import build_model as build_model  # benchmarks/profile_engine.py
 from slora_batch.engine.requests.request import Request
 from slora_batch.jobs.ordering import sort_key
@@ -19,8 +18,10 @@ def adapter_name(i: int) -> str:
 
 
 def adapter_sources(n: int, rank_dirs: dict[int, Path]) -> dict[str, Path]:
-    """n adapter ids over the shared weight sets: id i -> the directory of rank RANKS[i % 4]."""
-    return {adapter_name(i): rank_dirs[RANKS[i % len(RANKS)]] for i in range(n)}
+    """n adapter ids over the shared weight sets, ranks cycling in ``rank_dirs``' order: id i ->
+    the directory of the (i % len(rank_dirs))-th rank (model.RANKS: 8, 16, 32, 64, 8, ...)."""
+    dirs = list(rank_dirs.values())
+    return {adapter_name(i): dirs[i % len(dirs)] for i in range(n)}
 
 
 def drawn_indices(draws: np.ndarray, n: int) -> list[int]:
