@@ -7,13 +7,20 @@ narrow: at 256 rows its pool is mostly empty) and a cap far above it only grows 
 ``auto`` takes the rows whose KV at ``auto_context_tokens`` of context (at most the model's
 context) fits in the pool after the adapters a batch may pin (``max_adapters_per_batch`` of
 the store's mean size: S-LoRA pages an adapter by its rank, so a batch holds the ranks its rows
-bring, not the largest), between ``AUTO_MIN_SEQS`` and ``AUTO_MAX_SEQS``.
+bring, not the largest), between ``AUTO_MIN_SEQS`` and ``AUTO_MAX_SEQS``. The adapters hold
+back at most half the pool (``PINNED_SHARE``): adapters that large (LoRA on a mixture of
+experts' every expert: about 1 GB each on Qwen3-30B-A3B) cannot all be resident at once, so
+the batch runs on the few that fit beside its KV, and admission, which stops at the free pages
+and evicts idle adapters for KV, settles the split; planning for all of them would leave no KV.
 
 Running example: Llama-3-8B shapes in bf16 (32 layers, 8 KV heads of 128: a page is one
 layer's K or V of a token, 1024 values, 2 KiB; 64 KiB over the layers; a token's K and V 128
 KiB). A 100 GiB pool holds 819200 tokens of KV; 256 pinned adapters of rank 32 on
 q, k, v, o take about 13 GiB of it (rank x (4+4 + 4+1 + 4+1 + 4+4) pages a layer); the rest
-holds 87 GiB / 128 KiB / 512 = 1392 rows at 512 tokens each: capped to 1024.
+holds 87 GiB / 128 KiB / 512 = 1392 rows at 512 tokens each: capped to 1024. Qwen3-30B-A3B
+(48 layers, 4 KV heads of 128: 96 KiB of K and V a token) with a 14 GiB pool and 100 adapters
+on the experts of ranks 8 and 16 (0.93 GiB mean): 93 GiB would be held back, leaving no KV;
+at half the pool, 7 GiB holds 7 of them and 7 GiB of KV 149 rows at 512 tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import logging
 from slora_batch.engine.config import AUTO_MAX_SEQS, AUTO_MIN_SEQS, EngineConfig
 
 log = logging.getLogger(__name__)
+
+PINNED_SHARE = 0.5  # of the pool, at most, held back for the adapters a batch may pin
 
 
 def auto_num_seqs(
@@ -38,13 +47,15 @@ def auto_num_seqs(
     ``pages``: the pool's pages (KV and adapters: unified or the sum of both pools);
     ``token_pages``: pages of one token's K and V; ``adapter_pages``: each servable adapter's
     pages (held back: ``max_adapters_per_batch`` adapters of their mean size, at most all of
-    them). Holding the largest instead left Llama-3-8B shapes with ranks 8-64 282 rows where
-    696 fit without adapters, on an H100; a 512-row cap ran 4% faster, Llama-2-7B's 18%
-    (benchmarks/README.md). Admission still stops at the free pages.
+    them, and at most ``PINNED_SHARE`` of the pool). Holding the largest instead left Llama-3-8B
+    shapes with ranks 8-64 282 rows where 696 fit without adapters, on an H100; a 512-row cap
+    ran 4% faster, Llama-2-7B's 18% (benchmarks/README.md). Admission still stops at the free
+    pages.
     """
     context = min(config.auto_context_tokens, max_model_len)
     count = min(len(adapter_pages), config.max_adapters_per_batch)
     pinned = -(-sum(adapter_pages) * count // len(adapter_pages)) if adapter_pages else 0
+    pinned = min(pinned, int(pages * PINNED_SHARE))
     kv_pages = max(0, pages - pinned)
     rows = kv_pages // (token_pages * context)
     floor = max(AUTO_MIN_SEQS, config.admit_batch or 1)
