@@ -25,6 +25,7 @@ from slora_kernels.lora_paths import (
     _tiled_span,
     _vector_pick,
     _vector_token,
+    module_tables,
     position_segments,
 )
 from slora_kernels.meta import LoraMeta
@@ -40,6 +41,8 @@ from slora_kernels.ref import lora_group
         "v_stride",
         "rank_cap",
         "vector_max",
+        "rank_slot_stride",
+        "rank_target_stride",
     ]
 )
 def _expand_vector_kernel(
@@ -54,6 +57,8 @@ def _expand_vector_kernel(
     num_segs,
     rank_ptr,
     scale_ptr,
+    rank_slot_stride,
+    rank_target_stride,
     pages_ptr,
     pages_stride,
     offsets_ptr,
@@ -99,9 +104,19 @@ def _expand_vector_kernel(
     j = (nb >= blocks1).to(tl.int32) + (nb >= blocks2).to(tl.int32)
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     start, rank, slot_pages = _factor(
-        slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 1, rank_cap, NUM_TARGETS
+        slot,
+        rank_ptr,
+        rank_slot_stride,
+        rank_target_stride,
+        pages_ptr,
+        pages_stride,
+        offsets_ptr,
+        target,
+        1,
+        rank_cap,
+        NUM_TARGETS,
     )
-    if start < 0:
+    if (start < 0) | (rank == 0):
         return
     col = tl.where(j == 0, col0, tl.where(j == 1, col1, col2))
     d_out = tl.where(j == 0, width0, tl.where(j == 1, width1, width2))
@@ -121,7 +136,7 @@ def _expand_vector_kernel(
         b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
         b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
-    delta = delta * tl.load(scale_ptr + slot)
+    delta = delta * tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
     o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
     tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
 
@@ -136,6 +151,8 @@ def _expand_vector_kernel(
         "v_stride",
         "rank_cap",
         "vector_max",
+        "rank_slot_stride",
+        "rank_target_stride",
     ]
 )
 def _expand_kernel(
@@ -150,6 +167,8 @@ def _expand_kernel(
     num_segs,
     rank_ptr,
     scale_ptr,
+    rank_slot_stride,
+    rank_target_stride,
     pages_ptr,
     pages_stride,
     offsets_ptr,
@@ -198,9 +217,19 @@ def _expand_kernel(
     while (lo < b0 + BLOCK_T) & (lo < hi):
         slot = tl.load(seg_slot_ptr + seg)
         start, rank, slot_pages = _factor(
-            slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 1, rank_cap, NUM_TARGETS
+            slot,
+            rank_ptr,
+            rank_slot_stride,
+            rank_target_stride,
+            pages_ptr,
+            pages_stride,
+            offsets_ptr,
+            target,
+            1,
+            rank_cap,
+            NUM_TARGETS,
         )
-        if (slot >= 0) & (start >= 0) & (hi - lo > vector_max):
+        if (slot >= 0) & (start >= 0) & (rank > 0) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
             delta = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             for r0 in range(0, rank, BLOCK_R):  # this adapter's own rank, BLOCK_R rows a dot
@@ -216,7 +245,8 @@ def _expand_kernel(
                 delta = tl.dot(
                     vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION
                 )
-            acc += delta * tl.load(scale_ptr + slot)
+            scale = tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
+            acc += delta * scale
             touched = touched | in_seg
         seg += 1
         lo = hi
@@ -270,8 +300,7 @@ def lora_expand(
     widths = [hi - lo for lo, hi in cols]
     starts = [lo for lo, _ in cols]
     common = (
-        meta.slot_rank,
-        meta.slot_scale,
+        *module_tables(meta),
         meta.slot_pages,
         meta.slot_pages.stride(0),
         meta.slot_offsets,

@@ -53,6 +53,8 @@ from slora_kernels.meta import VECTOR_ALL, LoraMeta
 def _factor(
     slot,
     rank_ptr,
+    rank_slot_stride,
+    rank_target_stride,
     pages_ptr,
     pages_stride,
     offsets_ptr,
@@ -61,10 +63,27 @@ def _factor(
     rank_cap,
     NUM_TARGETS: tl.constexpr,
 ):
-    """(start in slot_pages, -1 without the target; rank; pointer to slot_pages[slot, start])."""
-    start = tl.load(offsets_ptr + (slot * NUM_TARGETS + target) * 2 + which)
-    rank = tl.minimum(tl.load(rank_ptr + slot), rank_cap)
-    return start, rank, pages_ptr + slot.to(tl.int64) * pages_stride + start
+    """(start in slot_pages, -1 without the target or for slot -1; the module's rank, 0 where
+    the adapter leaves it out; pointer to slot_pages[slot, start]). The rank table is
+    ``module_tables``'; slot -1 (a padding segment) reads slot 0's rows, never before a table."""
+    safe = tl.maximum(slot, 0)
+    start = tl.load(offsets_ptr + (safe * NUM_TARGETS + target) * 2 + which)
+    start = tl.where(slot >= 0, start, -1)
+    rank = tl.load(rank_ptr + safe * rank_slot_stride + target * rank_target_stride)
+    rank = tl.minimum(rank, rank_cap)
+    return start, rank, pages_ptr + safe.to(tl.int64) * pages_stride + start
+
+
+def module_tables(meta: LoraMeta) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(rank table, scale table, slot stride, target stride) of the launch's layer: a module's
+    rank is rank_table[slot * slot stride + target * target stride], its scale likewise.
+    ``LoraMeta.layer_rank`` [N, L, T] gives the layer's [N, T] view (strides L * T and 1: a
+    view starts 4 * T bytes a layer further, 16-byte aligned with T = 12 targets); without it
+    slot_rank [N] serves every target (strides 1 and 0)."""
+    if meta.layer_rank is None:
+        return meta.slot_rank, meta.slot_scale, 1, 0
+    rank, scale = meta.layer_rank[:, meta.layer], meta.layer_scale[:, meta.layer]
+    return rank, scale, rank.stride(0), rank.stride(1)
 
 
 @triton.jit
@@ -143,6 +162,11 @@ def _check(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, out: torch
         assert tensor.dtype == torch.int32 and tensor.is_contiguous(), f"{name}: contiguous int32"
     assert meta.slot_offsets.dtype == torch.int32 and meta.slot_offsets.is_contiguous()
     assert meta.slot_scale.dtype == torch.float32
+    if meta.layer_rank is not None:
+        assert meta.layer_rank.dtype == torch.int32 and meta.layer_rank.is_contiguous()
+        assert meta.layer_scale.dtype == torch.float32 and meta.layer_scale.is_contiguous()
+        assert meta.layer_rank.shape == meta.layer_scale.shape
+        assert meta.layer_rank.shape[2] == meta.slot_offsets.shape[1], "one column a target"
     if meta.vector_tokens is not None:
         assert meta.vector_tokens.dtype == torch.int32 and meta.vector_tokens.is_contiguous()
     if meta.tiled_tokens is not None:

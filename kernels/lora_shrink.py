@@ -29,6 +29,7 @@ from slora_kernels.lora_paths import (
     _tiled_span,
     _vector_pick,
     _vector_token,
+    module_tables,
     position_segments,
 )
 from slora_kernels.meta import LoraMeta
@@ -50,6 +51,8 @@ MAX_SPLITS, MAX_VECTOR_SPLITS = 64, 16
         "rank_cap",
         "vector_max",
         "rank_blocks",
+        "rank_slot_stride",
+        "rank_target_stride",
     ]
 )
 def _shrink_kernel(
@@ -63,7 +66,8 @@ def _shrink_kernel(
     num_tokens,
     num_segs,
     rank_ptr,
-    scale_ptr,
+    rank_slot_stride,
+    rank_target_stride,
     pages_ptr,
     pages_stride,
     offsets_ptr,
@@ -108,7 +112,17 @@ def _shrink_kernel(
     while (lo < b0 + BLOCK_T) & (lo < hi):
         slot = tl.load(seg_slot_ptr + seg)
         start, rank, slot_pages = _factor(
-            slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 0, rank_cap, NUM_TARGETS
+            slot,
+            rank_ptr,
+            rank_slot_stride,
+            rank_target_stride,
+            pages_ptr,
+            pages_stride,
+            offsets_ptr,
+            target,
+            0,
+            rank_cap,
+            NUM_TARGETS,
         )
         if (slot >= 0) & (start >= 0) & (r0 < rank) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
@@ -141,6 +155,8 @@ def _shrink_kernel(
         "rank_cap",
         "vector_max",
         "rank_blocks",
+        "rank_slot_stride",
+        "rank_target_stride",
     ]
 )
 def _shrink_vector_kernel(
@@ -155,6 +171,8 @@ def _shrink_vector_kernel(
     num_tokens,
     num_segs,
     rank_ptr,
+    rank_slot_stride,
+    rank_target_stride,
     pages_ptr,
     pages_stride,
     offsets_ptr,
@@ -201,9 +219,19 @@ def _shrink_vector_kernel(
     r_first = (tl.program_id(1) % rank_blocks) * r_span
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
     start, rank, slot_pages = _factor(
-        slot, rank_ptr, pages_ptr, pages_stride, offsets_ptr, target, 0, rank_cap, NUM_TARGETS
+        slot,
+        rank_ptr,
+        rank_slot_stride,
+        rank_target_stride,
+        pages_ptr,
+        pages_stride,
+        offsets_ptr,
+        target,
+        0,
+        rank_cap,
+        NUM_TARGETS,
     )
-    if start < 0:
+    if (start < 0) | (rank == 0):
         return
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(d_in, k_lo + k_per_split)
@@ -294,6 +322,8 @@ def _row_dots(
         "part_stride",
         "rank_cap",
         "vector_max",
+        "rank_slot_stride",
+        "rank_target_stride",
     ]
 )
 def _shrink_reduce_kernel(
@@ -308,6 +338,8 @@ def _shrink_reduce_kernel(
     pos_seg_ptr,
     num_segs,
     rank_ptr,
+    rank_slot_stride,
+    rank_target_stride,
     offsets_ptr,
     target0,
     target1,
@@ -349,8 +381,9 @@ def _shrink_reduce_kernel(
     if slot < 0:
         return
     start = tl.load(offsets_ptr + (slot * NUM_TARGETS + target) * 2)
-    rank = tl.minimum(tl.load(rank_ptr + slot), rank_cap)
-    if start < 0:
+    rank = tl.load(rank_ptr + slot * rank_slot_stride + target * rank_target_stride)
+    rank = tl.minimum(rank, rank_cap)
+    if (start < 0) | (rank == 0):
         return
     rows = tl.arange(0, BLOCK_R)
     splits = tl.arange(0, BLOCK_SPLIT)
@@ -406,6 +439,8 @@ def lora_shrink(
         return
     page = pool_layer.shape[1]
     span = _tiled_span(meta, num_tokens)
+    rank_table, _, slot_stride, target_stride = module_tables(meta)
+    ranks = (rank_table, slot_stride, target_stride)
     if meta.longest > meta.vector_max and span > 0:  # tiled: segments longer than vector_max
         common = (
             meta.token_order,
@@ -428,8 +463,7 @@ def lora_shrink(
             x.stride(0),
             pool_layer,
             *common,
-            meta.slot_rank,
-            meta.slot_scale,
+            *ranks,
             meta.slot_pages,
             meta.slot_pages.stride(0),
             meta.slot_offsets,
@@ -476,7 +510,7 @@ def lora_shrink(
             pos_seg,
             num_tokens,
             num_segs,
-            meta.slot_rank,
+            *ranks,
             meta.slot_pages,
             meta.slot_pages.stride(0),
             meta.slot_offsets,
@@ -518,6 +552,8 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
     else:
         rows, picked = _tiled_span(meta, num_tokens), meta.token_order
         pick, pos_seg = {"ALL": False, "INDEXED": False}, position_segments(meta, num_tokens)
+    rank_table, _, slot_stride, target_stride = module_tables(meta)
+    ranks = (rank_table, slot_stride, target_stride)
     _shrink_reduce_kernel[(rows, group)](
         dst,
         dst.stride(1),
@@ -529,7 +565,7 @@ def _reduce(dst, splits, meta, targets, group, out, rank_cap, vector: bool) -> N
         meta.seg_slot,
         pos_seg,
         meta.seg_slot.shape[0],
-        meta.slot_rank,
+        *ranks,
         meta.slot_offsets,
         *targets,
         out,

@@ -7,6 +7,7 @@ decodes with slot 2 as well. Tokens of the step: t0 (seq 0), t1 t2 t3 (seq 1), t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,8 +42,13 @@ class LoraMeta:
       (``slora_batch.engine.execution.batch.lora_segments`` may put the segments longer than vector_max first.)
     seg1_start [S+1]: segments of token_order sharing one slot (adapter tokens only). ex.: [0, 2]
     seg_slot [S]: the slot of each segment.                            example: [2]
-    slot_rank [N]: rank per slot (0 for an empty slot).
+    slot_rank [N]: rank per slot, the largest of the adapter's modules (0 for an empty slot).
     slot_scale [N] fp32: lora_alpha / r, or lora_alpha / sqrt(r) with rslora.
+    layer_rank [N, L, num_targets] int32 (optional): the rank of each module, per slot, layer and
+      target (``rank_pattern``); 0 where the adapter leaves the module out
+      (``layers_to_transform``): no compute there. None: slot_rank for every module.
+    layer_scale [N, L, num_targets] fp32 (optional): each module's scale (``alpha_pattern``);
+      None: slot_scale. Both are read at ``layer``, the layer of the launch (``at_layer``).
     slot_pages [N, W] int32: an adapter's pages, -1 padded. Target by target (canonical order
       q, k, v, o, gate, up, down), first the A rows (rank x ceil(d_in / page_size) pages), then
       the B^T rows (rank x ceil(d_out / page_size) pages).
@@ -64,6 +70,12 @@ class LoraMeta:
     slot_pages: torch.Tensor
     slot_offsets: torch.Tensor
     max_rank: int
+    layer_rank: torch.Tensor | None = None
+    layer_scale: torch.Tensor | None = None
+    layer: int = 0  # host int: the layer whose modules the kernels run (``at_layer``)
+    # Host: the targets some slot of the step has in each layer (``at_layer`` narrows ``targets``
+    # to them, so a layer the step's adapters leave out launches nothing). None: ``targets``.
+    layer_targets: tuple[tuple[int, ...], ...] | None = None
     # Targets (indices into TARGETS) that some adapter of the step has; the model launches no
     # LoRA kernels for the others. Host-side; every target by default.
     targets: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)
@@ -91,6 +103,15 @@ class LoraMeta:
     # tiled_tokens sorted positions (``slora_batch.engine.execution.batch.lora_segments`` puts them first), so the
     # tiled kernels' grid covers only those. None: the whole step. example: 2 with vector_max 1.
     tiled_tokens: int | None = None
+
+    def at_layer(self, layer: int) -> LoraMeta:
+        """This step's metadata for the kernels of one layer (a shallow copy: the tensors are
+        shared). Example: ``layer_targets`` ((0, 2), (0,)): layer 1 launches for q alone."""
+        meta = copy.copy(self)
+        meta.layer = layer
+        if self.layer_targets is not None:
+            meta.targets = self.layer_targets[layer]
+        return meta
 
     def segments(self) -> Iterator[tuple[int, int, int]]:
         """(slot, lo, hi) per segment, on the host (the torch backend walks these)."""

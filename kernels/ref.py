@@ -152,6 +152,21 @@ def attention_decode(
     return torch.einsum("bhgk,bkhd->bhgd", probs, v).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
+def module_rank(meta: LoraMeta, slot: int, target: int) -> int:
+    """The rank of one module (slot, ``meta.layer``, target): ``layer_rank``'s, 0 where the
+    adapter leaves the module out, else the slot's rank."""
+    if meta.layer_rank is None:
+        return int(meta.slot_rank[slot])
+    return int(meta.layer_rank[slot, meta.layer, target])
+
+
+def module_scale(meta: LoraMeta, slot: int, target: int) -> float:
+    """The LoRA scale of one module, as ``module_rank`` reads its rank."""
+    if meta.layer_scale is None:
+        return float(meta.slot_scale[slot])
+    return float(meta.layer_scale[slot, meta.layer, target])
+
+
 def gather_lora_rows(
     pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int, width: int
 ) -> torch.Tensor:
@@ -159,10 +174,11 @@ def gather_lora_rows(
 
     Row j of the matrix lies in pages slot_pages[slot, start + j * pages_per_row + c],
     c = 0 .. pages_per_row - 1, with start = slot_offsets[slot, target, which] and
-    pages_per_row = ceil(width / page_size). Returns [rank, width].
+    pages_per_row = ceil(width / page_size). Returns [rank, width], the module's own rank at
+    ``meta.layer`` (``module_rank``).
     """
     page_size = pool_layer.shape[1]
-    rank = int(meta.slot_rank[slot])
+    rank = module_rank(meta, slot, target)
     per_row = -(-width // page_size)
     start = int(meta.slot_offsets[slot, target, which])
     pages = meta.slot_pages[slot, start : start + rank * per_row].long()
@@ -197,7 +213,7 @@ def lora_shrink(
     for s, lo, hi in meta.segments():
         idx = meta.token_order[lo:hi].long()
         for j, t in enumerate(targets):
-            if int(meta.slot_offsets[s, t, 0]) < 0:
+            if int(meta.slot_offsets[s, t, 0]) < 0 or module_rank(meta, s, t) == 0:
                 continue
             a = gather_lora_rows(pool_layer, meta, s, t, 0, x.shape[1])[:width]
             out[idx, j * width : j * width + a.shape[0]] = (x[idx].float() @ a.float().T).to(
@@ -219,7 +235,8 @@ def lora_expand(
     out is v); target j adds into columns cols[j] = (lo, hi) of out (default: all of out, for
     one target). For each token t with slot s = b_slot[t] >= 0 and target present in s:
       out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T) * scale[s]
-    (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group)).
+    (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group); rank[s] and
+    scale[s]: the module's at meta.layer, ``module_rank`` and ``module_scale``; rank 0: no add).
     Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
     """
     targets = lora_group(target)
@@ -229,12 +246,12 @@ def lora_expand(
     for s, lo, hi in meta.segments():
         idx = meta.token_order[lo:hi].long()
         for j, t in enumerate(targets):
-            if int(meta.slot_offsets[s, t, 1]) < 0:
+            if int(meta.slot_offsets[s, t, 1]) < 0 or module_rank(meta, s, t) == 0:
                 continue
             c0, c1 = cols[j]
             b = gather_lora_rows(pool_layer, meta, s, t, 1, c1 - c0)[:width]
             vs = v[idx, j * width : j * width + b.shape[0]].float()
-            delta = (vs @ b.float()) * float(meta.slot_scale[s])
+            delta = (vs @ b.float()) * module_scale(meta, s, t)
             out[idx, c0:c1] = (out[idx, c0:c1].float() + delta).to(out.dtype)
 
 

@@ -21,6 +21,7 @@ from slora_batch.engine.adapters.expert_files import (
     check_experts,
     is_expert_key,
     pattern_value,
+    scale_of,
 )
 from slora_batch.engine.models.spec import EXPERT_TARGETS, MODULE_OF, TARGETS, ModelSpec
 
@@ -49,6 +50,26 @@ class AdapterError(ValueError):
 
 
 @dataclass(frozen=True)
+class ModuleRanks:
+    """One target of an adapter on linear modules (not the experts): its rank and LoRA scale in
+    each layer of the model. A module's rank and alpha are the config's ``r`` and
+    ``lora_alpha``, or those of the first ``rank_pattern`` / ``alpha_pattern`` key matching its
+    name, as PEFT picks them; rank 0 (scale 0.0) in a layer the adapter leaves out
+    (``layers_to_transform``, a regular-expression ``target_modules``). Example: r 8,
+    rank_pattern {"model.layers.1.self_attn.q_proj": 4}, layers_to_transform [1, 2] on 3
+    layers: q's ranks (0, 4, 8)."""
+
+    target: str
+    ranks: tuple[int, ...]  # [num_layers]
+    scales: tuple[float, ...]  # [num_layers]
+
+    @property
+    def max_rank(self) -> int:
+        """The rank its rows take in pool pages: a page spans every layer."""
+        return max(self.ranks)
+
+
+@dataclass(frozen=True)
 class AdapterInfo:
     """What the engine needs of an adapter before loading its weights."""
 
@@ -62,6 +83,9 @@ class AdapterInfo:
     # format their tensors are in ("fused" or "per_expert": ``expert_files``); none without.
     experts: tuple[ExpertFactor, ...] = ()
     expert_format: str = ""
+    # The other targets' ranks and scales per layer; a target missing here has ``rank`` and
+    # ``scale`` in every layer it exists in.
+    modules: tuple[ModuleRanks, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -71,6 +95,21 @@ class AdapterInfo:
     def expert_ranks(self) -> dict[str, int]:
         """Rank per expert of each expert target."""
         return {f.target: f.rank for f in self.experts}
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of the adapter's modules outside the experts (``rank`` without
+        per-module ranks): the width its LoRA takes in a step's scratch."""
+        return max((m.max_rank for m in self.modules), default=self.rank)
+
+    def module_ranks(
+        self, target: str, num_layers: int
+    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """A target's (ranks, scales) per layer (``ModuleRanks``)."""
+        for module in self.modules:
+            if module.target == target:
+                return module.ranks, module.scales
+        return (self.rank,) * num_layers, (self.scale,) * num_layers
 
 
 def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
@@ -97,15 +136,16 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         raise AdapterError(name, path, f"unreadable {WEIGHTS_FILE}: {exc}") from exc
     if not shapes:
         raise AdapterError(name, path, f"no LoRA tensors in {WEIGHTS_FILE}")
-    rank = int(cfg.get("r", 0))
     dense = {k: v for k, v in shapes.items() if not (spec.num_experts and is_expert_key(k))}
     on_experts = {k: v for k, v in shapes.items() if k not in dense}
     try:  # patterns first: a rank they set would otherwise read as a wrong shape
-        _check_patterns(cfg, [k for k in shapes if not FUSED_KEY.search(k)])
+        _check_expert_patterns(cfg, [k for k in on_experts if not FUSED_KEY.search(k)])
         experts, expert_format = check_experts(on_experts, spec, cfg) if on_experts else ((), "")
+        modules = _check_shapes(dense, spec, cfg)
     except ValueError as exc:
         raise AdapterError(name, path, str(exc)) from exc
-    targets = _check_shapes(name, path, dense, spec, rank) + tuple(f.target for f in experts)
+    targets = tuple(m.target for m in modules) + tuple(f.target for f in experts)
+    rank = int(cfg["r"])
     return AdapterInfo(
         name=name,
         path=path,
@@ -115,6 +155,7 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         targets=tuple(t for t in TARGETS if t in targets),
         experts=experts,
         expert_format=expert_format,
+        modules=modules,
     )
 
 
@@ -133,66 +174,134 @@ def _refusal(cfg: dict) -> str | None:
     hit = [t for t in targets if any(e in t for e in _EMBEDDING_NAMES)]
     if hit:
         return f"embedding or lm_head targets {hit} are not supported"
-    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
-        return f"LoRA bias ({cfg.get('bias')!r}) is not supported"
-    if cfg.get("layers_to_transform") is not None:
-        return "layers_to_transform (adapters on a subset of layers) is not supported"
+    if cfg.get("bias", "none") != "none":
+        return (
+            f"bias {cfg['bias']!r} is not supported: the base model's biases trained with the "
+            "adapter replace the model's own (lora_bias, a bias on lora_B, is another field)"
+        )
+    if cfg.get("lora_bias"):
+        return "LoRA bias (lora_bias: true, a bias on lora_B) is not supported"
     if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
         return f"rank r must be an integer >= 1, got {cfg.get('r')!r}"
     return None
 
 
-def _check_shapes(
-    name: str, path: Path, shapes: dict[str, tuple], spec: ModelSpec, rank: int
-) -> tuple[str, ...]:
-    """The targets of the LoRA pairs on linear modules (every tensor but the experts'), each
-    checked against the model: its shapes, and A and B in every layer it exists in."""
-    seen: dict[str, set[int]] = {}
+def _check_shapes(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tuple:
+    """The ``ModuleRanks`` of the LoRA pairs on linear modules (every tensor but the experts'),
+    each tensor checked against the model at its module's rank, and each target for A and B in
+    every layer the config says it is in. Raises ``ValueError`` naming the tensor or target."""
+    wanted = _wanted_layers(cfg)
+    seen: dict[str, dict[int, set[str]]] = {}
+    ranks: dict[str, dict[int, tuple[int, str]]] = {}  # target -> layer -> (rank, module)
     for key, shape in shapes.items():
-        layer, target, factor = _key_target(name, path, key, shape, spec)
+        layer, target, factor = _key_target(key, shape, spec)
+        module = _module_name(key)
+        _check_layer_pattern(cfg, module, wanted)
+        rank = pattern_value(cfg.get("rank_pattern"), module, cfg["r"])
         d_in, d_out = spec.target_dims(target)
         want = (rank, d_in) if factor == "A" else (d_out, rank)
         layers = spec.target_layers(target)
         if layer not in layers or tuple(shape) != want:
-            raise AdapterError(
-                name,
-                path,
+            raise ValueError(
                 f"tensor {key!r} has shape {list(shape)}, the model "
-                f"({spec.num_layers} layers) needs {list(want)} at layers {_span(layers)}",
+                f"({spec.num_layers} layers) needs {list(want)} at layers {_span(layers)}"
+                + (f" (rank {rank}: rank_pattern)" if rank != cfg["r"] else "")
             )
-        seen.setdefault(target, set()).add(layer * 2 + (factor == "B"))
-    for target, got in seen.items():
-        need = 2 * len(spec.target_layers(target))
-        if len(got) != need:
-            raise AdapterError(
-                name,
-                path,
-                f"target {target} has {len(got)} of {need} factors (every layer "
-                f"{'with experts ' if need < 2 * spec.num_layers else ''}needs A and B)",
-            )
-    return tuple(t for t in TARGETS if t in seen)
+        seen.setdefault(target, {}).setdefault(layer, set()).add(factor)
+        ranks.setdefault(target, {})[layer] = (rank, module)
+    modules = []
+    for target in TARGETS:
+        if target in seen:
+            _check_layers(target, seen[target], spec, cfg, wanted)
+            modules.append(_module_ranks(target, ranks[target], spec, cfg))
+    return tuple(modules)
 
 
-def _key_target(
-    name: str, path: Path, key: str, shape: tuple, spec: ModelSpec
-) -> tuple[int, str, str]:
+def _module_name(key: str) -> str:
+    """A tensor's module as PEFT's patterns see it: "model.layers.0.self_attn.q_proj"."""
+    return key.split(".lora_")[0].removeprefix("base_model.model.")
+
+
+def _module_ranks(
+    target: str, ranks: dict[int, tuple[int, str]], spec: ModelSpec, cfg: dict
+) -> ModuleRanks:
+    """A target's rank and scale per layer from its layers' (rank, module name), alpha per
+    module from ``alpha_pattern``."""
+    rslora = bool(cfg.get("use_rslora", False))
+    per_layer, scales = [0] * spec.num_layers, [0.0] * spec.num_layers
+    for layer, (rank, module) in ranks.items():
+        alpha = pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", cfg["r"]))
+        per_layer[layer], scales[layer] = rank, scale_of(float(alpha), rank, rslora)
+    return ModuleRanks(target, tuple(per_layer), tuple(scales))
+
+
+def _wanted_layers(cfg: dict) -> set[int] | None:
+    """The layers ``layers_to_transform`` names (None: every layer; an empty list too, as PEFT
+    reads it); raises where it is neither a layer index nor a list of them."""
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return None
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        return {layers}
+    if isinstance(layers, list) and all(isinstance(i, int) for i in layers):
+        return set(layers)
+    raise ValueError(f"layers_to_transform {layers!r} is not a layer index or a list of them")
+
+
+def _check_layer_pattern(cfg: dict, module: str, wanted: set[int] | None) -> None:
+    """Raises where ``layers_pattern`` (with ``layers_to_transform``) matches no layer name of
+    ``module``: PEFT finds the layer index after the pattern, so a pattern that names no layer of
+    this model (GPT-2's "h" on Llama's "layers") leaves nothing it could have adapted."""
+    patterns = cfg.get("layers_pattern")
+    if wanted is None or not patterns:
+        return
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not any(re.match(rf"(?:^|.*?\.){p}\.(\d+)\.", module) for p in patterns):
+        raise ValueError(
+            f"layers_pattern {cfg['layers_pattern']!r} matches no layer name in {module!r} "
+            '(this model\'s layers are model.layers.N: the pattern is "layers")'
+        )
+
+
+def _check_layers(
+    target: str, got: dict[int, set[str]], spec: ModelSpec, cfg: dict, wanted: set[int] | None
+) -> None:
+    """Raises unless ``got`` (layer -> the factors read there) has A and B in each layer the
+    config puts the target in: every layer it exists in, those of ``layers_to_transform``, or
+    with a regular-expression ``target_modules`` whichever layers it matched."""
+    exists = spec.target_layers(target)
+    if wanted is not None:
+        need = [i for i in exists if i in wanted]
+        where = f"every layer of layers_to_transform {sorted(wanted)}"
+    elif isinstance(cfg.get("target_modules"), str):
+        need, where = sorted(got), "every layer the target_modules pattern matched"
+    else:
+        need = list(exists)
+        where = f"every layer {'with experts ' if len(exists) < spec.num_layers else ''}"
+    count = sum(len(factors) for factors in got.values())
+    if sorted(got) != need or count != 2 * len(need):
+        raise ValueError(
+            f"target {target} has {count} of {2 * len(need)} factors in layers {sorted(got)} "
+            f"({where.rstrip()} needs A and B)"
+        )
+
+
+def _key_target(key: str, shape: tuple, spec: ModelSpec) -> tuple[int, str, str]:
     """(layer, target, "A" or "B") of a LoRA tensor on a linear module of ``spec``'s model;
     raises naming the tensor where it is not one (embeddings, a module the model lacks, the
     shared expert)."""
     if any(e in key for e in _EMBEDDING_NAMES):
-        raise AdapterError(name, path, f"embedding or lm_head weights ({key}) are not supported")
+        raise ValueError(f"embedding or lm_head weights ({key}) are not supported")
     m = _KEY.search(key)
     if m is None or m.group(3) not in _MODULE_TO_TARGET:
         refusal = spec.lora_refusal(key)
-        raise AdapterError(name, path, refusal or f"unexpected tensor {key!r} {list(shape)}")
+        raise ValueError(refusal or f"unexpected tensor {key!r} {list(shape)}")
     target = _MODULE_TO_TARGET[m.group(3)]
     if target not in spec.lora_targets:
-        raise AdapterError(
-            name,
-            path,
+        raise ValueError(
             f"tensor {key!r} targets {m.group(3)}, which {spec.architecture} does not have "
             f"(its LoRA modules: {spec.lora_modules}); was the adapter trained on another base "
-            "model?",
+            "model?"
         )
     return int(m.group(1)), target, m.group(4)
 
@@ -204,19 +313,20 @@ def _span(layers: tuple[int, ...]) -> str:
     return str(list(layers))
 
 
-def _check_patterns(cfg: dict, keys: list[str]) -> None:
-    """Raises where a ``rank_pattern`` or ``alpha_pattern`` key matches a targeted module:
-    per-module ranks are read on the experts' fused parameters only (``expert_files``)."""
+def _check_expert_patterns(cfg: dict, keys: list[str]) -> None:
+    """Raises where a ``rank_pattern`` or ``alpha_pattern`` key matches a per-expert module
+    (transformers 4's ``experts.{e}.w1``): the experts' ranks are read per fused parameter
+    (``expert_files``), never per expert."""
     for kind in ("rank_pattern", "alpha_pattern"):
         patterns = cfg.get(kind) or {}
         for key in keys:
-            module = key.split(".lora_")[0].removeprefix("base_model.model.")
+            module = _module_name(key)
             for pattern in patterns:
                 if pattern_value({pattern: 0}, module, None) is not None:
                     raise ValueError(
-                        f"{kind} {pattern!r} matches {module}: per-module ranks are supported "
-                        "on a mixture-of-experts model's fused expert parameters only "
-                        "(mlp.experts.gate_up_proj, mlp.experts.down_proj)"
+                        f"{kind} {pattern!r} matches {module}: per-module ranks on the experts "
+                        "are supported on their fused parameters only (mlp.experts.gate_up_proj, "
+                        "mlp.experts.down_proj)"
                     )
 
 

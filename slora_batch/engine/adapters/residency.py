@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slora_batch.engine.adapters.store import AdapterStore
+from slora_batch.engine.adapters.store import AdapterInfo, AdapterStore
 from slora_batch.engine.device import copy_in, to_device
-from slora_batch.engine.models.spec import TARGETS
+from slora_batch.engine.models.spec import TARGETS, ModelSpec
 from slora_batch.engine.pool import PagePool, PoolExhausted
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ class AdapterResidency:
         self.slot_scale = np.zeros(max_slots, dtype=np.float32)
         self.slot_pages = np.full((max_slots, width), -1, dtype=np.int32)
         self.slot_offsets = np.full((max_slots, len(TARGETS), 2), -1, dtype=np.int32)
+        # each module's rank and scale, per slot, layer and target (``LoraMeta.layer_rank``)
+        modules = (max_slots, self.spec.num_layers, len(TARGETS))
+        self.layer_rank = np.zeros(modules, dtype=np.int32)
+        self.layer_scale = np.zeros(modules, dtype=np.float32)
         self.device = device
         self.dev_rank = torch.zeros(max_slots, dtype=torch.int32, device=device)
         self.dev_scale = torch.zeros(max_slots, dtype=torch.float32, device=device)
@@ -51,6 +55,8 @@ class AdapterResidency:
         self.dev_offsets = torch.full(
             (max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device
         )
+        self.dev_layer_rank = torch.zeros(modules, dtype=torch.int32, device=device)
+        self.dev_layer_scale = torch.zeros(modules, dtype=torch.float32, device=device)
         self._resident: OrderedDict[str, Resident] = OrderedDict()  # LRU order, most recent last
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self.loads = 0
@@ -189,8 +195,9 @@ class AdapterResidency:
         """Copies an adapter's pages into the pool at ``pages`` and fills its slot's tables. A
         tensor-parallel worker calls it with the slot and pages rank 0 chose (its own shard)."""
         info, paged = self.store.info(name), self.store.paged(name)
-        self.slot_rank[slot] = info.rank
+        self.slot_rank[slot] = info.max_rank
         self.slot_scale[slot] = info.scale
+        self.layer_rank[slot], self.layer_scale[slot] = module_tables(info, self.spec)
         self.slot_pages[slot] = -1
         self.slot_pages[slot, : pages.size] = pages
         self.slot_offsets[slot] = paged.offsets.numpy()
@@ -222,6 +229,7 @@ class AdapterResidency:
         self.slot_rank[slot] = 0
         self.slot_pages[slot] = -1
         self.slot_offsets[slot] = -1
+        self.layer_rank[slot] = 0
         self._sync_slot(slot)
 
     def _sync_slot(self, slot: int) -> None:
@@ -231,3 +239,21 @@ class AdapterResidency:
         self.dev_scale[slot].fill_(float(self.slot_scale[slot]))
         copy_in(self.dev_pages[slot], self.slot_pages[slot])
         copy_in(self.dev_offsets[slot], self.slot_offsets[slot])
+        copy_in(self.dev_layer_rank[slot], self.layer_rank[slot])
+        copy_in(self.dev_layer_scale[slot], self.layer_scale[slot])
+
+
+def module_tables(info: AdapterInfo, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """An adapter's rank and scale per layer and target ([L, len(TARGETS)] each): its modules'
+    (``AdapterInfo.module_ranks``), an expert target's rank per expert in the layers with experts
+    (its scale is in its B^T rows), zeros for the targets it lacks."""
+    ranks = np.zeros((spec.num_layers, len(TARGETS)), dtype=np.int32)
+    scales = np.zeros((spec.num_layers, len(TARGETS)), dtype=np.float32)
+    experts = info.expert_ranks
+    for target in info.targets:
+        column = TARGETS.index(target)
+        if target in experts:
+            ranks[list(spec.target_layers(target)), column] = experts[target]
+            continue
+        ranks[:, column], scales[:, column] = info.module_ranks(target, spec.num_layers)
+    return ranks, scales

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from slora_batch.engine.adapters.adapter_files import (
@@ -40,6 +41,7 @@ __all__ = [
     "AdapterStore",
     "AdapterWeights",
     "PagedAdapter",
+    "adapter_pages",
     "load_weights",
     "parse_adapter",
     "resolve_sources",
@@ -56,7 +58,10 @@ LOADER_THREADS_PINNED = 2
 
 @dataclass
 class AdapterWeights:
-    """Host copies of the factors, per target: A rows [L, r, d_in] and B^T rows [L, r, d_out]."""
+    """Host copies of the factors, per target: A rows [L, r, d_in] and B^T rows [L, r, d_out],
+    r the target's largest rank over layers; a layer of a smaller rank fills its first rows and
+    one the adapter leaves out none (``load_weights`` with ``stack=False``: a list of each
+    layer's rows; stacked, the rows past a layer's own rank are zeros)."""
 
     a: dict[str, torch.Tensor]
     b_t: dict[str, torch.Tensor]
@@ -114,17 +119,30 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
     b.update(expert_b)
     if not stack:
         return AdapterWeights(a=a, b_t=b)  # type: ignore[arg-type]
-    return AdapterWeights(
-        a={t: torch.stack(v) for t, v in a.items()}, b_t={t: torch.stack(v) for t, v in b.items()}
-    )
+    return AdapterWeights(a=_stacked(a), b_t=_stacked(b))
+
+
+def _stacked(factors: dict[str, list[torch.Tensor] | torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each target's layers as one [L, r, width] tensor, r the largest rank of its layers, the
+    rows past a layer's own rank zeros (expert targets come stacked already)."""
+    out = {}
+    for target, layers in factors.items():
+        if isinstance(layers, torch.Tensor):
+            out[target] = layers
+            continue
+        rank = max(t.shape[0] for t in layers)
+        out[target] = torch.stack([F.pad(t, (0, 0, 0, rank - t.shape[0])) for t in layers])
+    return out
 
 
 def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, a: dict, b: dict) -> None:
-    """Zero rows in the layers a target does not exist in (a router in a MoE model's dense
-    layers); raises naming the layers where a factor is missing from one it exists in."""
+    """Empty rows in the layers a target is not in (a router in a MoE model's dense layers, a
+    layer ``layers_to_transform`` leaves out); raises naming the layers where a factor is
+    missing from one it is in."""
     for factors, kind in ((a, "lora_A"), (b, "lora_B")):
         for target, layers in factors.items():
-            present = spec.target_layers(target)
+            ranks, _ = info.module_ranks(target, spec.num_layers)
+            present = [i for i in spec.target_layers(target) if ranks[i] > 0]
             missing = [i for i in present if layers[i] is None]
             if missing:
                 raise AdapterError(
@@ -135,7 +153,19 @@ def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, a: dict, b: dict) ->
             some = layers[present[0]]
             for i, tensor in enumerate(layers):
                 if tensor is None:
-                    layers[i] = torch.zeros_like(some)
+                    layers[i] = some.new_zeros(0, some.shape[1])
+
+
+def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
+    """Pages an adapter takes in ``spec``'s pool: each target at its largest rank over layers
+    (a page spans every layer), the expert targets as ``ModelSpec.adapter_pages`` counts them."""
+    experts = tuple(t for t in info.targets if t in info.expert_ranks)
+    pages = spec.adapter_pages(info.rank, experts, info.expert_ranks) if experts else 0
+    for target in info.targets:
+        if target not in info.expert_ranks:
+            rank = max(info.module_ranks(target, spec.num_layers)[0])
+            pages += spec.adapter_pages(rank, (target,))
+    return pages
 
 
 @dataclass
@@ -167,15 +197,19 @@ def to_pages(
     pin: bool = False,
 ) -> PagedAdapter:
     """Pads each factor's rows to whole pages, in page order, written straight into one
-    (pinned) buffer: each factor is copied once, only the pad tails are zeroed. A factor is a
-    stacked [L, r, width] tensor or a list of each layer's [r, width] (``load_weights``)."""
+    (pinned) buffer: each factor is copied once, only the pad rows and tails are zeroed. A
+    factor is a stacked [L, r, width] tensor or a list of each layer's [r_l, width]
+    (``load_weights``), taking the rows of the largest r_l."""
     offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
     layout, cursor = [], 0
     for t_index, target in enumerate(TARGETS):
         if target not in info.targets:
             continue
         for which, rows in enumerate((weights.a[target], weights.b_t[target])):
-            rank, width = rows[0].shape
+            rank = (
+                rows.shape[1] if isinstance(rows, torch.Tensor) else max(t.shape[0] for t in rows)
+            )
+            width = rows[0].shape[1]
             per_row = -(-width // page_size)
             offsets[t_index, which] = cursor
             layout.append((rows, cursor, rank, per_row, width))
@@ -187,9 +221,10 @@ def to_pages(
         padded[:, :, width:].zero_()
         if isinstance(rows, torch.Tensor):
             padded[:, :, :width].copy_(rows)
-        else:
-            for layer, tensor in enumerate(rows):
-                padded[layer, :, :width].copy_(tensor)
+            continue
+        for layer, tensor in enumerate(rows):
+            padded[layer, : tensor.shape[0], :width].copy_(tensor)
+            padded[layer, tensor.shape[0] :].zero_()
     return PagedAdapter(info=info, data=data, offsets=offsets)
 
 
@@ -285,9 +320,7 @@ class AdapterStore:
         pages = self._pages.get(name)
         if pages is None:
             info = self.info(name)
-            pages = self._pages[name] = self.page_spec.adapter_pages(
-                info.rank, info.targets, info.expert_ranks
-            )
+            pages = self._pages[name] = adapter_pages(info, self.page_spec)
         return pages
 
     def nbytes(self, name: str) -> int:

@@ -36,6 +36,7 @@ from slora_batch.engine.execution.lora_layout import (  # re-exported: tests and
     lora_meta,
     lora_segments,
     position_segments,
+    step_targets,
     tiled_tokens,
     vector_tokens,
 )
@@ -308,9 +309,7 @@ def upload(
             dev(seg_slot, torch.int32),
             residency,
             int(residency.slot_rank[seg_slot].max()),
-            tuple(
-                np.flatnonzero((residency.slot_offsets[seg_slot, :, 0] >= 0).any(axis=0)).tolist()
-            ),
+            *step_targets(residency, seg_slot),
         )
         layout.hint(lora, lambda array: dev(array, torch.int32))
     attn = AttnMeta(

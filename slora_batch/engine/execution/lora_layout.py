@@ -120,6 +120,7 @@ def lora_meta(
     residency: AdapterResidency,
     max_rank: int,
     targets: tuple[int, ...],
+    layer_targets: tuple[tuple[int, ...], ...] | None = None,
 ) -> LoraMeta:
     return LoraMeta(
         b_slot=b_slot,
@@ -132,4 +133,20 @@ def lora_meta(
         slot_offsets=residency.dev_offsets,
         max_rank=max_rank,
         targets=targets,
+        layer_rank=residency.dev_layer_rank,
+        layer_scale=residency.dev_layer_scale,
+        layer_targets=layer_targets,
     )
+
+
+def step_targets(
+    residency: AdapterResidency, seg_slot: np.ndarray
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The targets some adapter of the step has (``LoraMeta.targets``), and those it has in each
+    layer (``LoraMeta.layer_targets``: a layer that ``layers_to_transform`` leaves out launches
+    nothing). Example: one adapter on q and v, another on q in layer 1 only: (0, 2) and
+    ((0, 2), (0, 2)) on 2 layers; the second alone: (0,) and ((), (0,))."""
+    slots = seg_slot[seg_slot >= 0]
+    present = (residency.layer_rank[slots] > 0).any(axis=0)  # [L, targets]
+    targets = np.flatnonzero((residency.slot_offsets[slots, :, 0] >= 0).any(axis=0))
+    return tuple(targets.tolist()), tuple(tuple(np.flatnonzero(row).tolist()) for row in present)

@@ -120,7 +120,7 @@ class ModelRunner:
         if use_graphs and device.type == "cuda":
             self.scratch = pool.alloc(2, "CUDA-graph padding rows")  # K and V of padding rows
             infos = [residency.store.info(n) for n in residency.store.names]
-            self.max_rank = max((info.rank for info in infos), default=0)
+            self.max_rank = max((info.max_rank for info in infos), default=0)
             # Graphs launch LoRA kernels for every target some adapter of the store has.
             self.targets = tuple(
                 i for i, t in enumerate(TARGETS) if any(t in info.targets for info in infos)

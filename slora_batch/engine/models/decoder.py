@@ -123,7 +123,8 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             pool_layer, lora_layer = pool.layer(index), lora_pool.layer(index)
             kv = pool.kv_args(index)  # fp8 pages: the layer's scale table
-            lora = (lora_layer, step.lora, lora_buf, ops)
+            meta = step.lora.at_layer(index) if step.lora is not None else None
+            lora = (lora_layer, meta, lora_buf, ops)
             h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             self._lora(h, qkv, self.qkv_cols, *lora, cut=True)

@@ -148,7 +148,8 @@ def graph_runner(bucket: int) -> ModelRunner:
     runner.scratch, runner.max_rank, runner.targets = np.array([0, 1]), 8, (0, 1, 2, 3)
     table = torch.zeros(1)
     runner.residency = SimpleNamespace(dev_rank=table, dev_scale=table, dev_pages=table,
-                                       dev_offsets=table)  # fmt: skip
+                                       dev_offsets=table, dev_layer_rank=table,
+                                       dev_layer_scale=table)  # fmt: skip
     runner.graph_table(bucket)
     return runner
 

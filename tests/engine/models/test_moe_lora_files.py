@@ -81,14 +81,15 @@ def test_rank_pattern_sets_an_expert_parameters_rank_and_scale(qwen, tmp_path):
     assert "gate_up_proj has ranks [2] per expert, the config says 4" in refused("q", path, spec)
 
 
-def test_rank_pattern_on_attention_is_refused(qwen, tmp_path):
+def test_rank_pattern_on_attention_sets_its_modules_rank(qwen, tmp_path):
     model_dir, spec = qwen
     targets = ["q_proj", "v_proj"]
     path = make_adapter(
         model_dir, tmp_path / "a", 2, targets, 4, False, seed=0, rank_pattern={"q_proj": 4}
     )
-    message = refused("a", path, spec)
-    assert "rank_pattern 'q_proj' matches model.layers.0.self_attn.q_proj" in message
+    info = parse_adapter("a", path, spec)
+    assert info.module_ranks("q", spec.num_layers)[0] == (4,) * spec.num_layers
+    assert info.module_ranks("v", spec.num_layers)[0] == (2,) * spec.num_layers
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,155 @@
+"""PEFT LoRA variants end to end: the engine's greedy tokens equal transformers + PEFT in fp32 on
+the CPU, each variant alone (beside base rows) and all of them mixed with plain LoRA in one
+batch, on a Llama with tied embeddings and on Qwen2 (biased q, k, v); and the refusals that stay
+name the adapter and the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from factory import ALL, make_adapter, make_model, make_rows, reference
+
+from slora_batch import Engine, EngineConfig, Request
+from slora_batch.engine.adapters.store import AdapterError, parse_adapter
+from slora_batch.engine.models.spec import read_spec
+
+VOCAB = 300
+FAMILIES = ("gqa", "qwen2")  # the factory's Llama with tied embeddings, and Qwen2
+
+# name -> (rank, targets, alpha, rslora, extra LoraConfig fields)
+VARIANTS = {
+    "patterns": (
+        4,
+        ALL,
+        8,
+        False,
+        dict(
+            rank_pattern={"q_proj": 2, "model.layers.1.mlp.down_proj": 6},
+            alpha_pattern={"v_proj": 3, "model.layers.0.self_attn.o_proj": 16},
+        ),
+    ),
+    "patterns-rs": (8, ["q_proj", "k_proj", "up_proj"], 4, True, dict(rank_pattern={"k_proj": 2})),
+    "subset": (
+        3,
+        ["q_proj", "k_proj", "gate_proj", "o_proj"],
+        6,
+        False,
+        dict(layers_to_transform=[1], layers_pattern="layers", rank_pattern={"o_proj": 5}),
+    ),
+    "regex": (2, r".*layers\.0\.self_attn\.(q|v)_proj", 4, False, {}),
+}
+PLAIN = {"plain": (8, ["q_proj", "v_proj", "down_proj"], 16, False, {})}
+TP_VARIANTS = ("patterns", "subset")  # the variants a tensor-parallel run covers
+
+
+def build(root, family: str, variants: dict) -> tuple:
+    model_dir = make_model(root, family)
+    adapters = {
+        name: make_adapter(model_dir, root / name, r, t, a, rs, seed=i + 1, **extra)
+        for i, (name, (r, t, a, rs, extra)) in enumerate({**variants, **PLAIN}.items())
+    }
+    return model_dir, adapters
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    return build(tmp_path_factory.mktemp(request.param), request.param, VARIANTS)
+
+
+def run(model_dir, adapters, rows, **knobs) -> dict:
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_pages=3000, max_num_batched_tokens=64, **knobs
+    )
+    engine = Engine(model_dir, adapters=adapters, config=config)
+    try:
+        results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
+    finally:
+        engine.close()
+    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
+    return {i: r.token_ids for i, r in results.items()}
+
+
+def assert_parity(model_dir, adapters, names, rows_count, seed, **knobs) -> None:
+    """Rows on ``names`` (every fifth on the base model) give PEFT's tokens."""
+    used = {name: adapters[name] for name in names}
+    rows = make_rows(rows_count, VOCAB, names, seed=seed)
+    got, want = run(model_dir, used, rows, **knobs), reference(model_dir, used, rows)
+    wrong = {i: (got[i], w) for i, w in want.items() if got[i] != w}
+    assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_alone_matches_peft(family, variant):
+    model_dir, adapters = family
+    assert_parity(model_dir, adapters, [variant], 8, seed=len(variant))
+
+
+def test_variants_mixed_with_plain_lora_match_peft(family):
+    model_dir, adapters = family
+    assert_parity(model_dir, adapters, [*VARIANTS, *PLAIN], 20, seed=3)
+
+
+@pytest.mark.slow
+def test_variants_under_tensor_parallelism_match_peft(family):
+    """Two ranks (gloo), each holding half of every adapter: the module ranks and the layer
+    subsets cut like plain LoRA."""
+    model_dir, adapters = family
+    names = list(TP_VARIANTS) + list(PLAIN)
+    assert_parity(model_dir, adapters, names, 12, seed=5, tensor_parallel=2, cpu_threads=1)
+
+
+def test_module_ranks_and_scales_per_layer(family):
+    """rank_pattern and alpha_pattern per module, as PEFT picks them; a layer that
+    layers_to_transform leaves out has rank 0 and takes no compute, the target's rows take its
+    largest rank in pages."""
+    model_dir, adapters = family
+    spec = read_spec(model_dir)
+    info = parse_adapter("patterns", adapters["patterns"], spec)
+    assert info.module_ranks("q", 2) == ((2, 2), (4.0, 4.0))
+    assert info.module_ranks("down", 2) == ((4, 6), (2.0, 8 / 6))
+    assert info.module_ranks("v", 2) == ((4, 4), (0.75, 0.75))
+    assert info.module_ranks("o", 2) == ((4, 4), (4.0, 2.0))
+    assert info.max_rank == 6
+    rs = parse_adapter("patterns-rs", adapters["patterns-rs"], spec)
+    assert rs.module_ranks("k", 2) == ((2, 2), (4 / 2**0.5,) * 2)
+    subset = parse_adapter("subset", adapters["subset"], spec)
+    assert subset.module_ranks("q", 2) == ((0, 3), (0.0, 2.0))
+    assert subset.module_ranks("o", 2) == ((0, 5), (0.0, 6 / 5))
+    regex = parse_adapter("regex", adapters["regex"], spec)
+    assert regex.targets == ("q", "v") and regex.module_ranks("v", 2)[0] == (2, 0)
+
+
+def edit_config(path, **fields) -> None:
+    config_path = path / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **fields}))
+
+
+def refused(name, path, spec) -> str:
+    with pytest.raises(AdapterError) as err:
+        parse_adapter(name, path, spec)
+    message = str(err.value)
+    assert repr(name) in message and str(path) in message
+    return message
+
+
+def test_refusals_name_the_adapter_and_the_key(tmp_path):
+    model_dir = make_model(tmp_path, "gqa")
+    spec = read_spec(model_dir)
+    extra = dict(layers_to_transform=[1], layers_pattern="layers")
+    path = make_adapter(model_dir, tmp_path / "gpt2", 2, ["q_proj"], 4, False, 0, **extra)
+    edit_config(path, layers_pattern="h")
+    assert "layers_pattern 'h' matches no layer name in 'model.layers.1.self_attn.q_proj'" in (
+        refused("gpt2", path, spec)
+    )
+    edit_config(path, layers_pattern="layers", layers_to_transform=[0])
+    message = refused("gpt2", path, spec)
+    assert "target q has 2 of 2 factors in layers [1]" in message
+    assert "layers_to_transform [0]" in message
+    edit_config(path, layers_to_transform="1")
+    assert "layers_to_transform '1' is not a layer index" in refused("gpt2", path, spec)
+    path = make_adapter(model_dir, tmp_path / "pat", 2, ["q_proj"], 4, False, 0)
+    edit_config(path, rank_pattern={"model.layers.1.self_attn.q_proj": 4})
+    message = refused("pat", path, spec)
+    assert "layers.1.self_attn.q_proj.lora_A.weight' has shape [2, 64]" in message
+    assert "needs [4, 64]" in message and "rank 4: rank_pattern" in message
