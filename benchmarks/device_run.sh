@@ -7,6 +7,8 @@
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
 #   fp8                bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
 #   families [PRESET]  base and slora@1000 on llama3-8b, qwen3-8b, gemma2-9b, 15 s cuts; PRESET: uncut  ~8 min
+#   moe                qwen3-30b-a3b: base beside slora@1000 on attention, then beside slora@100 on the
+#                      experts, each pair in one bench process, 45 s cuts  ~9 min
 #   job [dp]           the job path (slora-batch run) against the in-process engine, 4000 rows, uncut  ~5 min
 #   eval               the lm-eval sweep (100 adapters and the base) against the engine on its rows  ~4 min
 # bench json and eval install from wheels/ (carry it); bench tp and job dp need two GPUs.
@@ -26,7 +28,7 @@ usage() { # the header above, as the usage text
 
 case "$mode:$part" in # the modes and the parts each takes (profile and families: a preset)
   tests: | tests:kernels | tests:engine | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
-  profile:* | kernels: | fp8: | families:* | job: | job:dp | eval:) ;;
+  profile:* | kernels: | fp8: | families:* | moe: | job: | job:dp | eval:) ;;
   *) usage ;;
 esac
 dir=${OUT:-out/device}/$mode${part:+/$part}
@@ -239,6 +241,20 @@ mode_families() { # base and slora@1000 on the standard workload at each preset'
     bench "$dir/$preset" 150 --model-preset "$preset" --requests 2000 --systems base,slora \
       --adapters 1000 --max-seconds 15 --total-seconds 130
   done
+}
+
+mode_moe() {
+  # Qwen3-30B-A3B's shapes (61 GB of bf16 weights, made on the card tensor by tensor), the
+  # standard 2000 requests, each pair side by side in one process: base and slora@1000 with
+  # adapters on q, k, v, o (ranks 8-64); base and slora@100 with adapters on q, k, v, o and every
+  # expert's gate_up and down (ranks 8 and 16, 0.62 and 1.24 GB each, 2 weight sets). Uncut, a
+  # run would take about 80-110 s (a decode step reads ~61 GB once its rows reach every expert,
+  # ~20 ms at the H100's copy rate, for a few hundred tokens), four of them and the set-ups past
+  # 600 s: each run is cut at 45 s (the tokens computed by then count).
+  bench "$dir/attention" 280 --model-preset qwen3-30b-a3b --requests 2000 --systems base,slora \
+    --adapters 1000 --max-seconds 45 --total-seconds 265
+  bench "$dir/experts" 280 --model-preset qwen3-30b-a3b --requests 2000 --systems base,slora \
+    --adapters 100 --adapter-targets experts --max-seconds 45 --total-seconds 265
 }
 
 mode_job() { # the job path (model and adapter directories on disk, Parquet in and out), uncut

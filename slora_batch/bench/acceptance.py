@@ -16,6 +16,9 @@ from slora_batch.engine.counters import TURN_PHASES
 PEFT_TARGET, BASE_TARGET, SCALE_TARGET = 30.0, 0.85, 0.95
 ROOFLINE_TARGET = 0.30  # base and slora runs reach 30% of the device's roofline bound
 SCORE_TARGET = 20.0  # scoring rows through the engine: 20x the rows/s of PEFT's best batch
+# Adapters on a mixture of experts' every expert (--adapter-targets experts: 1 GB each on
+# Qwen3-30B-A3B): at 100 of them within 25% of the base model without adapters.
+EXPERT_TARGET, EXPERT_ADAPTERS = 0.75, 100
 # The prefix cache, per adapter count: (system, the one it is measured against, need >= this).
 # A prompt prefix shared per adapter computed once: 3x the output tok/s of computing it for
 # every row; the cache costs slora at most 2% where nothing is shared; n samples of a prompt
@@ -59,6 +62,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"- {name} = {num / den:.2f} (need >= {need}): "
                 f"{'pass' if num / den >= need else 'FAIL'}{extra}"
             )
+    lines += _expert_acceptance(ok)
     lines += _score_acceptance(ok)
     lines += _json_acceptance(ok)
     lines += _eval_acceptance(ok)
@@ -149,6 +153,23 @@ def _paired(ok: list[dict], system: str, other: str, key: str, need: float, deta
         lines.append(
             f"- {where} / {other}@{r['adapters']}{unit} = {ratio:.2f} (need >= {need}): "
             f"{'pass' if ratio >= need else 'FAIL'}; {detail(r, found[0])}"
+        )
+    return lines
+
+
+def _expert_acceptance(ok: list[dict]) -> list[str]:
+    """slora at EXPERT_ADAPTERS adapters on the experts against base, where the run had them."""
+    base = [r["output_tokens_per_s"] for r in ok if r["system"] == "base"]
+    lines = []
+    for r in ok:
+        if r["system"] != "slora" or r.get("adapter_targets") != "experts":
+            continue
+        if r["adapters"] != EXPERT_ADAPTERS or not base:
+            continue
+        ratio = r["output_tokens_per_s"] / base[0]
+        lines.append(
+            f"- slora@{r['adapters']} on the experts / base = {ratio:.2f} (need >= "
+            f"{EXPERT_TARGET}): {'pass' if ratio >= EXPERT_TARGET else 'FAIL'}"
         )
     return lines
 

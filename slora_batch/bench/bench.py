@@ -399,5 +399,6 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
             )
     row.setdefault("error", None)
     row["weight_sets"] = min(n, len(ctx.rank_dirs))
+    row["adapter_targets"] = ctx.config.adapter_targets if n else None
     log.info("%s@%d: %s", system, n, brief(row))
     return row

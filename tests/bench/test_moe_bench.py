@@ -132,3 +132,16 @@ def test_cli_on_tiny_moe_writes_sane_figures(tmp_path, targets):
     assert meta["active_parameters"] < meta["parameters"]
     on = "q, k, v, o and the experts" if targets == "experts" else "q, k, v, o, ranks"
     assert f"adapters on {on}" in (out / "results.md").read_text()
+
+
+def test_the_expert_adapters_check_sets_slora_at_100_against_base():
+    from slora_batch.bench.acceptance import acceptance
+
+    figures = {"roofline_fraction": 0.5, "decode_host_share": math.nan, "decode_turns": 0}
+    base = {"system": "base", "adapters": 0, "output_tokens_per_s": 1000.0, **figures}
+    experts = {"system": "slora", "adapters": 100, "output_tokens_per_s": 760.0,
+               "adapter_targets": "experts", **figures}  # fmt: skip
+    attention = {**experts, "adapter_targets": "attention"}
+    lines = [line for line in acceptance([base, experts]) if "on the experts" in line]
+    assert lines == ["- slora@100 on the experts / base = 0.76 (need >= 0.75): pass"]
+    assert not [line for line in acceptance([base, attention]) if "on the experts" in line]
