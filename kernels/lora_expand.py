@@ -2,6 +2,10 @@
 base projection's output): the vector kernel (``_expand_vector_kernel``), the tiled kernel
 (``_expand_kernel``) and the launcher ``lora_expand``. The paths and the page layout:
 ``slora_kernels.lora_paths``.
+
+Adapters with vector rows (``LoraMeta.slot_vectors``: lora_B's bias) add them where B's output
+is added; a step without such an adapter (``LoraMeta.has_vectors`` False) runs the kernels
+built without those reads.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def _expand_vector_kernel(
     pages_ptr,
     pages_stride,
     offsets_ptr,
+    vectors_ptr,
     target0,
     target1,
     target2,
@@ -79,6 +84,7 @@ def _expand_vector_kernel(
     vector_max,
     PAGE: tl.constexpr,
     NUM_TARGETS: tl.constexpr,
+    VECTORS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALL: tl.constexpr,
@@ -136,6 +142,11 @@ def _expand_vector_kernel(
         b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
         b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
+    if VECTORS:  # lora_B's bias, inside the scale
+        slot_row = pages_ptr + slot.to(tl.int64) * pages_stride
+        bias_at = tl.load(vectors_ptr + (slot * NUM_TARGETS + target) * 2)
+        if bias_at >= 0:
+            delta += _vector_block(pool_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N)
     delta = delta * tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
     o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
     tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
@@ -172,6 +183,7 @@ def _expand_kernel(
     pages_ptr,
     pages_stride,
     offsets_ptr,
+    vectors_ptr,
     target0,
     target1,
     target2,
@@ -189,6 +201,7 @@ def _expand_kernel(
     vector_max,
     PAGE: tl.constexpr,
     NUM_TARGETS: tl.constexpr,
+    VECTORS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -245,6 +258,14 @@ def _expand_kernel(
                 delta = tl.dot(
                     vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION
                 )
+            if VECTORS:  # lora_B's bias, inside the scale, on the segment's rows
+                slot_row = pages_ptr + slot.to(tl.int64) * pages_stride
+                bias_at = tl.load(vectors_ptr + (slot * NUM_TARGETS + target) * 2)
+                if bias_at >= 0:
+                    bias = _vector_block(
+                        pool_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N
+                    )
+                    delta += tl.where(in_seg[:, None], bias[None, :], 0.0)
             scale = tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
             acc += delta * scale
             touched = touched | in_seg
@@ -254,6 +275,18 @@ def _expand_kernel(
     o_ptrs = out_ptr + tok[:, None] * out_stride + col + n0 + cols[None, :]
     live = touched[:, None] & col_live[None, :]
     tl.store(o_ptrs, tl.load(o_ptrs, mask=live).to(tl.float32) + acc, mask=live)
+
+
+@triton.jit
+def _vector_block(
+    pool_ptr, row_pages, n0, cols, col_live, PAGE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Elements n0 .. n0 + BLOCK_N of a vector row (one row of d_out laid out as a B^T row,
+    ``LoraMeta.slot_vectors``) whose pages are listed from ``row_pages``: fp32, 0 past d_out."""
+    page = tl.load(row_pages + n0 // PAGE).to(tl.int64)
+    n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
+    values = tl.load(pool_ptr + page * PAGE + n_in_page + cols, mask=col_live, other=0.0)
+    return values.to(tl.float32)
 
 
 def _column_blocks(widths: list[int], block_n: int) -> tuple[int, int, int]:
@@ -299,11 +332,13 @@ def lora_expand(
     block_t, block_n = block_tokens(span, expand=True), _pow2_divisor(page, BLOCKS["n"])
     widths = [hi - lo for lo, hi in cols]
     starts = [lo for lo, _ in cols]
+    vectors = meta.has_vectors and meta.slot_vectors is not None
     common = (
         *module_tables(meta),
         meta.slot_pages,
         meta.slot_pages.stride(0),
         meta.slot_offsets,
+        meta.slot_vectors if vectors else meta.slot_offsets,  # read only with VECTORS
         *targets,
         *_padded(tuple(starts)),
         *_padded(tuple(widths)),
@@ -330,6 +365,7 @@ def lora_expand(
             meta.vector_max,
             PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1],
+            VECTORS=vectors,
             BLOCK_T=block_t,
             BLOCK_R=expand_rank_block(max_rank),
             BLOCK_N=block_n,
@@ -361,6 +397,7 @@ def lora_expand(
             meta.vector_max,
             PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1],
+            VECTORS=vectors,
             BLOCK_R=block_r,
             BLOCK_N=block_n,
             **pick,

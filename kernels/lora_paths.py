@@ -162,6 +162,9 @@ def _check(x: torch.Tensor, pool_layer: torch.Tensor, meta: LoraMeta, out: torch
         assert tensor.dtype == torch.int32 and tensor.is_contiguous(), f"{name}: contiguous int32"
     assert meta.slot_offsets.dtype == torch.int32 and meta.slot_offsets.is_contiguous()
     assert meta.slot_scale.dtype == torch.float32
+    if meta.slot_vectors is not None:
+        assert meta.slot_vectors.dtype == torch.int32 and meta.slot_vectors.is_contiguous()
+        assert meta.slot_vectors.shape == meta.slot_offsets.shape, "(bias, DoRA) a target"
     if meta.layer_rank is not None:
         assert meta.layer_rank.dtype == torch.int32 and meta.layer_rank.is_contiguous()
         assert meta.layer_scale.dtype == torch.float32 and meta.layer_scale.is_contiguous()

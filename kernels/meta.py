@@ -73,6 +73,13 @@ class LoraMeta:
     layer_rank: torch.Tensor | None = None
     layer_scale: torch.Tensor | None = None
     layer: int = 0  # host int: the layer whose modules the kernels run (``at_layer``)
+    # slot_vectors [N, num_targets, 2] int32 (optional): start in slot_pages of a target's
+    # vector rows, one row of d_out per output channel like a B^T row, -1 where there are none:
+    # (lora_B's bias of PEFT's lora_bias, added inside the scale).
+    slot_vectors: torch.Tensor | None = None
+    # Host: some slot of the step has vector rows (the expand kernels compile their reads only
+    # then: a step of plain adapters runs the kernels it always ran).
+    has_vectors: bool = False
     # Host: the targets some slot of the step has in each layer (``at_layer`` narrows ``targets``
     # to them, so a layer the step's adapters leave out launches nothing). None: ``targets``.
     layer_targets: tuple[tuple[int, ...], ...] | None = None

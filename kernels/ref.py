@@ -185,6 +185,19 @@ def gather_lora_rows(
     return pool_layer[pages].reshape(rank, per_row * page_size)[:, :width]
 
 
+def gather_vector(
+    pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int, width: int
+) -> torch.Tensor | None:
+    """One adapter's vector row of a target (which=0: lora_B's bias), ``width`` elements laid
+    out like a B^T row from slot_vectors[slot, target, which]; None where it has none."""
+    if meta.slot_vectors is None or int(meta.slot_vectors[slot, target, which]) < 0:
+        return None
+    per_row = -(-width // pool_layer.shape[1])
+    start = int(meta.slot_vectors[slot, target, which])
+    pages = meta.slot_pages[slot, start : start + per_row].long()
+    return pool_layer[pages].reshape(-1)[:width]
+
+
 def lora_group(target: int | tuple[int, ...]) -> tuple[int, ...]:
     """The targets of one LoRA launch: a target index, or a group of up to 3 sharing an input."""
     targets = (target,) if isinstance(target, int) else tuple(target)
@@ -234,9 +247,10 @@ def lora_expand(
     Semantics: ``target`` is one target index or a group of up to 3 (as in ``lora_shrink``, whose
     out is v); target j adds into columns cols[j] = (lo, hi) of out (default: all of out, for
     one target). For each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T) * scale[s]
+      out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T + bias_s) * scale[s]
     (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group); rank[s] and
-    scale[s]: the module's at meta.layer, ``module_rank`` and ``module_scale``; rank 0: no add).
+    scale[s]: the module's at meta.layer, ``module_rank`` and ``module_scale``; rank 0: no add;
+    bias_s: lora_B's bias where the adapter has one, ``gather_vector``, else 0).
     Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
     """
     targets = lora_group(target)
@@ -251,7 +265,11 @@ def lora_expand(
             c0, c1 = cols[j]
             b = gather_lora_rows(pool_layer, meta, s, t, 1, c1 - c0)[:width]
             vs = v[idx, j * width : j * width + b.shape[0]].float()
-            delta = (vs @ b.float()) * module_scale(meta, s, t)
+            delta = vs @ b.float()
+            bias = gather_vector(pool_layer, meta, s, t, 0, c1 - c0)
+            if bias is not None:
+                delta = delta + bias.float()
+            delta = delta * module_scale(meta, s, t)
             out[idx, c0:c1] = (out[idx, c0:c1].float() + delta).to(out.dtype)
 
 

@@ -1,8 +1,8 @@
 """PEFT's LoRA variants in bf16 on a GPU against transformers + PEFT (run on the device machine):
-per-module ranks and alphas and layer subsets, mixed in one batch with plain LoRA and base rows,
-on SmolLM2-135M's shape (Llama, tied embeddings) and a small Qwen2 (biased q, k, v). Greedy
-tokens equal the reference up to the first near tie, as in test_engine_gpu.py, with CUDA graphs
-(vector and tiled decode) and eagerly."""
+per-module ranks and alphas, layer subsets and lora_B's bias, mixed in one batch with plain LoRA
+and base rows, on SmolLM2-135M's shape (Llama, tied embeddings) and a small Qwen2 (biased q, k,
+v). Greedy tokens equal the reference up to the first near tie, as in test_engine_gpu.py, with
+CUDA graphs (vector and tiled decode) and eagerly."""
 
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ VARIANTS = {  # name: LoraConfig fields
         layers_to_transform=[0, 2, 3],
         layers_pattern="layers",
         rank_pattern={"o_proj": 4},
+    ),
+    "bias": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+        lora_bias=True,
     ),
 }
 

@@ -1,7 +1,7 @@
 """The Triton LoRA kernels on PEFT's variants against their torch twins (kernels/ref.py), in
 Triton's interpreter: each module at its own rank and scale per layer (rank_pattern,
-alpha_pattern, a layer the adapter leaves out), in one step with plain LoRA and base rows, on
-the tiled and the vector paths and on groups of targets.
+alpha_pattern, a layer the adapter leaves out) and lora_B's bias, in one step with plain LoRA
+and base rows, on the tiled and the vector paths and on groups of targets.
 
 The interpreter is chosen when Triton is imported: ``test_variants_in_interpreter`` runs this
 file's tests in a child process with TRITON_INTERPRET=1 (``interpreter.run_interpreted``).
@@ -37,13 +37,17 @@ def kernels():
     return lora_shrink.lora_shrink, lora_expand.lora_expand
 
 
+VECTOR_ROWS = {"bias": 1}  # vector rows of d_out a target of the kind has: lora_B's bias
+
+
 def adapter_ranks(kind: str, gen: torch.Generator) -> torch.Tensor:
-    """[LAYERS, targets] ranks of one adapter: "plain" 8 everywhere; "patterns" a rank per module
-    (2 to 16, a target left out of one layer); "layers" in the last layer only."""
+    """[LAYERS, targets] ranks of one adapter: "plain" 8 everywhere; "patterns" (and "bias") a
+    rank per module (2 to 16, a target left out of one layer); "layers" in the last layer
+    only."""
     t = len(DIMS)
     if kind == "plain":
         return torch.full((LAYERS, t), 8, dtype=torch.int32)
-    if kind == "patterns":
+    if kind in ("patterns", "bias"):
         ranks = torch.randint(2, 17, (LAYERS, t), generator=gen, dtype=torch.int32)
         ranks[0, 1] = 0  # k is left out of layer 0
         return ranks
@@ -54,9 +58,9 @@ def adapter_ranks(kind: str, gen: torch.Generator) -> torch.Tensor:
 
 def variant_case(kinds: list[str], num_tokens: int, dtype: torch.dtype, seed: int):
     """A pool holding one adapter per kind (plus an empty slot), each target's rows at its
-    largest rank over layers, pages placed at random. The rows past a layer's own rank hold
-    noise in that layer: a kernel that reads past the module's rank fails. Returns (pool
-    [LAYERS, P, PAGE], meta over the step's tokens)."""
+    largest rank over layers, then its vector rows (``VECTOR_ROWS``), pages placed at random.
+    The rows past a layer's own rank hold noise in that layer: a kernel that reads past the
+    module's rank fails. Returns (pool [LAYERS, P, PAGE], meta over the step's tokens)."""
     gen = torch.Generator().manual_seed(seed)
     per_row = lambda width: -(-width // PAGE)
     slots = len(kinds) + 1
@@ -68,8 +72,13 @@ def variant_case(kinds: list[str], num_tokens: int, dtype: torch.dtype, seed: in
             layer_rank[slot] > 0
         )
     top = layer_rank.amax(dim=1)  # [slots, targets]: each target's rows in pages
+    vector_rows = [VECTOR_ROWS.get(kind, 0) for kind in kinds] + [0]
     sizes = [
-        sum(int(top[s, t]) * (per_row(i) + per_row(o)) for t, (i, o) in enumerate(DIMS.values()))
+        sum(
+            int(top[s, t]) * (per_row(i) + per_row(o))
+            + (top[s, t] > 0) * vector_rows[s] * per_row(o)
+            for t, (i, o) in enumerate(DIMS.values())
+        )
         for s in range(slots)
     ]
     num_pages = sum(sizes) + 11
@@ -77,6 +86,7 @@ def variant_case(kinds: list[str], num_tokens: int, dtype: torch.dtype, seed: in
     perm = torch.randperm(num_pages, generator=gen).int()
     slot_pages = torch.full((slots, max(sizes)), -1, dtype=torch.int32)
     slot_offsets = torch.full((slots, len(DIMS), 2), -1, dtype=torch.int32)
+    slot_vectors = torch.full((slots, len(DIMS), 2), -1, dtype=torch.int32)
     cursor = 0
     for slot in range(slots):
         slot_pages[slot, : sizes[slot]] = perm[cursor : cursor + sizes[slot]]
@@ -87,6 +97,9 @@ def variant_case(kinds: list[str], num_tokens: int, dtype: torch.dtype, seed: in
             for which, width in enumerate((d_in, d_out)):
                 slot_offsets[slot, t, which] = used
                 used += int(top[slot, t]) * per_row(width)
+            if vector_rows[slot]:
+                slot_vectors[slot, t, 0] = used
+                used += vector_rows[slot] * per_row(d_out)
     meta = LoraMeta(
         b_slot=torch.zeros(0, dtype=torch.int32),
         token_order=torch.zeros(0, dtype=torch.int32),
@@ -99,6 +112,8 @@ def variant_case(kinds: list[str], num_tokens: int, dtype: torch.dtype, seed: in
         max_rank=int(top.max()),
         layer_rank=layer_rank,
         layer_scale=layer_scale,
+        slot_vectors=slot_vectors,
+        has_vectors=any(vector_rows),
     )
     b_slot = torch.randint(-1, len(kinds), (num_tokens,), generator=gen)
     b_slot[: len(kinds)] = torch.arange(len(kinds))  # every adapter has a token
@@ -155,10 +170,11 @@ def check_layer(kernels, pool, meta, dtype, seed) -> None:
     ("path", "dtype"),
     [("tiled", torch.float32), ("both", torch.float16), ("vector", torch.float32)],
 )
-def test_modules_at_their_own_rank_and_scale(kernels, path, dtype):
-    """rank_pattern / alpha_pattern and layer subsets beside plain LoRA and base rows: every
-    layer's launches read that layer's ranks and scales (``LoraMeta.at_layer``)."""
-    pool, meta = variant_case(["plain", "patterns", "layers"], 12, dtype, seed=7)
+def test_variants_mixed_in_one_step(kernels, path, dtype):
+    """rank_pattern / alpha_pattern, layer subsets and lora_B's bias beside plain LoRA and base
+    rows: every layer's launches read that layer's ranks and scales (``LoraMeta.at_layer``),
+    and the bias is added inside the scale, in the layers the adapter has the module only."""
+    pool, meta = variant_case(["plain", "patterns", "layers", "bias"], 14, dtype, seed=7)
     meta.vector_max = {"tiled": 0, "both": 1, "vector": VECTOR_ALL}[path]
     for layer in range(LAYERS):
         check_layer(kernels, pool[layer], meta.at_layer(layer), dtype, seed=layer)

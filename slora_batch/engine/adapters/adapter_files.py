@@ -27,12 +27,17 @@ from slora_batch.engine.models.spec import EXPERT_TARGETS, MODULE_OF, TARGETS, M
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# A LoRA pair on one linear module: a projection, or a mixture-of-experts router ("gate"; under
-# "block_sparse_moe" in Mixtral's transformers 4 names). The experts' keys are expert_files'.
+# A LoRA tensor on one linear module: a projection, or a mixture-of-experts router ("gate";
+# under "block_sparse_moe" in Mixtral's transformers 4 names): lora_A.weight, lora_B.weight,
+# lora_B.bias (lora_bias), the adapter's name between them where a file keeps it
+# ("lora_A.default.weight"). The experts' keys are expert_files'.
 _KEY = re.compile(
-    r"layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+_proj|gate)\.lora_([AB])"
-    r"(?:\.\w+)?\.weight$"
+    r"layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+_proj|gate)\."
+    r"(lora_A|lora_B)(?:\.(?!weight$|bias$)\w+)?\.(weight|bias)$"
 )
+# (tensor, parameter) of a _KEY match -> the factor it is
+_FACTORS = {("lora_A", "weight"): "A", ("lora_B", "weight"): "B", ("lora_B", "bias"): "bias"}
+_FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "bias": "lora_B's bias"}
 _MODULE_TO_TARGET = {
     module.split(".")[-1]: target
     for target, module in MODULE_OF.items()
@@ -86,6 +91,7 @@ class AdapterInfo:
     # The other targets' ranks and scales per layer; a target missing here has ``rank`` and
     # ``scale`` in every layer it exists in.
     modules: tuple[ModuleRanks, ...] = ()
+    lora_bias: bool = False  # each module's lora_B has a bias (PEFT's ``lora_bias``)
 
     @property
     def scale(self) -> float:
@@ -141,6 +147,8 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
     try:  # patterns first: a rank they set would otherwise read as a wrong shape
         _check_expert_patterns(cfg, [k for k in on_experts if not FUSED_KEY.search(k)])
         experts, expert_format = check_experts(on_experts, spec, cfg) if on_experts else ((), "")
+        if experts and cfg.get("lora_bias"):
+            raise ValueError("lora_bias on the experts (mlp.experts) is not supported")
         modules = _check_shapes(dense, spec, cfg)
     except ValueError as exc:
         raise AdapterError(name, path, str(exc)) from exc
@@ -156,6 +164,7 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         experts=experts,
         expert_format=expert_format,
         modules=modules,
+        lora_bias=bool(cfg.get("lora_bias", False)),
     )
 
 
@@ -179,17 +188,16 @@ def _refusal(cfg: dict) -> str | None:
             f"bias {cfg['bias']!r} is not supported: the base model's biases trained with the "
             "adapter replace the model's own (lora_bias, a bias on lora_B, is another field)"
         )
-    if cfg.get("lora_bias"):
-        return "LoRA bias (lora_bias: true, a bias on lora_B) is not supported"
     if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
         return f"rank r must be an integer >= 1, got {cfg.get('r')!r}"
     return None
 
 
 def _check_shapes(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tuple:
-    """The ``ModuleRanks`` of the LoRA pairs on linear modules (every tensor but the experts'),
-    each tensor checked against the model at its module's rank, and each target for A and B in
-    every layer the config says it is in. Raises ``ValueError`` naming the tensor or target."""
+    """The ``ModuleRanks`` of the LoRA tensors on linear modules (every tensor but the experts'),
+    each tensor checked against the model at its module's rank, and each target for its factors
+    (A, B, and lora_bias's bias) in every layer the config says it is in. Raises
+    ``ValueError`` naming the tensor or target."""
     wanted = _wanted_layers(cfg)
     seen: dict[str, dict[int, set[str]]] = {}
     ranks: dict[str, dict[int, tuple[int, str]]] = {}  # target -> layer -> (rank, module)
@@ -198,15 +206,7 @@ def _check_shapes(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tuple
         module = _module_name(key)
         _check_layer_pattern(cfg, module, wanted)
         rank = pattern_value(cfg.get("rank_pattern"), module, cfg["r"])
-        d_in, d_out = spec.target_dims(target)
-        want = (rank, d_in) if factor == "A" else (d_out, rank)
-        layers = spec.target_layers(target)
-        if layer not in layers or tuple(shape) != want:
-            raise ValueError(
-                f"tensor {key!r} has shape {list(shape)}, the model "
-                f"({spec.num_layers} layers) needs {list(want)} at layers {_span(layers)}"
-                + (f" (rank {rank}: rank_pattern)" if rank != cfg["r"] else "")
-            )
+        _check_shape(key, shape, spec, (layer, target, factor), rank, cfg)
         seen.setdefault(target, {}).setdefault(layer, set()).add(factor)
         ranks.setdefault(target, {})[layer] = (rank, module)
     modules = []
@@ -215,6 +215,25 @@ def _check_shapes(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tuple
             _check_layers(target, seen[target], spec, cfg, wanted)
             modules.append(_module_ranks(target, ranks[target], spec, cfg))
     return tuple(modules)
+
+
+def _check_shape(
+    key: str, shape: tuple, spec: ModelSpec, where: tuple[int, str, str], rank: int, cfg: dict
+) -> None:
+    """Raises unless tensor ``key`` (``where``: its layer, target and factor) has the shape the
+    model needs at ``rank``, in a layer the target exists in, and is a factor the config has."""
+    layer, target, factor = where
+    if factor == "bias" and not cfg.get("lora_bias"):
+        raise ValueError(f"tensor {key!r} is a lora_B bias, and the config's lora_bias is false")
+    d_in, d_out = spec.target_dims(target)
+    want = {"A": (rank, d_in), "B": (d_out, rank), "bias": (d_out,)}[factor]
+    layers = spec.target_layers(target)
+    if layer not in layers or tuple(shape) != want:
+        raise ValueError(
+            f"tensor {key!r} has shape {list(shape)}, the model "
+            f"({spec.num_layers} layers) needs {list(want)} at layers {_span(layers)}"
+            + (f" (rank {rank}: rank_pattern)" if rank != cfg["r"] and factor != "bias" else "")
+        )
 
 
 def _module_name(key: str) -> str:
@@ -266,9 +285,10 @@ def _check_layer_pattern(cfg: dict, module: str, wanted: set[int] | None) -> Non
 def _check_layers(
     target: str, got: dict[int, set[str]], spec: ModelSpec, cfg: dict, wanted: set[int] | None
 ) -> None:
-    """Raises unless ``got`` (layer -> the factors read there) has A and B in each layer the
-    config puts the target in: every layer it exists in, those of ``layers_to_transform``, or
-    with a regular-expression ``target_modules`` whichever layers it matched."""
+    """Raises unless ``got`` (layer -> the factors read there) has every factor (A and B, and
+    the bias with lora_bias) in each layer the config puts the target in: every layer it exists
+    in, those of ``layers_to_transform``, or with a regular-expression ``target_modules``
+    whichever layers it matched."""
     exists = spec.target_layers(target)
     if wanted is not None:
         need = [i for i in exists if i in wanted]
@@ -278,32 +298,43 @@ def _check_layers(
     else:
         need = list(exists)
         where = f"every layer {'with experts ' if len(exists) < spec.num_layers else ''}"
-    count = sum(len(factors) for factors in got.values())
-    if sorted(got) != need or count != 2 * len(need):
+    factors = ["A", "B"] + (["bias"] if cfg.get("lora_bias") else [])
+    count = sum(len(f) for f in got.values())
+    if sorted(got) != need or count != len(factors) * len(need):
+        names = [_FACTOR_NAMES[f] for f in factors]
         raise ValueError(
-            f"target {target} has {count} of {2 * len(need)} factors in layers {sorted(got)} "
-            f"({where.rstrip()} needs A and B)"
+            f"target {target} has {count} of {len(factors) * len(need)} factors in layers "
+            f"{sorted(got)} ({where.rstrip()} needs {', '.join(names[:-1])} and {names[-1]})"
         )
+
+
+def lora_key(key: str) -> tuple[int, str, str] | None:
+    """(layer, module, factor) of a LoRA tensor on a linear module: its layer, its module's last
+    name ("q_proj", "gate"), and "A", "B" or "bias"; None for any other key."""
+    m = _KEY.search(key)
+    factor = _FACTORS.get((m.group(4), m.group(5))) if m is not None else None
+    return None if factor is None else (int(m.group(1)), m.group(3), factor)
 
 
 def _key_target(key: str, shape: tuple, spec: ModelSpec) -> tuple[int, str, str]:
-    """(layer, target, "A" or "B") of a LoRA tensor on a linear module of ``spec``'s model;
-    raises naming the tensor where it is not one (embeddings, a module the model lacks, the
-    shared expert)."""
+    """(layer, target, factor) of a LoRA tensor on a linear module of ``spec``'s model
+    (``lora_key``); raises naming the tensor where it is not one (embeddings, a module the model
+    lacks, the shared expert)."""
     if any(e in key for e in _EMBEDDING_NAMES):
         raise ValueError(f"embedding or lm_head weights ({key}) are not supported")
-    m = _KEY.search(key)
-    if m is None or m.group(3) not in _MODULE_TO_TARGET:
+    found = lora_key(key)
+    if found is None or found[1] not in _MODULE_TO_TARGET:
         refusal = spec.lora_refusal(key)
         raise ValueError(refusal or f"unexpected tensor {key!r} {list(shape)}")
-    target = _MODULE_TO_TARGET[m.group(3)]
+    layer, module, factor = found
+    target = _MODULE_TO_TARGET[module]
     if target not in spec.lora_targets:
         raise ValueError(
-            f"tensor {key!r} targets {m.group(3)}, which {spec.architecture} does not have "
+            f"tensor {key!r} targets {module}, which {spec.architecture} does not have "
             f"(its LoRA modules: {spec.lora_modules}); was the adapter trained on another base "
             "model?"
         )
-    return int(m.group(1)), target, m.group(4)
+    return layer, target, factor
 
 
 def _span(layers: tuple[int, ...]) -> str:

@@ -44,6 +44,7 @@ class AdapterResidency:
         self.slot_scale = np.zeros(max_slots, dtype=np.float32)
         self.slot_pages = np.full((max_slots, width), -1, dtype=np.int32)
         self.slot_offsets = np.full((max_slots, len(TARGETS), 2), -1, dtype=np.int32)
+        self.slot_vectors = np.full((max_slots, len(TARGETS), 2), -1, dtype=np.int32)
         # each module's rank and scale, per slot, layer and target (``LoraMeta.layer_rank``)
         modules = (max_slots, self.spec.num_layers, len(TARGETS))
         self.layer_rank = np.zeros(modules, dtype=np.int32)
@@ -53,6 +54,9 @@ class AdapterResidency:
         self.dev_scale = torch.zeros(max_slots, dtype=torch.float32, device=device)
         self.dev_pages = torch.full((max_slots, width), -1, dtype=torch.int32, device=device)
         self.dev_offsets = torch.full(
+            (max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device
+        )
+        self.dev_vectors = torch.full(
             (max_slots, len(TARGETS), 2), -1, dtype=torch.int32, device=device
         )
         self.dev_layer_rank = torch.zeros(modules, dtype=torch.int32, device=device)
@@ -201,6 +205,7 @@ class AdapterResidency:
         self.slot_pages[slot] = -1
         self.slot_pages[slot, : pages.size] = pages
         self.slot_offsets[slot] = paged.offsets.numpy()
+        self.slot_vectors[slot] = paged.vectors.numpy()
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             if stream is not None and self._evicted is not None:
                 stream.wait_event(self._evicted)
@@ -229,6 +234,7 @@ class AdapterResidency:
         self.slot_rank[slot] = 0
         self.slot_pages[slot] = -1
         self.slot_offsets[slot] = -1
+        self.slot_vectors[slot] = -1
         self.layer_rank[slot] = 0
         self._sync_slot(slot)
 
@@ -239,6 +245,7 @@ class AdapterResidency:
         self.dev_scale[slot].fill_(float(self.slot_scale[slot]))
         copy_in(self.dev_pages[slot], self.slot_pages[slot])
         copy_in(self.dev_offsets[slot], self.slot_offsets[slot])
+        copy_in(self.dev_vectors[slot], self.slot_vectors[slot])
         copy_in(self.dev_layer_rank[slot], self.layer_rank[slot])
         copy_in(self.dev_layer_scale[slot], self.layer_scale[slot])
 

@@ -12,7 +12,7 @@ import difflib
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from slora_batch.engine.adapters.adapter_files import (
-    _KEY,
     _MODULE_TO_TARGET,
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterError,
     AdapterInfo,
     check_adapters,
+    lora_key,
     parse_adapter,
     resolve_sources,
 )
@@ -46,6 +46,7 @@ __all__ = [
     "parse_adapter",
     "resolve_sources",
     "to_pages",
+    "vector_rows",
 ]
 
 log = logging.getLogger(__name__)
@@ -61,21 +62,26 @@ class AdapterWeights:
     """Host copies of the factors, per target: A rows [L, r, d_in] and B^T rows [L, r, d_out],
     r the target's largest rank over layers; a layer of a smaller rank fills its first rows and
     one the adapter leaves out none (``load_weights`` with ``stack=False``: a list of each
-    layer's rows; stacked, the rows past a layer's own rank are zeros)."""
+    layer's rows; stacked, the rows past a layer's own rank are zeros). ``vectors``: the
+    targets with one vector per output channel, their rows [L, k, d_out]: lora_B's bias
+    (lora_bias, k = 1)."""
 
     a: dict[str, torch.Tensor]
     b_t: dict[str, torch.Tensor]
+    vectors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
+        tensors = (*self.a.values(), *self.b_t.values(), *self.vectors.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def shard_adapter(weights, rank: int, size: int, spec: ModelSpec | None = None):
     """The rank's slice of an adapter's factors: A rows [L, r, d_in] cut along d_in and B^T rows
-    [L, r, d_out] cut along d_out, for every target (``execution.tp``'s docstring says why both).
-    A fused target's B^T (Phi-3's qkv, gate_up; ``spec`` gives the sizes) is cut part by part,
-    the rank's q | k | v columns side by side as in its shard of the fused projection."""
+    [L, r, d_out] cut along d_out, for every target (``execution.tp``'s docstring says why both),
+    its vector rows like B^T. A fused target's B^T (Phi-3's qkv, gate_up; ``spec`` gives the
+    sizes) is cut part by part, the rank's q | k | v columns side by side as in its shard of
+    the fused projection."""
     parts = {}
     if spec is not None:
         kv, inter = spec.kv_dim, spec.intermediate_size
@@ -88,6 +94,7 @@ def shard_adapter(weights, rank: int, size: int, spec: ModelSpec | None = None):
     return AdapterWeights(
         a={t: cut(a) for t, a in weights.a.items()},
         b_t={t: cut(b, t) for t, b in weights.b_t.items()},
+        vectors={t: cut(v, t) for t, v in weights.vectors.items()},
     )
 
 
@@ -96,8 +103,10 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
     of each layer's tensor per factor, B^T rows as views, for ``to_pages`` to place with no
     stacked copy in between). Expert targets come as ``expert_weights`` lays them out."""
     dense = [t for t in info.targets if t not in info.expert_ranks]
-    a: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in dense}
-    b: dict[str, list[torch.Tensor | None]] = {t: [None] * spec.num_layers for t in dense}
+    empty = lambda: {t: [None] * spec.num_layers for t in dense}
+    factors: dict[str, dict[str, list[torch.Tensor | None]]] = {"A": empty(), "B": empty()}
+    if info.lora_bias:
+        factors["bias"] = empty()
     experts = ExpertRows(info, spec)
     try:
         with safe_open(str(info.path / WEIGHTS_FILE), framework="pt") as f:
@@ -105,21 +114,27 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
                 tensor = f.get_tensor(key)
                 if spec.num_experts and experts.add(key, tensor):
                     continue
-                m = _KEY.search(key)
-                layer, target = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)]
-                if m.group(4) == "A":
-                    a[target][layer] = tensor  # [r, d_in]
-                else:
-                    b[target][layer] = tensor.t()  # [d_out, r] -> [r, d_out]
+                layer, module, factor = lora_key(key)
+                factors[factor][_MODULE_TO_TARGET[module]][layer] = _rows(factor, tensor)
         expert_a, expert_b = experts.rows() if info.experts else ({}, {})
     except Exception as exc:
         raise AdapterError(info.name, info.path, f"cannot read weights: {exc}") from exc
-    _fill_absent_layers(info, spec, a, b)
+    _fill_absent_layers(info, spec, factors)
+    a, b = factors["A"], factors["B"]
     a.update(expert_a)
     b.update(expert_b)
+    vectors = factors.get("bias", {})
     if not stack:
-        return AdapterWeights(a=a, b_t=b)  # type: ignore[arg-type]
-    return AdapterWeights(a=_stacked(a), b_t=_stacked(b))
+        return AdapterWeights(a=a, b_t=b, vectors=vectors)  # type: ignore[arg-type]
+    return AdapterWeights(a=_stacked(a), b_t=_stacked(b), vectors=_stacked(vectors))
+
+
+def _rows(factor: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as the rows its factor takes in pages: A [r, d_in] as it is, B [d_out, r] as
+    B^T [r, d_out] (a view), a bias [d_out] as one row."""
+    if factor == "A":
+        return tensor
+    return tensor.t() if factor == "B" else tensor[None, :]
 
 
 def _stacked(factors: dict[str, list[torch.Tensor] | torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,16 +150,18 @@ def _stacked(factors: dict[str, list[torch.Tensor] | torch.Tensor]) -> dict[str,
     return out
 
 
-def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, a: dict, b: dict) -> None:
+def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, factors: dict) -> None:
     """Empty rows in the layers a target is not in (a router in a MoE model's dense layers, a
-    layer ``layers_to_transform`` leaves out); raises naming the layers where a factor is
-    missing from one it is in."""
-    for factors, kind in ((a, "lora_A"), (b, "lora_B")):
-        for target, layers in factors.items():
+    layer ``layers_to_transform`` leaves out); raises naming the layers where a factor
+    (``factors``: "A", "B", "bias" -> target -> its layers' rows) is missing from one it is
+    in."""
+    for factor, targets in factors.items():
+        for target, layers in targets.items():
             ranks, _ = info.module_ranks(target, spec.num_layers)
             present = [i for i in spec.target_layers(target) if ranks[i] > 0]
             missing = [i for i in present if layers[i] is None]
             if missing:
+                kind = {"A": "lora_A", "B": "lora_B", "bias": "lora_B bias"}[factor]
                 raise AdapterError(
                     info.name,
                     info.path,
@@ -156,6 +173,12 @@ def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, a: dict, b: dict) ->
                     layers[i] = some.new_zeros(0, some.shape[1])
 
 
+def vector_rows(info: AdapterInfo) -> int:
+    """Rows of one output channel's width each target of ``info`` takes beside its B^T rows:
+    lora_B's bias."""
+    return int(info.lora_bias)
+
+
 def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
     """Pages an adapter takes in ``spec``'s pool: each target at its largest rank over layers
     (a page spans every layer), the expert targets as ``ModelSpec.adapter_pages`` counts them."""
@@ -165,20 +188,23 @@ def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
         if target not in info.expert_ranks:
             rank = max(info.module_ranks(target, spec.num_layers)[0])
             pages += spec.adapter_pages(rank, (target,))
+            pages += vector_rows(info) * spec.pages_per_row(spec.target_dims(target)[1])
     return pages
 
 
 @dataclass
 class PagedAdapter:
     """An adapter laid out the way it sits in the pool: ``data[layer, i]`` goes to the adapter's
-    i-th page. Per target (canonical order) the A rows, then the B^T rows, each row padded to
-    whole pages; an expert target's are E blocks of its rank, expert by expert
-    (``expert_weights``). ``offsets[target, 0 or 1]`` is the first page index of A or B^T (-1:
-    absent)."""
+    i-th page. Per target (canonical order) the A rows, then the B^T rows, then its vector rows
+    (lora_B's bias), each row padded to whole pages; an expert target's are E blocks of its
+    rank, expert by expert (``expert_weights``). ``offsets[target, 0 or 1]`` is the first page
+    index of A or B^T (-1: absent), ``vectors[target, 0]`` that of the bias row (-1: none) and
+    ``vectors[target, 1]`` -1 (``LoraMeta.slot_vectors``)."""
 
     info: AdapterInfo
     data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
     offsets: torch.Tensor  # [len(TARGETS), 2] int32
+    vectors: torch.Tensor  # [len(TARGETS), 2] int32
 
     @property
     def num_pages(self) -> int:
@@ -201,19 +227,17 @@ def to_pages(
     factor is a stacked [L, r, width] tensor or a list of each layer's [r_l, width]
     (``load_weights``), taking the rows of the largest r_l."""
     offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
-    layout, cursor = [], 0
+    vectors = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
+    layout: list[tuple] = []  # (rows, first page, rows taken, pages a row, width)
     for t_index, target in enumerate(TARGETS):
         if target not in info.targets:
             continue
         for which, rows in enumerate((weights.a[target], weights.b_t[target])):
-            rank = (
-                rows.shape[1] if isinstance(rows, torch.Tensor) else max(t.shape[0] for t in rows)
-            )
-            width = rows[0].shape[1]
-            per_row = -(-width // page_size)
-            offsets[t_index, which] = cursor
-            layout.append((rows, cursor, rank, per_row, width))
-            cursor += rank * per_row
+            offsets[t_index, which] = _place(layout, rows, page_size)
+        if target in weights.vectors:
+            start = _place(layout, weights.vectors[target], page_size)
+            vectors[t_index] = torch.tensor(vector_starts(info, start, layout[-1][3]))
+    cursor = layout[-1][1] + layout[-1][2] * layout[-1][3] if layout else 0
     num_layers = len(layout[0][0]) if layout else 0
     data = torch.empty(num_layers, cursor, page_size, dtype=dtype, pin_memory=pin)
     for rows, start, rank, per_row, width in layout:
@@ -225,7 +249,22 @@ def to_pages(
         for layer, tensor in enumerate(rows):
             padded[layer, : tensor.shape[0], :width].copy_(tensor)
             padded[layer, tensor.shape[0] :].zero_()
-    return PagedAdapter(info=info, data=data, offsets=offsets)
+    return PagedAdapter(info=info, data=data, offsets=offsets, vectors=vectors)
+
+
+def _place(layout: list[tuple], rows, page_size: int) -> int:
+    """Appends a factor's rows to ``layout`` after the last one; returns its first page."""
+    start = layout[-1][1] + layout[-1][2] * layout[-1][3] if layout else 0
+    rank = rows.shape[1] if isinstance(rows, torch.Tensor) else max(t.shape[0] for t in rows)
+    width = rows[0].shape[1]
+    layout.append((rows, start, rank, -(-width // page_size), width))
+    return start
+
+
+def vector_starts(info: AdapterInfo, start: int, per_row: int) -> tuple[int, int]:
+    """(bias row, DoRA rows) of a target whose vector rows begin at page ``start``, rows of
+    ``per_row`` pages (-1: none): the bias row first."""
+    return (start if info.lora_bias else -1, -1)
 
 
 class AdapterStore:

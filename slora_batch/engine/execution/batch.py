@@ -37,6 +37,7 @@ from slora_batch.engine.execution.lora_layout import (  # re-exported: tests and
     lora_segments,
     position_segments,
     step_targets,
+    step_vectors,
     tiled_tokens,
     vector_tokens,
 )
@@ -310,6 +311,7 @@ def upload(
             residency,
             int(residency.slot_rank[seg_slot].max()),
             *step_targets(residency, seg_slot),
+            step_vectors(residency, seg_slot),
         )
         layout.hint(lora, lambda array: dev(array, torch.int32))
     attn = AttnMeta(

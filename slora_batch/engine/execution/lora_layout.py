@@ -121,6 +121,7 @@ def lora_meta(
     max_rank: int,
     targets: tuple[int, ...],
     layer_targets: tuple[tuple[int, ...], ...] | None = None,
+    has_vectors: bool = False,
 ) -> LoraMeta:
     return LoraMeta(
         b_slot=b_slot,
@@ -136,7 +137,14 @@ def lora_meta(
         layer_rank=residency.dev_layer_rank,
         layer_scale=residency.dev_layer_scale,
         layer_targets=layer_targets,
+        slot_vectors=residency.dev_vectors,
+        has_vectors=has_vectors,
     )
+
+
+def step_vectors(residency: AdapterResidency, seg_slot: np.ndarray) -> bool:
+    """Whether some adapter of the step has vector rows (``LoraMeta.has_vectors``)."""
+    return bool((residency.slot_vectors[seg_slot[seg_slot >= 0]] >= 0).any())
 
 
 def step_targets(

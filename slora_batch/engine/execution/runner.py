@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.adapters.store import vector_rows
 from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.execution.batch import (
     HostStep,
@@ -96,6 +97,10 @@ STAGED_PADDING = {"input_ids": 0, "positions": 0, "out_pages": None, "b_seq_len"
 
 
 class ModelRunner:
+    # Whether some adapter of the store has vector rows (lora_bias): the decode graphs then hold
+    # the expand kernels that read them.
+    vectors = False
+
     def __init__(
         self,
         model: DecoderModel,
@@ -121,6 +126,7 @@ class ModelRunner:
             self.scratch = pool.alloc(2, "CUDA-graph padding rows")  # K and V of padding rows
             infos = [residency.store.info(n) for n in residency.store.names]
             self.max_rank = max((info.max_rank for info in infos), default=0)
+            self.vectors = any(vector_rows(info) for info in infos)
             # Graphs launch LoRA kernels for every target some adapter of the store has.
             self.targets = tuple(
                 i for i, t in enumerate(TARGETS) if any(t in info.targets for info in infos)
@@ -191,6 +197,7 @@ class ModelRunner:
                 self.residency,
                 self.max_rank,
                 self.targets,
+                has_vectors=self.vectors,
             )
             lora.vector_max = 0 if tiled else VECTOR_ALL  # which LoRA kernels the graph holds
             if tiled:  # where each tiled block starts its segment walk, refilled every step

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from factory import ALL, make_adapter, make_model, make_rows, reference
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.adapters.store import AdapterError, parse_adapter
-from slora_batch.engine.models.spec import read_spec
+from slora_batch.engine.models.spec import TARGETS, read_spec
 
 VOCAB = 300
 FAMILIES = ("gqa", "qwen2")  # the factory's Llama with tied embeddings, and Qwen2
@@ -38,9 +39,23 @@ VARIANTS = {
         dict(layers_to_transform=[1], layers_pattern="layers", rank_pattern={"o_proj": 5}),
     ),
     "regex": (2, r".*layers\.0\.self_attn\.(q|v)_proj", 4, False, {}),
+    "bias": (
+        4,
+        ["q_proj", "v_proj", "o_proj", "down_proj"],
+        8,
+        False,
+        dict(lora_bias=True, rank_pattern={"o_proj": 2}),
+    ),
+    "bias-subset": (
+        2,
+        ["k_proj", "up_proj"],
+        2,
+        True,
+        dict(lora_bias=True, layers_to_transform=0),
+    ),
 }
 PLAIN = {"plain": (8, ["q_proj", "v_proj", "down_proj"], 16, False, {})}
-TP_VARIANTS = ("patterns", "subset")  # the variants a tensor-parallel run covers
+TP_VARIANTS = ("patterns", "subset", "bias")  # the variants a tensor-parallel run covers
 
 
 def build(root, family: str, variants: dict) -> tuple:
@@ -92,8 +107,8 @@ def test_variants_mixed_with_plain_lora_match_peft(family):
 
 @pytest.mark.slow
 def test_variants_under_tensor_parallelism_match_peft(family):
-    """Two ranks (gloo), each holding half of every adapter: the module ranks and the layer
-    subsets cut like plain LoRA."""
+    """Two ranks (gloo), each holding half of every adapter: the module ranks, the layer
+    subsets and lora_B's bias (cut along d_out as B is) like plain LoRA."""
     model_dir, adapters = family
     names = list(TP_VARIANTS) + list(PLAIN)
     assert_parity(model_dir, adapters, names, 12, seed=5, tensor_parallel=2, cpu_threads=1)
@@ -118,6 +133,31 @@ def test_module_ranks_and_scales_per_layer(family):
     assert subset.module_ranks("o", 2) == ((0, 5), (0.0, 6 / 5))
     regex = parse_adapter("regex", adapters["regex"], spec)
     assert regex.targets == ("q", "v") and regex.module_ranks("v", 2)[0] == (2, 0)
+    bias = parse_adapter("bias", adapters["bias"], spec)
+    assert bias.lora_bias and not info.lora_bias
+
+
+def test_bias_rows_sit_beside_b(family):
+    """lora_B's bias takes one more row of d_out after each target's B^T rows, at the layer's
+    own values; a layer the adapter leaves out holds zeros there."""
+    from safetensors.torch import load_file
+
+    from slora_batch.engine.adapters.store import AdapterStore
+
+    model_dir, adapters = family
+    store = AdapterStore(read_spec(model_dir), {"b": adapters["bias-subset"]})
+    paged = store.paged("b")
+    spec, page = store.spec, store.page_spec.page_size
+    tensors = load_file(adapters["bias-subset"] / "adapter_model.safetensors")
+    for target, module in (("k", "self_attn.k_proj"), ("up", "mlp.up_proj")):
+        index = TARGETS.index(target)
+        start = int(paged.vectors[index, 0])
+        d_out = spec.target_dims(target)[1]
+        assert start == int(paged.offsets[index, 1]) + 2 * -(-d_out // page)  # after B^T
+        assert int(paged.vectors[index, 1]) == -1  # no DoRA rows
+        rows = paged.data[:, start : start + -(-d_out // page)].reshape(spec.num_layers, -1)
+        want = tensors[f"base_model.model.model.layers.0.{module}.lora_B.bias"]
+        assert torch.equal(rows[0, :d_out], want) and not rows[1].any()
 
 
 def edit_config(path, **fields) -> None:
@@ -134,6 +174,8 @@ def refused(name, path, spec) -> str:
 
 
 def test_refusals_name_the_adapter_and_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     model_dir = make_model(tmp_path, "gqa")
     spec = read_spec(model_dir)
     extra = dict(layers_to_transform=[1], layers_pattern="layers")
@@ -153,3 +195,15 @@ def test_refusals_name_the_adapter_and_the_key(tmp_path):
     message = refused("pat", path, spec)
     assert "layers.1.self_attn.q_proj.lora_A.weight' has shape [2, 64]" in message
     assert "needs [4, 64]" in message and "rank 4: rank_pattern" in message
+    path = make_adapter(model_dir, tmp_path / "bias", 2, ["q_proj"], 4, False, 0, lora_bias=True)
+    edit_config(path, lora_bias=False)
+    assert "q_proj.lora_B.bias' is a lora_B bias, and the config's lora_bias is false" in (
+        refused("bias", path, spec)
+    )
+    edit_config(path, lora_bias=True)
+    tensors = load_file(path / "adapter_model.safetensors")
+    del tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.bias"]
+    save_file(tensors, path / "adapter_model.safetensors")
+    assert "target q has 5 of 6 factors" in refused("bias", path, spec)
+    path = make_adapter(model_dir, tmp_path / "all", 2, ["q_proj"], 4, False, 0, bias="all")
+    assert "bias 'all' is not supported: the base model's biases" in refused("all", path, spec)

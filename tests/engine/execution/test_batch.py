@@ -149,7 +149,7 @@ def graph_runner(bucket: int) -> ModelRunner:
     table = torch.zeros(1)
     runner.residency = SimpleNamespace(dev_rank=table, dev_scale=table, dev_pages=table,
                                        dev_offsets=table, dev_layer_rank=table,
-                                       dev_layer_scale=table)  # fmt: skip
+                                       dev_layer_scale=table, dev_vectors=table)  # fmt: skip
     runner.graph_table(bucket)
     return runner
 
