@@ -1,7 +1,8 @@
 """The comparison of the bf16 GPU test test_moe_peft_gpu.py (``moe_peft_parity``) on the CPU in
 fp32: the same case (a tiny random Qwen3-MoE, base rows, attention-only adapters and adapters on
 the experts in both PEFT formats, ranks 1 to 16 in one batch), the engine's first-step logits
-within 1e-2 of transformers + PEFT's (relative) and its tokens equal up to a near tie. Slow: a
+within 1e-2 of transformers + PEFT's (relative, the median over the rows) and its tokens equal
+up to a near tie. Slow: a
 fresh transformers model per adapter for the reference (about 30 s on two busy cores)."""
 
 from __future__ import annotations
