@@ -142,7 +142,10 @@ class RandomWeights:
     tensor-parallel rank makes the same tensor as one device does and keeps its shard, and
     a data-parallel worker the same model, each from this small picklable object, on its own
     device (the current CUDA device, else the CPU). ``pop`` and ``keys`` are what
-    ``engine.loader.load_model`` reads; ``items`` makes every tensor (for a directory)."""
+    ``engine.loader.load_model`` reads; ``items`` makes every tensor (for a directory). A
+    mixture of experts' router is normal(0, 0.02) too: it spreads a batch's tokens over the
+    experts about as uniformly as the floor assumes (``floor.Routing``; benchmarks/README.md),
+    as a trained router roughly does."""
 
     spec: ModelSpec
     seed: int
