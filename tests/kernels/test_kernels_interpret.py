@@ -1,13 +1,15 @@
 """Triton kernels against their torch twins (kernels/ref.py) on the CPU, in Triton's interpreter.
 
 Triton chooses between compiling and interpreting when it is imported, for the whole process.
-So these tests run in child processes started with TRITON_INTERPRET=1
-(``test_kernels_in_interpreter``, one child per group of ``CHILDREN``, each well inside its
-timeout), whatever the order in which pytest imports the suite's files;
-``TRITON_INTERPRET=1 pytest tests/kernels/test_kernels_interpret.py`` runs them in-process, one by one.
-The interpreter runs every program instance in Python, so the cases are the few that reach
-every kernel, path and block setting once (issue 24: the cross product took 516 s). The case builders here are
-shared with tests/kernels/test_kernels_gpu.py.
+So these tests run in a child process started with TRITON_INTERPRET=1
+(``test_kernels_in_interpreter``), whatever the order in which pytest imports the suite's files;
+``TRITON_INTERPRET=1 pytest tests/kernels/test_kernels_interpret.py`` runs them in-process.
+The interpreter runs every program instance in Python, at a cost that grows with the program
+instances and their loop steps: the cases are the few that reach every kernel, path and block
+setting once, on the fewest tokens that still give each its segments (the vector kernels run a
+program per token), and each LoRA case checks the seven targets through the launch groups of
+GROUPS, which hold each of them. The case builders here are shared with
+tests/kernels/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -43,18 +45,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
-CHILDREN = {  # one interpreter child each: its tests, as pytest's -k selects them. Two halves
-    # of about 30 s of interpreting (each child starts Python, pytest, torch and Triton: 4 s)
-    "lora-shrink-expand": "test_lora_shrink_expand",
-    "others": "not test_lora_shrink_expand",
-}
-
 if not INTERPRETED:
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("group", list(CHILDREN))
-    def test_kernels_in_interpreter(group):
-        run_interpreted(__file__, "-k", CHILDREN[group])  # no xdist workers inside the child
+    def test_kernels_in_interpreter():
+        run_interpreted(f"{__file__}::TestInterpreted", f"{__file__}::TestModelInterpreted")
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +247,17 @@ SMALL_LORA_BLOCKS = {
 GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2, "er": 16}
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
-    "skewed": ("skewed", 0.1, 40, torch.float16, 32),
-    "one": ("one", 0.3, 70, torch.float32, 64),
+    "skewed": ("skewed", 0.1, 23, torch.float16, 32),
+    "one": ("one", 0.3, 36, torch.float32, 64),
+}
+# Their segments (slot: tokens) at seed = tokens, as test_lora_cases_segments checks: every
+# rank; a segment across the first block of 16, one of 3 and one of 1; one long segment on
+# pages of 64 (rows of 1 and 2 pages, with tails past the width). Each token is a program of
+# the vector kernels, so the cases are as short as these allow.
+LORA_SEGMENTS = {
+    "uniform": {0: 2, 1: 2, 2: 1, 3: 3, 4: 1},
+    "skewed": {0: 18, 1: 3, 3: 1},
+    "one": {0: 30},
 }
 VECTOR_PATHS = {  # LoraMeta.vector_max: which kernels take which segments
     "tiled": 0,  # every segment on the tiled (matrix) kernels
@@ -290,10 +294,29 @@ LORA_RUNS = [  # (case, blocks, tokens per block (None: the launcher's choice), 
     ("one", "default", None, "upload"),
     ("uniform", "small", None, "indexed"),
     ("skewed", "small", 32, "tiled"),
-    ("one", "small", 64, "tiled"),  # 70 tokens: token by token it took 150 s on a busy machine
+    ("one", "small", 64, "tiled"),
     ("skewed", "grid", None, "vector"),
     ("uniform", "grid", None, "upload"),
 ]
+
+
+def lora_run_case(case: str) -> tuple[torch.Tensor, LoraMeta]:
+    """LORA_CASES[case]'s pool and metadata: ranks 1, 3, 8, 16 and 64, seeded by its tokens."""
+    popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
+    return lora_case(page=page, target_dims=TARGET_DIMS, ranks=[1, 3, 8, 16, 64],
+                     num_tokens=num_tokens, popularity=popularity, base_share=base_share,
+                     dtype=dtype, device="cpu", seed=num_tokens)  # fmt: skip
+
+
+def test_lora_runs_reach_every_case_block_setting_and_path():
+    """LORA_RUNS holds each case, block setting and path, and each case has the segments it is
+    there for (LORA_SEGMENTS), so a change to lora_case or a seed that loses one fails here."""
+    assert {run[0] for run in LORA_RUNS} == set(LORA_CASES)
+    assert {run[1] for run in LORA_RUNS} == {"default", "small", "grid"}
+    assert {run[3] for run in LORA_RUNS} == set(VECTOR_PATHS)
+    for case in LORA_CASES:
+        _, meta = lora_run_case(case)
+        assert {slot: hi - lo for slot, lo, hi in meta.segments()} == LORA_SEGMENTS[case], case
 
 
 def pad_segments(meta: LoraMeta, num_segs: int, max_rank: int) -> LoraMeta:
@@ -326,12 +349,24 @@ def assert_meta_unchanged(meta, before: dict) -> None:
 
 
 def check_lora(shrink, expand, pool, meta, dtype, seed=1, dims=None) -> None:
-    """Every target through shrink and expand against ref, on stale buffers and a column slice;
-    the metadata comes out as it went in. ``dims``: other targets than TARGET_DIMS (no groups)."""
+    """Every target through shrink and expand against ref, on stale buffers and column slices;
+    the metadata comes out as it went in. TARGET_DIMS's seven targets in the launch groups of
+    GROUPS (each target at least once, alone or beside others); ``dims`` (other targets: no
+    groups) target by target, each given as an int."""
     before = meta_fields(meta)
+    if dims is None:
+        check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
+    else:
+        check_lora_targets(shrink, expand, pool, meta, dims, dtype, seed)
+    assert_meta_unchanged(meta, before)
+
+
+def check_lora_targets(shrink, expand, pool, meta, dims, dtype, seed) -> None:
+    """One launch per target (its index as an int) equals ref: shrink into a buffer of stale
+    rows, expand into a column slice of a wider output."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens = meta.b_slot.shape[0]
-    for index, (d_in, d_out) in enumerate((dims or TARGET_DIMS).values()):
+    for index, (d_in, d_out) in enumerate(dims.values()):
         x = torch.randn(num_tokens, d_in, generator=gen).to(dtype)
         buf = torch.randn(num_tokens, meta.max_rank, generator=gen)  # stale rows must survive
         mine, theirs = buf.clone(), buf.clone()
@@ -343,9 +378,6 @@ def check_lora(shrink, expand, pool, meta, dtype, seed=1, dims=None) -> None:
         expand(buf, pool, meta, index, mine[:, 8 : 8 + d_out])  # out: a column slice
         ref.lora_expand(buf, pool, meta, index, theirs[:, 8 : 8 + d_out])
         assert_close(mine, theirs, dtype)
-    if dims is None:
-        check_lora_groups(shrink, expand, pool, meta, TARGET_DIMS, dtype, seed)
-    assert_meta_unchanged(meta, before)
 
 
 # Phi-3's fused targets: one A, one B over the whole fused output (q | k | v: 64 + 32 + 32; gate |
@@ -467,7 +499,7 @@ class TestInterpreted:
     @pytest.mark.parametrize("run", LORA_RUNS, ids=lambda r: "-".join(map(str, r)))
     def test_lora_shrink_expand(self, tk, monkeypatch, run):
         case, blocks, block_t, path = run
-        popularity, base_share, num_tokens, dtype, page = LORA_CASES[case]
+        num_tokens, dtype = LORA_CASES[case][2:4]
         if blocks == "grid":
             use_blocks(tk, monkeypatch, GRID_LORA_BLOCKS)
         if blocks == "small":
@@ -477,17 +509,7 @@ class TestInterpreted:
         if block_t is not None:  # both tiled kernels' tokens per block in decode-sized steps
             monkeypatch.setitem(tk.lora_blocks.BLOCKS, "dt", block_t)
             monkeypatch.setitem(tk.lora_blocks.BLOCKS, "det", block_t)
-        pool, meta = lora_case(
-            page=page,
-            target_dims=TARGET_DIMS,
-            ranks=[1, 3, 8, 16, 64],
-            num_tokens=num_tokens,
-            popularity=popularity,
-            base_share=base_share,
-            dtype=dtype,
-            device="cpu",
-            seed=num_tokens,
-        )
+        pool, meta = lora_run_case(case)
         set_path(meta, path)
         check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand, pool, meta, dtype)
 
@@ -498,21 +520,21 @@ class TestInterpreted:
     )
     def test_lora_padded_segments(self, tk, monkeypatch, blocks, vector_max):
         """The runner's captured layout: segments padded to T with empty slot -1 segments, and
-        max_rank the largest rank of all adapters."""
+        max_rank the largest rank of all adapters (slot 0: 6 tokens, slot 1: 2, 6 base)."""
         if blocks == "small":
             use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
         pool, meta = lora_case(
             page=32,
             target_dims=TARGET_DIMS,
             ranks=[2, 5, 7, 12, 32, 4, 9],
-            num_tokens=20,
+            num_tokens=14,
             popularity="skewed",
             base_share=0.3,
             dtype=torch.float32,
             device="cpu",
             seed=5,
         )
-        padded = dataclasses.replace(pad_segments(meta, 20, 32), vector_max=vector_max)
+        padded = dataclasses.replace(pad_segments(meta, 14, 32), vector_max=vector_max)
         check_lora(tk.triton_ops.lora_shrink, tk.triton_ops.lora_expand,
                    pool, padded, torch.float32)  # fmt: skip
 
@@ -823,10 +845,12 @@ def model_step(seqs: list[tuple[int, int, int]], seed: int):
     return step, pool, SimpleNamespace(layer=lambda index: lora_layer)
 
 
-MODEL_STEPS = {  # (new tokens, context, slot): prefill, chunked prefill with context, decode
-    "mixed": [(5, 5, 0), (3, 20, -1), (1, 9, 3), (1, 30, 0), (4, 12, 4)],
+# (new tokens, context, slot): prefill, chunked prefill with context, decode. Segments of at
+# most 8 tokens: every token is a program of the vector LoRA kernels, so prompts are short.
+MODEL_STEPS = {
+    "mixed": [(3, 3, 0), (2, 20, -1), (1, 9, 3), (1, 30, 0), (2, 12, 4)],
     "decode": [(1, 9, 0), (1, 30, -1), (1, 4, 3), (1, 17, 0), (1, 70, 4), (1, 2, 1)],
-    "split": [(1, 9, 0), (1, 30, -1), (1, 17, 3), (5, 5, 0), (3, 20, 4)],  # decodes lead
+    "split": [(1, 9, 0), (1, 30, -1), (1, 17, 3), (3, 3, 0), (2, 20, 4)],  # decodes lead
 }
 
 
