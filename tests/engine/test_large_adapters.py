@@ -50,8 +50,8 @@ def test_auto_seats_hold_back_at_most_half_the_pool_for_adapters():
     # 100 adapters of 1000 pages in a pool of 10000: all of them would leave no KV (16 rows,
     # the floor); half the pool is held back, the other half holds 25 rows of 100 tokens
     assert auto_num_seqs(config, 10_000, 2, [1000] * 100, 4096) == 25
-    # small adapters are held back whole, as before: 1000 pages, 45 rows
-    assert auto_num_seqs(config, 10_000, 2, [10] * 100, 4096) == 45
+    # small adapters are held back one a row: 47 rows of 200 pages beside 470 adapter pages
+    assert auto_num_seqs(config, 10_000, 2, [10] * 100, 4096) == 47
 
 
 def test_an_engine_with_large_adapters_plans_rows_beside_half_the_pool(moe):

@@ -1,10 +1,10 @@
 """How much of the device an engine's page pool takes.
 
 The pool gets what is left of the device after the weights, minus a reserve for one step's
-temporaries at the configured limits (``reserve_bytes``; ``max_num_seqs: auto`` counts at its
-upper bound), times ``memory_fraction``. Memory the caching allocator holds but no tensor uses
-(an earlier engine's pool, say) counts as free: the allocator hands it out before asking CUDA
-for more.
+temporaries at the configured limits (``reserve_bytes``; under ``max_num_seqs: auto``, at the
+cap it resolves to: ``parts._auto_seats``), times ``memory_fraction``. Memory the caching
+allocator holds but no tensor uses (an earlier engine's pool, say) counts as free: the allocator
+hands it out before asking CUDA for more.
 
 An engine that cannot fit fails before it allocates (``min_engine_bytes`` against
 ``device_memory``), or, where the estimate passed and CUDA still ran out, with the same
@@ -13,13 +13,14 @@ An engine that cannot fit fails before it allocates (``min_engine_bytes`` agains
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
 
 import torch
 
-from slora_batch.engine.config import EngineConfig
+from slora_batch.engine.config import AUTO_MIN_SEQS, EngineConfig
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 
@@ -88,14 +89,18 @@ def min_engine_bytes(
     max_model_len: int,
 ) -> int:
     """The least an engine takes on ``device`` beside its weights. A pool sized from free
-    memory (``num_pages``) needs the step's reserve and ``MIN_PAGES`` pages out of
-    ``memory_fraction`` of what the weights leave; a fixed one (``num_pages``,
-    ``cpu_pool_bytes``) needs its pages."""
+    memory (``num_pages``) needs the step's reserve (``max_num_seqs: auto`` at its floor) and
+    ``MIN_PAGES`` pages out of ``memory_fraction`` of what the weights leave; a fixed one
+    (``num_pages``, ``cpu_pool_bytes``) needs its pages."""
     size = page_bytes(spec, dtype, config.kv_cache_dtype)
     if config.num_pages is not None:
         return config.num_pages * size
     if device.type != "cuda":
         return max(1, config.cpu_pool_bytes // size) * size
+    if config.max_num_seqs == "auto":  # the least it resolves to: the floor's reserve
+        config = dataclasses.replace(
+            config, max_num_seqs=max(AUTO_MIN_SEQS, config.admit_batch or 1)
+        )
     need = reserve_bytes(config, spec, dtype, max_model_len) + MIN_PAGES * size
     return math.ceil(need / config.memory_fraction)  # free * fraction - reserve >= MIN_PAGES pages
 
@@ -106,9 +111,11 @@ def num_pages(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    quiet: bool = False,
 ) -> int:
     """Pages of the pool: ``config.num_pages``, ``cpu_pool_bytes`` on the CPU, else what the
-    device has free after the weights and the reserve, times ``memory_fraction``."""
+    device has free after the weights and the reserve, times ``memory_fraction``. ``quiet``: a
+    trial that neither logs nor raises (0 pages where the reserve leaves none)."""
     if config.num_pages is not None:
         return config.num_pages
     size = page_bytes(spec, dtype, config.kv_cache_dtype)
@@ -117,6 +124,8 @@ def num_pages(
     free, _ = device_memory(device)
     reserve = reserve_bytes(config, spec, dtype, max_model_len)
     usable = int(free * config.memory_fraction) - reserve
+    if quiet:  # a trial (``max_num_seqs: auto`` weighing caps): no pool is no error yet
+        return max(0, usable) // size
     if usable < size * MIN_PAGES:
         raise DeviceMemoryError(
             f"only {free / GIB:.2f} GiB free on {device} after the weights, "

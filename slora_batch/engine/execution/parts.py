@@ -20,7 +20,7 @@ import torch
 from slora_batch.engine.adapters.adapter_files import AdapterError
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.adapters.store import AdapterStore
-from slora_batch.engine.config import ConfigError, EngineConfig
+from slora_batch.engine.config import AUTO_MAX_SEQS, AUTO_MIN_SEQS, ConfigError, EngineConfig
 from slora_batch.engine.device import check_kv_cache_dtype
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
@@ -112,14 +112,11 @@ def build_parts(
             f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
         )
     model = load_model(spec, dtype, device, max_model_len, given.weights, tp, fp8)
-    pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     if config.max_num_seqs == "auto":
         adapters = [store.pages(name) for name in store.names if name not in broken]
-        per_token = 1 if config.kv_cache_dtype == "fp8" else PAGES_PER_TOKEN  # K and V share a page
-        seats = auto_num_seqs(config, pages, per_token, adapters, max_model_len)
-        config = resolved(config, seats)
-        if cuda and config.num_pages is None:  # the reserve for ``seats`` rows, not the bound
-            pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
+        config, pages = _auto_seats(config, pool_spec, dtype, device, max_model_len, tp, adapters)
+    else:
+        pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     pool, lora_pool = given.pools(pages, pool_spec, dtype, device)
     if config.kv_cache_dtype == "fp8":  # the KV pool; adapter pages stay in the model dtype
         pool.use_fp8_kv(pool_spec.num_kv_heads, pool_spec.kv_dim)
@@ -127,9 +124,41 @@ def build_parts(
     return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec, config)
 
 
-def _pages(config, spec, dtype, device, max_model_len, tp) -> int:
-    pages = num_pages(config, spec, dtype, device, max_model_len)
+def _pages(config, spec, dtype, device, max_model_len, tp, quiet: bool = False) -> int:
+    pages = num_pages(config, spec, dtype, device, max_model_len, quiet)
     return tp.min_over_ranks(pages) if tp is not None else pages
+
+
+def _auto_seats(config, spec, dtype, device, max_model_len, tp, adapters: list[int]):
+    """``max_num_seqs: auto`` resolved, and the pool's pages at that cap: (config, pages).
+
+    The reserve for the sampler and the CUDA graphs grows with the cap, so the pool depends on
+    the rows it must hold. On cuda (the pool sized from free memory) the cap is the most rows
+    whose own reserve leaves a pool that holds them; from the pool at the bound's reserve alone,
+    Qwen3-30B-A3B shapes on an H100 planned 94 rows where the pool then held 373. Every
+    tensor-parallel rank searches alike (each step takes the minimum over the ranks)."""
+    per_token = 1 if config.kv_cache_dtype == "fp8" else PAGES_PER_TOKEN  # K and V share a page
+
+    def fits(seats: int) -> bool:
+        pages = _pages(resolved(config, seats), spec, dtype, device, max_model_len, tp, True)
+        return auto_num_seqs(config, pages, per_token, adapters, max_model_len, True) >= seats
+
+    if device.type != "cuda" or config.num_pages is not None:
+        pages = _pages(config, spec, dtype, device, max_model_len, tp)
+        return resolved(
+            config, auto_num_seqs(config, pages, per_token, adapters, max_model_len)
+        ), pages
+    lo, hi = AUTO_MIN_SEQS, AUTO_MAX_SEQS  # lo runs whatever its pool holds (the floor)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    config = resolved(config, lo)
+    pages = _pages(config, spec, dtype, device, max_model_len, tp)
+    auto_num_seqs(config, pages, per_token, adapters, max_model_len)  # logs the plan
+    return config, pages
 
 
 def make_runner(

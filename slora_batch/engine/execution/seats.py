@@ -41,39 +41,59 @@ def auto_num_seqs(
     token_pages: int,
     adapter_pages: list[int],
     max_model_len: int,
+    quiet: bool = False,
 ) -> int:
-    """Rows at once for ``max_num_seqs: auto``.
+    """Rows at once for ``max_num_seqs: auto``; logs how it got there unless ``quiet``.
 
     ``pages``: the pool's pages (KV and adapters: unified or the sum of both pools);
     ``token_pages``: pages of one token's K and V; ``adapter_pages``: each servable adapter's
-    pages (held back: ``max_adapters_per_batch`` adapters of their mean size, at most all of
-    them, and at most ``PINNED_SHARE`` of the pool). Holding the largest instead left Llama-3-8B
-    shapes with ranks 8-64 282 rows where 696 fit without adapters, on an H100; a 512-row cap
-    ran 4% faster, Llama-2-7B's 18% (benchmarks/README.md). Admission still stops at the free
-    pages.
+    pages (held back: as many adapters of their mean size as a batch may pin, which is at most
+    ``max_adapters_per_batch``, all of them, and one a row; and at most ``PINNED_SHARE`` of the
+    pool). Holding the largest instead left Llama-3-8B shapes with ranks 8-64 282 rows where
+    696 fit without adapters, on an H100; a 512-row cap ran 4% faster, Llama-2-7B's 18%
+    (benchmarks/README.md). Admission still stops at the free pages.
     """
     context = min(config.auto_context_tokens, max_model_len)
     count = min(len(adapter_pages), config.max_adapters_per_batch)
-    pinned = -(-sum(adapter_pages) * count // len(adapter_pages)) if adapter_pages else 0
-    pinned = min(pinned, int(pages * PINNED_SHARE))
-    kv_pages = max(0, pages - pinned)
-    rows = kv_pages // (token_pages * context)
+    mean = sum(adapter_pages) / len(adapter_pages) if adapter_pages else 0.0
+    rows = _rows(pages, token_pages * context, mean, count)
+    pinned = _pinned(rows, mean, count, pages)
     floor = max(AUTO_MIN_SEQS, config.admit_batch or 1)
     seats = min(AUTO_MAX_SEQS, max(floor, rows))
-    log.info(
-        "max_num_seqs auto: %d rows (pool %d pages, %d held for %d adapters a batch may pin, "
-        "%d KV pages a row at %d tokens of context fit %d rows; bounds %d..%d)",
-        seats,
-        pages,
-        pinned,
-        min(len(adapter_pages), config.max_adapters_per_batch),
-        token_pages * context,
-        context,
-        rows,
-        floor,
-        AUTO_MAX_SEQS,
-    )
+    if not quiet:
+        log.info(
+            "max_num_seqs auto: %d rows (pool %d pages, %d held for %d adapters a batch may "
+            "pin, %d KV pages a row at %d tokens of context fit %d rows; bounds %d..%d)",
+            seats,
+            pages,
+            pinned,
+            min(count, rows),
+            token_pages * context,
+            context,
+            rows,
+            floor,
+            AUTO_MAX_SEQS,
+        )
     return seats
+
+
+def _pinned(rows: int, mean: float, count: int, pages: int) -> int:
+    """Pages held back for the adapters ``rows`` rows may pin: one a row, at most ``count``, of
+    ``mean`` pages each, at most ``PINNED_SHARE`` of the pool."""
+    return min(-int(-min(rows, count) * mean // 1), int(pages * PINNED_SHARE))
+
+
+def _rows(pages: int, row_pages: int, mean: float, count: int) -> int:
+    """The most rows whose KV (``row_pages`` each) fits beside the adapters they may pin
+    (``_pinned``, which grows with the rows, so a binary search finds the last that fits)."""
+    lo, hi = 0, pages // row_pages
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * row_pages + _pinned(mid, mean, count, pages) <= pages:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def resolved(config: EngineConfig, seats: int) -> EngineConfig:

@@ -7,7 +7,7 @@ import logging
 import random
 
 import pytest
-from factory import make_adapter, make_model
+from factory import make_adapter, make_model, tiny_spec
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.config import AUTO_MAX_SEQS, AUTO_MIN_SEQS, ConfigError
@@ -116,3 +116,40 @@ def test_engine_resolves_auto_from_its_pool_and_runs_that_many_rows(tiny, caplog
     assert fixed.config.max_num_seqs == 16
     fixed_peak, fixed_tokens = _peak_rows(fixed, requests)
     assert fixed_peak == 16 and fixed_tokens == auto_tokens
+
+
+def test_auto_on_a_card_takes_the_most_rows_whose_own_reserve_leaves_room_for_them(monkeypatch):
+    """On cuda the reserve for the sampler and CUDA graphs grows with the cap: the cap is the
+    most rows whose own reserve leaves a pool that holds them (a 150k vocabulary's sampler at
+    the 1024-row bound would take ~7 GiB and plan a fraction of the rows). Faked device memory:
+    no card needed."""
+    import torch
+
+    from slora_batch.engine.execution import memory, parts
+
+    spec = tiny_spec(vocab_size=151936, max_position_embeddings=4096, num_layers=48,
+                     hidden_size=2048, num_heads=32, num_kv_heads=4, head_dim=128)  # fmt: skip
+    free = {"bytes": 24 << 30}
+    monkeypatch.setattr(memory, "device_memory", lambda device: (free["bytes"], 80 << 30))
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    config = EngineConfig(device="cuda", auto_context_tokens=512)
+    adapters = [300] * 50
+
+    def rows_held(seats: int) -> int:
+        pages = memory.num_pages(parts.resolved(config, seats), spec, dtype, cuda, 4096, True)
+        return auto_num_seqs(config, pages, PAGES_PER_TOKEN, adapters, 4096, quiet=True)
+
+    resolved, pages = parts._auto_seats(config, spec, dtype, cuda, 4096, None, adapters)
+    seats = resolved.max_num_seqs
+    assert rows_held(seats) >= seats and rows_held(seats + 1) < seats + 1
+    assert pages == memory.num_pages(resolved, spec, dtype, cuda, 4096)
+    # planned from the pool at the bound's reserve, a fraction of those rows
+    at_bound = auto_num_seqs(config, memory.num_pages(config, spec, dtype, cuda, 4096),
+                             PAGES_PER_TOKEN, adapters, 4096)  # fmt: skip
+    assert AUTO_MIN_SEQS < at_bound < 0.8 * seats and seats < AUTO_MAX_SEQS, (at_bound, seats)
+    # a card where the bound's reserve leaves no pool at all still plans the rows that fit
+    free["bytes"] = 12 << 30
+    with pytest.raises(memory.DeviceMemoryError):
+        memory.num_pages(config, spec, dtype, cuda, 4096)
+    small, _ = parts._auto_seats(config, spec, dtype, cuda, 4096, None, adapters)
+    assert AUTO_MIN_SEQS < small.max_num_seqs < seats
