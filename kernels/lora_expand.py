@@ -3,9 +3,12 @@ base projection's output): the vector kernel (``_expand_vector_kernel``), the ti
 (``_expand_kernel``) and the launcher ``lora_expand``. The paths and the page layout:
 ``slora_kernels.lora_paths``.
 
-Adapters with vector rows (``LoraMeta.slot_vectors``: lora_B's bias) add them where B's output
-is added; a step without such an adapter (``LoraMeta.has_vectors`` False) runs the kernels
-built without those reads.
+Adapters with vector rows (``LoraMeta.slot_vectors``) use them where B's output is added:
+lora_B's bias inside the scale, and DoRA's g and c per output channel, out = g * out + c +
+g * delta for each row of a DoRA adapter (the base output rescaled, its bias kept: PEFT's DoRA),
+in the same pass over the rows (a DoRA segment of the tiled kernel is written as it is met, the
+others at the end). A step without such an adapter (``LoraMeta.has_vectors`` False) runs the
+kernels built without those reads; a plain row of a step with them pays two table loads.
 """
 
 from __future__ import annotations
@@ -142,14 +145,26 @@ def _expand_vector_kernel(
         b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
         b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
-    if VECTORS:  # lora_B's bias, inside the scale
+    scale = tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
+    o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
+    o = tl.load(o_ptrs, mask=col_live).to(tl.float32)
+    if VECTORS:  # lora_B's bias inside the scale; DoRA: g * out + c + g * delta
         slot_row = pages_ptr + slot.to(tl.int64) * pages_stride
-        bias_at = tl.load(vectors_ptr + (slot * NUM_TARGETS + target) * 2)
+        vectors = vectors_ptr + (slot * NUM_TARGETS + target) * 2
+        bias_at = tl.load(vectors)
         if bias_at >= 0:
             delta += _vector_block(pool_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N)
-    delta = delta * tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
-    o_ptrs = out_ptr + tok * out_stride + col + n0 + cols
-    tl.store(o_ptrs, tl.load(o_ptrs, mask=col_live).to(tl.float32) + delta, mask=col_live)
+        delta = delta * scale
+        dora_at = tl.load(vectors + 1)
+        if dora_at >= 0:
+            g = _vector_block(pool_ptr, slot_row + dora_at, n0, cols, col_live, PAGE, BLOCK_N)
+            c_row = slot_row + dora_at + tl.cdiv(d_out, PAGE)
+            c = _vector_block(pool_ptr, c_row, n0, cols, col_live, PAGE, BLOCK_N)
+            o = o * g + c
+            delta = delta * g
+    else:
+        delta = delta * scale
+    tl.store(o_ptrs, o + delta, mask=col_live)
 
 
 @triton.jit(
@@ -224,7 +239,8 @@ def _expand_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_live = n0 + cols < d_out
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    touched = ii < 0  # rows whose adapter has the target: the only rows written
+    touched = ii < 0  # rows added to at the end: those whose adapter has the target (not DoRA)
+    o_ptrs = out_ptr + tok[:, None] * out_stride + col + n0 + cols[None, :]
     lo = tl.load(seg1_start_ptr + seg)
     hi = tl.load(seg1_start_ptr + seg + 1)
     while (lo < b0 + BLOCK_T) & (lo < hi):
@@ -258,21 +274,38 @@ def _expand_kernel(
                 delta = tl.dot(
                     vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION
                 )
-            if VECTORS:  # lora_B's bias, inside the scale, on the segment's rows
+            scale = tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
+            if VECTORS:  # on the segment's rows: lora_B's bias inside the scale; DoRA
                 slot_row = pages_ptr + slot.to(tl.int64) * pages_stride
-                bias_at = tl.load(vectors_ptr + (slot * NUM_TARGETS + target) * 2)
+                vectors = vectors_ptr + (slot * NUM_TARGETS + target) * 2
+                bias_at = tl.load(vectors)
                 if bias_at >= 0:
                     bias = _vector_block(
                         pool_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N
                     )
                     delta += tl.where(in_seg[:, None], bias[None, :], 0.0)
-            scale = tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
-            acc += delta * scale
-            touched = touched | in_seg
+                delta = delta * scale
+                dora_at = tl.load(vectors + 1)
+                if dora_at >= 0:  # g * out + c + g * delta, written for the segment's rows here
+                    g = _vector_block(
+                        pool_ptr, slot_row + dora_at, n0, cols, col_live, PAGE, BLOCK_N
+                    )
+                    c_row = slot_row + dora_at + tl.cdiv(d_out, PAGE)
+                    c = _vector_block(pool_ptr, c_row, n0, cols, col_live, PAGE, BLOCK_N)
+                    seg_live = in_seg[:, None] & col_live[None, :]
+                    o = tl.load(o_ptrs, mask=seg_live).to(tl.float32)
+                    tl.store(
+                        o_ptrs, o * g[None, :] + c[None, :] + delta * g[None, :], mask=seg_live
+                    )
+                else:
+                    acc += delta
+                    touched = touched | in_seg
+            else:
+                acc += delta * scale
+                touched = touched | in_seg
         seg += 1
         lo = hi
         hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
-    o_ptrs = out_ptr + tok[:, None] * out_stride + col + n0 + cols[None, :]
     live = touched[:, None] & col_live[None, :]
     tl.store(o_ptrs, tl.load(o_ptrs, mask=live).to(tl.float32) + acc, mask=live)
 

@@ -74,8 +74,9 @@ class LoraMeta:
     layer_scale: torch.Tensor | None = None
     layer: int = 0  # host int: the layer whose modules the kernels run (``at_layer``)
     # slot_vectors [N, num_targets, 2] int32 (optional): start in slot_pages of a target's
-    # vector rows, one row of d_out per output channel like a B^T row, -1 where there are none:
-    # (lora_B's bias of PEFT's lora_bias, added inside the scale).
+    # vector rows, rows of d_out laid out like B^T rows, -1 where there are none: column 0
+    # lora_B's bias (PEFT's lora_bias, added inside the scale), column 1 DoRA's two rows, g then
+    # c (out = g * out + c + g * delta; ``adapters.residency`` computes them).
     slot_vectors: torch.Tensor | None = None
     # Host: some slot of the step has vector rows (the expand kernels compile their reads only
     # then: a step of plain adapters runs the kernels it always ran).

@@ -188,14 +188,17 @@ def gather_lora_rows(
 def gather_vector(
     pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int, width: int
 ) -> torch.Tensor | None:
-    """One adapter's vector row of a target (which=0: lora_B's bias), ``width`` elements laid
-    out like a B^T row from slot_vectors[slot, target, which]; None where it has none."""
+    """One adapter's vector rows of a target, ``width`` elements each, laid out like B^T rows
+    from slot_vectors[slot, target, which]: which=0 lora_B's bias [width], which=1 DoRA's g and
+    c [2, width]; None where it has none."""
     if meta.slot_vectors is None or int(meta.slot_vectors[slot, target, which]) < 0:
         return None
+    rows = 1 + which
     per_row = -(-width // pool_layer.shape[1])
     start = int(meta.slot_vectors[slot, target, which])
-    pages = meta.slot_pages[slot, start : start + per_row].long()
-    return pool_layer[pages].reshape(-1)[:width]
+    pages = meta.slot_pages[slot, start : start + rows * per_row].long()
+    vectors = pool_layer[pages].reshape(rows, -1)[:, :width]
+    return vectors[0] if which == 0 else vectors
 
 
 def lora_group(target: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -247,10 +250,13 @@ def lora_expand(
     Semantics: ``target`` is one target index or a group of up to 3 (as in ``lora_shrink``, whose
     out is v); target j adds into columns cols[j] = (lo, hi) of out (default: all of out, for
     one target). For each token t with slot s = b_slot[t] >= 0 and target present in s:
-      out[t, lo:hi] += (v[t, j*R : j*R + rank[s]] @ B_s^T + bias_s) * scale[s]
+      delta = (v[t, j*R : j*R + rank[s]] @ B_s^T + bias_s) * scale[s]
+      out[t, lo:hi] = out[t, lo:hi] + delta                 (LoRA)
+      out[t, lo:hi] = g_s * out[t, lo:hi] + c_s + g_s * delta  (DoRA)
     (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group); rank[s] and
     scale[s]: the module's at meta.layer, ``module_rank`` and ``module_scale``; rank 0: no add;
-    bias_s: lora_B's bias where the adapter has one, ``gather_vector``, else 0).
+    bias_s: lora_B's bias where the adapter has one, else 0; g_s, c_s: the DoRA rows, where it
+    has them: ``gather_vector``).
     Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
     """
     targets = lora_group(target)
@@ -270,7 +276,12 @@ def lora_expand(
             if bias is not None:
                 delta = delta + bias.float()
             delta = delta * module_scale(meta, s, t)
-            out[idx, c0:c1] = (out[idx, c0:c1].float() + delta).to(out.dtype)
+            base = out[idx, c0:c1].float()
+            dora = gather_vector(pool_layer, meta, s, t, 1, c1 - c0)
+            if dora is not None:
+                g, c = dora.float()
+                base, delta = base * g + c, delta * g
+            out[idx, c0:c1] = (base + delta).to(out.dtype)
 
 
 def rms_norm(

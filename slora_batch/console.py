@@ -524,6 +524,17 @@ def shown_path(path: Path) -> str:
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
+def _kinds(adapters) -> str:
+    """How many adapters of each kind (``AdapterInfo.kind``), when some are not plain LoRA, as
+    "; 2 LoRA, 1 DoRA, 1 LoRA + bias"; else nothing."""
+    kinds: dict[str, int] = {}
+    for adapter in adapters:
+        kinds[adapter.kind] = kinds.get(adapter.kind, 0) + 1
+    if set(kinds) <= {"LoRA"}:
+        return ""
+    return "; " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+
+
 def print_report(report: ValidationReport, every: bool = False) -> None:
     """The validation report; ``every``: all row problems, not the first ten."""
     spec = report.spec
@@ -540,6 +551,7 @@ def print_report(report: ValidationReport, every: bool = False) -> None:
     out.print(
         f"  {_plural(len(report.adapters), 'adapter')}"
         + (f", ranks {ranks}" if ranks else "")
+        + _kinds(report.adapters)
         + fanout
     )
     for name, reason in report.broken.items():

@@ -1,8 +1,8 @@
 """PEFT's LoRA variants in bf16 on a GPU against transformers + PEFT (run on the device machine):
-per-module ranks and alphas, layer subsets and lora_B's bias, mixed in one batch with plain LoRA
-and base rows, on SmolLM2-135M's shape (Llama, tied embeddings) and a small Qwen2 (biased q, k,
-v). Greedy tokens equal the reference up to the first near tie, as in test_engine_gpu.py, with
-CUDA graphs (vector and tiled decode) and eagerly."""
+per-module ranks and alphas, layer subsets, lora_B's bias and DoRA, mixed in one batch with
+plain LoRA and base rows, on SmolLM2-135M's shape (Llama, tied embeddings) and a small Qwen2
+(biased q, k, v). Greedy tokens equal the reference up to the first near tie, as in
+test_engine_gpu.py, with CUDA graphs (vector and tiled decode) and eagerly."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ VARIANTS = {  # name: LoraConfig fields
         target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
         lora_bias=True,
     ),
+    "dora": dict(r=16, lora_alpha=32, target_modules=ALL, use_dora=True),
+    "dora-subset": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "up_proj"],
+        use_dora=True,
+        rank_pattern={"k_proj": 4},
+        layers_to_transform=[1, 2, 3],
+        layers_pattern="layers",
+    ),
 }
 
 
@@ -90,6 +100,10 @@ def build_case(root, shape: dict):
         else:
             peft_model.add_adapter(name, cfg)
     randomize_lora(peft_model)
+    with torch.no_grad():  # DoRA's magnitudes moved off their start, as training moves them
+        for name, p in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(0.8 + 0.4 * torch.rand_like(p))
     peft_model.save_pretrained(root / "adapters")
     peft_model.eval()
     peft_model.rope = rope  # for first_step_errors' fp32 logits
@@ -129,7 +143,7 @@ def assert_matches_peft(engine, peft_model, cases) -> None:
 def test_bf16_variants_mixed_match_peft(variant_case, graphs):
     model_dir, weights, adapters, peft_model = variant_case
     engine = make_engine(model_dir, weights, adapters, cuda_graphs=graphs)
-    cases = rows(engine.spec.vocab_size, [None, *VARIANTS], 12, seed=3)
+    cases = rows(engine.spec.vocab_size, [None, *VARIANTS], 14, seed=3)
     assert_matches_peft(engine, peft_model, cases)
     assert (engine.counters.graph_steps > 0) == graphs
     del engine

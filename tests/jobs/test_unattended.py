@@ -434,7 +434,7 @@ def test_a_broken_adapter_costs_only_its_rows(tmp_path, tiny, monkeypatch):
         forbid_weights(patch)
         report = validate_job(job)
     assert sorted(report.broken) == ["dora", "mismatch"]
-    assert "DoRA adapters (use_dora: true) are not supported" in report.broken["dora"]
+    assert "lora_magnitude_vector (DoRA's magnitude)" in report.broken["dora"]  # none in it
     assert any("line 7: adapter 'dora' cannot run: " in p for p in report.problems)
     summary = run_job(job)
     assert summary.stats["rows"] == 9 and summary.stats["adapters_broken"] == 2

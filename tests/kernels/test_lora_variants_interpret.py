@@ -1,7 +1,7 @@
 """The Triton LoRA kernels on PEFT's variants against their torch twins (kernels/ref.py), in
 Triton's interpreter: each module at its own rank and scale per layer (rank_pattern,
-alpha_pattern, a layer the adapter leaves out) and lora_B's bias, in one step with plain LoRA
-and base rows, on the tiled and the vector paths and on groups of targets.
+alpha_pattern, a layer the adapter leaves out), lora_B's bias and DoRA's rescaling, in one step
+with plain LoRA and base rows, on the tiled and the vector paths and on groups of targets.
 
 The interpreter is chosen when Triton is imported: ``test_variants_in_interpreter`` runs this
 file's tests in a child process with TRITON_INTERPRET=1 (``interpreter.run_interpreted``).
@@ -37,17 +37,18 @@ def kernels():
     return lora_shrink.lora_shrink, lora_expand.lora_expand
 
 
-VECTOR_ROWS = {"bias": 1}  # vector rows of d_out a target of the kind has: lora_B's bias
+# vector rows of d_out a target of the kind has: lora_B's bias; DoRA's g and c
+VECTOR_ROWS = {"bias": 1, "dora": 2}
 
 
 def adapter_ranks(kind: str, gen: torch.Generator) -> torch.Tensor:
-    """[LAYERS, targets] ranks of one adapter: "plain" 8 everywhere; "patterns" (and "bias") a
-    rank per module (2 to 16, a target left out of one layer); "layers" in the last layer
-    only."""
+    """[LAYERS, targets] ranks of one adapter: "plain" 8 everywhere; "patterns" (and "bias",
+    "dora") a rank per module (2 to 16, a target left out of one layer); "layers" in the last
+    layer only."""
     t = len(DIMS)
     if kind == "plain":
         return torch.full((LAYERS, t), 8, dtype=torch.int32)
-    if kind in ("patterns", "bias"):
+    if kind in ("patterns", "bias", "dora"):
         ranks = torch.randint(2, 17, (LAYERS, t), generator=gen, dtype=torch.int32)
         ranks[0, 1] = 0  # k is left out of layer 0
         return ranks
@@ -98,7 +99,7 @@ def variant_case(kinds: list[str], num_tokens: int, dtype: torch.dtype, seed: in
                 slot_offsets[slot, t, which] = used
                 used += int(top[slot, t]) * per_row(width)
             if vector_rows[slot]:
-                slot_vectors[slot, t, 0] = used
+                slot_vectors[slot, t, vector_rows[slot] - 1] = used  # bias: 0, DoRA: 1
                 used += vector_rows[slot] * per_row(d_out)
     meta = LoraMeta(
         b_slot=torch.zeros(0, dtype=torch.int32),
@@ -171,10 +172,12 @@ def check_layer(kernels, pool, meta, dtype, seed) -> None:
     [("tiled", torch.float32), ("both", torch.float16), ("vector", torch.float32)],
 )
 def test_variants_mixed_in_one_step(kernels, path, dtype):
-    """rank_pattern / alpha_pattern, layer subsets and lora_B's bias beside plain LoRA and base
-    rows: every layer's launches read that layer's ranks and scales (``LoraMeta.at_layer``),
-    and the bias is added inside the scale, in the layers the adapter has the module only."""
-    pool, meta = variant_case(["plain", "patterns", "layers", "bias"], 14, dtype, seed=7)
+    """rank_pattern / alpha_pattern, layer subsets, lora_B's bias and DoRA beside plain LoRA and
+    base rows: every layer's launches read that layer's ranks and scales
+    (``LoraMeta.at_layer``), the bias is added inside the scale and DoRA's rows rescale the
+    output, in the layers the adapter has the module only."""
+    kinds = ["plain", "patterns", "layers", "bias", "dora"]
+    pool, meta = variant_case(kinds, 16, dtype, seed=7)
     meta.vector_max = {"tiled": 0, "both": 1, "vector": VECTOR_ALL}[path]
     for layer in range(LAYERS):
         check_layer(kernels, pool[layer], meta.at_layer(layer), dtype, seed=layer)

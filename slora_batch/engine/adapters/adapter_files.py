@@ -29,15 +29,28 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # A LoRA tensor on one linear module: a projection, or a mixture-of-experts router ("gate";
 # under "block_sparse_moe" in Mixtral's transformers 4 names): lora_A.weight, lora_B.weight,
-# lora_B.bias (lora_bias), the adapter's name between them where a file keeps it
-# ("lora_A.default.weight"). The experts' keys are expert_files'.
+# lora_B.bias (lora_bias), lora_magnitude_vector (DoRA), the adapter's name after the tensor's
+# where a file keeps it ("lora_A.default.weight"). The experts' keys are expert_files'.
 _KEY = re.compile(
     r"layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+_proj|gate)\."
-    r"(lora_A|lora_B)(?:\.(?!weight$|bias$)\w+)?\.(weight|bias)$"
+    r"(lora_A|lora_B|lora_magnitude_vector)(?:\.(?!weight$|bias$)\w+)?(?:\.(weight|bias))?$"
 )
 # (tensor, parameter) of a _KEY match -> the factor it is
-_FACTORS = {("lora_A", "weight"): "A", ("lora_B", "weight"): "B", ("lora_B", "bias"): "bias"}
-_FACTOR_NAMES = {"A": "lora_A", "B": "lora_B", "bias": "lora_B's bias"}
+_FACTORS = {
+    ("lora_A", "weight"): "A",
+    ("lora_B", "weight"): "B",
+    ("lora_B", "bias"): "bias",
+    ("lora_magnitude_vector", None): "magnitude",
+    ("lora_magnitude_vector", "weight"): "magnitude",
+}
+_FACTOR_NAMES = {
+    "A": "lora_A",
+    "B": "lora_B",
+    "bias": "lora_B's bias",
+    "magnitude": "lora_magnitude_vector (DoRA's magnitude)",
+}
+# the config field a factor needs beside A and B
+_FACTOR_FIELDS = {"bias": "lora_bias", "magnitude": "use_dora"}
 _MODULE_TO_TARGET = {
     module.split(".")[-1]: target
     for target, module in MODULE_OF.items()
@@ -92,6 +105,12 @@ class AdapterInfo:
     # ``scale`` in every layer it exists in.
     modules: tuple[ModuleRanks, ...] = ()
     lora_bias: bool = False  # each module's lora_B has a bias (PEFT's ``lora_bias``)
+    dora: bool = False  # DoRA (``use_dora``): each module has a magnitude per output channel
+
+    @property
+    def kind(self) -> str:
+        """What the adapter is, as ``validate`` reports it: "LoRA", "LoRA + bias" or "DoRA"."""
+        return "DoRA" if self.dora else "LoRA + bias" if self.lora_bias else "LoRA"
 
     @property
     def scale(self) -> float:
@@ -147,8 +166,9 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
     try:  # patterns first: a rank they set would otherwise read as a wrong shape
         _check_expert_patterns(cfg, [k for k in on_experts if not FUSED_KEY.search(k)])
         experts, expert_format = check_experts(on_experts, spec, cfg) if on_experts else ((), "")
-        if experts and cfg.get("lora_bias"):
-            raise ValueError("lora_bias on the experts (mlp.experts) is not supported")
+        for field in ("lora_bias", "use_dora"):
+            if experts and cfg.get(field):
+                raise ValueError(f"{field} on the experts (mlp.experts) is not supported")
         modules = _check_shapes(dense, spec, cfg)
     except ValueError as exc:
         raise AdapterError(name, path, str(exc)) from exc
@@ -165,6 +185,7 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         expert_format=expert_format,
         modules=modules,
         lora_bias=bool(cfg.get("lora_bias", False)),
+        dora=bool(cfg.get("use_dora", False)),
     )
 
 
@@ -172,8 +193,8 @@ def _refusal(cfg: dict) -> str | None:
     """Why PEFT could write this adapter but the engine cannot run it, or None."""
     if cfg.get("peft_type", "LORA") != "LORA":
         return f"peft_type {cfg.get('peft_type')!r} is not LORA"
-    if cfg.get("use_dora"):
-        return "DoRA adapters (use_dora: true) are not supported"
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        return "DoRA with lora_bias is not supported (PEFT refuses the pair as well)"
     if cfg.get("modules_to_save"):
         return (
             f"modules_to_save {cfg['modules_to_save']} is not supported (it replaces base weights)"
@@ -196,7 +217,7 @@ def _refusal(cfg: dict) -> str | None:
 def _check_shapes(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tuple:
     """The ``ModuleRanks`` of the LoRA tensors on linear modules (every tensor but the experts'),
     each tensor checked against the model at its module's rank, and each target for its factors
-    (A, B, and lora_bias's bias) in every layer the config says it is in. Raises
+    (A, B, lora_bias's bias, DoRA's magnitude) in every layer the config says it is in. Raises
     ``ValueError`` naming the tensor or target."""
     wanted = _wanted_layers(cfg)
     seen: dict[str, dict[int, set[str]]] = {}
@@ -223,16 +244,19 @@ def _check_shape(
     """Raises unless tensor ``key`` (``where``: its layer, target and factor) has the shape the
     model needs at ``rank``, in a layer the target exists in, and is a factor the config has."""
     layer, target, factor = where
-    if factor == "bias" and not cfg.get("lora_bias"):
-        raise ValueError(f"tensor {key!r} is a lora_B bias, and the config's lora_bias is false")
+    field = _FACTOR_FIELDS.get(factor)
+    if field is not None and not cfg.get(field):
+        raise ValueError(
+            f"tensor {key!r} is {_FACTOR_NAMES[factor]}, and the config's {field} is false"
+        )
     d_in, d_out = spec.target_dims(target)
-    want = {"A": (rank, d_in), "B": (d_out, rank), "bias": (d_out,)}[factor]
+    want = {"A": (rank, d_in), "B": (d_out, rank)}.get(factor, (d_out,))
     layers = spec.target_layers(target)
     if layer not in layers or tuple(shape) != want:
         raise ValueError(
             f"tensor {key!r} has shape {list(shape)}, the model "
             f"({spec.num_layers} layers) needs {list(want)} at layers {_span(layers)}"
-            + (f" (rank {rank}: rank_pattern)" if rank != cfg["r"] and factor != "bias" else "")
+            + (f" (rank {rank}: rank_pattern)" if rank != cfg["r"] and factor in ("A", "B") else "")
         )
 
 
@@ -285,10 +309,10 @@ def _check_layer_pattern(cfg: dict, module: str, wanted: set[int] | None) -> Non
 def _check_layers(
     target: str, got: dict[int, set[str]], spec: ModelSpec, cfg: dict, wanted: set[int] | None
 ) -> None:
-    """Raises unless ``got`` (layer -> the factors read there) has every factor (A and B, and
-    the bias with lora_bias) in each layer the config puts the target in: every layer it exists
-    in, those of ``layers_to_transform``, or with a regular-expression ``target_modules``
-    whichever layers it matched."""
+    """Raises unless ``got`` (layer -> the factors read there) has every factor (A and B, the
+    bias with lora_bias, the magnitude with use_dora) in each layer the config puts the target
+    in: every layer it exists in, those of ``layers_to_transform``, or with a
+    regular-expression ``target_modules`` whichever layers it matched."""
     exists = spec.target_layers(target)
     if wanted is not None:
         need = [i for i in exists if i in wanted]
@@ -298,7 +322,7 @@ def _check_layers(
     else:
         need = list(exists)
         where = f"every layer {'with experts ' if len(exists) < spec.num_layers else ''}"
-    factors = ["A", "B"] + (["bias"] if cfg.get("lora_bias") else [])
+    factors = ["A", "B"] + [f for f, field in _FACTOR_FIELDS.items() if cfg.get(field)]
     count = sum(len(f) for f in got.values())
     if sorted(got) != need or count != len(factors) * len(need):
         names = [_FACTOR_NAMES[f] for f in factors]
@@ -310,7 +334,7 @@ def _check_layers(
 
 def lora_key(key: str) -> tuple[int, str, str] | None:
     """(layer, module, factor) of a LoRA tensor on a linear module: its layer, its module's last
-    name ("q_proj", "gate"), and "A", "B" or "bias"; None for any other key."""
+    name ("q_proj", "gate"), and "A", "B", "bias" or "magnitude"; None for any other key."""
     m = _KEY.search(key)
     factor = _FACTORS.get((m.group(4), m.group(5))) if m is not None else None
     return None if factor is None else (int(m.group(1)), m.group(3), factor)

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from slora_batch.engine.adapters.store import AdapterInfo, AdapterStore
+from slora_batch.engine.adapters.store import AdapterInfo, AdapterStore, PagedAdapter
 from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
 from slora_batch.engine.pool import PagePool, PoolExhausted
 
 log = logging.getLogger(__name__)
+
+# (layer, target) -> the base weight [d_out, d_in] and the bias [d_out] (or None) of that module,
+# on the device (``models.layers.target_weight``)
+BaseWeight = Callable[[int, str], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -78,6 +83,8 @@ class AdapterResidency:
         self.journal: list[tuple] | None = None
         self.cache = None  # the scheduler's PrefixCache: make_room evicts its idle blocks too
         self.clock = 0  # the scheduler's step number
+        # DoRA's magnitudes need the base weights: the runner sets this to its model's
+        self.base_weight: BaseWeight | None = None
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
@@ -210,10 +217,40 @@ class AdapterResidency:
             if stream is not None and self._evicted is not None:
                 stream.wait_event(self._evicted)
             index = to_device(pages.astype(np.int64), self.device)
-            self.pool.data.index_copy_(1, index, paged.data.to(self.device, non_blocking=True))
+            data = paged.data.to(self.device, non_blocking=True)
+            if info.dora:
+                if data is paged.data:  # on the CPU: the host cache's copy stays as read
+                    data = data.clone()
+                self._dora(paged, data)
+            self.pool.data.index_copy_(1, index, data)
             self._sync_slot(slot)
         self.loads += 1
         self.bytes_copied += paged.nbytes
+
+    def _dora(self, paged: PagedAdapter, data: torch.Tensor) -> None:
+        """Turns an adapter's DoRA rows in ``data`` (its pages, on the device) from (m, 0) into
+        (g, c) per layer and target: g = m / ||W + s B A|| per output channel (the norm over the
+        input, ``dora_norm``), c = (1 - g) * the base bias (0 without one), so that the expand
+        kernels make PEFT's DoRA output g * (x W + s x A B) + bias of the base output x W +
+        bias as g * out + c + g * s * x A B. Each module at its own rank and scale; W is the
+        rank's shard under tensor parallelism (its rows: whole input rows)."""
+        if self.base_weight is None:
+            raise RuntimeError(f"DoRA adapter {paged.info.name!r}: no base weights to norm")
+        spec = self.store.page_spec
+        for t_index, target in enumerate(TARGETS):
+            start = int(paged.vectors[t_index, 1])
+            if start < 0:
+                continue
+            ranks, scales = paged.info.module_ranks(target, spec.num_layers)
+            a, b_t = dora_factors(paged, data, t_index, spec)
+            rows = page_rows(data, start, 2, spec.target_dims(target)[1])  # views: writes land
+            for layer in (i for i, r in enumerate(ranks) if r > 0):
+                w, bias = self.base_weight(layer, target)
+                r = ranks[layer]
+                norm = dora_norm(w, a[layer, :r], b_t[layer, :r], scales[layer])
+                g = rows[layer, 0].float() / norm
+                c = (1 - g) * bias.float() if bias is not None else torch.zeros_like(g)
+                rows[layer, 0], rows[layer, 1] = g.to(rows.dtype), c.to(rows.dtype)
 
     def _evict(self, name: str) -> None:
         entry = self._resident.pop(name)
@@ -264,3 +301,44 @@ def module_tables(info: AdapterInfo, spec: ModelSpec) -> tuple[np.ndarray, np.nd
             continue
         ranks[:, column], scales[:, column] = info.module_ranks(target, spec.num_layers)
     return ranks, scales
+
+
+def page_rows(data: torch.Tensor, start: int, count: int, width: int) -> torch.Tensor:
+    """Rows ``start`` on of an adapter's pages ``data`` [L, pages, page_size]: ``count`` rows of
+    ``width`` elements, each padded to whole pages, as a view [L, count, width]."""
+    layers, _, page = data.shape
+    per_row = -(-width // page)
+    block = data[:, start : start + count * per_row]
+    return block.view(layers, count, per_row * page)[:, :, :width]
+
+
+def dora_factors(
+    paged: PagedAdapter, data: torch.Tensor, t_index: int, spec: ModelSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target's A rows [L, r, d_in] and B^T rows [L, r, d_out] at its largest rank r, views of
+    the adapter's pages ``data``; under tensor parallelism A's rows whole (``whole_a``), as the
+    norm of a shard's output rows needs every input column."""
+    target = TARGETS[t_index]
+    d_in, d_out = spec.target_dims(target)
+    rank = max(paged.info.module_ranks(target, spec.num_layers)[0])
+    b_t = page_rows(data, int(paged.offsets[t_index, 1]), rank, d_out)
+    if target in paged.whole_a:
+        return paged.whole_a[target].to(data.device), b_t
+    return page_rows(data, int(paged.offsets[t_index, 0]), rank, d_in), b_t
+
+
+DORA_CHUNK = 4096  # output rows of W a step of ``dora_norm`` takes in fp32 (64 MiB at d_in 4096)
+
+
+def dora_norm(w: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, scale: float) -> torch.Tensor:
+    """||W + s B A|| of each output row, fp32 [d_out], as ||W_i||^2 + 2 s (W A^T)_i . B_i +
+    s^2 B_i (A A^T) B_i^T: no [d_out, d_in] product is formed, W is read once (in fp32 chunks
+    of DORA_CHUNK rows). w [d_out, d_in], a [r, d_in], b_t [r, d_out] (B's transpose)."""
+    a, b = a.float(), b_t.float().T  # [r, d_in], [d_out, r]
+    square = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for lo in range(0, w.shape[0], DORA_CHUNK):
+        rows = w[lo : lo + DORA_CHUNK].float()
+        cross = ((rows @ a.T) * b[lo : lo + DORA_CHUNK]).sum(1)
+        square[lo : lo + DORA_CHUNK] = rows.square().sum(1) + 2 * scale * cross
+    square += scale * scale * ((b @ (a @ a.T)) * b).sum(1)
+    return square.clamp(min=0).sqrt()

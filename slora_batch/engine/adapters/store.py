@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 # device, so two reads at a time keep up with adapter-major jobs (a sweep reads a new adapter
 # every few hundred rows). A CPU engine's cores are its compute: one read at a time there.
 LOADER_THREADS_PINNED = 2
+ROW_PARALLEL = ("o", "down")  # targets cut along d_in under tensor parallelism (``execution.tp``)
 
 
 @dataclass
@@ -64,7 +65,8 @@ class AdapterWeights:
     one the adapter leaves out none (``load_weights`` with ``stack=False``: a list of each
     layer's rows; stacked, the rows past a layer's own rank are zeros). ``vectors``: the
     targets with one vector per output channel, their rows [L, k, d_out]: lora_B's bias
-    (lora_bias, k = 1)."""
+    (lora_bias, k = 1), or DoRA's magnitude m and a row of zeros (k = 2), which the residency
+    turns into g and c on the device."""
 
     a: dict[str, torch.Tensor]
     b_t: dict[str, torch.Tensor]
@@ -105,8 +107,9 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
     dense = [t for t in info.targets if t not in info.expert_ranks]
     empty = lambda: {t: [None] * spec.num_layers for t in dense}
     factors: dict[str, dict[str, list[torch.Tensor | None]]] = {"A": empty(), "B": empty()}
-    if info.lora_bias:
-        factors["bias"] = empty()
+    for factor, wanted in (("bias", info.lora_bias), ("magnitude", info.dora)):
+        if wanted:
+            factors[factor] = empty()
     experts = ExpertRows(info, spec)
     try:
         with safe_open(str(info.path / WEIGHTS_FILE), framework="pt") as f:
@@ -123,7 +126,7 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
     a, b = factors["A"], factors["B"]
     a.update(expert_a)
     b.update(expert_b)
-    vectors = factors.get("bias", {})
+    vectors = _vector_layers(factors)
     if not stack:
         return AdapterWeights(a=a, b_t=b, vectors=vectors)  # type: ignore[arg-type]
     return AdapterWeights(a=_stacked(a), b_t=_stacked(b), vectors=_stacked(vectors))
@@ -131,10 +134,26 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
 
 def _rows(factor: str, tensor: torch.Tensor) -> torch.Tensor:
     """A tensor as the rows its factor takes in pages: A [r, d_in] as it is, B [d_out, r] as
-    B^T [r, d_out] (a view), a bias [d_out] as one row."""
+    B^T [r, d_out] (a view), a bias or a magnitude [d_out] as one row; a magnitude's row is
+    followed by one of zeros, where the residency writes DoRA's c beside its g."""
     if factor == "A":
         return tensor
-    return tensor.t() if factor == "B" else tensor[None, :]
+    if factor == "B":
+        return tensor.t()
+    row = tensor[None, :]
+    return row if factor == "bias" else torch.cat([row, torch.zeros_like(row)])
+
+
+def _vector_layers(factors: dict) -> dict[str, list[torch.Tensor]]:
+    """Each target's vector rows per layer: its bias row, or its two DoRA rows (an adapter has
+    one or the other: ``_refusal``); none without either."""
+    kinds = [factors[k] for k in ("bias", "magnitude") if k in factors]
+    if not kinds:
+        return {}
+    rows = {}
+    for target, layers in kinds[0].items():
+        rows[target] = [torch.cat([kind[target][i] for kind in kinds]) for i in range(len(layers))]
+    return rows
 
 
 def _stacked(factors: dict[str, list[torch.Tensor] | torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -161,7 +180,9 @@ def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, factors: dict) -> No
             present = [i for i in spec.target_layers(target) if ranks[i] > 0]
             missing = [i for i in present if layers[i] is None]
             if missing:
-                kind = {"A": "lora_A", "B": "lora_B", "bias": "lora_B bias"}[factor]
+                kind = {"A": "lora_A", "B": "lora_B", "bias": "lora_B bias"}.get(
+                    factor, "lora_magnitude_vector"
+                )
                 raise AdapterError(
                     info.name,
                     info.path,
@@ -175,8 +196,8 @@ def _fill_absent_layers(info: AdapterInfo, spec: ModelSpec, factors: dict) -> No
 
 def vector_rows(info: AdapterInfo) -> int:
     """Rows of one output channel's width each target of ``info`` takes beside its B^T rows:
-    lora_B's bias."""
-    return int(info.lora_bias)
+    lora_B's bias (1), DoRA's g and c (2)."""
+    return int(info.lora_bias) + 2 * int(info.dora)
 
 
 def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
@@ -196,15 +217,18 @@ def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
 class PagedAdapter:
     """An adapter laid out the way it sits in the pool: ``data[layer, i]`` goes to the adapter's
     i-th page. Per target (canonical order) the A rows, then the B^T rows, then its vector rows
-    (lora_B's bias), each row padded to whole pages; an expert target's are E blocks of its
-    rank, expert by expert (``expert_weights``). ``offsets[target, 0 or 1]`` is the first page
-    index of A or B^T (-1: absent), ``vectors[target, 0]`` that of the bias row (-1: none) and
-    ``vectors[target, 1]`` -1 (``LoraMeta.slot_vectors``)."""
+    (lora_B's bias, or DoRA's two rows), each row padded to whole pages; an expert target's are
+    E blocks of its rank, expert by expert (``expert_weights``). ``offsets[target, 0 or 1]`` is
+    the first page index of A or B^T (-1: absent), ``vectors[target, 0 or 1]`` that of the bias
+    row or of the DoRA rows (-1: none; ``LoraMeta.slot_vectors``)."""
 
     info: AdapterInfo
     data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
     offsets: torch.Tensor  # [len(TARGETS), 2] int32
     vectors: torch.Tensor  # [len(TARGETS), 2] int32
+    # Under tensor parallelism, a DoRA adapter's whole A rows [L, r, d_in] per target: a shard's
+    # magnitudes need every input column of B A for its output rows (``residency``).
+    whole_a: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_pages(self) -> int:
@@ -212,7 +236,8 @@ class PagedAdapter:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        extra = sum(a.numel() * a.element_size() for a in self.whole_a.values())
+        return self.data.numel() * self.data.element_size() + extra
 
 
 def to_pages(
@@ -264,7 +289,9 @@ def _place(layout: list[tuple], rows, page_size: int) -> int:
 def vector_starts(info: AdapterInfo, start: int, per_row: int) -> tuple[int, int]:
     """(bias row, DoRA rows) of a target whose vector rows begin at page ``start``, rows of
     ``per_row`` pages (-1: none): the bias row first."""
-    return (start if info.lora_bias else -1, -1)
+    bias = start if info.lora_bias else -1
+    dora = start + int(info.lora_bias) * per_row if info.dora else -1
+    return bias, dora
 
 
 class AdapterStore:
@@ -335,19 +362,24 @@ class AdapterStore:
         return infos, broken
 
     def _unsharded(self, infos: list[AdapterInfo]) -> dict[str, AdapterError]:
-        """Why each adapter with LoRA on the router or the experts cannot run on a shard under
-        tensor parallelism: the MoE block's LoRA has no tensor-parallel cut."""
+        """Why each adapter that has no tensor-parallel cut cannot run on a shard: LoRA on the
+        router or the experts (the MoE block's LoRA has none), DoRA on a row-parallel module
+        (o, down: a shard holds some input columns of each output row, and the whole row's norm
+        rescales the output before the all-reduce that completes it)."""
         if self.shard[1] == 1:
             return {}
         broken = {}
         for info in infos:
             moe = [t for t in info.targets if t == "router" or t in EXPERT_TARGETS]
-            if moe:
+            rows = [t for t in info.targets if t in ROW_PARALLEL] if info.dora else []
+            reason = (
+                f"LoRA on the router or the experts ({', '.join(moe)}) is not supported"
+                if moe
+                else f"DoRA on the row-parallel {' and '.join(rows)} is not supported"
+            )
+            if moe or rows:
                 broken[info.name] = AdapterError(
-                    info.name,
-                    info.path,
-                    f"LoRA on the router or the experts ({', '.join(moe)}) is not supported "
-                    f"under tensor_parallel {self.shard[1]}",
+                    info.name, info.path, f"{reason} under tensor_parallel {self.shard[1]}"
                 )
         return broken
 
@@ -438,6 +470,11 @@ class AdapterStore:
     def _read(self, info: AdapterInfo) -> PagedAdapter:
         sharded = self.shard[1] > 1
         weights = load_weights(info, self.spec, stack=sharded)  # unsharded: no stacked copy
+        whole_a = {}
         if sharded:
+            if info.dora:
+                whole_a = {t: a.to(self.dtype) for t, a in weights.a.items()}
             weights = shard_adapter(weights, *self.shard, spec=self.spec)
-        return to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)
+        paged = to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)
+        paged.whole_a = whole_a
+        return paged

@@ -11,6 +11,7 @@ adapter slot tables are read in place, so the set of adapters may change from st
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import ModuleType
 
@@ -29,6 +30,7 @@ from slora_batch.engine.execution.batch import (
 from slora_batch.engine.execution.memory import graph_buckets
 from slora_batch.engine.execution.staging import StagedInputs
 from slora_batch.engine.models.decoder import DecoderModel
+from slora_batch.engine.models.layers import target_weight
 from slora_batch.engine.models.spec import TARGETS
 from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
@@ -97,8 +99,8 @@ STAGED_PADDING = {"input_ids": 0, "positions": 0, "out_pages": None, "b_seq_len"
 
 
 class ModelRunner:
-    # Whether some adapter of the store has vector rows (lora_bias): the decode graphs then hold
-    # the expand kernels that read them.
+    # Whether some adapter of the store has vector rows (lora_bias, DoRA): the decode graphs then
+    # hold the expand kernels that read them.
     vectors = False
 
     def __init__(
@@ -115,6 +117,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.pool, self.lora_pool = model, pool, lora_pool
         self.residency, self.ops, self.device = residency, ops, device
+        residency.base_weight = functools.partial(target_weight, model)  # DoRA's magnitudes
         self.max_model_len = max_model_len
         # (bucket, tiled LoRA) -> (graph, its static input, its logits)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, StepInput, torch.Tensor]]

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import torch
 
+from slora_batch.engine.models.quant import Fp8Weight
 from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
 from slora_kernels.meta import LoraMeta
@@ -116,3 +117,32 @@ def add_lora(
     if tp is not None:  # the shards' partial x A summed: tokens x rank, small
         tp.all_reduce(v)
     ops.lora_expand(v, pool_layer, meta, targets, out, tuple(lo_hi for _, lo_hi in group))
+
+
+def target_weight(model, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The base weight [d_out, d_in] of a LoRA target's module in ``layer`` of ``model`` (a
+    ``DecoderModel``; under tensor parallelism its shard, rows of the shard's spec) and its bias
+    [d_out] or None: q, k, v (gate, up) are row ranges of the fused qkv (gate_up) projection. In
+    the model's dtype; an FP8 weight dequantized. DoRA's magnitudes need it (``residency``)."""
+    weights, spec = model.layers[layer], model.spec
+    q, kv, inter = spec.q_dim, spec.kv_dim, spec.intermediate_size
+    qkv = (weights.qkv, weights.qkv_bias)
+    module, bias, rows = {
+        "q": (*qkv, (0, q)),
+        "k": (*qkv, (q, q + kv)),
+        "v": (*qkv, (q + kv, q + 2 * kv)),
+        "qkv": (*qkv, None),
+        "o": (weights.o, weights.o_bias, None),
+        "gate": (weights.gate_up, None, (0, inter)),
+        "up": (weights.gate_up, None, (inter, 2 * inter)),
+        "gate_up": (weights.gate_up, None, None),
+        "down": (weights.down, None, None),
+        "router": (weights.moe.router if weights.moe is not None else None, None, None),
+    }[target]
+    lo, hi = rows if rows is not None else (0, module.shape[0])
+    if isinstance(module, Fp8Weight):
+        dtype = model.embed.dtype
+        module = Fp8Weight(module.weight[lo:hi], module.scale[lo:hi]).dequantize(dtype)
+    else:
+        module = module[lo:hi]
+    return module, bias[lo:hi] if bias is not None else None

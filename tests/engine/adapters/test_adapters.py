@@ -55,8 +55,12 @@ def test_rslora_scale(model_dir, spec, tmp_path):
     assert parse_adapter("rs", path, spec).scale == 8 / 4
 
 
-def test_refuses_dora(model_dir, spec, tmp_path):
-    assert "DoRA" in refused("dora", adapter(model_dir, tmp_path, "dora", use_dora=True), spec)
+def test_refuses_dora_without_its_magnitudes(model_dir, spec, tmp_path):
+    path = adapter(model_dir, tmp_path, "dora")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    assert "DoRA" in refused("dora", path, spec)
 
 
 def test_refuses_modules_to_save(model_dir, spec, tmp_path):
@@ -128,12 +132,12 @@ def test_refuses_unreadable_file(model_dir, spec, tmp_path, broken):
 
 
 def test_broken_adapter_costs_only_its_own_rows(model_dir, tmp_path):
-    """A DoRA adapter, one without weights and a hidden folder beside a good adapter: the bad
-    ones' rows are error rows naming the adapter and the reason, the good one's rows run, and
-    the hidden folder is no adapter at all."""
+    """An adapter with modules_to_save, one without weights and a hidden folder beside a good
+    adapter: the bad ones' rows are error rows naming the adapter and the reason, the good
+    one's rows run, and the hidden folder is no adapter at all."""
     root = tmp_path / "adapters"
     adapter(model_dir, root, "good")
-    adapter(model_dir, root, "dora", use_dora=True)
+    adapter(model_dir, root, "dora", modules_to_save=["lm_head"])
     (adapter(model_dir, root, "noweights") / "adapter_model.safetensors").unlink()
     (root / ".ipynb_checkpoints").mkdir()
     engine = Engine(model_dir, adapters=root, config=EngineConfig(device="cpu", num_pages=400))
@@ -144,7 +148,7 @@ def test_broken_adapter_costs_only_its_own_rows(model_dir, tmp_path):
     ]
     results = {r.id: r for r in engine.generate(requests)}
     assert results[0].finish_reason == "error" and "'dora'" in results[0].error
-    assert "DoRA" in results[0].error and results[0].error.startswith("f line 0: row 0")
+    assert "modules_to_save" in results[0].error and results[0].error.startswith("f line 0: row 0")
     assert results[2].finish_reason == "error" and "missing adapter_model" in results[2].error
     assert "nearest: good" in results[3].error  # an unknown name gets the nearest known ones
     assert results[1].finish_reason == "length" and results[4].finish_reason == "length"

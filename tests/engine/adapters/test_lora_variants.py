@@ -53,9 +53,19 @@ VARIANTS = {
         True,
         dict(lora_bias=True, layers_to_transform=0),
     ),
-}
+    "dora": (4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], 8, False,
+             dict(use_dora=True)),
+    "dora-patterns": (8, ALL, 4, False, dict(use_dora=True, rank_pattern={"v_proj": 2},
+                                             alpha_pattern={"down_proj": 16})),
+    "dora-subset": (3, ["q_proj", "up_proj"], 6, True, dict(use_dora=True, layers_to_transform=[1])),
+}  # fmt: skip
 PLAIN = {"plain": (8, ["q_proj", "v_proj", "down_proj"], 16, False, {})}
-TP_VARIANTS = ("patterns", "subset", "bias")  # the variants a tensor-parallel run covers
+TP_VARIANTS = (
+    "patterns",
+    "subset",
+    "bias",
+    "dora-subset",
+)  # dora-subset: q, up  # the variants a tensor-parallel run covers
 
 
 def build(root, family: str, variants: dict) -> tuple:
@@ -64,7 +74,23 @@ def build(root, family: str, variants: dict) -> tuple:
         name: make_adapter(model_dir, root / name, r, t, a, rs, seed=i + 1, **extra)
         for i, (name, (r, t, a, rs, extra)) in enumerate({**variants, **PLAIN}.items())
     }
+    for i, (name, (*_, extra)) in enumerate(variants.items()):
+        if extra.get("use_dora"):
+            perturb_magnitudes(adapters[name], seed=i)
     return model_dir, adapters
+
+
+def perturb_magnitudes(path, seed: int) -> None:
+    """DoRA's magnitudes m moved off PEFT's start (the base weight's row norms) by up to 30%, as
+    training moves them: g = m / ||W + s B A|| then differs from 1 on its own account too."""
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(path / "adapter_model.safetensors")
+    for key, tensor in tensors.items():
+        if "lora_magnitude_vector" in key:
+            tensors[key] = tensor * (0.7 + 0.6 * torch.rand(tensor.shape, generator=gen))
+    save_file(tensors, path / "adapter_model.safetensors")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -72,12 +98,15 @@ def family(request, tmp_path_factory):
     return build(tmp_path_factory.mktemp(request.param), request.param, VARIANTS)
 
 
-def run(model_dir, adapters, rows, **knobs) -> dict:
+def run(model_dir, adapters, rows, broken=(), **knobs) -> dict:
+    """The engine's tokens per row; ``broken``: the adapters it must refuse (and their rows'
+    errors), beside ``adapters``."""
     config = EngineConfig(
         device="cpu", dtype="float32", num_pages=3000, max_num_batched_tokens=64, **knobs
     )
-    engine = Engine(model_dir, adapters=adapters, config=config)
+    engine = Engine(model_dir, adapters={**adapters, **dict(broken)}, config=config)
     try:
+        assert sorted(engine.broken) == sorted(name for name, _ in broken)
         results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
     finally:
         engine.close()
@@ -108,10 +137,21 @@ def test_variants_mixed_with_plain_lora_match_peft(family):
 @pytest.mark.slow
 def test_variants_under_tensor_parallelism_match_peft(family):
     """Two ranks (gloo), each holding half of every adapter: the module ranks, the layer
-    subsets and lora_B's bias (cut along d_out as B is) like plain LoRA."""
+    subsets and lora_B's bias (cut along d_out as B is) like plain LoRA; DoRA on
+    column-parallel targets, each rank's magnitudes from its rows of W and the whole A, and
+    refused on o and down (row-parallel), naming them."""
     model_dir, adapters = family
     names = list(TP_VARIANTS) + list(PLAIN)
-    assert_parity(model_dir, adapters, names, 12, seed=5, tensor_parallel=2, cpu_threads=1)
+    knobs = dict(tensor_parallel=2, cpu_threads=1, broken=[("dora", adapters["dora"])])
+    assert_parity(model_dir, adapters, names, 12, seed=5, **knobs)
+    spec = read_spec(model_dir)
+    from slora_batch.engine.adapters.store import AdapterStore
+
+    store = AdapterStore(spec, {"dora": adapters["dora"]}, shard=(1, 2))
+    _, broken = store.check_all()
+    assert "DoRA on the row-parallel o and down is not supported under tensor_parallel 2" in (
+        str(broken["dora"])
+    )
 
 
 def test_module_ranks_and_scales_per_layer(family):
@@ -197,7 +237,7 @@ def test_refusals_name_the_adapter_and_the_key(tmp_path):
     assert "needs [4, 64]" in message and "rank 4: rank_pattern" in message
     path = make_adapter(model_dir, tmp_path / "bias", 2, ["q_proj"], 4, False, 0, lora_bias=True)
     edit_config(path, lora_bias=False)
-    assert "q_proj.lora_B.bias' is a lora_B bias, and the config's lora_bias is false" in (
+    assert "q_proj.lora_B.bias' is lora_B's bias, and the config's lora_bias is false" in (
         refused("bias", path, spec)
     )
     edit_config(path, lora_bias=True)
@@ -205,5 +245,73 @@ def test_refusals_name_the_adapter_and_the_key(tmp_path):
     del tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.bias"]
     save_file(tensors, path / "adapter_model.safetensors")
     assert "target q has 5 of 6 factors" in refused("bias", path, spec)
+    path = make_adapter(model_dir, tmp_path / "dora", 2, ["q_proj"], 4, False, 0, use_dora=True)
+    tensors = load_file(path / "adapter_model.safetensors")
+    del tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"]
+    save_file(tensors, path / "adapter_model.safetensors")
+    message = refused("dora", path, spec)
+    assert "target q has 5 of 6 factors in layers [0, 1] (every layer needs lora_A, lora_B" in (
+        message
+    )
+    assert "lora_magnitude_vector (DoRA's magnitude)" in message
+    edit_config(path, lora_bias=True)
+    assert "DoRA with lora_bias is not supported" in refused("dora", path, spec)
     path = make_adapter(model_dir, tmp_path / "all", 2, ["q_proj"], 4, False, 0, bias="all")
     assert "bias 'all' is not supported: the base model's biases" in refused("all", path, spec)
+
+
+def test_validate_reports_each_kind(family, capsys):
+    """The report ``validate`` prints counts the adapters of each kind (``AdapterInfo.kind``)
+    when some are not plain LoRA."""
+    from slora_batch.console import print_report
+    from slora_batch.engine.adapters.store import check_adapters
+    from slora_batch.jobs.validate import ValidationReport
+
+    model_dir, adapters = family
+    spec = read_spec(model_dir)
+    names = ["plain", "patterns", "bias", "dora", "dora-subset"]
+    infos, broken = check_adapters(spec, {name: adapters[name] for name in names})
+    assert not broken and [i.kind for i in infos if i.name in ("bias", "dora")] == [
+        "LoRA + bias",
+        "DoRA",
+    ]
+    report = ValidationReport(job="j", model=str(model_dir), spec=spec, adapters=infos,
+                              files=[], rows_total=0, sweep=None, rows_checked=0, problems=[],
+                              notes=[], broken={}, id_type="int64")  # fmt: skip
+    print_report(report)
+    assert "5 adapters, ranks [3, 4, 8]; 2 DoRA, 2 LoRA, 1 LoRA + bias" in capsys.readouterr().out
+
+
+def test_dora_on_fp8_weights_norms_the_dequantized_weight(family):
+    """With the base projections in FP8 (``weights: fp8``, emulated on the CPU) DoRA's g is
+    m / ||W + s B A|| of the dequantized W, per output channel, in the pool beside B's rows."""
+    from slora_batch.engine.adapters.residency import page_rows
+    from slora_batch.engine.models.layers import target_weight
+    from slora_batch.engine.models.quant import Fp8Weight
+
+    model_dir, adapters = family
+    config = EngineConfig(device="cpu", dtype="float32", num_pages=3000, weights="fp8")
+    engine = Engine(model_dir, adapters={"dora": adapters["dora"]}, config=config)
+    rows = make_rows(3, VOCAB, ["dora"], seed=1)[1:]
+    assert all(r.error is None for r in engine.generate(Request(**row) for row in rows))
+    model, residency = engine.runner.model, engine.residency
+    assert isinstance(model.layers[1].qkv, Fp8Weight)
+    slot, q = residency.slot("dora"), TARGETS.index("q")
+    pages = torch.as_tensor(residency.slot_pages[slot]).long()
+    data = engine.lora_pool.data[:, pages]  # the adapter's pages, in its page order
+    info = residency.store.info("dora")
+    a, b_t = (page_rows(data, int(residency.slot_offsets[slot, q, i]), 4, 64) for i in (0, 1))
+    g = page_rows(data, int(residency.slot_vectors[slot, q, 1]), 2, 64)[1, 0]
+    w, _ = target_weight(model, 1, "q")
+    assert torch.equal(w, model.layers[1].qkv.dequantize(torch.float32)[:64])
+    m = load_magnitude(adapters["dora"], "layers.1.self_attn.q_proj")
+    want = m / (w + info.scale * b_t[1].T @ a[1]).norm(dim=1)
+    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
+def load_magnitude(path, module: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    tensors = load_file(path / "adapter_model.safetensors")
+    return next(v for k, v in tensors.items() if module in k and "magnitude" in k)
