@@ -230,10 +230,11 @@ class AdapterResidency:
     def _dora(self, paged: PagedAdapter, data: torch.Tensor) -> None:
         """Turns an adapter's DoRA rows in ``data`` (its pages, on the device) from (m, 0) into
         (g, c) per layer and target: g = m / ||W + s B A|| per output channel (the norm over the
-        input, ``dora_norm``), c = (1 - g) * the base bias (0 without one), so that the expand
+        input, ``dora_norms``), c = (1 - g) * the base bias (0 without one), so that the expand
         kernels make PEFT's DoRA output g * (x W + s x A B) + bias of the base output x W +
         bias as g * out + c + g * s * x A B. Each module at its own rank and scale; W is the
-        rank's shard under tensor parallelism (its rows: whole input rows)."""
+        rank's shard under tensor parallelism (its rows: whole input rows). Queued on the
+        current stream; the host waits for nothing."""
         if self.base_weight is None:
             raise RuntimeError(f"DoRA adapter {paged.info.name!r}: no base weights to norm")
         spec = self.store.page_spec
@@ -242,15 +243,16 @@ class AdapterResidency:
             if start < 0:
                 continue
             ranks, scales = paged.info.module_ranks(target, spec.num_layers)
+            layers = [i for i, r in enumerate(ranks) if r > 0]
+            bases = [self.base_weight(i, target) for i in layers]
             a, b_t = dora_factors(paged, data, t_index, spec)
-            rows = page_rows(data, start, 2, spec.target_dims(target)[1])  # views: writes land
-            for layer in (i for i, r in enumerate(ranks) if r > 0):
-                w, bias = self.base_weight(layer, target)
-                r = ranks[layer]
-                norm = dora_norm(w, a[layer, :r], b_t[layer, :r], scales[layer])
-                g = rows[layer, 0].float() / norm
-                c = (1 - g) * bias.float() if bias is not None else torch.zeros_like(g)
-                rows[layer, 0], rows[layer, 1] = g.to(rows.dtype), c.to(rows.dtype)
+            scale = to_device(np.array([scales[i] for i in layers], np.float32), data.device)
+            norm = dora_norms([w for w, _ in bases], a[layers], b_t[layers], scale)
+            rows = page_rows(data, start, 2, spec.target_dims(target)[1])  # a view into data
+            g = rows[layers, 0].float() / norm  # [layers, d_out]
+            bias = [b.float() if b is not None else torch.zeros_like(g[0]) for _, b in bases]
+            rows[layers, 1] = ((1 - g) * torch.stack(bias)).to(rows.dtype)
+            rows[layers, 0] = g.to(rows.dtype)
 
     def _evict(self, name: str) -> None:
         entry = self._resident.pop(name)
@@ -327,18 +329,17 @@ def dora_factors(
     return page_rows(data, int(paged.offsets[t_index, 0]), rank, d_in), b_t
 
 
-DORA_CHUNK = 4096  # output rows of W a step of ``dora_norm`` takes in fp32 (64 MiB at d_in 4096)
-
-
-def dora_norm(w: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, scale: float) -> torch.Tensor:
-    """||W + s B A|| of each output row, fp32 [d_out], as ||W_i||^2 + 2 s (W A^T)_i . B_i +
-    s^2 B_i (A A^T) B_i^T: no [d_out, d_in] product is formed, W is read once (in fp32 chunks
-    of DORA_CHUNK rows). w [d_out, d_in], a [r, d_in], b_t [r, d_out] (B's transpose)."""
-    a, b = a.float(), b_t.float().T  # [r, d_in], [d_out, r]
-    square = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    for lo in range(0, w.shape[0], DORA_CHUNK):
-        rows = w[lo : lo + DORA_CHUNK].float()
-        cross = ((rows @ a.T) * b[lo : lo + DORA_CHUNK]).sum(1)
-        square[lo : lo + DORA_CHUNK] = rows.square().sum(1) + 2 * scale * cross
-    square += scale * scale * ((b @ (a @ a.T)) * b).sum(1)
-    return square.clamp(min=0).sqrt()
+def dora_norms(
+    weights: list[torch.Tensor], a: torch.Tensor, b_t: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """||W_l + s_l B_l A_l|| of each output row of n layers, fp32 [n, d_out], as ||W_i||^2 +
+    2 s (W A^T)_i . B_i + s^2 B_i (A A^T) B_i^T: no [d_out, d_in] product is formed and each W
+    is read twice (its row norms, and W A^T in its own dtype). weights: n of [d_out, d_in];
+    a [n, r, d_in]; b_t [n, r, d_out] (B's transpose); scale [n] fp32. Rows past a layer's
+    own rank are zeros in the pages, so r may be the target's largest rank."""
+    a, b = a.float(), b_t.float().transpose(1, 2)  # [n, r, d_in], [n, d_out, r]
+    square = torch.stack([torch.linalg.vector_norm(w, dim=1, dtype=torch.float32) for w in weights])
+    wa = torch.stack([(w @ a_l.to(w.dtype).T).float() for w, a_l in zip(weights, a, strict=True)])
+    s = scale[:, None]
+    quad = ((b @ (a @ a.transpose(1, 2))) * b).sum(-1)  # [n, d_out]
+    return (square.square() + 2 * s * (wa * b).sum(-1) + s * s * quad).clamp(min=0).sqrt()
