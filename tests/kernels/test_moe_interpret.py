@@ -24,7 +24,7 @@ if not INTERPRETED:
 
     @pytest.mark.slow
     def test_moe_kernels_in_interpreter():
-        out = run_interpreted(__file__)
+        out = run_interpreted(f"{__file__}::TestMoeInterpreted")
         assert " passed" in out and "skipped" not in out, out[-2000:]
 
 

@@ -30,7 +30,7 @@ if not INTERPRETED:
 
     @pytest.mark.slow
     def test_moe_lora_kernels_in_interpreter():
-        out = run_interpreted(__file__, timeout=900)
+        out = run_interpreted(f"{__file__}::TestMoeLoraInterpreted")
         assert " passed" in out and "skipped" not in out, out[-2000:]
 
 
@@ -165,16 +165,27 @@ def merged(case: ExpertCase, x, gate_up, down, weights, ids) -> torch.Tensor:
     return out
 
 
-# (tokens, experts, top-k, hidden, inter, page, routing, adapter popularity)
+# (tokens, experts, top-k, hidden, inter, page, routing, adapter popularity). The shrinks run a
+# program per slot, so each case has the fewest slots its block size allows: "block-64" puts
+# 65 tokens on both of 2 experts, 65 slots each (over 64 an expert: 64-row blocks), a full block
+# and one of a single row.
 CASES = {
     "decode": (5, 8, 2, 64, 48, 16, "uniform", "uniform"),
     "prefill-skewed": (37, 4, 2, 72, 40, 48, "skewed", "skewed"),
     "gaps": (30, 4, 2, 64, 48, 32, "gaps", "uniform"),
-    "block-64": (150, 4, 2, 40, 24, 16, "uniform", "skewed"),
+    "block-64": (65, 2, 2, 40, 24, 16, "uniform", "skewed"),
     "top-1": (9, 4, 1, 64, 32, 32, "skewed", "uniform"),
 }
 # Ranks per adapter slot: (gate_up's, down's); slot 3 has no expert target at all.
 RANKS = [(3, 1), (16, 17), (2, 0), (0, 0), (0, 5)]
+
+
+def test_cases_take_each_block_size():
+    """The cases reach the GEMMs' 16-, 32- and 64-row blocks (``moe.block_m_for``)."""
+    from slora_kernels.moe import block_m_for
+
+    sizes = {name: block_m_for(t * k, e) for name, (t, e, k, *_) in CASES.items()}
+    assert set(sizes.values()) == {16, 32, 64}, sizes
 
 
 def case_inputs(name: str, dtype: torch.dtype):
