@@ -225,3 +225,28 @@ def test_a_missing_layer_is_named_when_the_weights_are_read(model_dir, spec, tmp
               path / "adapter_model.safetensors")  # fmt: skip
     with pytest.raises(AdapterError, match=r"no lora_A weights of v in layers \[1\]"):
         load_weights(info, spec, stack=False)
+
+
+def test_pages_copied_a_layer_at_a_time_land_as_one_copy_does(model_dir, tmp_path, monkeypatch):
+    """An adapter goes to the pool in chunks of layers (no staging buffer of a 1 GB expert
+    adapter's size on the device): copied one layer at a time, its pages and the tokens they
+    make are the same as copied whole."""
+    from slora_batch.engine.adapters import residency
+
+    root = tmp_path / "adapters"
+    adapter(model_dir, root, "a", targets=["q_proj", "v_proj", "down_proj"])
+    requests = [Request(id=i, adapter="a", prompt_token_ids=[3, 4 + i, 5], max_new_tokens=4)
+                for i in range(3)]  # fmt: skip
+
+    def run():
+        engine = Engine(model_dir, adapters=root, config=EngineConfig(device="cpu", num_pages=400))
+        tokens = {r.id: r.token_ids for r in engine.generate(requests)}
+        entry = engine.residency._resident["a"]
+        return tokens, engine.residency.pool.data[:, entry.pages].clone()
+
+    whole_tokens, whole_pages = run()
+    layer = whole_pages[0].numel() * whole_pages.element_size()
+    monkeypatch.setattr(residency, "COPY_CHUNK_BYTES", layer)  # one layer a chunk
+    tokens, pages = run()
+    assert tokens == whole_tokens and torch.equal(pages, whole_pages)
+    assert pages.abs().sum() > 0
