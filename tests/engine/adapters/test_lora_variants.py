@@ -315,3 +315,31 @@ def load_magnitude(path, module: str) -> torch.Tensor:
 
     tensors = load_file(path / "adapter_model.safetensors")
     return next(v for k, v in tensors.items() if module in k and "magnitude" in k)
+
+
+def test_variants_on_fused_modules_match_peft(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj: DoRA's g over the fused output (q | k | v
+    rows of the fused weight), lora_B's bias over it, a rank per module and a layer subset,
+    mixed with base rows."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.2,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "m")
+    model_dir = tmp_path / "m"
+    variants = {
+        "dora": (4, ["qkv_proj", "gate_up_proj", "o_proj"], 8, False,
+                 dict(use_dora=True, rank_pattern={"gate_up_proj": 2})),
+        "bias": (3, ["qkv_proj", "down_proj"], 6, False,
+                 dict(lora_bias=True, layers_to_transform=[1])),
+    }  # fmt: skip
+    adapters = {
+        name: make_adapter(model_dir, tmp_path / name, r, t, a, rs, seed=i + 1, **extra)
+        for i, (name, (r, t, a, rs, extra)) in enumerate(variants.items())
+    }
+    perturb_magnitudes(adapters["dora"], seed=0)
+    assert_parity(model_dir, adapters, list(adapters), 12, seed=2)
