@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from test_jobrun import PAGES, WORDS, build_tiny, load_job, one_thread, write_job  # noqa: F401
+from warm_runs import run_script
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.jobs.check import check_job
@@ -236,9 +235,8 @@ def test_rerun_after_a_kill_writes_every_custom_id_once(tmp_path, tiny):
     write_batch(tmp_path / "batch.jsonl", lines + [lines[0]])  # one duplicate: an error line
     job_file = write_job(tmp_path, tiny, **KEYS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for moment in ("after-part", "openai-half"):
-        done = subprocess.run([sys.executable, "-c", DRIVER, str(job_file), moment], env=env,
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    for moment in ("after-part", "openai-half"):  # each in a process forked from a warm one
+        done = run_script(DRIVER, job_file, moment, cwd=tmp_path, env=env)
         assert done.returncode == -signal.SIGKILL, (moment, done.stderr[-2000:])
     out = tmp_path / "out"
     assert not (out / OUTPUT_FILE).exists()  # killed halfway: never a partial file

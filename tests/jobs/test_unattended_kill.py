@@ -5,15 +5,14 @@ the tokens of an uninterrupted run.
 The killed runs are ``slora-batch run`` in a child process (``DRIVER``), which sends itself
 SIGKILL at an exact moment: after its n-th part is committed, with the n-th part's temp file
 whole but not renamed, halfway through writing it, after the last part before the stats, after
-the stats before the marker. What SIGKILL leaves on disk does not depend on who sent it.
+the stats before the marker. What SIGKILL leaves on disk does not depend on who sent it. The
+child processes are forked from a warm interpreter (``warm_runs``): the imports once, not per run.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from test_jobrun import (
     write_jsonl,
 )
 from test_logs import records
+from warm_runs import run_script
 
 from slora_batch.jobs.outdir import LOCK_FILE, TMP_MARK, part_files, read_success
 from slora_batch.jobs.run import run_job
@@ -100,8 +100,7 @@ def reference(tmp_path_factory, tiny) -> dict:
 
 
 def killed_run(job_file: Path, moment: str, n: int = 1) -> None:
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(job_file), moment, str(n)],
-                          cwd=job_file.parent, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = run_script(DRIVER, job_file, moment, n, cwd=job_file.parent, env=ENV)
     assert done.returncode == -signal.SIGKILL, (moment, done.returncode, done.stderr[-2000:])
 
 
@@ -155,9 +154,7 @@ def test_a_signal_commits_every_finished_row_then_resume_completes(
     keys = {**KEYS, "part_rows": 1000, "part_seconds": 600}
     job_file = write_job(tmp_path, tiny, **keys)
     finished = 12  # the run signals itself as its 12th row is written (SIGNALLER)
-    command = [sys.executable, "-c", SIGNALLER, str(job_file), str(int(sig)), str(finished)]
-    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = run_script(SIGNALLER, job_file, int(sig), finished, cwd=ROOT, env=ENV)
     stderr = done.stderr
     assert done.returncode == code, stderr[-3000:]
     out = tmp_path / "out"
