@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks: bash benchmarks/device_run.sh MODE [PART], one mode per device call
 # (each fits the device's 600 s limit), from the repository root with the image's python3:
 #   tests [kernels|engine]  every GPU test on 4 workers, failures rerun alone; or one half, serially  ~5 min
-#   bench [prefix|score|json|tp]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
+#   bench [prefix|score|json|tp|dora]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
 #   profile [PRESET]   device time per step kind and kernel family on llama2-7b (or PRESET)  ~6 min
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
 #   fp8                bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
@@ -28,6 +28,7 @@ usage() { # the header above, as the usage text
 
 case "$mode:$part" in # the modes and the parts each takes (profile and families: a preset)
   tests: | tests:kernels | tests:engine | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
+  bench:dora) ;;
   profile:* | kernels: | fp8: | families:* | moe: | job: | job:dp | eval:) ;;
   *) usage ;;
 esac
@@ -165,6 +166,15 @@ mode_bench() {
         --adapters 50 --requests 2000 --prefix-rows 4000 --prefix-tokens 1024 \
         --prefix-min-suffix 32 --prefix-max-suffix 128 --prefix-output 64 \
         --samples-prompts 500 --samples-n 8 --max-seconds 45 --total-seconds 545
+      ;;
+    dora)
+      # slora@1000 beside slora-dora@1000 (the same requests and ids, one id in four a DoRA
+      # adapter of its rank), Llama-2-7B shapes, 2000 requests. Uncut, slora@1000 takes about
+      # 50 s (H200) to 90 s (H100): 90 s cuts keep the whole batch or nearly, and the two runs
+      # with their set-ups (each engine makes the weights, warms up both kinds of each rank)
+      # about 4-5 min
+      bench "$dir" 575 --systems slora,slora-dora --adapters 1000 --requests 2000 \
+        --max-seconds 90 --total-seconds 545
       ;;
     score)
       # the scoring rows: score at 1000 adapters against peft-score at 1 and 100, 120 s cuts

@@ -4,7 +4,7 @@ bench.py       settings, the plan of runs, orchestration
 cli.py         the ``bench`` command (Typer options)
 model.py       the random-weight model of a preset's shapes and its rank-cycling PEFT adapters
 workload.py    the requests (standard, scoring, shared-prefix), their adapters and order
-engine_run.py  one timed engine run: slora, base, the ablations composed from engine parts
+engine_run.py  one timed engine run: slora, base, slora-dora, the ablations from engine parts
 warmup.py      the untimed warm-up groups before an engine run's clock starts
 timed_run.py   the clock: requests fed until the time limit, the engine's counters over it
 row_fields.py  a run's results row: outcome, step counters, rates and roofline fraction, builds

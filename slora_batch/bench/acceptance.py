@@ -19,6 +19,9 @@ SCORE_TARGET = 20.0  # scoring rows through the engine: 20x the rows/s of PEFT's
 # Adapters on a mixture of experts' every expert (--adapter-targets experts: 1 GB each on
 # Qwen3-30B-A3B): at 100 of them within 25% of the base model without adapters.
 EXPERT_TARGET, EXPERT_ADAPTERS = 0.75, 100
+# DoRA beside plain LoRA: slora's batch with one adapter id in four DoRA of the same rank
+# (slora-dora@N) keeps 95% of the output tok/s of the batch with plain LoRA only (slora@N).
+DORA_TARGET = 0.95
 # The prefix cache, per adapter count: (system, the one it is measured against, need >= this).
 # A prompt prefix shared per adapter computed once: 3x the output tok/s of computing it for
 # every row; the cache costs slora at most 2% where nothing is shared; n samples of a prompt
@@ -63,6 +66,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                 f"{'pass' if num / den >= need else 'FAIL'}{extra}"
             )
     lines += _expert_acceptance(ok)
+    lines += _dora_acceptance(ok)
     lines += _score_acceptance(ok)
     lines += _json_acceptance(ok)
     lines += _eval_acceptance(ok)
@@ -172,6 +176,26 @@ def _expert_acceptance(ok: list[dict]) -> list[str]:
             f"{EXPERT_TARGET}): {'pass' if ratio >= EXPERT_TARGET else 'FAIL'}"
         )
     return lines
+
+
+def _dora_acceptance(ok: list[dict]) -> list[str]:
+    """DoRA's price in a mixed batch: slora-dora against slora per adapter count, with how many
+    ids and rows ran as DoRA and both decode batches."""
+
+    def detail(r: dict, plain: dict | None) -> str:
+        dora = (
+            f"{r.get('dora_adapters', 0)} of {r['adapters']} ids DoRA, "
+            f"{r.get('dora_rows', 0)} of {r['finished']} rows done on them"
+        )
+        if plain is None:
+            return dora
+        return (
+            f"{r['output_tokens_per_s']:.0f} against {plain['output_tokens_per_s']:.0f} output "
+            f"tok/s; {dora}; decode batch {r.get('decode_batch') or 0:.0f} vs "
+            f"{plain.get('decode_batch') or 0:.0f}"
+        )
+
+    return _paired(ok, "slora-dora", "slora", "output_tokens_per_s", DORA_TARGET, detail)
 
 
 def _json_acceptance(ok: list[dict]) -> list[str]:

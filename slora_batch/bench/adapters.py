@@ -9,6 +9,8 @@ on its own).
   and ``lora_B`` [2I, r * E] (gate_up, wrapped first), ``mlp.experts.lora_A`` [r * E, I] and
   ``lora_B`` [H, r * E] (down). Rank 16 on Qwen3-30B-A3B (48 layers, 128 experts, H 2048, I 768)
   is 16 x 128 x (2048 + 1536 + 768 + 2048) = 13.1M values a layer, 1.3 GB in bf16.
+- DoRA (``slora-dora``): per rank, the attention directory's A and B and a magnitude vector m
+  [d_out] per module (PEFT's ``lora_magnitude_vector``, ``use_dora: true``; ``dora_magnitude``).
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from slora_batch.engine.models.spec import ModelSpec
 
 ATTENTION = ("q", "k", "v", "o")
+# DoRA magnitudes: the expected row norm of W + s B A for a base weight of normal(0, std) values,
+# times a factor uniform in [1 - MAGNITUDE_SPREAD, 1 + MAGNITUDE_SPREAD] (``dora_magnitude``)
+MAGNITUDE_SPREAD = 0.2
+DORA_SEED = 500  # the magnitudes' generator: seed * 1000 + DORA_SEED + rank (A and B: no offset)
 # The fused expert parameters in the order PEFT wraps them; the first nests under base_layer.
 EXPERT_PARAMETERS = {"gate_up_proj": "base_layer.", "down_proj": ""}
 
@@ -56,6 +62,50 @@ def write_expert_adapters(
         config = _config(rank, parameters=[f"mlp.experts.{p}" for p in EXPERT_PARAMETERS])
         dirs[rank] = _save(root / f"experts-rank{rank}", tensors, dtype, config)
     return dirs
+
+
+def write_dora_adapters(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    root: Path,
+    seed: int,
+    plain_dirs: dict[int, Path],
+    weight_std: float,
+) -> dict[int, Path]:
+    """One PEFT DoRA directory per rank of ``plain_dirs`` (attention adapters): the same A and B
+    as that rank's plain directory, a magnitude vector per module (``dora_magnitude``), and its
+    config with ``use_dora: true``. ``weight_std``: the base weights' standard deviation."""
+    dirs = {}
+    for rank, plain in plain_dirs.items():
+        gen = torch.Generator().manual_seed(seed * 1000 + DORA_SEED + rank)
+        tensors = load_file(str(plain / "adapter_model.safetensors"))
+        config = {**_config(rank), "use_dora": True}
+        scale = config["lora_alpha"] / rank
+        for layer in range(spec.num_layers):
+            for target in ATTENTION:
+                key = f"base_model.model.model.layers.{layer}.self_attn.{target}_proj"
+                a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
+                m = dora_magnitude(a.float(), b.float(), scale, weight_std, gen)
+                tensors[f"{key}.lora_magnitude_vector"] = m
+        dirs[rank] = _save(root / f"dora-rank{rank}", tensors, dtype, config)
+    return dirs
+
+
+def dora_magnitude(
+    a: torch.Tensor, b: torch.Tensor, scale: float, weight_std: float, gen: torch.Generator
+) -> torch.Tensor:
+    """DoRA's magnitude m [d_out] of a module with factors a [r, d_in] and b [d_out, r]: PEFT
+    starts m at the row norms of W + s B A, and training moves it. A base row of d_in normal(0,
+    std) values has squared norm about std^2 d_in (4096 inputs at 0.02: norm 1.28), and s B A
+    adds its own rows' squared norms (the cross term is 0 on average), so m is
+    sqrt(std^2 d_in + ||s (B A)_i||^2) times a factor uniform in [1 - MAGNITUDE_SPREAD,
+    1 + MAGNITUDE_SPREAD] per channel: DoRA's g = m / ||W + s B A|| lands near that factor, as a
+    trained adapter's lands near 1. It depends on the base weights through their role (d_in,
+    std) alone, not their values. ||(B A)_i||^2 = B_i (A A^T) B_i^T: no [d_out, d_in] product."""
+    d_in = a.shape[1]
+    adapter = scale**2 * ((b @ (a @ a.T)) * b).sum(-1)  # [d_out]
+    factor = 1 + MAGNITUDE_SPREAD * (2 * torch.rand(b.shape[0], generator=gen) - 1)
+    return (weight_std**2 * d_in + adapter).sqrt() * factor  # [d_out]
 
 
 def _attention(spec: ModelSpec, rank: int, gen: torch.Generator) -> dict[str, torch.Tensor]:

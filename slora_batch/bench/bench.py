@@ -5,7 +5,8 @@ systems: the engine takes its state dict, PEFT wraps the model itself. Adapters:
 directory per distinct rank (``--adapter-targets attention``: 8, 16, 32, 64 on q, k, v, o;
 ``experts``: 8, 16 on q, k, v, o and every expert of a mixture-of-experts preset), and adapter
 id i maps to the directory of the (i % ranks)-th rank; the engine still parses, loads, pages
-and evicts each id on its own. The scoring
+and evicts each id on its own; ``slora-dora`` maps one id in four (``workload.is_dora``) to a
+DoRA directory of its rank instead (the same A and B, and magnitudes). The scoring
 systems (``score``, ``peft-score``) run their own rows (``workload.ScoreWorkload``), and the
 prefix cache's (``prefix``, ``prefix-off``; ``samples``, ``samples-separate``) theirs
 (``workload.PrefixWorkload``; a ``Workload`` of ``samples_prompts``), each made only when one of
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from slora_batch.bench.engine_run import ABLATIONS, run_engine
+from slora_batch.bench.engine_run import ABLATIONS, DORA_SYSTEMS, run_engine, run_sources
 from slora_batch.bench.eval_run import (
     copy_tokenizer,
     run_eval_score,
@@ -42,7 +43,8 @@ from slora_batch.engine.config import MAX_N, check
 
 log = logging.getLogger(__name__)
 
-# the ablations, then the job tool's own path (bench/job_run.py: not in the default list),
+# slora with one adapter id in four DoRA (bench/engine_run.py; not in the default list), the
+# ablations, then the job tool's own path (bench/job_run.py: not in the default list),
 # the scoring workload through the engine and through PEFT (bench/score_run.py,
 # peft_score_run.py: not in the default list either), the prefix cache's systems
 # (bench/prefix_run.py; slora-off: slora with the cache off; not in the default list), then
@@ -56,6 +58,7 @@ PEFT_MAX_ADAPTERS = 100  # PEFT holds every adapter as modules: more only measur
 SYSTEMS = (
     "base",
     "slora",
+    *DORA_SYSTEMS,
     "json",
     "json-free",
     "eval-score",
@@ -229,11 +232,17 @@ class BenchConfig:
 
     def _check_adapter_targets(self) -> None:
         """Expert adapters need a mixture-of-experts preset, and run on the engine alone:
-        transformers + PEFT batches adapters on the fused expert parameters one at a time."""
+        transformers + PEFT batches adapters on the fused expert parameters one at a time. The
+        DoRA adapters (slora-dora) are written on q, k, v, o only, beside the attention ones."""
         check(
             self.adapter_targets in ADAPTER_TARGETS,
             f"adapter_targets must be one of {', '.join(ADAPTER_TARGETS)}, "
             f"got {self.adapter_targets!r}",
+        )
+        check(
+            self.adapter_targets == "attention" or not set(DORA_SYSTEMS) & set(self.systems),
+            f"{', '.join(DORA_SYSTEMS)} runs DoRA adapters on q, k, v, o: leave it out of systems "
+            f"with adapter_targets {self.adapter_targets}",
         )
         if self.adapter_targets != "experts":
             return
@@ -255,6 +264,7 @@ class BenchConfig:
         counts = {
             "base": [0],
             "slora": self.adapters,
+            "slora-dora": self.adapters,  # slora's requests, one adapter id in four DoRA
             "json": self.adapters,  # bench/json_run.py: slora's requests under a JSON schema
             "json-free": self.adapters,  # json's requests at json's lengths, unconstrained
             "eval-score": self.adapters,  # bench/eval_run.py: the lm-eval sweep's rows alone
@@ -284,6 +294,7 @@ class BenchContext:
     prefix_workload: PrefixWorkload | None = None  # only when prefix or prefix-off runs
     samples_workload: Workload | None = None  # only when samples or samples-separate runs
     json_lengths: dict[int, dict[int, int]] = field(default_factory=dict)  # json's, per count
+    dora_dirs: dict[int, Path] = field(default_factory=dict)  # rank -> DoRA directory (slora-dora)
 
 
 def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
@@ -311,6 +322,9 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
         rank_dirs = model.write_adapters(
             Path(tmp) / "adapters", config.seed, config.adapter_targets
         )
+        dora_dirs = {}
+        if set(DORA_SYSTEMS) & set(config.systems):  # beside the plain ones, their A and B
+            dora_dirs = model.write_dora_adapters(Path(tmp) / "adapters", config.seed, rank_dirs)
         rates = measure_rates(device, dtype)
         log.info(
             "measured: matmul %.1f TFLOP/s, copy %.2f TB/s",
@@ -328,7 +342,9 @@ def run_bench(config: BenchConfig) -> tuple[list[dict], dict]:
             samples = Workload.generate(config, model.spec.vocab_size, config.samples_prompts)
         meta = run_meta(device, dtype, rates, config, model, list(rank_dirs))
         log.info("setup took %.1f s", time.perf_counter() - started)
-        ctx = BenchContext(config, model, rank_dirs, workload, rates, scoring, prefix, samples)
+        ctx = BenchContext(
+            config, model, rank_dirs, workload, rates, scoring, prefix, samples, dora_dirs=dora_dirs
+        )
         for system, n in runs:
             if _over_budget(config, system, started):
                 log.warning(
@@ -398,7 +414,7 @@ def _run_one(ctx: BenchContext, system: str, n: int) -> dict:
                 ctx.model.num_params * ctx.model.dtype.itemsize / 2**30,
             )
     row.setdefault("error", None)
-    row["weight_sets"] = min(n, len(ctx.rank_dirs))
+    row["weight_sets"] = len(set(run_sources(ctx, system, n).values()))
     row["adapter_targets"] = ctx.config.adapter_targets if n else None
     log.info("%s@%d: %s", system, n, brief(row))
     return row

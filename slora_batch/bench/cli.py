@@ -31,15 +31,15 @@ def _ints(text: str | None) -> list[int] | None:
 def bench(
     systems: str = typer.Option(
         ",".join(D.systems),
-        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but job, score, "
-        "peft-score, the prefix cache's (slora-off, prefix, prefix-off, samples, "
-        "samples-separate) and the -par ones; with --tensor-parallel or --data-parallel above 1: "
-        "base, slora, base-par and slora-par).",
+        help=f"Comma-separated, among {', '.join(SYSTEMS)} (default: all but slora-dora (one "
+        "adapter id in four DoRA), job, score, peft-score, the prefix cache's (slora-off, "
+        "prefix, prefix-off, samples, samples-separate) and the -par ones; with "
+        "--tensor-parallel or --data-parallel above 1: base, slora, base-par and slora-par).",
         show_default=False,
     ),
     adapters: str = typer.Option(
         ",".join(map(str, D.adapters)),
-        help="Adapter counts for slora, score, job and the prefix cache's systems.",
+        help="Adapter counts for slora, slora-dora, score, job and the prefix cache's systems.",
     ),
     peft_adapters: str = typer.Option(
         None,

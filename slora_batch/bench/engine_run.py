@@ -1,5 +1,7 @@
 """One timed engine run of the bench: ``slora``, ``base``, the ablations ``bmm``,
-``no-unified`` and ``arrival``, and ``slora-off`` (``slora`` without the prefix cache).
+``no-unified`` and ``arrival``, ``slora-off`` (``slora`` without the prefix cache), and
+``slora-dora`` (``slora``'s requests and adapter ids, one id in four a DoRA adapter of its rank:
+``workload.is_dora``).
 
 The ablations are composed from engine parts (``EngineParts``: its ``ops`` and ``pools``) handed
 to ``engine.assemble``, never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for
@@ -41,7 +43,8 @@ from slora_batch.engine.parallel.data_parallel import open_engine
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.request import Request, Result
 
-ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival", "slora-off")  # base: no adapters
+ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival", "slora-off", "slora-dora")
+DORA_SYSTEMS = ("slora-dora",)  # slora with one adapter id in four DoRA (workload.is_dora)
 ABLATIONS = ("bmm", "no-unified", "arrival")  # slora with one thing changed
 ADAPTER_POOL_FRACTION = 0.25  # no-unified: the adapters' share of the pages, KV the rest
 CACHE_OFF = ("slora-off", "prefix-off")  # EngineConfig(prefix_caching=False); others: on
@@ -93,27 +96,21 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
     """
     engine, sources, setup = open_bench_engine(ctx, system, n)
     if requests is None:
-        requests = ctx.workload.requests(0 if system.startswith("base") else n)
-        if system not in ARRIVAL_ORDER:
-            requests = group_by_adapter(requests)
-        if system in ("json", "json-free"):
-            requests = json_requests(requests)
-        if system == "json-free":  # json's requests at the lengths json produced, unconstrained
-            if n not in ctx.json_lengths:
-                raise ValueError(f"json-free@{n} needs json@{n} to run first (add json)")
-            requests = free_requests(requests, ctx.json_lengths[n])
+        requests = workload_requests(ctx, system, n)
+    dora = dora_ids(engine, sources)
     warmup_builds = warm_up(ctx, engine, requests, sources)
     traced = hasattr(engine, "_launch")  # the timed steps (not a data-parallel driver's)
     trace = trace_steps(engine, Routing.of(ctx.model.spec)) if traced else None
     setup_s = time.perf_counter() - setup
     asked = {r.id: r.max_new_tokens for r in requests}
     outputs = sum(r.n or 1 for r in requests)
-    work, finished, mismatches = Work(), 0, 0
+    work, finished, mismatches, dora_rows = Work(), 0, 0, 0
     produced: dict[int, int] = {}
 
     def count(result: Result) -> None:
-        nonlocal finished, mismatches
+        nonlocal finished, mismatches, dora_rows
         finished += 1
+        dora_rows += result.adapter in dora
         mismatches += result.completion_tokens != asked[result.id]
         produced[result.id] = result.completion_tokens
         work.add(result.prompt_tokens, result.completion_tokens)
@@ -140,7 +137,40 @@ def run_engine(ctx, system: str, n: int, requests: list[Request] | None = None) 
     row.update(build_counts(warmup_builds, timed.builds))
     if grammar["grammar_rows"]:  # the json system: constrained draws and their host mask time
         row.update(grammar)
+    if dora:  # slora-dora: the ids the engine runs as DoRA, and their finished rows
+        row.update(dora_adapters=len(dora), dora_rows=dora_rows)
     return row
+
+
+def workload_requests(ctx, system: str, n: int) -> list[Request]:
+    """The standard workload at n adapters (none for base), grouped by adapter unless ``system``
+    keeps arrival order; json's under its schema, json-free's at the lengths json produced."""
+    requests = ctx.workload.requests(0 if system.startswith("base") else n)
+    if system not in ARRIVAL_ORDER:
+        requests = group_by_adapter(requests)
+    if system in ("json", "json-free"):
+        requests = json_requests(requests)
+    if system == "json-free":  # json's requests at the lengths json produced, unconstrained
+        if n not in ctx.json_lengths:
+            raise ValueError(f"json-free@{n} needs json@{n} to run first (add json)")
+        requests = free_requests(requests, ctx.json_lengths[n])
+    return requests
+
+
+def run_sources(ctx, system: str, n: int) -> dict[str, Path]:
+    """The adapter id -> directory map of a run at n adapters: the rank directories, and for
+    the DORA_SYSTEMS the DoRA directories for the ids ``workload.is_dora`` names."""
+    dora_dirs = ctx.dora_dirs if system in DORA_SYSTEMS else None
+    return adapter_sources(n, ctx.rank_dirs, dora_dirs)
+
+
+def dora_ids(engine: Engine, sources: dict[str, Path]) -> set[str]:
+    """The ids of ``sources`` that the engine parsed as DoRA adapters (``AdapterInfo.dora``);
+    none where the engine has no store of its own (a data-parallel driver) or it refused them."""
+    store = getattr(engine, "store", None)
+    if store is None:
+        return set()
+    return {name for name in sources if name in store and store.info(name).dora}
 
 
 def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path], float]:
@@ -152,7 +182,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
     if cuda:
         torch.cuda.reset_peak_memory_stats(model.device)
     start = time.perf_counter()
-    sources = adapter_sources(n, ctx.rank_dirs) if n else {}
+    sources = run_sources(ctx, system, n)
     dtype = str(model.dtype).removeprefix("torch.")
     caching = system not in CACHE_OFF
     if system.endswith("-par"):  # base or slora at the configured layout

@@ -13,7 +13,11 @@ from pathlib import Path
 
 import torch
 
-from slora_batch.bench.adapters import write_attention_adapters, write_expert_adapters
+from slora_batch.bench.adapters import (
+    write_attention_adapters,
+    write_dora_adapters,
+    write_expert_adapters,
+)
 from slora_batch.bench.roofline import kv_bytes_per_token
 from slora_batch.engine.models.spec import ModelSpec, read_spec
 
@@ -25,6 +29,9 @@ log = logging.getLogger(__name__)
 RANKS = (8, 16, 32, 64)
 EXPERT_RANKS = (8, 16)
 ADAPTER_TARGETS = ("attention", "experts")
+# The base weights' standard deviation: RandomWeights' normal(0, WEIGHT_STD), and transformers'
+# initializer_range (its default) where the model is built
+WEIGHT_STD = 0.02
 
 PRESETS: dict[str, dict] = {
     "llama2-7b": dict(
@@ -232,7 +239,7 @@ class RandomWeights:
             self.seed * 1_000_003 + zlib.crc32(name.encode())
         )
         values = torch.empty(shape, dtype=torch.float32, device=device)
-        return values.normal_(0.0, 0.02, generator=gen).to(self.dtype)
+        return values.normal_(0.0, WEIGHT_STD, generator=gen).to(self.dtype)
 
     def keys(self) -> list[str]:
         return []  # nothing is left over: every name is made when asked
@@ -291,6 +298,13 @@ class BenchModel:
         if targets == "experts":
             return write_expert_adapters(self.spec, self.dtype, root, seed, EXPERT_RANKS)
         return write_attention_adapters(self.spec, self.dtype, root, seed, RANKS)
+
+    def write_dora_adapters(
+        self, root: Path, seed: int, plain_dirs: dict[int, Path]
+    ) -> dict[int, Path]:
+        """One PEFT DoRA directory per rank of ``plain_dirs`` (attention adapters): their A and B,
+        and magnitudes about the base weights' row norms (``adapters.dora_magnitude``)."""
+        return write_dora_adapters(self.spec, self.dtype, root, seed, plain_dirs, WEIGHT_STD)
 
 
 def build_model(

@@ -74,6 +74,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ]
     lines += _scoring_workload(meta["settings"])
     lines += _prefix_workloads(meta["settings"])
+    lines += _dora_workload(meta["settings"])
     if meta["skipped"]:
         lines.append(f"- skipped for time: {', '.join(meta['skipped'])}")
     lines += [
@@ -143,6 +144,17 @@ def _prefix_workloads(settings: dict) -> list[str]:
             f"{settings['samples_n']} requests of each); requests done and req/s count samples"
         )
     return lines
+
+
+def _dora_workload(settings: dict) -> list[str]:
+    """The header line of slora-dora's adapters, where it ran."""
+    if "slora-dora" not in settings.get("systems", ()):
+        return []
+    return [
+        "- slora-dora: slora's requests and adapter ids; the ids whose i // 4 is a multiple of 4 "
+        "(one in four, every rank) are DoRA adapters of their rank: the same A and B, magnitudes "
+        "about the base weights' row norms (one more weight set per rank)"
+    ]
 
 
 def _prefix_note(row: dict) -> str:

@@ -30,30 +30,34 @@ def warm_up(ctx, engine: Engine, requests: list[Request], sources: dict[str, Pat
 
 def warmup_groups(requests: list[Request], store, count: int) -> list[tuple[list[Request], bool]]:
     """The untimed warm-up, one engine.generate per group, each (requests, whole prompts; else
-    cut to WARMUP_PROMPT): for each adapter rank in the workload its first request alone and its
-    first 8 together, cut, and its first ``count`` whole; then the first 8 of every rank
-    together, whole; then the workload's first ``count``, cut and whole.
+    cut to WARMUP_PROMPT): for each adapter kind in the workload (its rank, and whether it is
+    DoRA) its first request alone and its first 8 together, cut, and its first ``count`` whole;
+    then the first 8 of every kind together, whole; then the workload's first ``count``, cut and
+    whole.
 
     Triton builds a kernel per block shape, and the shapes of a step without CUDA graph follow
     its largest rank and its size (a prefill of thousands of tokens needs no split reduction;
-    attention's prefill blocks follow the context). Grouped by adapter, the first requests may
+    attention's prefill blocks follow the context), and whether some adapter of the step has
+    vector rows (DoRA's: ``LoraMeta.has_vectors``). Grouped by adapter, the first requests may
     all share one rank (10 adapters: the first 200 are rank 8), and short prompts reach no long
     context, so without these groups those builds would land inside the timed run (the bench
     counts them: kernel_builds). Example: ranks 8 and 16 -> [r8 first], [r16 first], [r8 first
     8], [r16 first 8], [r8 first count, whole], [r16 first count, whole], [r8 and r16 first 8,
-    whole], [first count], [first count, whole]. No warm-up when count is 0."""
+    whole], [first count], [first count, whole]; with DoRA adapters of rank 8 beside plain ones,
+    rank 8 plain and rank 8 DoRA are two kinds. No warm-up when count is 0."""
     if count == 0:
         return []
-    by_rank: dict[int, list[Request]] = {}
+    by_kind: dict[tuple[int, bool], list[Request]] = {}
     for request in requests:
         if request.adapter is not None:
-            by_rank.setdefault(store.info(request.adapter).rank, []).append(request)
-    ranks = sorted(by_rank)
-    groups = [(by_rank[rank][:1], False) for rank in ranks]
-    groups += [(by_rank[rank][:8], False) for rank in ranks]
-    groups += [(by_rank[rank][:count], True) for rank in ranks]
-    if len(ranks) > 1:
-        groups.append(([r for rank in ranks for r in by_rank[rank][:8]], True))
+            info = store.info(request.adapter)
+            by_kind.setdefault((info.rank, info.dora), []).append(request)
+    kinds = sorted(by_kind)
+    groups = [(by_kind[kind][:1], False) for kind in kinds]
+    groups += [(by_kind[kind][:8], False) for kind in kinds]
+    groups += [(by_kind[kind][:count], True) for kind in kinds]
+    if len(kinds) > 1:
+        groups.append(([r for kind in kinds for r in by_kind[kind][:8]], True))
     return groups + [(requests[:count], False), (requests[:count], True)]
 
 

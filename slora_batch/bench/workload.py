@@ -17,11 +17,28 @@ def adapter_name(i: int) -> str:
     return f"a{i:04d}"
 
 
-def adapter_sources(n: int, rank_dirs: dict[int, Path]) -> dict[str, Path]:
+def adapter_sources(
+    n: int, rank_dirs: dict[int, Path], dora_dirs: dict[int, Path] | None = None
+) -> dict[str, Path]:
     """n adapter ids over the shared weight sets, ranks cycling in ``rank_dirs``' order: id i ->
-    the directory of the (i % len(rank_dirs))-th rank (model.RANKS: 8, 16, 32, 64, 8, ...)."""
-    dirs = list(rank_dirs.values())
-    return {adapter_name(i): dirs[i % len(dirs)] for i in range(n)}
+    the directory of the (i % len(rank_dirs))-th rank (model.RANKS: 8, 16, 32, 64, 8, ...).
+    With ``dora_dirs`` (rank -> DoRA directory; ``slora-dora``) the ids ``is_dora`` names take
+    their rank's DoRA directory instead."""
+    ranks = list(rank_dirs)
+    dora = dora_dirs or {}
+
+    def source(i: int) -> Path:
+        rank = ranks[i % len(ranks)]
+        return dora[rank] if rank in dora and is_dora(i) else rank_dirs[rank]
+
+    return {adapter_name(i): source(i) for i in range(n)}
+
+
+def is_dora(i: int) -> bool:
+    """Whether adapter id i is a DoRA one in ``slora-dora``: one id in four, in runs of four
+    ids (those whose i // 4 is a multiple of 4), so every rank of a 4-rank cycle has DoRA ids.
+    Example: ids 0-3 (ranks 8, 16, 32, 64) and 16-19 are DoRA, 4-15 and 20-31 not."""
+    return (i // 4) % 4 == 0
 
 
 def drawn_indices(draws: np.ndarray, n: int) -> list[int]:

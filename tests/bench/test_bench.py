@@ -105,7 +105,9 @@ def test_warmup_covers_each_rank_before_the_timed_run():
     a longer prompt's) block shapes lands in the timed run."""
     workload = Workload.generate(BenchConfig(requests=200, **{**TINY, "max_input": 200}), 300)
     grouped = group_by_adapter(workload.requests(10))
-    store = SimpleNamespace(info=lambda name: SimpleNamespace(rank=RANKS[int(name[1:]) % 4]))
+    store = SimpleNamespace(
+        info=lambda name: SimpleNamespace(rank=RANKS[int(name[1:]) % 4], dora=False)
+    )
     assert {store.info(r.adapter).rank for r in grouped[:8]} == {RANKS[0]}
     groups = warmup_groups(grouped, store, 12)
     assert len(groups) == 15 and groups[13:] == [(grouped[:12], False), (grouped[:12], True)]
