@@ -193,9 +193,11 @@ def test_a_killed_busy_actor_is_restarted_its_unit_retried_no_row_twice(
     assert [pq.read_metadata(p).num_rows for p in regenerated] == [missing]  # by the next run
 
 
-# The driver's one actor holds its fourth part back (Ray Data hands the driver a partition's
-# parts only once the partition is done): the test kills the run once three parts are on disk,
-# which, without the hold, a run that outpaced the test had passed (a loaded machine).
+# A driver of its own joins the session's Ray instance, as a second job on a cluster does; its
+# one actor holds its fourth part back (Ray Data hands the driver a partition's parts only once
+# the partition is done): the test kills the run once three parts are on disk, which, without
+# the hold, a run that outpaced the test had passed (a loaded machine). Ray ends the actors of
+# a driver that died.
 DRIVER = """
 import os, sys, time
 import fsspec
@@ -213,7 +215,7 @@ class HoldAfterThree(pafs.FSSpecHandler):  # the local disk; pickled by value in
                 time.sleep(600)
         return super().open_output_stream(path, metadata)
 
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(address=sys.argv[2], log_to_driver=False)
 (job,) = load_jobs(sys.argv[1])
 filesystem = pafs.PyFileSystem(HoldAfterThree(fsspec.filesystem("file")))
 run_ray_job(job, RaySettings(replicas=1, buckets=4, block_rows=10), filesystem=filesystem)
@@ -235,13 +237,13 @@ def late_part(out: Path, reference_out: Path, committed: dict, like: Path) -> Pa
 
 
 def test_a_killed_driver_rerun_removes_late_parts_and_resumes(
-    tmp_path, tiny, reference, reference_out, monkeypatch
+    tmp_path, tiny, reference, reference_out, monkeypatch, local_ray
 ):
     directory = job_dir(tmp_path, tiny)
     out = directory / "out"
     driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(directory / "jobs.yaml")],
-        start_new_session=True,  # the driver and the Ray processes it started: one group
+        [sys.executable, "-c", DRIVER, str(directory / "jobs.yaml"), local_ray],
+        start_new_session=True,  # the driver and any process it started: one group
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
