@@ -172,7 +172,7 @@ def merged(case: ExpertCase, x, gate_up, down, weights, ids) -> torch.Tensor:
 CASES = {
     "decode": (5, 8, 2, 64, 48, 16, "uniform", "uniform"),
     "prefill-skewed": (37, 4, 2, 72, 40, 48, "skewed", "skewed"),
-    "gaps": (30, 4, 2, 64, 48, 32, "gaps", "uniform"),
+    "gaps": (16, 4, 2, 64, 48, 32, "gaps", "uniform"),
     "block-64": (65, 2, 2, 40, 24, 16, "uniform", "skewed"),
     "top-1": (9, 4, 1, 64, 32, 32, "skewed", "uniform"),
 }
