@@ -21,9 +21,10 @@ def sample_model_dir() -> Path:
 
 
 def xdist_group(nodeid: str) -> str | None:
-    """A test's pytest-xdist group: "ray" for the Ray tests (each starts a local cluster sized to
-    the machine, two at once would starve), "eval" for the lm-eval tests (which build their
-    session's model and adapters once), the model of a GPU model case, None for the rest."""
+    """A test's pytest-xdist group: "ray" for the Ray tests (they share one local cluster, which a
+    second worker would start again, and the CLI test starts one sized to the machine: two at
+    once would starve), "eval" for the lm-eval tests (which build their session's model and
+    adapters once), the model of a GPU model case, None for the rest."""
     path, name = nodeid.replace("\\", "/"), nodeid.rsplit("::", 1)[-1]
     if "_ray_" in name or "tests/ray/" in path or path.startswith("ray/"):
         return "ray"  # "_ray_": a Ray run outside tests/ray (test_manifest's)
@@ -65,9 +66,9 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run only where CUDA is available (the device machine). Under
     pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) each group of
-    ``xdist_group`` shares one worker. The Ray group is ``slow`` (a local cluster per module,
-    actors killed and restarted). The slow tests go first (a stable sort): the workers take the
-    long ones while many short ones are left to even out their ends."""
+    ``xdist_group`` shares one worker. The Ray group is ``slow`` (engine actors start, are killed
+    and restarted). The slow tests go first (a stable sort): the workers take the long ones
+    while many short ones are left to even out their ends."""
     import torch
 
     for item in items:
