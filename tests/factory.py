@@ -35,14 +35,14 @@ def tiny_spec(**overrides):
     return ModelSpec(**{**fields, **overrides})
 
 
-def model_config(kind: str):
+def model_config(kind: str, layers: int = 2):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         initializer_range=0.2,
@@ -92,18 +92,20 @@ def model_config(kind: str):
     raise ValueError(kind)
 
 
-def make_model(root: Path, kind: str, seed: int = 0) -> Path:
+def make_model(root: Path, kind: str, seed: int = 0, layers: int = 2) -> Path:
+    """The tiny model of ``kind`` (2 layers; ``layers`` others: the Triton interpreter's tests,
+    whose time goes by the kernels a step launches) under ``root``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config(kind, layers), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 p.normal_(0, 0.5)
-    out = root / f"model-{kind}"
+    out = root / (f"model-{kind}" if layers == 2 else f"model-{kind}-{layers}-layers")
     model.save_pretrained(out, safe_serialization=True)
     return out
 

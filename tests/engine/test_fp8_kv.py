@@ -15,7 +15,7 @@ from pathlib import Path
 import pool_garbage
 import pytest
 import torch
-from factory import make_adapters, make_model, make_rows
+from factory import ADAPTERS, make_adapter, make_adapters, make_model, make_rows
 
 import slora_batch
 from slora_batch import Engine, EngineConfig, Request
@@ -176,18 +176,33 @@ def tiny_rows(names: list[str]) -> list[dict]:
     return rows
 
 
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The case's model with one layer, and the two adapters the interpreter runs: the
+    interpreter takes ms per program, and a step's programs go by its layers; pages hold every
+    layer, so the pool fills, preempts and evicts as with two."""
+    root = tmp_path_factory.mktemp("fp8-one-layer")
+    model_dir = make_model(root, "gqa", layers=1)
+    adapters = {}
+    for seed, (name, rank, targets, alpha, rslora) in enumerate(ADAPTERS, start=1):
+        if name in ("r5-qo", "r1-attn"):  # r5-qo's 40 pages freed for r1-attn: KV pages after it
+            path = make_adapter(model_dir, root / name, rank, targets, alpha, rslora, seed=seed)
+            adapters[name] = str(path)
+    return model_dir, adapters
+
+
 @pytest.mark.slow
-def test_fp8_triton_kernels_read_no_garbage(case):
+def test_fp8_triton_kernels_read_no_garbage(one_layer):
     """The same on the Triton kernels (kv_write, prefill and decode attention on fp8 pages with
     fp16 dots, as on the H200 in bf16; the LoRA kernels too), in the
     Triton interpreter: a child process (TRITON_INTERPRET=1 before the kernels are imported),
-    on a tiny workload (the interpreter takes ms per program)."""
-    model_dir, adapters, _ = case
-    names = ["r5-qo", "r1-attn"]  # r5-qo's 40 pages freed for r1-attn: KV pages after it
+    on a tiny workload of a one-layer model (the interpreter takes ms per program)."""
+    model_dir, adapters = one_layer
+    names = ["r5-qo", "r1-attn"]
     knobs = dict(backend="triton", dtype="float16", max_num_batched_tokens=64, num_pages=64,
                  max_resident_adapters=1, max_adapters_per_batch=1, prefix_block_tokens=4)  # fmt: skip
-    spec = dict(model=str(model_dir), adapters={n: str(adapters[n]) for n in names},
-                rows=tiny_rows(names), kinds=list(pool_garbage.GARBAGE), knobs=knobs)  # fmt: skip
+    rows, kinds = tiny_rows(names), list(pool_garbage.GARBAGE)
+    spec = dict(model=str(model_dir), adapters=adapters, rows=rows, kinds=kinds, knobs=knobs)
     # the checkout's root; slora_kernels resolves through the install (pyproject's package-dir)
     path = [
         str(Path(slora_batch.__file__).resolve().parents[1]),
