@@ -31,9 +31,9 @@ from slora_batch.ray import job as ray_job  # noqa: E402
 from slora_batch.ray.fence import part_run  # noqa: E402
 
 ADAPTERS = 50
-ROWS = 150
+ROWS = 60
 WORDS = ["the", "a", "dog", "fox", "seven", "hex"]
-SETTINGS = dict(replicas=2, buckets=4, block_rows=10)  # 15 blocks x 4 buckets: many small parts
+SETTINGS = dict(replicas=2, buckets=4, block_rows=10)  # 6 blocks x 4 buckets: many small parts
 KEYS = dict(sampling={"max_new_tokens": 3}, part_rows=10)
 pytestmark = pytest.mark.usefixtures("local_ray")  # conftest.py: the Ray instance the modules share
 
@@ -53,7 +53,7 @@ def tiny(tmp_path_factory, sample_model_dir):
 
 
 def write_rows(directory: Path) -> None:
-    """150 one-word rows over 50 adapters and the base model, an unknown adapter, bad rows."""
+    """60 one-word rows over 50 adapters and the base model, an unknown adapter, bad rows."""
     lines = []
     for i in range(ROWS):
         adapter = None if i % 51 == 50 else f"ad{i % 51:02d}"
