@@ -2,14 +2,20 @@
 resume after a worker is killed, stops answering, or the driver is killed: at data_parallel 2
 after a killed worker, on one engine in the test's process after the worker that stopped
 answering or the driver (a job may resume with another data_parallel; it spares two worker
-start-ups a re-run). Worker start-ups are most of these tests' time: each starts a Python that
-imports torch and builds an engine, so the tests share them where one run can check two things
-(the killed worker's re-run is the run whose worker stops answering; the acceptance run's rows
-are of both kinds), and the driver processes are forked from a warm interpreter (``warm_runs``)."""
+start-ups a re-run).
+
+Worker start-ups are most of these tests' time (each is a Python that imports torch and builds
+an engine), so: the tests that kill or stop a run, and the acceptance job, run rows of token
+ids on the tiny model without its tokenizer (a worker that loads none starts in half the time);
+one run checks two things where it can (the killed worker's re-run is the run whose worker stops
+answering; the acceptance job holds both kinds of rows); and the driver processes are forked
+from a warm interpreter (``warm_runs``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -55,13 +61,47 @@ def tiny(tmp_path_factory, sample_model_dir):
     return build_tiny(tmp_path_factory.getbasetemp() / "tiny-llm", sample_model_dir)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny) -> dict:
-    """The outputs of an uninterrupted run on one engine."""
-    directory = tmp_path_factory.mktemp("reference")
-    write_jsonl(directory / "rows.jsonl", make_rows(ROWS))
+@pytest.fixture(scope="session")
+def ids_tiny(tmp_path_factory, tiny):
+    """The tiny model without its tokenizer, for rows of token ids: the tests that kill or stop
+    a run, where what a row says does not matter. A worker that loads no tokenizer starts in
+    half the CPU time (transformers' AutoTokenizer imports the model's config class, and through
+    it torch.distributed and sympy)."""
+    model = tmp_path_factory.getbasetemp() / "tiny-llm-ids" / "model"
+    if not model.exists():
+        model.mkdir(parents=True)
+        for name in ("config.json", "generation_config.json", "model.safetensors"):
+            shutil.copy(tiny.model / name, model / name)
+    return dataclasses.replace(tiny, model=model)
+
+
+def id_rows(n: int) -> list[dict]:
+    """Rows of token ids cycling base / "a" / "b", prompts of 3 to 11 tokens."""
+    return [
+        {
+            "id": f"r{i:04d}",
+            "adapter": [None, "a", "b"][i % 3],
+            "prompt_token_ids": [3 + (i * 7919 + k * 104729) % 49149 for k in range(3 + i % 9)],
+        }
+        for i in range(n)
+    ]
+
+
+def one_engine(directory: Path, tiny, rows: list[dict]) -> dict:
+    """The outputs of an uninterrupted run of ``rows`` on one engine."""
+    write_jsonl(directory / "rows.jsonl", rows)
     run_job(load_job(directory, tiny, **KEYS))
     return generated(outputs(directory / "out"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny) -> dict:
+    return one_engine(tmp_path_factory.mktemp("reference"), tiny, make_rows(ROWS))
+
+
+@pytest.fixture(scope="module")
+def ids_reference(tmp_path_factory, ids_tiny) -> dict:
+    return one_engine(tmp_path_factory.mktemp("ids-reference"), ids_tiny, id_rows(ROWS))
 
 
 def committed(out: Path) -> dict:
@@ -109,31 +149,33 @@ def committed_after_a_failure(out: Path, reference: dict, before: dict, rows: in
 
 @pytest.mark.slow
 def test_a_killed_then_a_silent_worker_fail_the_run_naming_it_and_reruns_resume(
-    tmp_path, tiny, reference, monkeypatch
+    tmp_path, ids_tiny, ids_reference, monkeypatch
 ):
     """Worker 1 killed (SIGKILL) as the 8th row is written: the run fails naming it and its
     exit status, its other worker's rows written. The re-run, at data_parallel 2, resumes; its
     worker 1 stopped (SIGSTOP: alive, silent) as its 4th row is written is detected after
     worker_timeout_s, killed and named. A last re-run, on one engine in here, does the rest."""
-    write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
+    write_jsonl(tmp_path / "rows.jsonl", id_rows(ROWS))
     engines, out = [], tmp_path / "out"
     build = jobrun._build_engine
     monkeypatch.setattr(
         jobrun, "_build_engine", lambda plan: engines.append(build(plan)) or engines[-1]
     )
-    message = failed_run(tmp_path, tiny, DP2, signal_worker_1(engines, signal.SIGKILL, 8, []))
+    message = failed_run(tmp_path, ids_tiny, DP2, signal_worker_1(engines, signal.SIGKILL, 8, []))
     assert f"worker 1 (cpu, pid {engines[0].pids[1]}) died with exit code -9 (SIGKILL)" in message
-    killed = committed_after_a_failure(out, reference, {}, 8)
+    killed = committed_after_a_failure(out, ids_reference, {}, 8)
 
     timeout, stopped = 4.0, []
     keys = {**DP2, "engine": {**DP2["engine"], "worker_timeout_s": timeout}}
-    message = failed_run(tmp_path, tiny, keys, signal_worker_1(engines, signal.SIGSTOP, 4, stopped))
+    message = failed_run(
+        tmp_path, ids_tiny, keys, signal_worker_1(engines, signal.SIGSTOP, 4, stopped)
+    )
     assert_stopped_worker_named(message, engines[1].pids[1], timeout, stopped[0])
-    now = committed_after_a_failure(out, reference, killed, 4)  # resumed: each row once
+    now = committed_after_a_failure(out, ids_reference, killed, 4)  # resumed: each row once
 
-    summary = run_job(load_job(tmp_path, tiny, **KEYS))  # resumed on one engine, in here
+    summary = run_job(load_job(tmp_path, ids_tiny, **KEYS))  # resumed on one engine, in here
     assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
-    assert committed(out) == reference and read_success(out)["rows"] == ROWS
+    assert committed(out) == ids_reference and read_success(out)["rows"] == ROWS
 
 
 def assert_stopped_worker_named(message: str, pid: int, timeout: float, stopped: float) -> None:
@@ -161,11 +203,13 @@ def parent_and_state(pid: int) -> tuple[int | None, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny, reference, sig):
+def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(
+    tmp_path, ids_tiny, ids_reference, sig
+):
     """A killed driver's workers exit on their own (their pipe from it closes); a terminated
     one stops them before it exits with 143."""
-    write_jsonl(tmp_path / "rows.jsonl", make_rows(ROWS))
-    job_file = write_job(tmp_path, tiny, **DP2)
+    write_jsonl(tmp_path / "rows.jsonl", id_rows(ROWS))
+    job_file = write_job(tmp_path, ids_tiny, **DP2)
     # the driver signals itself as its 6th row is written, naming its workers first (SIGNALLER)
     pids = tmp_path / "workers.txt"
     driver = run_script(SIGNALLER, job_file, int(sig), 6, pids, cwd=ROOT, env=ENV)
@@ -186,10 +230,10 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes(tmp_path, tiny,
     out = tmp_path / "out"
     now = committed(out)
     assert read_success(out) is None  # killed mid-job
-    assert all(reference[key] == value for key, value in now.items())
-    summary = run_job(load_job(tmp_path, tiny, **KEYS))  # resumed on one engine, in here
+    assert all(ids_reference[key] == value for key, value in now.items())
+    summary = run_job(load_job(tmp_path, ids_tiny, **KEYS))  # resumed on one engine, in here
     assert summary.rows_skipped == len(now) and summary.rows_this_run == ROWS - len(now)
-    assert committed(out) == reference and read_success(out)["rows"] == ROWS
+    assert committed(out) == ids_reference and read_success(out)["rows"] == ROWS
 
 
 ACCEPTANCE_ROWS = 5000
@@ -197,7 +241,7 @@ AT_SCALE = {"device": "cpu", "dtype": "float32", "num_pages": 8000, "data_parall
 
 
 @pytest.mark.slow
-def test_rows_that_finish_at_launch_complete_every_row_once(tmp_path, tiny):
+def test_rows_that_finish_at_launch_complete_every_row_once(tmp_path, ids_tiny):
     """Issue 23's acceptance: 5000 rows, scored ones and generated ones of equal length in
     turn, at data_parallel 2 with the default lookahead (each worker's bound of rows
     outstanding is 1152): every row finishes in the step that launches it, and every row is
@@ -211,7 +255,9 @@ def test_rows_that_finish_at_launch_complete_every_row_once(tmp_path, tiny):
         rows.append(row)
     write_jsonl(tmp_path / "rows.jsonl", rows)
     sampling = {"max_new_tokens": 2, "ignore_eos": True}
-    summary = run_job(load_job(tmp_path, tiny, part_rows=1000, sampling=sampling, engine=AT_SCALE))
+    summary = run_job(
+        load_job(tmp_path, ids_tiny, part_rows=1000, sampling=sampling, engine=AT_SCALE)
+    )
     assert summary.rows_this_run == summary.stats["rows"] == ACCEPTANCE_ROWS
     written = outputs(tmp_path / "out")
     assert sorted(r["id"] for r in written) == [row["id"] for row in rows]  # each once
