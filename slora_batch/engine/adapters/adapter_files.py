@@ -23,6 +23,14 @@ from slora_batch.engine.adapters.expert_files import (
     pattern_value,
     scale_of,
 )
+from slora_batch.engine.adapters.head_files import (
+    BASE_COPY_KEY,
+    HEAD_MODULES,
+    HeadFactor,
+    check_base_copies,
+    check_heads,
+    is_head_key,
+)
 from slora_batch.engine.models.spec import EXPERT_TARGETS, MODULE_OF, TARGETS, ModelSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -56,7 +64,9 @@ _MODULE_TO_TARGET = {
     for target, module in MODULE_OF.items()
     if target not in EXPERT_TARGETS
 }
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out")
+# Embeddings of other model families (GPT-2, GPT-NeoX): refused by name. Llama-style
+# embed_tokens and lm_head run (``head_files``).
+_EMBEDDING_NAMES = ("wte", "embed_out")
 
 
 class AdapterError(ValueError):
@@ -106,6 +116,7 @@ class AdapterInfo:
     modules: tuple[ModuleRanks, ...] = ()
     lora_bias: bool = False  # each module's lora_B has a bias (PEFT's ``lora_bias``)
     dora: bool = False  # DoRA (``use_dora``): each module has a magnitude per output channel
+    heads: tuple[HeadFactor, ...] = ()  # LoRA on embed_tokens and lm_head (``head_files``)
 
     @property
     def kind(self) -> str:
@@ -161,8 +172,16 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         raise AdapterError(name, path, f"unreadable {WEIGHTS_FILE}: {exc}") from exc
     if not shapes:
         raise AdapterError(name, path, f"no LoRA tensors in {WEIGHTS_FILE}")
-    dense = {k: v for k, v in shapes.items() if not (spec.num_experts and is_expert_key(k))}
-    on_experts = {k: v for k, v in shapes.items() if k not in dense}
+    on_heads = {k: v for k, v in shapes.items() if is_head_key(k)}
+    copies = {k: v for k, v in shapes.items() if BASE_COPY_KEY.search(k)}
+    dense = {
+        k: v
+        for k, v in shapes.items()
+        if k not in on_heads and k not in copies and not (spec.num_experts and is_expert_key(k))
+    }
+    on_experts = {
+        k: v for k, v in shapes.items() if k not in dense and k not in on_heads and k not in copies
+    }
     try:  # patterns first: a rank they set would otherwise read as a wrong shape
         _check_expert_patterns(cfg, [k for k in on_experts if not FUSED_KEY.search(k)])
         experts, expert_format = check_experts(on_experts, spec, cfg) if on_experts else ((), "")
@@ -170,6 +189,8 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
             if experts and cfg.get(field):
                 raise ValueError(f"{field} on the experts (mlp.experts) is not supported")
         modules = _check_shapes(dense, spec, cfg)
+        heads = check_heads(on_heads, spec, cfg)
+        check_base_copies(copies, spec)
     except ValueError as exc:
         raise AdapterError(name, path, str(exc)) from exc
     targets = tuple(m.target for m in modules) + tuple(f.target for f in experts)
@@ -186,6 +207,7 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         modules=modules,
         lora_bias=bool(cfg.get("lora_bias", False)),
         dora=bool(cfg.get("use_dora", False)),
+        heads=heads,
     )
 
 
@@ -203,7 +225,9 @@ def _refusal(cfg: dict) -> str | None:
     targets = [targets] if isinstance(targets, str) else targets
     hit = [t for t in targets if any(e in t for e in _EMBEDDING_NAMES)]
     if hit:
-        return f"embedding or lm_head targets {hit} are not supported"
+        return f"embedding targets {hit} are not supported (embed_tokens and lm_head are)"
+    if cfg.get("ensure_weight_tying") and any(any(h in t for h in HEAD_MODULES) for t in targets):
+        return "ensure_weight_tying on embed_tokens or lm_head is not supported"
     if cfg.get("bias", "none") != "none":
         return (
             f"bias {cfg['bias']!r} is not supported: the base model's biases trained with the "
@@ -345,7 +369,7 @@ def _key_target(key: str, shape: tuple, spec: ModelSpec) -> tuple[int, str, str]
     (``lora_key``); raises naming the tensor where it is not one (embeddings, a module the model
     lacks, the shared expert)."""
     if any(e in key for e in _EMBEDDING_NAMES):
-        raise ValueError(f"embedding or lm_head weights ({key}) are not supported")
+        raise ValueError(f"embedding weights ({key}) are not supported")
     found = lora_key(key)
     if found is None or found[1] not in _MODULE_TO_TARGET:
         refusal = spec.lora_refusal(key)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slora_batch.engine.adapters.head_weights import SlotHeads
 from slora_batch.engine.adapters.store import AdapterInfo, AdapterStore, PagedAdapter
 from slora_batch.engine.device import copy_in, to_device
 from slora_batch.engine.models.spec import TARGETS, ModelSpec
@@ -87,6 +88,9 @@ class AdapterResidency:
         self.clock = 0  # the scheduler's step number
         # DoRA's magnitudes need the base weights: the runner sets this to its model's
         self.base_weight: BaseWeight | None = None
+        # slot -> where its adapter's LoRA on embed_tokens and lm_head sits in the pool
+        # (``head_weights.head_step`` reads it); slots of adapters without are absent
+        self.head_slots: dict[int, SlotHeads] = {}
 
     def is_resident(self, name: str) -> bool:
         return name in self._resident
@@ -228,6 +232,9 @@ class AdapterResidency:
             else:
                 self._copy_in(paged.data, index)
             self._sync_slot(slot)
+            if paged.head_start >= 0:
+                head = to_device(pages[paged.head_start :].astype(np.int64), self.device)
+                self.head_slots[slot] = SlotHeads(head, info.heads)
         self.loads += 1
         self.bytes_copied += paged.nbytes
 
@@ -290,6 +297,7 @@ class AdapterResidency:
         self.slot_offsets[slot] = -1
         self.slot_vectors[slot] = -1
         self.layer_rank[slot] = 0
+        self.head_slots.pop(slot, None)
         self._sync_slot(slot)
 
     def _sync_slot(self, slot: int) -> None:

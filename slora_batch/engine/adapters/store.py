@@ -31,6 +31,13 @@ from slora_batch.engine.adapters.adapter_files import (
     resolve_sources,
 )
 from slora_batch.engine.adapters.expert_weights import ExpertRows
+from slora_batch.engine.adapters.head_files import (
+    BASE_COPY_KEY,
+    head_factor,
+    head_pages,
+    is_head_key,
+)
+from slora_batch.engine.adapters.head_weights import head_block
 from slora_batch.engine.models.spec import EXPERT_TARGETS, TARGETS, ModelSpec
 
 __all__ = [
@@ -66,15 +73,18 @@ class AdapterWeights:
     layer's rows; stacked, the rows past a layer's own rank are zeros). ``vectors``: the
     targets with one vector per output channel, their rows [L, k, d_out]: lora_B's bias
     (lora_bias, k = 1), or DoRA's magnitude m and a row of zeros (k = 2), which the residency
-    turns into g and c on the device."""
+    turns into g and c on the device. ``heads``: the flat block of LoRA on embed_tokens and
+    lm_head (``head_weights.head_block``), None without."""
 
     a: dict[str, torch.Tensor]
     b_t: dict[str, torch.Tensor]
     vectors: dict[str, torch.Tensor] = field(default_factory=dict)
+    heads: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         tensors = (*self.a.values(), *self.b_t.values(), *self.vectors.values())
+        tensors += (self.heads,) if self.heads is not None else ()
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -111,11 +121,17 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
         if wanted:
             factors[factor] = empty()
     experts = ExpertRows(info, spec)
+    on_heads: dict[str, torch.Tensor] = {}  # "embed_tokens.A" -> tensor
     try:
         with safe_open(str(info.path / WEIGHTS_FILE), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118
+                if BASE_COPY_KEY.search(key):  # the base model's own (``check_base_copies``)
+                    continue
                 tensor = f.get_tensor(key)
                 if spec.num_experts and experts.add(key, tensor):
+                    continue
+                if is_head_key(key):
+                    on_heads[".".join(head_factor(key))] = tensor
                     continue
                 layer, module, factor = lora_key(key)
                 factors[factor][_MODULE_TO_TARGET[module]][layer] = _rows(factor, tensor)
@@ -127,9 +143,10 @@ def load_weights(info: AdapterInfo, spec: ModelSpec, stack: bool = True) -> Adap
     a.update(expert_a)
     b.update(expert_b)
     vectors = _vector_layers(factors)
+    heads = head_block(info.heads, on_heads) if info.heads else None
     if not stack:
-        return AdapterWeights(a=a, b_t=b, vectors=vectors)  # type: ignore[arg-type]
-    return AdapterWeights(a=_stacked(a), b_t=_stacked(b), vectors=_stacked(vectors))
+        return AdapterWeights(a=a, b_t=b, vectors=vectors, heads=heads)  # type: ignore[arg-type]
+    return AdapterWeights(a=_stacked(a), b_t=_stacked(b), vectors=_stacked(vectors), heads=heads)
 
 
 def _rows(factor: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -210,7 +227,7 @@ def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
             rank = max(info.module_ranks(target, spec.num_layers)[0])
             pages += spec.adapter_pages(rank, (target,))
             pages += vector_rows(info) * spec.pages_per_row(spec.target_dims(target)[1])
-    return pages
+    return pages + head_pages(info.heads, spec)
 
 
 @dataclass
@@ -220,7 +237,9 @@ class PagedAdapter:
     (lora_B's bias, or DoRA's two rows), each row padded to whole pages; an expert target's are
     E blocks of its rank, expert by expert (``expert_weights``). ``offsets[target, 0 or 1]`` is
     the first page index of A or B^T (-1: absent), ``vectors[target, 0 or 1]`` that of the bias
-    row or of the DoRA rows (-1: none; ``LoraMeta.slot_vectors``)."""
+    row or of the DoRA rows (-1: none; ``LoraMeta.slot_vectors``). After them all, the head
+    block (LoRA on embed_tokens and lm_head, ``head_weights``) from page ``head_start`` on (-1:
+    none), its elements laid over the layers of those pages one layer after the other."""
 
     info: AdapterInfo
     data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
@@ -229,6 +248,7 @@ class PagedAdapter:
     # Under tensor parallelism, a DoRA adapter's whole A rows [L, r, d_in] per target: a shard's
     # magnitudes need every input column of B A for its output rows (``residency``).
     whole_a: dict[str, torch.Tensor] = field(default_factory=dict)
+    head_start: int = -1
 
     @property
     def num_pages(self) -> int:
@@ -246,11 +266,13 @@ def to_pages(
     page_size: int,
     dtype: torch.dtype,
     pin: bool = False,
+    num_layers: int = 0,
 ) -> PagedAdapter:
     """Pads each factor's rows to whole pages, in page order, written straight into one
     (pinned) buffer: each factor is copied once, only the pad rows and tails are zeroed. A
     factor is a stacked [L, r, width] tensor or a list of each layer's [r_l, width]
-    (``load_weights``), taking the rows of the largest r_l."""
+    (``load_weights``), taking the rows of the largest r_l. The head block follows them
+    (``num_layers``: the pages' layers, for an adapter on the heads alone)."""
     offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
     vectors = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
     layout: list[tuple] = []  # (rows, first page, rows taken, pages a row, width)
@@ -263,8 +285,15 @@ def to_pages(
             start = _place(layout, weights.vectors[target], page_size)
             vectors[t_index] = torch.tensor(vector_starts(info, start, layout[-1][3]))
     cursor = layout[-1][1] + layout[-1][2] * layout[-1][3] if layout else 0
-    num_layers = len(layout[0][0]) if layout else 0
+    num_layers = len(layout[0][0]) if layout else num_layers
+    head_start, heads = cursor, weights.heads
+    if heads is not None:
+        cursor += -(-heads.numel() // (num_layers * page_size))
     data = torch.empty(num_layers, cursor, page_size, dtype=dtype, pin_memory=pin)
+    if heads is not None:  # layer-major over the block's pages, as the model gathers them
+        block = torch.zeros(num_layers * (cursor - head_start) * page_size, dtype=dtype)
+        block[: heads.numel()] = heads
+        data[:, head_start:] = block.view(num_layers, cursor - head_start, page_size)
     for rows, start, rank, per_row, width in layout:
         padded = data[:, start : start + rank * per_row].view(num_layers, rank, -1)
         padded[:, :, width:].zero_()
@@ -274,7 +303,8 @@ def to_pages(
         for layer, tensor in enumerate(rows):
             padded[layer, : tensor.shape[0], :width].copy_(tensor)
             padded[layer, tensor.shape[0] :].zero_()
-    return PagedAdapter(info=info, data=data, offsets=offsets, vectors=vectors)
+    head_start = head_start if heads is not None else -1
+    return PagedAdapter(info, data, offsets, vectors, head_start=head_start)
 
 
 def _place(layout: list[tuple], rows, page_size: int) -> int:
@@ -372,12 +402,15 @@ class AdapterStore:
         for info in infos:
             moe = [t for t in info.targets if t == "router" or t in EXPERT_TARGETS]
             rows = [t for t in info.targets if t in ROW_PARALLEL] if info.dora else []
+            heads = [h.module for h in info.heads]  # vocab-parallel embedding and lm_head
             reason = (
                 f"LoRA on the router or the experts ({', '.join(moe)}) is not supported"
                 if moe
                 else f"DoRA on the row-parallel {' and '.join(rows)} is not supported"
+                if rows
+                else f"LoRA on {' and '.join(heads)} is not supported"
             )
-            if moe or rows:
+            if moe or rows or heads:
                 broken[info.name] = AdapterError(
                     info.name, info.path, f"{reason} under tensor_parallel {self.shard[1]}"
                 )
@@ -475,6 +508,7 @@ class AdapterStore:
             if info.dora:
                 whole_a = {t: a.to(self.dtype) for t, a in weights.a.items()}
             weights = shard_adapter(weights, *self.shard, spec=self.spec)
-        paged = to_pages(info, weights, self.page_spec.page_size, self.dtype, self.pin)
+        page_size, layers = self.page_spec.page_size, self.spec.num_layers
+        paged = to_pages(info, weights, page_size, self.dtype, self.pin, layers)
         paged.whole_a = whole_a
         return paged

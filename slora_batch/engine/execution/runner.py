@@ -18,6 +18,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from slora_batch.engine.adapters.head_weights import head_step
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.adapters.store import vector_rows
 from slora_batch.engine.device import copy_in, to_device
@@ -157,7 +158,9 @@ class ModelRunner:
         """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
         previous step's drawn tokens on the device, read where ``host.prev_rows`` points."""
         batch = len(host.b_seq_len)
-        graphable = host.decode_only and host.score_index is None  # graphs draw every row
+        # LoRA on embed_tokens or lm_head runs eagerly (the graphs hold none)
+        heads = head_step(self.residency.head_slots, host.b_slot, host.logits_index, self.device)
+        graphable = host.decode_only and host.score_index is None and heads is None
         if graphable and self.buckets and batch <= self.buckets[-1]:
             bucket = min(b for b in self.buckets if b >= batch)
             tiled = self._tiled(host.b_slot)
@@ -170,7 +173,7 @@ class ModelRunner:
         step = upload(host, self.residency, self.device, self.model.needs_prompt_lens)
         if host.prev_rows is not None:
             gather_previous(step.input_ids, to_device(host.prev_rows, self.device), prev_tokens)
-        return self.model.forward(step, self.pool, self.ops, self.lora_pool)
+        return self.model.forward(step, self.pool, self.ops, self.lora_pool, heads)
 
     def _tiled(self, b_slot: np.ndarray) -> bool:
         return self.max_rank > 0 and tiled_decode(b_slot)

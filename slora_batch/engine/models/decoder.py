@@ -27,6 +27,7 @@ from slora_batch.engine.models.step import StepInput
 from slora_batch.engine.pool import PagePool
 
 if TYPE_CHECKING:
+    from slora_batch.engine.adapters.head_weights import HeadStep
     from slora_kernels.meta import LoraMeta
 
 
@@ -101,16 +102,20 @@ class DecoderModel:
         return self.long_from is not None
 
     def forward(
-        self, step: StepInput, pool: PagePool, ops: ModuleType, lora_pool: PagePool | None = None
+        self,
+        step: StepInput,
+        pool: PagePool,
+        ops: ModuleType,
+        lora_pool: PagePool | None = None,
+        heads: HeadStep | None = None,
     ) -> torch.Tensor:
         """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index.
         K/V pages are ``pool``'s; adapter rows are ``lora_pool``'s, which is ``pool`` itself
-        (the default) under S-LoRA's unified paging."""
+        (the default) under S-LoRA's unified paging. ``heads``: the step's LoRA on
+        embed_tokens and lm_head (eager steps only; None: no adapter of the step has one)."""
         lora_pool = lora_pool if lora_pool is not None else pool
         spec, eps = self.spec, self.spec.rms_norm_eps
-        x = F.embedding(step.input_ids, self.embed)  # [T, H]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        x = self._embed(step.input_ids, lora_pool, heads)  # [T, H]
         residual = None
         lora_buf = None
         if step.lora is not None and step.lora.max_rank > 0:
@@ -155,9 +160,21 @@ class DecoderModel:
             x = down if layer.ff_norms is None else ops.rms_norm(down, layer.ff_norms[1], eps)[0]
         h, _ = ops.rms_norm(x[step.logits_index], self.final_norm, eps, residual[step.logits_index])
         logits = F.linear(h, self.lm_head).float()
+        if heads is not None:  # PEFT's LoRA on lm_head adds to its output, before the soft cap
+            heads.add_logits(logits, h, lora_pool.data, spec)
         if spec.final_softcap > 0:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits if tp is None else tp.gather_vocab(logits, spec.vocab_size)
+
+    def _embed(
+        self, input_ids: torch.Tensor, lora_pool: PagePool, heads: HeadStep | None
+    ) -> torch.Tensor:
+        """The tokens' embeddings [T, H], with their adapters' LoRA on embed_tokens added before
+        the model's own scale (Gemma's sqrt(H) scales PEFT's delta too)."""
+        x = F.embedding(input_ids, self.embed)
+        if heads is not None:
+            heads.add_embed(x, input_ids, lora_pool.data, self.spec)
+        return x * self.embed_scale if self.embed_scale is not None else x
 
     def _mlp(
         self, h: torch.Tensor, layer: LayerWeights, lora: tuple, ops: ModuleType

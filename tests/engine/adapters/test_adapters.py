@@ -68,9 +68,14 @@ def test_refuses_modules_to_save(model_dir, spec, tmp_path):
     assert "modules_to_save" in refused("mts", path, spec)
 
 
-def test_refuses_embedding_targets(model_dir, spec, tmp_path):
+def test_refuses_tied_embedding_adapters(model_dir, spec, tmp_path):
+    """LoRA on embed_tokens runs (``test_embedding_lora``); PEFT's ensure_weight_tying, which
+    ties an lm_head LoRA to it, does not."""
     path = adapter(model_dir, tmp_path, "emb", targets=["embed_tokens", "q_proj"])
-    assert "embedding" in refused("emb", path, spec)
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["ensure_weight_tying"] = True
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    assert "ensure_weight_tying" in refused("emb", path, spec)
 
 
 def test_refuses_lm_head_weights_even_if_config_is_silent(model_dir, spec, tmp_path):
