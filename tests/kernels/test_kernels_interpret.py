@@ -250,7 +250,7 @@ LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page si
     "skewed": ("skewed", 0.1, 23, torch.float16, 32),
     "one": ("one", 0.3, 36, torch.float32, 64),
 }
-# Their segments (slot: tokens) at seed = tokens, as test_lora_cases_segments checks: every
+# Their segments (slot: tokens) at seed = tokens, which the test after LORA_RUNS checks: every
 # rank; a segment across the first block of 16, one of 3 and one of 1; one long segment on
 # pages of 64 (rows of 1 and 2 pages, with tails past the width). Each token is a program of
 # the vector kernels, so the cases are as short as these allow.
