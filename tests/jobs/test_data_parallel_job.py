@@ -170,6 +170,7 @@ def test_a_killed_then_a_silent_worker_fail_the_run_naming_it_and_reruns_resume(
     message = failed_run(
         tmp_path, ids_tiny, keys, signal_worker_1(engines, signal.SIGSTOP, 4, stopped)
     )
+    assert len(engines) == 2 and stopped, message  # the re-run's workers started, one stopped
     assert_stopped_worker_named(message, engines[1].pids[1], timeout, stopped[0])
     now = committed_after_a_failure(out, ids_reference, killed, 4)  # resumed: each row once
 
