@@ -152,7 +152,7 @@ def attention_decode(
     return torch.einsum("bhgk,bkhd->bhgd", probs, v).reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
-def module_rank(meta: LoraMeta, slot: int, target: int) -> int:
+def _module_rank(meta: LoraMeta, slot: int, target: int) -> int:
     """The rank of one module (slot, ``meta.layer``, target): ``layer_rank``'s, 0 where the
     adapter leaves the module out, else the slot's rank."""
     if meta.layer_rank is None:
@@ -160,8 +160,8 @@ def module_rank(meta: LoraMeta, slot: int, target: int) -> int:
     return int(meta.layer_rank[slot, meta.layer, target])
 
 
-def module_scale(meta: LoraMeta, slot: int, target: int) -> float:
-    """The LoRA scale of one module, as ``module_rank`` reads its rank."""
+def _module_scale(meta: LoraMeta, slot: int, target: int) -> float:
+    """The LoRA scale of one module, as ``_module_rank`` reads its rank."""
     if meta.layer_scale is None:
         return float(meta.slot_scale[slot])
     return float(meta.layer_scale[slot, meta.layer, target])
@@ -175,17 +175,17 @@ def gather_lora_rows(
     Row j of the matrix lies in pages slot_pages[slot, start + j * pages_per_row + c],
     c = 0 .. pages_per_row - 1, with start = slot_offsets[slot, target, which] and
     pages_per_row = ceil(width / page_size). Returns [rank, width], the module's own rank at
-    ``meta.layer`` (``module_rank``).
+    ``meta.layer`` (``_module_rank``).
     """
     page_size = pool_layer.shape[1]
-    rank = module_rank(meta, slot, target)
+    rank = _module_rank(meta, slot, target)
     per_row = -(-width // page_size)
     start = int(meta.slot_offsets[slot, target, which])
     pages = meta.slot_pages[slot, start : start + rank * per_row].long()
     return pool_layer[pages].reshape(rank, per_row * page_size)[:, :width]
 
 
-def gather_vector(
+def _gather_vector(
     pool_layer: torch.Tensor, meta: LoraMeta, slot: int, target: int, which: int, width: int
 ) -> torch.Tensor | None:
     """One adapter's vector rows of a target, ``width`` elements each, laid out like B^T rows
@@ -229,7 +229,7 @@ def lora_shrink(
     for s, lo, hi in meta.segments():
         idx = meta.token_order[lo:hi].long()
         for j, t in enumerate(targets):
-            if int(meta.slot_offsets[s, t, 0]) < 0 or module_rank(meta, s, t) == 0:
+            if int(meta.slot_offsets[s, t, 0]) < 0 or _module_rank(meta, s, t) == 0:
                 continue
             a = gather_lora_rows(pool_layer, meta, s, t, 0, x.shape[1])[:width]
             out[idx, j * width : j * width + a.shape[0]] = (x[idx].float() @ a.float().T).to(
@@ -254,9 +254,9 @@ def lora_expand(
       out[t, lo:hi] = out[t, lo:hi] + delta                 (LoRA)
       out[t, lo:hi] = g_s * out[t, lo:hi] + c_s + g_s * delta  (DoRA)
     (B_s^T: rank[s] rows of hi - lo, from pages; R = v.shape[1] // len(group); rank[s] and
-    scale[s]: the module's at meta.layer, ``module_rank`` and ``module_scale``; rank 0: no add;
+    scale[s]: the module's at meta.layer, ``_module_rank`` and ``_module_scale``; rank 0: no add;
     bias_s: lora_B's bias where the adapter has one, else 0; g_s, c_s: the DoRA rows, where it
-    has them: ``gather_vector``).
+    has them: ``_gather_vector``).
     Shape: v [T, G * R]; pool_layer [P, page_size]; out [T, D] (may be a column slice).
     """
     targets = lora_group(target)
@@ -266,18 +266,18 @@ def lora_expand(
     for s, lo, hi in meta.segments():
         idx = meta.token_order[lo:hi].long()
         for j, t in enumerate(targets):
-            if int(meta.slot_offsets[s, t, 1]) < 0 or module_rank(meta, s, t) == 0:
+            if int(meta.slot_offsets[s, t, 1]) < 0 or _module_rank(meta, s, t) == 0:
                 continue
             c0, c1 = cols[j]
             b = gather_lora_rows(pool_layer, meta, s, t, 1, c1 - c0)[:width]
             vs = v[idx, j * width : j * width + b.shape[0]].float()
             delta = vs @ b.float()
-            bias = gather_vector(pool_layer, meta, s, t, 0, c1 - c0)
+            bias = _gather_vector(pool_layer, meta, s, t, 0, c1 - c0)
             if bias is not None:
                 delta = delta + bias.float()
-            delta = delta * module_scale(meta, s, t)
+            delta = delta * _module_scale(meta, s, t)
             base = out[idx, c0:c1].float()
-            dora = gather_vector(pool_layer, meta, s, t, 1, c1 - c0)
+            dora = _gather_vector(pool_layer, meta, s, t, 1, c1 - c0)
             if dora is not None:
                 g, c = dora.float()
                 base, delta = base * g + c, delta * g
