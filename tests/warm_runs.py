@@ -9,11 +9,14 @@ from /dev/null, and the interpreter's normal exit after it (non-daemon threads j
 handlers, flushed streams). Its exit status is what ``subprocess.run`` reports: ``sys.exit``'s
 code, 1 for an uncaught exception (traceback on stderr), minus the signal that killed it.
 
-The warm interpreter imports modules only (no torch op, no thread of its own, nothing forked
+The warm interpreter imports modules only (no torch op, no Python thread, nothing forked
 before its children), then freezes what they made out of the garbage collector's reach
 (``gc.freeze``), so a child's full collections walk only its own objects. A script's patches
 (``writer.commit_file = ...``) still take: the job code looks those names up when it calls
-them. It ends when the test process closes its end of the pipe.
+them. What a module reads from the environment when imported (tqdm its TQDM_ variables, rich
+NO_COLOR) it read in the warm interpreter's: the test process's, with OMP_NUM_THREADS=1 and
+PYTHONPATH at the checkout; what is read at run time sees the script's. The warm interpreter
+ends when the test process closes its end of the pipe.
 """
 
 from __future__ import annotations
@@ -56,11 +59,9 @@ SERVER = r"""
 import gc, importlib, json, os, sys
 
 
-def serve():
+def serve(replies):
     '''Forks a child per request line and answers its pid, then its exit status. Returns the
     request in the child; the server itself exits when its stdin closes.'''
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # stray prints of the imports never reach the replies
     replies.write("ready\n")
     while line := sys.stdin.readline():
         request = json.loads(line)
@@ -82,18 +83,21 @@ def enter(request):
     os.environ.clear()
     os.environ.update(request["env"])
     for fd, path in ((0, os.devnull), (1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        flags = os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        os.dup2(os.open(path, flags, 0o644), fd)
     sys.argv = ["-c", *request["args"]]
 
 
+_replies = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)  # what the imports print goes to stderr, never into the replies
 for module in sys.argv[1:]:
     importlib.import_module(module)
 gc.collect()
 gc.freeze()  # what the imports made: a child's full collections walk only its own objects
-_request = serve()
+_request = serve(_replies)
 enter(_request)
 _code = compile(_request["script"], "<string>", "exec")
-del gc, importlib, json, serve, enter, module, _request
+del gc, importlib, json, serve, enter, module, _replies, _request
 exec(_code)
 """
 
