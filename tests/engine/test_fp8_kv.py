@@ -207,12 +207,12 @@ def test_fp8_triton_kernels_read_no_garbage(one_layer):
     # pool_garbage's folder and tests/kernels, whose interpreter module, imported first, spares
     # the interpreter work it never uses (the same operations on the same values, in half the time)
     here = Path(__file__).resolve().parent
-    path = [str(Path(slora_batch.__file__).resolve().parents[1]), str(here),
-            str(here.parent / "kernels"), os.environ.get("PYTHONPATH", "")]  # fmt: skip
+    root = str(Path(slora_batch.__file__).resolve().parents[1])
+    path = [root, str(here), str(here.parent / "kernels"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     child = "import interpreter, runpy; runpy.run_module('pool_garbage', run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", child, json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "-c", child, json.dumps(spec)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     stats = report["poisoned"]["stats"]
