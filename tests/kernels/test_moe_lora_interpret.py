@@ -4,7 +4,7 @@ token's merged expert weights, in this process.
 
 As in test_moe_interpret.py, the interpreted tests run in a child process started with
 TRITON_INTERPRET=1; ``TRITON_INTERPRET=1 pytest tests/kernels/test_moe_lora_interpret.py`` runs
-them in-process. Cases: mixed ranks per adapter and target (1 to 17, gate_up and down apart),
+them in-process. Cases: mixed ranks per adapter and target (1 to 64, gate_up and down apart),
 an adapter without expert targets, tokens without adapter, adapter popularity uniform or skewed
 onto one adapter, routing uniform, skewed onto one expert or with "no expert" slots, pages at
 random places of the pool and a page size no power of two.
@@ -176,8 +176,9 @@ CASES = {
     "block-64": (65, 2, 2, 40, 24, 16, "uniform", "skewed"),
     "top-1": (9, 4, 1, 64, 32, 32, "skewed", "uniform"),
 }
-# Ranks per adapter slot: (gate_up's, down's); slot 3 has no expert target at all.
-RANKS = [(3, 1), (16, 17), (2, 0), (0, 0), (0, 5)]
+# Ranks per adapter slot: (gate_up's, down's), 1 to 64 (the shrink takes ranks in blocks of 16:
+# one block, a part of one, four, and four and a part); slot 3 has no expert target at all.
+RANKS = [(3, 1), (16, 17), (2, 0), (0, 0), (0, 5), (64, 33)]
 
 
 def test_cases_take_each_block_size():
