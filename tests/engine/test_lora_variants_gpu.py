@@ -68,13 +68,13 @@ VARIANTS = {  # name: LoraConfig fields
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def variant_case(request, tmp_path_factory):
-    return build_case(tmp_path_factory.mktemp(request.param), FAMILIES[request.param])
+    return build_case(tmp_path_factory.mktemp(request.param), FAMILIES[request.param], VARIANTS)
 
 
-def build_case(root, shape: dict):
-    """A random bf16 model of ``shape`` on the GPU with the VARIANTS in one PEFT model: its
-    config in root/model (the weights returned by Hugging Face name), the adapters in
-    root/adapters."""
+def build_case(root, shape: dict, variants: dict):
+    """A random bf16 model of ``shape`` on the GPU with ``variants`` (name: LoraConfig fields) in
+    one PEFT model: its config in root/model (the weights returned by Hugging Face name), the
+    adapters in root/adapters."""
     import transformers
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -93,7 +93,7 @@ def build_case(root, shape: dict):
     config.save_pretrained(root / "model")
     weights = dict(model.state_dict())  # HF names, taken before PEFT wraps the layers
     peft_model = None
-    for name, fields in VARIANTS.items():
+    for name, fields in variants.items():
         cfg = LoraConfig(lora_dropout=0.0, **fields)
         if peft_model is None:
             peft_model = get_peft_model(model, cfg, adapter_name=name)
@@ -107,7 +107,7 @@ def build_case(root, shape: dict):
     peft_model.save_pretrained(root / "adapters")
     peft_model.eval()
     peft_model.rope = rope  # for first_step_errors' fp32 logits
-    return root / "model", weights, {n: root / "adapters" / n for n in VARIANTS}, peft_model
+    return root / "model", weights, {n: root / "adapters" / n for n in variants}, peft_model
 
 
 def rows(vocab: int, names: list, count: int, seed: int) -> list[dict]:
