@@ -25,12 +25,15 @@ from slora_batch.engine.adapters.expert_files import (
 )
 from slora_batch.engine.adapters.head_files import (
     BASE_COPY_KEY,
+    HEAD_KEY,
     HEAD_MODULES,
+    SAVED_KEY,
     HeadFactor,
     check_base_copies,
     check_heads,
     is_head_key,
 )
+from slora_batch.engine.adapters.saved_modules import check_saved, saved_modules
 from slora_batch.engine.models.spec import EXPERT_TARGETS, MODULE_OF, TARGETS, ModelSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -116,7 +119,9 @@ class AdapterInfo:
     modules: tuple[ModuleRanks, ...] = ()
     lora_bias: bool = False  # each module's lora_B has a bias (PEFT's ``lora_bias``)
     dora: bool = False  # DoRA (``use_dora``): each module has a magnitude per output channel
-    heads: tuple[HeadFactor, ...] = ()  # LoRA on embed_tokens and lm_head (``head_files``)
+    # LoRA on embed_tokens and lm_head (``head_files``), and saved copies of them
+    # (``modules_to_save``, ``saved_modules``), in HEAD_MODULES order
+    heads: tuple[HeadFactor, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -172,17 +177,9 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         raise AdapterError(name, path, f"unreadable {WEIGHTS_FILE}: {exc}") from exc
     if not shapes:
         raise AdapterError(name, path, f"no LoRA tensors in {WEIGHTS_FILE}")
-    on_heads = {k: v for k, v in shapes.items() if is_head_key(k)}
-    copies = {k: v for k, v in shapes.items() if BASE_COPY_KEY.search(k)}
-    dense = {
-        k: v
-        for k, v in shapes.items()
-        if k not in on_heads and k not in copies and not (spec.num_experts and is_expert_key(k))
-    }
-    on_experts = {
-        k: v for k, v in shapes.items() if k not in dense and k not in on_heads and k not in copies
-    }
+    on_heads, weights, copies, dense, on_experts = _partition(shapes, spec)
     try:  # patterns first: a rank they set would otherwise read as a wrong shape
+        saved_modules(cfg)  # a module it cannot run, before its tensor reads as unexpected
         _check_expert_patterns(cfg, [k for k in on_experts if not FUSED_KEY.search(k)])
         experts, expert_format = check_experts(on_experts, spec, cfg) if on_experts else ((), "")
         for field in ("lora_bias", "use_dora"):
@@ -190,7 +187,8 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
                 raise ValueError(f"{field} on the experts (mlp.experts) is not supported")
         modules = _check_shapes(dense, spec, cfg)
         heads = check_heads(on_heads, spec, cfg)
-        check_base_copies(copies, spec)
+        saved, unsaved = check_saved(weights, spec, cfg, tuple(h.module for h in heads))
+        check_base_copies({**copies, **unsaved}, spec)
     except ValueError as exc:
         raise AdapterError(name, path, str(exc)) from exc
     targets = tuple(m.target for m in modules) + tuple(f.target for f in experts)
@@ -207,8 +205,27 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         modules=modules,
         lora_bias=bool(cfg.get("lora_bias", False)),
         dora=bool(cfg.get("use_dora", False)),
-        heads=heads,
+        heads=tuple(sorted(heads + saved, key=lambda h: HEAD_MODULES.index(h.module))),
     )
+
+
+def _partition(shapes: dict[str, tuple], spec: ModelSpec) -> tuple[dict, ...]:
+    """An adapter's tensors (key -> shape) by what they are: LoRA factors on embed_tokens and
+    lm_head, those modules' own weights (saved copies or base copies: ``check_saved`` tells
+    them apart by the config), base copies beside LoRA factors, LoRA on the other linear
+    modules, and on the experts."""
+    on_heads = {k: v for k, v in shapes.items() if HEAD_KEY.search(k)}
+    weights = {k: v for k, v in shapes.items() if SAVED_KEY.search(k)}
+    copies = {k: v for k, v in shapes.items() if BASE_COPY_KEY.search(k)}
+    dense = {
+        k: v
+        for k, v in shapes.items()
+        if not is_head_key(k) and k not in copies and not (spec.num_experts and is_expert_key(k))
+    }
+    on_experts = {
+        k: v for k, v in shapes.items() if k not in dense and not is_head_key(k) and k not in copies
+    }
+    return on_heads, weights, copies, dense, on_experts
 
 
 def _refusal(cfg: dict) -> str | None:
@@ -217,10 +234,6 @@ def _refusal(cfg: dict) -> str | None:
         return f"peft_type {cfg.get('peft_type')!r} is not LORA"
     if cfg.get("use_dora") and cfg.get("lora_bias"):
         return "DoRA with lora_bias is not supported (PEFT refuses the pair as well)"
-    if cfg.get("modules_to_save"):
-        return (
-            f"modules_to_save {cfg['modules_to_save']} is not supported (it replaces base weights)"
-        )
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
     hit = [t for t in targets if any(e in t for e in _EMBEDDING_NAMES)]

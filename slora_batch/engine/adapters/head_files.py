@@ -1,6 +1,7 @@
 """LoRA on the token embedding (``embed_tokens``) and on the output projection (``lm_head``), as
-PEFT saves and runs it: parsing and validation against the model (no torch, like
-``adapter_files``); ``head_weights`` holds the factors and applies them.
+PEFT saves and runs it, and PEFT's saved copies of those modules (``modules_to_save``,
+``saved_modules``): parsing and validation against the model (no torch, like
+``adapter_files``); ``head_weights`` holds the factors and copies and applies them.
 
 PEFT's tensors and what the model adds with them (s: the module's scale, V vocab, H hidden):
 
@@ -29,10 +30,14 @@ HEAD_KEY = re.compile(
     r"(?:^|\.)(embed_tokens|lm_head)\.(lora_embedding_A|lora_embedding_B|lora_A|lora_B)"
     r"(?:\.(weight|bias))?$"
 )
-# PEFT's copy of the base embedding matrices, saved beside the factors by default
+# A head module's own weight [V, H] under its own name: PEFT's saved copy of a module in
+# ``modules_to_save`` (its factor "W" in ``head_factor``), or, for a module not saved, a copy
+# of the base matrix as some PEFT versions write it with ``save_embedding_layers``.
+SAVED_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
+# PEFT's copy of the base embedding matrices beside LoRA factors on them, saved by default
 # (``save_embedding_layers``) for models whose vocabulary was resized in training: the engine
 # runs the base model's own, so a copy must have its shape (``check_base_copies``).
-BASE_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.(?:base_layer\.)?weight$")
+BASE_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.base_layer\.weight$")
 _FACTORS = {
     ("embed_tokens", "lora_embedding_A"): "A",
     ("embed_tokens", "lora_embedding_B"): "B",
@@ -43,11 +48,14 @@ _FACTORS = {
 
 @dataclass(frozen=True)
 class HeadFactor:
-    """One head module of an adapter: "embed_tokens" or "lm_head", its rank and scale."""
+    """One head module of an adapter: "embed_tokens" or "lm_head", its LoRA's rank and scale,
+    or (``saved``) a whole copy of the module from ``modules_to_save`` in place of the base's:
+    rank 0, scale 1.0, [V, H] elements."""
 
     module: str
     rank: int
     scale: float
+    saved: bool = False
 
     def shapes(self, spec: ModelSpec) -> tuple[tuple[int, int], tuple[int, int]]:
         """(A, B) as PEFT saves them."""
@@ -57,16 +65,21 @@ class HeadFactor:
         return (r, hidden), (vocab, r)
 
     def numel(self, spec: ModelSpec) -> int:
+        if self.saved:
+            return spec.vocab_size * spec.hidden_size
         return self.rank * (spec.vocab_size + spec.hidden_size)
 
 
 def is_head_key(key: str) -> bool:
-    return HEAD_KEY.search(key) is not None
+    """Whether a tensor belongs in the head block: a LoRA factor on embed_tokens or lm_head,
+    or a module's own weight (``SAVED_KEY``)."""
+    return HEAD_KEY.search(key) is not None or SAVED_KEY.search(key) is not None
 
 
 def check_base_copies(shapes: dict[str, tuple], spec: ModelSpec) -> None:
-    """Raises naming a saved base embedding matrix (``BASE_COPY_KEY``) whose shape is not the
-    model's [vocab, hidden]: a vocabulary resized in training, which the engine does not run."""
+    """Raises naming a saved base embedding matrix (``BASE_COPY_KEY``, or ``SAVED_KEY`` of a
+    module not in modules_to_save) whose shape is not the model's [vocab, hidden]: a
+    vocabulary resized in training, which the engine does not run."""
     want = (spec.vocab_size, spec.hidden_size)
     for key, shape in shapes.items():
         if tuple(shape) != want:
@@ -77,8 +90,11 @@ def check_base_copies(shapes: dict[str, tuple], spec: ModelSpec) -> None:
 
 
 def head_factor(key: str) -> tuple[str, str]:
-    """(module, "A" or "B") of a head tensor; raises naming it where PEFT writes no such one
-    (lora_B's bias, lora_A on an embedding)."""
+    """(module, "A", "B" or "W") of a head tensor ("W": the module's own weight, ``SAVED_KEY``);
+    raises naming it where PEFT writes no such one (lora_B's bias, lora_A on an embedding)."""
+    saved = SAVED_KEY.search(key)
+    if saved is not None:
+        return saved.group(1), "W"
     m = HEAD_KEY.search(key)
     factor = _FACTORS.get((m.group(1), m.group(2))) if m is not None else None
     weight = m is not None and m.group(3) == "weight"  # lm_head's only, as PEFT saves them
@@ -88,7 +104,7 @@ def head_factor(key: str) -> tuple[str, str]:
 
 
 def check_heads(shapes: dict[str, tuple], spec: ModelSpec, cfg: dict) -> tuple[HeadFactor, ...]:
-    """The adapter's head modules from its head tensors' shapes, each at the rank and alpha
+    """The adapter's head modules with LoRA from their factors' shapes (``HEAD_KEY``), each at the rank and alpha
     its patterns give (``rank_pattern`` / ``alpha_pattern`` on "model.embed_tokens" or
     "lm_head", as PEFT picks them); raises naming the tensor whose shape the model (its vocab
     and hidden size) does not take, or the module that lacks a factor."""
@@ -125,7 +141,7 @@ def _head(module: str, factors: dict[str, tuple], spec: ModelSpec, cfg: dict) ->
 
 
 def head_numel(heads: tuple[HeadFactor, ...], spec: ModelSpec) -> int:
-    """Elements of an adapter's head block."""
+    """Elements of an adapter's head block (LoRA factors and saved copies)."""
     return sum(h.numel(spec) for h in heads)
 
 

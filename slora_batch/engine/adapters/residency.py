@@ -88,8 +88,9 @@ class AdapterResidency:
         self.clock = 0  # the scheduler's step number
         # DoRA's magnitudes need the base weights: the runner sets this to its model's
         self.base_weight: BaseWeight | None = None
-        # slot -> where its adapter's LoRA on embed_tokens and lm_head sits in the pool
-        # (``head_weights.head_step`` reads it); slots of adapters without are absent
+        # slot -> where its adapter's LoRA on embed_tokens and lm_head, or its saved copies of
+        # them (modules_to_save), sit in the pool (``head_weights.head_step`` reads it); slots
+        # of adapters without are absent
         self.head_slots: dict[int, SlotHeads] = {}
 
     def is_resident(self, name: str) -> bool:

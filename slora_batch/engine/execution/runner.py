@@ -158,7 +158,8 @@ class ModelRunner:
         """Logits [S, vocab] fp32 of the rows in ``host.logits_index``. ``prev_tokens``: the
         previous step's drawn tokens on the device, read where ``host.prev_rows`` points."""
         batch = len(host.b_seq_len)
-        # LoRA on embed_tokens or lm_head runs eagerly (the graphs hold none)
+        # LoRA on embed_tokens or lm_head, and saved copies of them, run eagerly (the graphs
+        # hold none)
         heads = head_step(self.residency.head_slots, host.b_slot, host.logits_index, self.device)
         graphable = host.decode_only and host.score_index is None and heads is None
         if graphable and self.buckets and batch <= self.buckets[-1]:

@@ -112,7 +112,8 @@ class DecoderModel:
         """Runs every layer on the step's tokens; returns logits [S, vocab] for logits_index.
         K/V pages are ``pool``'s; adapter rows are ``lora_pool``'s, which is ``pool`` itself
         (the default) under S-LoRA's unified paging. ``heads``: the step's LoRA on
-        embed_tokens and lm_head (eager steps only; None: no adapter of the step has one)."""
+        embed_tokens and lm_head and its saved copies of them (``modules_to_save``; eager steps
+        only; None: no adapter of the step has one)."""
         lora_pool = lora_pool if lora_pool is not None else pool
         spec, eps = self.spec, self.spec.rms_norm_eps
         x = self._embed(step.input_ids, lora_pool, heads)  # [T, H]
@@ -160,7 +161,9 @@ class DecoderModel:
             x = down if layer.ff_norms is None else ops.rms_norm(down, layer.ff_norms[1], eps)[0]
         h, _ = ops.rms_norm(x[step.logits_index], self.final_norm, eps, residual[step.logits_index])
         logits = F.linear(h, self.lm_head).float()
-        if heads is not None:  # PEFT's LoRA on lm_head adds to its output, before the soft cap
+        # PEFT's LoRA on lm_head adds to its output, a saved lm_head replaces its adapter's
+        # rows; both before the soft cap
+        if heads is not None:
             heads.add_logits(logits, h, lora_pool.data, spec)
         if spec.final_softcap > 0:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
@@ -169,8 +172,9 @@ class DecoderModel:
     def _embed(
         self, input_ids: torch.Tensor, lora_pool: PagePool, heads: HeadStep | None
     ) -> torch.Tensor:
-        """The tokens' embeddings [T, H], with their adapters' LoRA on embed_tokens added before
-        the model's own scale (Gemma's sqrt(H) scales PEFT's delta too)."""
+        """The tokens' embeddings [T, H], with their adapters' LoRA on embed_tokens added, or
+        the rows of their adapters' saved embed_tokens in place of the base's, before the
+        model's own scale (Gemma's sqrt(H) scales PEFT's delta and its saved copy's rows too)."""
         x = F.embedding(input_ids, self.embed)
         if heads is not None:
             heads.add_embed(x, input_ids, lora_pool.data, self.spec)
