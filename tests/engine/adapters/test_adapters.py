@@ -63,9 +63,11 @@ def test_refuses_dora_without_its_magnitudes(model_dir, spec, tmp_path):
     assert "DoRA" in refused("dora", path, spec)
 
 
-def test_refuses_modules_to_save(model_dir, spec, tmp_path):
-    path = adapter(model_dir, tmp_path, "mts", modules_to_save=["lm_head"])
-    assert "modules_to_save" in refused("mts", path, spec)
+def test_refuses_modules_to_save_of_other_modules(model_dir, spec, tmp_path):
+    """Saved copies of embed_tokens and lm_head run (``test_saved_modules``), of the final norm
+    not."""
+    path = adapter(model_dir, tmp_path, "mts", modules_to_save=["norm"])
+    assert "modules_to_save 'norm' is not supported" in refused("mts", path, spec)
 
 
 def test_refuses_tied_embedding_adapters(model_dir, spec, tmp_path):
@@ -137,12 +139,12 @@ def test_refuses_unreadable_file(model_dir, spec, tmp_path, broken):
 
 
 def test_broken_adapter_costs_only_its_own_rows(model_dir, tmp_path):
-    """An adapter with modules_to_save, one without weights and a hidden folder beside a good
+    """An adapter with modules_to_save of the norm, one without weights and a hidden folder beside a good
     adapter: the bad ones' rows are error rows naming the adapter and the reason, the good
     one's rows run, and the hidden folder is no adapter at all."""
     root = tmp_path / "adapters"
     adapter(model_dir, root, "good")
-    adapter(model_dir, root, "dora", modules_to_save=["lm_head"])
+    adapter(model_dir, root, "dora", modules_to_save=["norm"])
     (adapter(model_dir, root, "noweights") / "adapter_model.safetensors").unlink()
     (root / ".ipynb_checkpoints").mkdir()
     engine = Engine(model_dir, adapters=root, config=EngineConfig(device="cpu", num_pages=400))
