@@ -356,6 +356,12 @@ def validate(
         help="Check every input row, not the first 200, and list every row problem, not the "
         "first 10.",
     ),
+    per_adapter: bool = typer.Option(
+        False,
+        "--per-adapter",
+        help="List what each adapter changes in the model, a line each (default: a line per "
+        "distinct change, with how many adapters have it).",
+    ),
     limit: int | None = LIMIT,
     model: str | None = MODEL,
     adapters: list[str] | None = ADAPTERS,
@@ -376,8 +382,9 @@ def validate(
     """Check the jobs of JOBS_FILE without running them (no engine, no weights; the sample
     model is converted once on its first use, as by run).
 
-    Checks keys, the model config, every adapter against the model (adapters the engine
-    cannot run are listed), the input files and schema, every row's id (repeated (id, adapter)
+    Checks keys, the model config, every adapter against the model (what each changes: which
+    modules, on which layers, with LoRA, DoRA, lora_bias, the heads; adapters the engine cannot
+    run are listed), the input files and schema, every row's id (repeated (id, adapter)
     rows fail the job) and columns (those neither used nor kept are listed), and a sample of
     rows (tokenized). Exits 1 when a job could not run; row problems are listed (a run writes
     error rows for them) but do not fail validation.
@@ -408,7 +415,7 @@ def validate(
             print_error(str(exc))
             failed += 1
             continue
-        print_report(report, every=every)
+        print_report(report, every=every, per_adapter=per_adapter)
     if failed:
         raise typer.Exit(1)
 

@@ -35,6 +35,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from slora_batch.engine.adapters.changes import grouped, names_text, unmatched_notes
 from slora_batch.jobs.preference import ChoicePreference, choice_preference
 from slora_batch.jobs.preview import preview
 from slora_batch.jobs.progress import (
@@ -535,8 +536,9 @@ def _kinds(adapters) -> str:
     return "; " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
 
 
-def print_report(report: ValidationReport, every: bool = False) -> None:
-    """The validation report; ``every``: all row problems, not the first ten."""
+def print_report(report: ValidationReport, every: bool = False, per_adapter: bool = False) -> None:
+    """The validation report; ``every``: all row problems, not the first ten; ``per_adapter``:
+    what each adapter changes, a line each, not one line per distinct change."""
     spec = report.spec
     fanout = ""
     if report.sweep is not None:
@@ -554,6 +556,7 @@ def print_report(report: ValidationReport, every: bool = False) -> None:
         + _kinds(report.adapters)
         + fanout
     )
+    _print_changes(report, per_adapter)
     for name, reason in report.broken.items():
         out.print(
             f"  [yellow]unusable adapter:[/] {escape(name)}: {escape(reason)} (its rows will be "
@@ -572,3 +575,26 @@ def print_report(report: ValidationReport, every: bool = False) -> None:
     if len(report.problems) > len(shown):
         more = len(report.problems) - len(shown)
         out.print(f"  ... and {_plural(more, 'more row problem')} (--all lists every one)")
+
+
+def _print_changes(report: ValidationReport, per_adapter: bool) -> None:
+    """What the adapters change in the model: a line per distinct change with how many adapters
+    have it and a few of their names (the first ``ADAPTER_ROWS``), or a line per adapter; then
+    a note per set of ``target_modules`` entries that match no module."""
+    if per_adapter:
+        lines = [f"{a.name}: {a.summary}" for a in report.changes]
+    else:
+        lines = [
+            f"{_plural(len(names), 'adapter')} ({names_text(names)}): {summary}"
+            for summary, names in grouped(report.changes)
+        ]
+    if lines:
+        out.print("  what the adapters change:")
+    shown = lines if per_adapter else lines[:ADAPTER_ROWS]
+    for line in shown:
+        out.print(f"    {escape(line)}", soft_wrap=True)
+    if len(lines) > len(shown):
+        more = len(lines) - len(shown)
+        out.print(f"    ... and {_plural(more, 'more change')} (--per-adapter lists each adapter)")
+    for note in unmatched_notes(report.changes, report.spec):
+        out.print(f"  [yellow]note:[/] {escape(note)}", soft_wrap=True)

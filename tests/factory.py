@@ -221,3 +221,18 @@ def reference(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> d
             tokens = tokens[: tokens.index(eos) + 1]
         out[row["id"]] = tokens
     return out
+
+
+def rewrite_adapter(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
+    """A copy of adapter ``src`` at ``dst``: its config updated with ``config``, its tensors
+    (name -> tensor) replaced by ``tensors(old)`` where given."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(src / "adapter_model.safetensors")
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    dst.mkdir(parents=True)
+    save_file(tensors(weights) if tensors else weights, dst / "adapter_model.safetensors")
+    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    return dst

@@ -6,14 +6,16 @@ engine is built and no weights are loaded."""
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from slora_batch.engine.adapters.adapter_files import AdapterInfo
+from slora_batch.engine.adapters.adapter_files import CONFIG_FILE, AdapterInfo
+from slora_batch.engine.adapters.changes import AdapterChanges, adapter_changes
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.requests.grammar import GrammarService, tokenizer_info
 from slora_batch.engine.requests.request import Request, Result
@@ -56,6 +58,8 @@ class ValidationReport:
     broken: dict[str, str]  # adapter -> why the engine cannot run it (its rows: error rows)
     id_type: str  # the output's id column: "int64" or "string"
     position_ids: bool = False  # the input has no id column: each row's id is its position
+    # what each usable adapter changes in the model, in ``adapters``' order (``changes``)
+    changes: list[AdapterChanges] = field(default_factory=list)
 
 
 def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> ValidationReport:
@@ -161,7 +165,14 @@ def validate_job(job: JobConfig, limit: int | None = VALIDATE_ROWS) -> Validatio
         broken=plan.broken,
         id_type=scan.id_type,
         position_ids=scan.position_ids,
+        changes=[_changes(adapter, plan.spec) for adapter in plan.adapters],
     )
+
+
+def _changes(adapter: AdapterInfo, spec: ModelSpec) -> AdapterChanges:
+    """What a usable adapter changes, its config read again (parsing kept none of it)."""
+    cfg = json.loads((adapter.path / CONFIG_FILE).read_text())
+    return adapter_changes(adapter, cfg, spec)
 
 
 # what a problem says -> the key that fixes it, for the message of a job no row of runs
