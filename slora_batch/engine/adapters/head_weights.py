@@ -98,8 +98,9 @@ class HeadStep:
     segments: list[tuple[SlotHeads, torch.Tensor, torch.Tensor]]  # (slot, [n] tokens, [m] rows)
 
     def _modules(self, module: str, spec: ModelSpec, which: int):
-        """(slot, its HeadFactor on ``module``, (start, stop) in its block, [n] tokens or [m]
-        rows: ``which`` 1 or 2 of a segment) of the segments with ``module`` and work on it."""
+        """Per segment whose adapter has LoRA or a saved copy on ``module`` and tokens
+        (``which`` 1) or logits rows (2) for it: (slot, the module's HeadFactor, its (start,
+        stop) in the slot's block, those tokens or rows)."""
         for segment in self.segments:
             slot, where = segment[0], segment[which]
             for head in slot.heads:
@@ -136,7 +137,7 @@ def saved_rows(
 ) -> torch.Tensor:
     """Rows ``ids`` [n] of a saved [V, H] matrix at element ``start`` of the slot's block:
     [n, H] in the pool's dtype, ``INDEX_ELEMENTS`` at a time."""
-    hidden = spec.hidden_size
+    hidden, ids = spec.hidden_size, ids.long()  # int32 ids would overflow past 2^31 elements
     cols = torch.arange(hidden, device=ids.device)
     step = max(1, INDEX_ELEMENTS // hidden)
     parts = [
@@ -166,8 +167,9 @@ def head_step(
 ) -> HeadStep | None:
     """The step's ``HeadStep`` from each token's slot ``b_slot`` [T] (-1: none) and the tokens
     whose logits it computes ``logits_index`` [S]; None when no slot of the step has head LoRA
-    or a saved head module (``slots``: slot -> its heads, the residency's). Example: b_slot [3, -1, 3, 5], logits at
-    tokens [2, 3], slot 3 on embed_tokens: tokens [0, 2] and rows [0] of slot 3."""
+    or a saved head module (``slots``: slot -> its heads, the residency's). Example: b_slot
+    [3, -1, 3, 5], logits at tokens [2, 3], slot 3 on embed_tokens: tokens [0, 2] and rows [0]
+    of slot 3."""
     if not slots:
         return None
     segments = []

@@ -290,3 +290,51 @@ def test_saved_copies_read_in_slices_match_peft(family, monkeypatch):
     monkeypatch.setattr(head_weights, "INDEX_ELEMENTS", 3 * 64)
     names = ["both", "lora-embed"]
     assert_parity(model_dir, {n: adapters[n] for n in names}, make_rows(8, VOCAB, names, seed=5))
+
+
+# bf16 on a GPU (the device machine): the tests of test_lora_variants_gpu.py's families
+GPU_ADAPTERS = {  # name: LoraConfig fields
+    "plain": dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "head": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj"],
+                 modules_to_save=["lm_head"]),
+    "embed": dict(r=8, lora_alpha=16, target_modules=["o_proj", "up_proj"],
+                  modules_to_save=["embed_tokens"]),
+    "both": dict(r=4, lora_alpha=8, target_modules=["v_proj"],
+                 modules_to_save=["embed_tokens", "lm_head"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2"])  # tied Llama, untied Qwen2
+def gpu_case(request, tmp_path_factory):
+    """test_lora_variants_gpu's bf16 model and PEFT model with ``GPU_ADAPTERS``, the saved
+    copies moved off the base weights by noise of their own size (PEFT starts them equal)."""
+    from test_lora_variants_gpu import FAMILIES, build_case
+
+    case = build_case(tmp_path_factory.mktemp(request.param), FAMILIES[request.param], GPU_ADAPTERS)
+    peft_model, adapters = case[3], case[2]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                noise = torch.randn(p.shape, generator=gen, device=p.device) * 0.02
+                p.add_(noise.to(p.dtype))
+    peft_model.save_pretrained(adapters["plain"].parent)
+    return case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_bf16_saved_modules_mixed_match_peft(gpu_case, graphs):
+    """Rows of saved lm_head and embed_tokens copies, plain LoRA and the base model in one
+    batch: first-step logits near fp32's as transformers' own bf16 are, tokens equal up to
+    a near tie; steps with saved copies run eagerly, the others may replay CUDA graphs."""
+    from test_engine_gpu import make_engine
+    from test_lora_variants_gpu import assert_matches_peft
+    from test_lora_variants_gpu import rows as gpu_rows
+
+    model_dir, weights, adapters, peft_model = gpu_case
+    engine = make_engine(model_dir, weights, adapters, cuda_graphs=graphs)
+    cases = gpu_rows(engine.spec.vocab_size, [None, *GPU_ADAPTERS], 15, seed=5)
+    assert_matches_peft(engine, peft_model, cases)
+    del engine
+    torch.cuda.empty_cache()
