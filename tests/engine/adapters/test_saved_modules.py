@@ -109,6 +109,29 @@ def test_saved_modules_mixed_with_plain_lora_and_base_rows_match_peft(family):
     assert_parity(model_dir, adapters, make_rows(20, VOCAB, list(adapters), seed=7))
 
 
+def test_saved_copies_give_peft_logits(family):
+    """The next-token logits after a prompt, per adapter with saved copies, equal PEFT's in
+    fp32 (the copies replace whole rows of logits and of input embeddings: any slip shows)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir, adapters = family
+    prompt = [7, 44, 12, 250, 3, 99]
+    run = engine(model_dir, {n: adapters[n] for n in SAVED})
+    try:
+        got = {
+            n: run.prompt_logits(Request(id=0, adapter=n, prompt_token_ids=prompt)) for n in SAVED
+        }
+    finally:
+        run.close()
+    for name in SAVED:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, adapters[name]).eval()
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_saved_copies_change_the_tokens(family):
     """The copies are used: a prompt's greedy tokens on an adapter with a saved lm_head (and
     no other change that could matter as much) differ from the base model's."""
