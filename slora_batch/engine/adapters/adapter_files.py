@@ -15,6 +15,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from slora_batch.engine.adapters.changes import change_refusal
 from slora_batch.engine.adapters.expert_files import (
     FUSED_KEY,
     ExpertFactor,
@@ -193,7 +194,7 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         raise AdapterError(name, path, str(exc)) from exc
     targets = tuple(m.target for m in modules) + tuple(f.target for f in experts)
     rank = int(cfg["r"])
-    return AdapterInfo(
+    info = AdapterInfo(
         name=name,
         path=path,
         rank=rank,
@@ -207,6 +208,10 @@ def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:
         dora=bool(cfg.get("use_dora", False)),
         heads=tuple(sorted(heads + saved, key=lambda h: HEAD_MODULES.index(h.module))),
     )
+    nothing = change_refusal(info, cfg, spec, shapes)  # every target unmatched, or no change
+    if nothing is not None:
+        raise AdapterError(name, path, nothing)
+    return info
 
 
 def _partition(shapes: dict[str, tuple], spec: ModelSpec) -> tuple[dict, ...]:
