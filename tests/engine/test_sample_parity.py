@@ -7,17 +7,16 @@ from factory import ALL, make_adapter, reference
 
 from slora_batch import Engine, EngineConfig, Request
 
+# Six rows over the base model and the three adapters. Their prompts (5 to 15 tokens, 51 in
+# all) overrun the engine's 24-token budget: some are prefilled in chunks, beside the decodes of
+# the rows admitted before them.
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
-    "1, 2, 3, 4,",
-    "Explain photosynthesis in one sentence:",
-    "def fibonacci(n):",
-    "My favourite colour is",
-    "Translate to French: good morning",
     "Q: What is 12 times 12?\nA:",
-    "Once upon a time",
-    "List three fruits:",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Explain photosynthesis in one sentence:",
 ]
 
 
