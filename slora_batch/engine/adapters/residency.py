@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slora_batch.engine.adapters.head_files import head_pages
 from slora_batch.engine.adapters.head_weights import SlotHeads
 from slora_batch.engine.adapters.store import AdapterInfo, AdapterStore, PagedAdapter
 from slora_batch.engine.device import copy_in, to_device
@@ -41,13 +42,23 @@ class Resident:
     copying: torch.cuda.Event | None = None  # its prefetch copy, no device-stream wait yet
 
 
+def table_pages(store: AdapterStore, name: str) -> int:
+    """Pages of an adapter that its slot's row of the page table lists: all but its head block
+    (LoRA on embed_tokens and lm_head, saved copies of them), which ``SlotHeads`` lists. Head
+    blocks run unsharded only (the store refuses them under tensor parallelism), where the
+    pages are the model's own (``store.spec``)."""
+    return store.pages(name) - head_pages(store.info(name).heads, store.spec)
+
+
 class AdapterResidency:
     def __init__(
         self, pool: PagePool, store: AdapterStore, max_slots: int, device: torch.device
     ) -> None:
         self.pool, self.store, self.spec = pool, store, store.spec
         self.max_slots = max_slots
-        width = max([store.pages(n) for n in store.names] or [1])
+        # the slot table holds the pages the LoRA kernels read: an adapter's head block, as
+        # large as the vocabulary times the hidden size with a saved lm_head, stays out of it
+        width = max([table_pages(store, n) for n in store.names] + [1])
         self.slot_rank = np.zeros(max_slots, dtype=np.int32)
         self.slot_scale = np.zeros(max_slots, dtype=np.float32)
         self.slot_pages = np.full((max_slots, width), -1, dtype=np.int32)
@@ -216,8 +227,9 @@ class AdapterResidency:
         self.slot_rank[slot] = info.max_rank
         self.slot_scale[slot] = info.scale
         self.layer_rank[slot], self.layer_scale[slot] = module_tables(info, self.spec)
+        table = pages[: paged.head_start] if paged.head_start >= 0 else pages
         self.slot_pages[slot] = -1
-        self.slot_pages[slot, : pages.size] = pages
+        self.slot_pages[slot, : table.size] = table
         self.slot_offsets[slot] = paged.offsets.numpy()
         self.slot_vectors[slot] = paged.vectors.numpy()
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():

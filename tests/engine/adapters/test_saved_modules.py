@@ -168,6 +168,24 @@ def test_saved_copies_take_pages_and_bytes(family):
     assert store.pages("lora-embed") == k + -(-(embed_lora + copy) // per_page)
 
 
+def test_slot_table_lists_the_pages_the_lora_kernels_read(family):
+    """The device's slot table is as wide as the largest adapter's linear-target pages: a
+    head block (here two [V, H] copies) is found through its own page list, not the table."""
+    model_dir, adapters = family
+    used = {n: adapters[n] for n in ("both", "head")}
+    run = engine(model_dir, used)
+    try:
+        rows = [Request(id=i, adapter=n, prompt_token_ids=[5, 6], max_new_tokens=2)
+                for i, n in enumerate(used)]  # fmt: skip
+        assert all(r.error is None for r in run.generate(rows))
+        page_spec = run.residency.store.page_spec
+        linear = [page_spec.adapter_pages(2, ("down",)), page_spec.adapter_pages(4, ("q", "v"))]
+        assert run.residency.slot_pages.shape[1] == max(linear)
+        assert run.residency.store.pages("both") > 2 * max(linear)
+    finally:
+        run.close()
+
+
 def rewrite(src, dst, edit_tensors=None, edit_config=None):
     """A copy of adapter ``src`` at ``dst`` with its tensors or config edited."""
     dst.mkdir()
