@@ -1,12 +1,15 @@
 """The bench's lm-eval systems on the tiny preset (CPU): ``eval`` (the sweep through
 ``run_job``) and ``eval-score`` (the engine alone on the sweep's rows) run the same rows for the
-base model and every adapter, and the acceptance line sets one against the other."""
+base model and every adapter, and the acceptance line sets one against the other. The sweep
+scores its adapters in the bench's process (``scoring_here``), and no throughput.png is drawn
+(test_score_bench.py draws one from scoring rows alone, as these are)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from scoring_here import without_scoring_process
 
 from slora_batch.bench.bench import BenchConfig, run_bench
 from slora_batch.bench.eval_run import CHOICES, tokenizer_vocab, write_task
@@ -22,7 +25,11 @@ def test_write_task_is_seeded_and_lm_eval_shaped(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_and_eval_score_run_the_same_rows(tmp_path, sample_model_dir):
+def test_eval_and_eval_score_run_the_same_rows(tmp_path, sample_model_dir, monkeypatch):
+    import slora_batch.bench.report as report
+
+    without_scoring_process(monkeypatch)
+    monkeypatch.setattr(report, "plot", lambda rows, path: None)
     assert tokenizer_vocab(sample_model_dir) == 49152
     config = BenchConfig(systems=["eval-score", "eval"], adapters=[2], model_preset="tiny",
                          device="cpu", tokenizer=str(sample_model_dir), eval_docs=5,

@@ -3,6 +3,7 @@ same metrics and, request by request, loglikelihoods within 1e-4 and the same ge
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -23,7 +24,10 @@ def evaluate(model: str, model_args: str, tasks_dir) -> dict:
     )  # fmt: skip
 
 
+@functools.cache  # test_sweep.py compares the sweep's results for "b" with this test's reference
 def hf_reference(model_dir, adapter_dir, tasks_dir) -> dict:
+    """lm-eval's ``hf`` model (with ``peft=`` where ``adapter_dir`` is given) on the tasks, once
+    per session: a caller reads it and changes nothing."""
     peft = f",peft={adapter_dir}" if adapter_dir else ""
     return evaluate("hf", f"pretrained={model_dir}{peft},dtype=float32,device=cpu", tasks_dir)
 

@@ -48,14 +48,16 @@ run_job(job)
 
 @pytest.mark.slow
 def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
-    """Killed (SIGKILL after its second part) and run again: the re-run computes only the
-    rest, in one engine for every adapter and task, every request once per adapter, and lm-eval's
-    metrics equal ``hf`` with ``peft=``."""
+    """Killed (SIGKILL after its second part) and run again: its scoring process ends with
+    it, the re-run computes only the rest, in one engine for every adapter and task, every
+    request once per adapter, and lm-eval's metrics equal ``hf`` with ``peft=`` (the base model
+    and adapter "b"). The re-runs score in the job's process (``scoring_here``)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from scoring_here import without_scoring_process
     from test_lm import hf_reference
 
     import slora_batch.engine.parallel.data_parallel as data_parallel
@@ -86,6 +88,7 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
               if line.startswith("scoring process")]  # fmt: skip
     assert gone(pid, 120), "the scoring process outlived the job's process"
     (config,) = load_jobs(tmp_path / "jobs.yaml")
+    without_scoring_process(monkeypatch)  # the re-runs score every adapter here
     built = []
     open_engine = data_parallel.open_engine
     monkeypatch.setattr(data_parallel, "open_engine",
@@ -105,7 +108,7 @@ def test_sweep_runs_one_engine_and_equals_hf(tmp_path, eval_setup, monkeypatch):
     assert {r["adapter"] for r in parts} == {"", "a", "b", "c", "d"}  # "": the base model
     assert len(set(per_adapter.values())) == 1 and summary.stats["rows"] == len(parts)
     assert len({(r["adapter"], str(r["id"])) for r in parts}) == len(parts)  # each once
-    for name in (None, "d"):
+    for name in (None, "b"):  # "b": test_lm.py compares its reference too (computed once)
         ref = hf_reference(model_dir, adapters / name if name else None, tasks_dir)
         for task in TASKS:
             for row in (r for r in rows if r["adapter"] == name and r["task"] == task):
