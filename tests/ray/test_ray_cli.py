@@ -1,8 +1,9 @@
 """The README's ``slora-batch run JOBS --ray local`` on this machine (default replicas, Ray sized
 by the machine's own CPUs: CI has 2): SIGTERM mid-run exits 143 with one line and nothing of
-Ray's on stderr; the same command again (in this process, on the session's Ray instance: a
-local start is what the first run checks) completes with every row once; and a third run of the
-complete job does not start Ray."""
+Ray's on stderr; the command again (in this process, on the session's Ray instance: a local
+start is what the first run checks; ``--replicas 1``: a resumed run takes any number of actors,
+and each costs seconds of CPU to import torch and build its engine) completes with every row
+once; and a third run of the complete job does not start Ray."""
 
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def test_readme_ray_local_survives_sigterm_and_completes_on_this_machine(
     assert read_success(out) is None and 0 < committed < ROWS
 
     request.getfixturevalue("local_ray")  # started now: the first run's Ray was its own
-    second = CliRunner().invoke(app, ["run", str(job_file), "--ray", "local"], env=ENV)
+    command = ["run", str(job_file), "--ray", "local", "--replicas", "1"]
+    second = CliRunner().invoke(app, command, env=ENV)
     assert second.exit_code == 0, second.output
     actors = json.loads((out / "_ray.json").read_text())["actors"]
     assert sum(a["rows"] for a in actors) == ROWS - committed  # the rows the first run left

@@ -281,7 +281,9 @@ def test_a_killed_driver_rerun_removes_late_parts_and_resumes(
 
     monkeypatch.setattr(ray_job, "remove_late_parts", remove_once_the_orphan_committed)
     orphan.start()
-    summary = run_ray_job(job, RaySettings(**SETTINGS))  # another --replicas than the killed run
+    # other units than the killed run's (8 adapter buckets, not 4): the rows its parts hold are
+    # skipped by row, whichever unit they fall in now; one actor, as the killed run's
+    summary = run_ray_job(job, RaySettings(replicas=1, buckets=8, block_rows=10))
     orphan.join()
     assert late, "the re-run committed no part"
     assert not late[0].exists(), "the orphan's late part was kept"
