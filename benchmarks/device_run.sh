@@ -261,8 +261,10 @@ mode_moe() {
   # run would take about 80-110 s (a decode step reads ~61 GB once its rows reach every expert,
   # ~20 ms at the H100's copy rate, for a few hundred tokens), four of them and the set-ups past
   # 600 s: each run is cut at 45 s (the tokens computed by then count).
+  # slora@1000 with the adapter cap at 1024: two rows an adapter, so the default 256 holds a
+  # batch to about 360 rows where an H200's pool holds 600 (python -m benchmarks.moe_bounds)
   bench "$dir/attention" 280 --model-preset qwen3-30b-a3b --requests 2000 --systems base,slora \
-    --adapters 1000 --max-seconds 45 --total-seconds 265
+    --adapters 1000 --max-adapters-per-batch 1024 --max-seconds 45 --total-seconds 265
   bench "$dir/experts" 280 --model-preset qwen3-30b-a3b --requests 2000 --systems base,slora \
     --adapters 100 --adapter-targets experts --max-seconds 45 --total-seconds 265
 }
