@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,12 +45,27 @@ def tiny(tmp_path_factory, sample_model_dir):
     tiny = build_tiny(tmp_path_factory.getbasetemp() / "tiny-llm", sample_model_dir)
     adapters = tmp_path_factory.getbasetemp() / "fifty"
     if not adapters.exists():
-        for i in range(ADAPTERS):
-            make_adapter(
-                tiny.model, adapters / f"ad{i:02d}", 2, ["q_proj", "v_proj"], 4, False, seed=i
-            )
+        make_adapters(tiny.model, adapters)
     tiny.adapters = adapters
     return tiny
+
+
+def make_adapters(model_dir: Path, root: Path) -> None:
+    """ad00 to ad49 on q and v: PEFT makes ad00, the others are its files with other random
+    weights, drawn as ``make_adapter`` draws them (a PEFT adapter costs a model load each)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    first = make_adapter(model_dir, root / "ad00", 2, ["q_proj", "v_proj"], 4, False, seed=0)
+    weights = load_file(first / "adapter_model.safetensors")
+    for i in range(1, ADAPTERS):
+        generator = torch.Generator().manual_seed(i)
+        drawn = {}
+        for name, weight in weights.items():  # A: [rank, in], B: [out, rank]
+            std = 1.0 / weight.shape[1] ** 0.5 if "lora_A" in name else 0.5 / 2**0.5
+            drawn[name] = torch.randn(weight.shape, generator=generator) * std
+        shutil.copytree(first, root / f"ad{i:02d}")
+        save_file(drawn, root / f"ad{i:02d}" / "adapter_model.safetensors")
 
 
 def write_rows(directory: Path) -> None:
