@@ -236,3 +236,35 @@ def rewrite_adapter(src: Path, dst: Path, config: dict | None = None, tensors=No
     save_file(tensors(weights) if tensors else weights, dst / "adapter_model.safetensors")
     (dst / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
     return dst
+
+
+def randomize_heads(path: Path, seed: int) -> Path:
+    """An adapter's head tensors drawn at random, so that its rows' tokens differ from the base
+    model's: LoRA on embed_tokens (PEFT starts lora_embedding_A at zero, a no-op) and the
+    trained copies of ``modules_to_save`` (PEFT saves the base's own values) at the scale of
+    the base weights."""
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(path / "adapter_model.safetensors")
+    for key, tensor in tensors.items():
+        if key.endswith(("model.lm_head.weight", "model.embed_tokens.weight")):
+            tensors[key] = torch.randn(tensor.shape, generator=gen) * 0.2
+        elif "lora_embedding" in key:
+            std = 1.0 if key.endswith("_A") else 0.1
+            tensors[key] = torch.randn(tensor.shape, generator=gen) * std
+    save_file(tensors, path / "adapter_model.safetensors")
+    return path
+
+
+def reference_each(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> dict:
+    """``reference`` with a PeftModel per adapter (the base rows with the first one's): PEFT
+    cannot load an adapter with LoRA on a module that another loaded adapter saves a copy of,
+    which the engine runs side by side."""
+    want = {}
+    for name, path in adapters.items():
+        mine = [r for r in rows if r["adapter"] == name]
+        if name == next(iter(adapters)):
+            mine += [r for r in rows if r["adapter"] is None]
+        want.update(reference(model_dir, {name: path}, mine) if mine else {})
+    return want

@@ -9,7 +9,15 @@ import json
 
 import pytest
 import torch
-from factory import ALL, make_adapter, make_model, make_rows, reference
+from factory import (
+    ALL,
+    make_adapter,
+    make_model,
+    make_rows,
+    randomize_heads,
+    reference,
+    reference_each,
+)
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.adapters.store import AdapterError, parse_adapter
@@ -132,6 +140,31 @@ def test_variant_alone_matches_peft(family, variant):
 def test_variants_mixed_with_plain_lora_match_peft(family):
     model_dir, adapters = family
     assert_parity(model_dir, adapters, [*VARIANTS, *PLAIN], 20, seed=3)
+
+
+# LoRA on the embedding and the output layer, and a trained copy of the output layer (beside
+# LoRA on the embedding): the kinds test_embedding_lora and test_saved_modules cover alone
+HEADS = {
+    "head-lora": (4, ["embed_tokens", "lm_head", "q_proj"], 8, False, {}),
+    "saved-head": (3, ["embed_tokens", "v_proj"], 6, False, dict(modules_to_save=["lm_head"])),
+}
+
+
+def test_every_kind_mixed_in_one_batch_matches_peft(family, tmp_path):
+    """Per-module ranks, a layer subset, lora_B's bias, DoRA, LoRA on embed_tokens and lm_head
+    and a trained lm_head in one batch with plain LoRA and base rows: PEFT's tokens (a
+    PeftModel per adapter: PEFT loads no LoRA on a module another loaded adapter saves)."""
+    model_dir, adapters = family
+    used = {name: adapters[name] for name in ("patterns", "subset", "bias", "dora-patterns")}
+    for i, (name, (r, t, a, rs, extra)) in enumerate(HEADS.items()):
+        made = make_adapter(model_dir, tmp_path / name, r, t, a, rs, seed=40 + i, **extra)
+        used[name] = randomize_heads(made, seed=i)
+    used.update((name, adapters[name]) for name in PLAIN)
+    rows = make_rows(24, VOCAB, list(used), seed=9)
+    got, want = run(model_dir, used, rows), reference_each(model_dir, used, rows)
+    wrong = {i: (got[i], w) for i, w in want.items() if got[i] != w}
+    assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"
+    assert {row["adapter"] for row in rows} == {None, *used}
 
 
 @pytest.mark.slow

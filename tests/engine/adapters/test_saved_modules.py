@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from factory import make_adapter, make_model, make_rows, reference
+from factory import make_adapter, make_model, make_rows, randomize_heads, reference_each
 from safetensors.torch import load_file, save_file
 
 from slora_batch import Engine, EngineConfig, Request
@@ -33,21 +33,11 @@ SAVED = ("head", "embed", "both", "lora-embed")
 
 
 def make_saved_adapter(model_dir, out, rank, targets, alpha, modules_to_save, seed):
-    """A PEFT adapter with random LoRA factors (lora_embedding_A too: PEFT starts it at zero)
-    and ``modules_to_save`` copies drawn at random at the scale of the base weights, so that
-    their rows' tokens differ from the base model's."""
+    """A PEFT adapter with random LoRA factors and ``modules_to_save`` copies drawn at random
+    (``factory.randomize_heads``), so that their rows' tokens differ from the base model's."""
     extra = {"modules_to_save": modules_to_save} if modules_to_save else {}
     make_adapter(model_dir, out, rank, targets, alpha, False, seed, **extra)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = load_file(out / "adapter_model.safetensors")
-    for key, tensor in tensors.items():
-        if key in (HEAD_KEY, EMBED_KEY):
-            tensors[key] = torch.randn(tensor.shape, generator=gen) * 0.2
-        elif "lora_embedding" in key:
-            std = 1.0 if key.endswith("_A") else 0.1
-            tensors[key] = torch.randn(tensor.shape, generator=gen) * std
-    save_file(tensors, out / "adapter_model.safetensors")
-    return out
+    return randomize_heads(out, seed)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,23 +66,10 @@ def generate(model_dir, adapters, rows, **knobs) -> dict:
         run.close()
 
 
-def peft_tokens(model_dir, adapters, rows) -> dict:
-    """transformers + PEFT's greedy tokens per row, a PeftModel per adapter: PEFT cannot load an
-    adapter with LoRA on a module that another loaded adapter saves a copy of (its wrapper of
-    the copies takes no LoRA), which the engine runs side by side."""
-    want = {}
-    for name, path in adapters.items():
-        mine = [r for r in rows if r["adapter"] == name]
-        if name == next(iter(adapters)):  # the base rows with the first adapter's
-            mine += [r for r in rows if r["adapter"] is None]
-        want.update(reference(model_dir, {name: path}, mine) if mine else {})
-    return want
-
-
 def assert_parity(model_dir, adapters, rows) -> None:
     got = generate(model_dir, adapters, rows)
     assert all(r.error is None for r in got.values()), [r.error for r in got.values()]
-    want = peft_tokens(model_dir, adapters, rows)
+    want = reference_each(model_dir, adapters, rows)
     wrong = {i: (got[i].token_ids, w) for i, w in want.items() if got[i].token_ids != w}
     assert not wrong, f"{len(wrong)} rows differ from transformers + PEFT: {wrong}"
 
