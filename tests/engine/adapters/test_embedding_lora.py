@@ -1,6 +1,6 @@
 """LoRA on embed_tokens and lm_head end to end: the engine's greedy tokens equal transformers +
 PEFT in fp32 on the CPU, an adapter on each, one on both beside attention, plain LoRA and base
-rows in one batch, on an untied Llama and one with tied embeddings; the pages the factors take
+rows in one batch, on Qwen2 (untied) and a Llama with tied embeddings; the pages the factors take
 and the refusals that name the adapter and the tensor."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def randomize_embedding_factors(path, seed: int) -> None:
     save_file(tensors, path / "adapter_model.safetensors")
 
 
-@pytest.fixture(scope="module", params=("mha", "gqa"))  # untied Llama, tied Llama
+@pytest.fixture(scope="module", params=("qwen2", "gqa"))  # untied Qwen2, tied Llama
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model_dir = make_model(root, request.param)
