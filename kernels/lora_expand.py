@@ -9,6 +9,8 @@ g * delta for each row of a DoRA adapter (the base output rescaled, its bias kep
 in the same pass over the rows (a DoRA segment of the tiled kernel is written as it is met, the
 others at the end). A step without such an adapter (``LoraMeta.has_vectors`` False) runs the
 kernels built without those reads; a plain row of a step with them pays two table loads.
+With fp8 rows (``slora_kernels.lora_paths``) the B^T rows are e4m3 while the vector rows stay in
+the model dtype: the kernels read them through ``vec_ptr``, the pool in its own dtype.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ from slora_kernels.lora_paths import (
     _factor,
     _padded,
     _precision,
+    _row_page,
+    _row_scales,
     _tiled_span,
     _vector_pick,
     _vector_token,
     module_tables,
     position_segments,
+    row_source,
 )
 from slora_kernels.meta import LoraMeta
 from slora_kernels.ref import lora_group
@@ -56,6 +61,8 @@ def _expand_vector_kernel(
     v_ptr,
     v_stride,
     pool_ptr,
+    row_scale_ptr,
+    vec_ptr,
     b_slot_ptr,
     token_order_ptr,
     seg1_start_ptr,
@@ -95,6 +102,8 @@ def _expand_vector_kernel(
 ):
     """One token of a short segment, one block of BLOCK_N output columns of one target:
     out[n] += scale * sum_r v[r] B^T[r, n]."""
+    FP8: tl.constexpr = pool_ptr.dtype.element_ty == tl.float8e4nv  # ``row_source``
+    SUB: tl.constexpr = vec_ptr.dtype.element_ty.primitive_bitwidth // 8 if FP8 else 1
     tok, slot = _vector_token(
         b_slot_ptr,
         token_order_ptr,
@@ -139,10 +148,12 @@ def _expand_vector_kernel(
         rows = r0 + tl.arange(0, BLOCK_R)
         row_live = rows < rank
         vv = tl.load(v_ptr + tok * v_stride + j * rank_cap + rows, mask=row_live, other=0.0)
-        page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
-        page = tl.load(page_ptrs, mask=row_live, other=0)
+        if FP8:  # each row's scale on its rank element: sum_r (v_r s_r) q_r
+            vv = vv * _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE, SUB)
+        sub = rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+        at = _row_page(slot_pages, sub, row_live, PAGE, SUB)
         n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # a block start: keeps 16-byte loads
-        b_ptrs = pool_ptr + page.to(tl.int64)[:, None] * PAGE + n_in_page + cols[None, :]
+        b_ptrs = pool_ptr + at[:, None] + n_in_page + cols[None, :]
         b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
         delta += tl.sum(b.to(tl.float32) * vv.to(tl.float32)[:, None], 0)
     scale = tl.load(scale_ptr + slot * rank_slot_stride + target * rank_target_stride)
@@ -153,13 +164,13 @@ def _expand_vector_kernel(
         vectors = vectors_ptr + (slot * NUM_TARGETS + target) * 2
         bias_at = tl.load(vectors)
         if bias_at >= 0:
-            delta += _vector_block(pool_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N)
+            delta += _vector_block(vec_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N)
         delta = delta * scale
         dora_at = tl.load(vectors + 1)
         if dora_at >= 0:
-            g = _vector_block(pool_ptr, slot_row + dora_at, n0, cols, col_live, PAGE, BLOCK_N)
+            g = _vector_block(vec_ptr, slot_row + dora_at, n0, cols, col_live, PAGE, BLOCK_N)
             c_row = slot_row + dora_at + tl.cdiv(d_out, PAGE)
-            c = _vector_block(pool_ptr, c_row, n0, cols, col_live, PAGE, BLOCK_N)
+            c = _vector_block(vec_ptr, c_row, n0, cols, col_live, PAGE, BLOCK_N)
             o = o * g + c
             delta = delta * g
     else:
@@ -185,6 +196,8 @@ def _expand_kernel(
     v_ptr,
     v_stride,
     pool_ptr,
+    row_scale_ptr,
+    vec_ptr,
     token_order_ptr,
     seg1_start_ptr,
     seg_slot_ptr,
@@ -222,6 +235,8 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    FP8: tl.constexpr = pool_ptr.dtype.element_ty == tl.float8e4nv  # ``row_source``
+    SUB: tl.constexpr = vec_ptr.dtype.element_ty.primitive_bitwidth // 8 if FP8 else 1
     b0 = tl.program_id(0) * BLOCK_T
     seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
     if seg >= num_segs:
@@ -266,10 +281,13 @@ def _expand_kernel(
                 row_live = rows < rank
                 v_ptrs = v_ptr + tok[:, None] * v_stride + j * rank_cap + rows[None, :]
                 vt = tl.load(v_ptrs, mask=in_seg[:, None] & row_live[None, :], other=0.0)
-                page_ptrs = slot_pages + rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
-                page = tl.load(page_ptrs, mask=row_live, other=0).to(tl.int64)
+                if FP8:  # each row's scale on its rank column: sum_r (v_r s_r) q_r
+                    row_scales = _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE, SUB)
+                    vt = vt * row_scales[None, :]
+                sub = rows * tl.cdiv(d_out, PAGE) + n0 // PAGE
+                at = _row_page(slot_pages, sub, row_live, PAGE, SUB)
                 n_in_page = tl.multiple_of(n0 % PAGE, BLOCK_N)  # keeps 16-byte loads
-                b_ptrs = pool_ptr + page[:, None] * PAGE + n_in_page + cols[None, :]
+                b_ptrs = pool_ptr + at[:, None] + n_in_page + cols[None, :]
                 b = tl.load(b_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
                 delta = tl.dot(
                     vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION
@@ -281,17 +299,17 @@ def _expand_kernel(
                 bias_at = tl.load(vectors)
                 if bias_at >= 0:
                     bias = _vector_block(
-                        pool_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N
+                        vec_ptr, slot_row + bias_at, n0, cols, col_live, PAGE, BLOCK_N
                     )
                     delta += tl.where(in_seg[:, None], bias[None, :], 0.0)
                 delta = delta * scale
                 dora_at = tl.load(vectors + 1)
                 if dora_at >= 0:  # g * out + c + g * delta, written for the segment's rows here
                     g = _vector_block(
-                        pool_ptr, slot_row + dora_at, n0, cols, col_live, PAGE, BLOCK_N
+                        vec_ptr, slot_row + dora_at, n0, cols, col_live, PAGE, BLOCK_N
                     )
                     c_row = slot_row + dora_at + tl.cdiv(d_out, PAGE)
-                    c = _vector_block(pool_ptr, c_row, n0, cols, col_live, PAGE, BLOCK_N)
+                    c = _vector_block(vec_ptr, c_row, n0, cols, col_live, PAGE, BLOCK_N)
                     seg_live = in_seg[:, None] & col_live[None, :]
                     o = tl.load(o_ptrs, mask=seg_live).to(tl.float32)
                     tl.store(
@@ -361,6 +379,7 @@ def lora_expand(
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
+    rows_pool, row_scales = row_source(pool_layer, meta)
     span = _tiled_span(meta, num_tokens)
     block_t, block_n = block_tokens(span, expand=True), _pow2_divisor(page, BLOCKS["n"])
     widths = [hi - lo for lo, hi in cols]
@@ -382,7 +401,9 @@ def lora_expand(
         _expand_kernel[grid](
             v,
             v.stride(0),
-            pool_layer,
+            rows_pool,
+            row_scales,
+            pool_layer,  # vector rows: the pool's dtype
             meta.token_order,
             meta.seg1_start,
             meta.seg_slot,
@@ -414,7 +435,9 @@ def lora_expand(
         _expand_vector_kernel[(rows, total)](
             v,
             v.stride(0),
-            pool_layer,
+            rows_pool,
+            row_scales,
+            pool_layer,  # vector rows: the pool's dtype
             meta.b_slot,
             picked,
             meta.seg1_start,

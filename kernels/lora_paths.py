@@ -38,6 +38,12 @@ prefill chunks) run one program per listed token.
 
 A group of up to three targets sharing one input (q, k, v; gate, up) is one launch of each
 kernel.
+
+FP8 rows (``LoraMeta.fp8_rows``, ``slora_kernels.lora_fp8``): the launchers hand the kernels the
+pool as e4m3 bytes (``row_source``), SUB sub-pages of page_size bytes a page; the
+page arithmetic above holds per sub-page (``_row_page``). The kernels upcast the rows (exact)
+and fold each row's scale (``_row_scales``) into the shrink's sums (x . (s_r q_r) = s_r (x .
+q_r)) and into the expand's rank vector (sum_r v_r s_r q_r).
 """
 
 from __future__ import annotations
@@ -72,6 +78,35 @@ def _factor(
     rank = tl.load(rank_ptr + safe * rank_slot_stride + target * rank_target_stride)
     rank = tl.minimum(rank, rank_cap)
     return start, rank, pages_ptr + safe.to(tl.int64) * pages_stride + start
+
+
+@triton.jit
+def _row_page(slot_pages, sub, live, PAGE: tl.constexpr, SUB: tl.constexpr):
+    """Where sub-page ``sub`` of a factor whose rows begin at ``slot_pages`` starts in the pool
+    (elements of the kernels' pool pointer, int64): in the model dtype (SUB 1) page
+    slot_pages[sub]; with fp8 rows (SUB sub-pages a page, ``slora_kernels.lora_fp8``) sub-page
+    sub % SUB of page slot_pages[sub // SUB] (with SUB 1 the division and remainder fold away)."""
+    page = tl.load(slot_pages + sub // SUB, mask=live, other=0).to(tl.int64)
+    return page * (PAGE * SUB) + (sub % SUB) * PAGE
+
+
+@triton.jit
+def _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE: tl.constexpr, SUB: tl.constexpr):
+    """The fp32 scales of an fp8 factor's ``rows`` (``slora_kernels.lora_fp8``: row j's at
+    element j % spp of page slot_pages[-1 - j // spp], spp = PAGE * SUB // 4 scales a page);
+    ``row_scale_ptr``: the pool as fp32. 0 for the rows not live."""
+    spp = PAGE * SUB // 4
+    page = tl.load(slot_pages - 1 - rows // spp, mask=row_live, other=0).to(tl.int64)
+    return tl.load(row_scale_ptr + page * spp + rows % spp, mask=row_live, other=0.0)
+
+
+def row_source(pool_layer: torch.Tensor, meta: LoraMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the pool as the kernels read the A and B^T rows, the pool as fp32 for their scales):
+    with ``meta.fp8_rows`` e4m3 bytes, which the kernels see in their pool pointer's type (FP8,
+    and SUB from the model dtype's element bytes); else the pool itself twice (scales unread)."""
+    if not meta.fp8_rows:
+        return pool_layer, pool_layer
+    return pool_layer.view(torch.float8_e4m3fn), pool_layer.view(torch.float32)
 
 
 def module_tables(meta: LoraMeta) -> tuple[torch.Tensor, torch.Tensor, int, int]:

@@ -4,7 +4,8 @@ split reduction (``_shrink_reduce_kernel``) and the launcher ``lora_shrink``. Th
 page layout: ``slora_kernels.lora_paths``.
 
 Either shrink splits the long reduction (d_in) over programs when the grid alone would leave the
-GPU idle, writing fp32 partial sums that a second kernel adds into ``out``.
+GPU idle, writing fp32 partial sums that a second kernel adds into ``out``; with fp8 rows each
+partial carries its rows' scales, so the sum does too.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from slora_kernels.lora_paths import (
     _factor,
     _padded,
     _precision,
+    _row_page,
+    _row_scales,
     _tiled_span,
     _vector_pick,
     _vector_token,
     module_tables,
     position_segments,
+    row_source,
 )
 from slora_kernels.meta import LoraMeta
 from slora_kernels.ref import lora_group
@@ -59,6 +63,7 @@ def _shrink_kernel(
     x_ptr,
     x_stride,
     pool_ptr,
+    row_scale_ptr,
     token_order_ptr,
     seg1_start_ptr,
     seg_slot_ptr,
@@ -89,6 +94,8 @@ def _shrink_kernel(
     PARTIAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    FP8: tl.constexpr = pool_ptr.dtype.element_ty == tl.float8e4nv  # ``row_source``
+    SUB: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8 if FP8 else 1
     b0 = tl.program_id(0) * BLOCK_T
     j = tl.program_id(1) // rank_blocks  # the group's j-th target; its rows at columns j * rank_cap
     r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
@@ -127,17 +134,22 @@ def _shrink_kernel(
         if (slot >= 0) & (start >= 0) & (r0 < rank) & (hi - lo > vector_max):
             in_seg = (ii >= lo) & (ii < hi)
             row_live = rows < rank
-            row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)  # element k: row_pages[k // PAGE]
+            row_sub = rows * tl.cdiv(d_in, PAGE)  # element k: sub-page row_sub + k // PAGE
             acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 col_live = k0 + cols < k_hi
                 x_ptrs = x_ptr + tok[:, None] * x_stride + k0 + cols[None, :]
                 xt = tl.load(x_ptrs, mask=in_seg[:, None] & col_live[None, :], other=0.0)
-                page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
+                at = _row_page(slot_pages, row_sub + k0 // PAGE, row_live, PAGE, SUB)
                 k_in_page = tl.multiple_of(k0 % PAGE, BLOCK_K)  # keeps 16-byte loads
-                a_ptrs = pool_ptr + page[:, None] * PAGE + k_in_page + cols[None, :]
+                a_ptrs = pool_ptr + at[:, None] + k_in_page + cols[None, :]
                 a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
+                if FP8:  # e4m3 -> x's dtype is exact; the row scales after the sum
+                    a = a.to(xt.dtype)
                 acc = tl.dot(xt, tl.trans(a), acc, input_precision=PRECISION)
+            if FP8:
+                scales = _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE, SUB)
+                acc = acc * scales[None, :]
             tl.store(dst, acc, mask=in_seg[:, None] & row_live[None, :])
         seg += 1
         lo = hi
@@ -163,6 +175,7 @@ def _shrink_vector_kernel(
     x_ptr,
     x_stride,
     pool_ptr,
+    row_scale_ptr,
     b_slot_ptr,
     token_order_ptr,
     seg1_start_ptr,
@@ -201,6 +214,8 @@ def _shrink_vector_kernel(
     and one span of r_span rank rows (program_id(1) = target * rank_blocks + span), one split of
     d_in (program_id(2)): acc[r] = sum_k x[k] A[r, k]. With rank_blocks 1 the span is the whole
     rank, walked BLOCK_R rows at a time."""
+    FP8: tl.constexpr = pool_ptr.dtype.element_ty == tl.float8e4nv  # ``row_source``
+    SUB: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8 if FP8 else 1
     tok, slot = _vector_token(
         b_slot_ptr,
         token_order_ptr,
@@ -243,10 +258,10 @@ def _shrink_vector_kernel(
     for r0 in range(r_first, r_stop, BLOCK_R):  # the adapter's own rank, BLOCK_R rows at a time
         rows = r0 + tl.arange(0, BLOCK_R)
         row_live = rows < rank
-        row_pages = slot_pages + rows * tl.cdiv(d_in, PAGE)
-        # ONE_PAGE (d_in <= PAGE): a row is one page, looked up once instead of per chunk
+        row_sub = rows * tl.cdiv(d_in, PAGE)
+        # ONE_PAGE (d_in <= PAGE): a row is one (sub-)page, looked up once instead of per chunk
         if ONE_PAGE:
-            first = tl.load(row_pages, mask=row_live, other=0).to(tl.int64)
+            first = _row_page(slot_pages, row_sub, row_live, PAGE, SUB)
         else:
             first = rows.to(tl.int64) * 0  # unused
         x_row = x_ptr + tok * x_stride
@@ -256,7 +271,8 @@ def _shrink_vector_kernel(
                 acc += _row_dots(
                     x_row,
                     pool_ptr,
-                    row_pages,
+                    slot_pages,
+                    row_sub,
                     first,
                     row_live,
                     k0,
@@ -265,13 +281,15 @@ def _shrink_vector_kernel(
                     PAGE,
                     BLOCK_K,
                     ONE_PAGE,
+                    SUB,
                 )
         else:
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 acc += _row_dots(
                     x_row,
                     pool_ptr,
-                    row_pages,
+                    slot_pages,
+                    row_sub,
                     first,
                     row_live,
                     k0,
@@ -280,7 +298,10 @@ def _shrink_vector_kernel(
                     PAGE,
                     BLOCK_K,
                     ONE_PAGE,
+                    SUB,
                 )
+        if FP8:
+            acc = acc * _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE, SUB)
         tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
 
 
@@ -288,7 +309,8 @@ def _shrink_vector_kernel(
 def _row_dots(
     x_row,
     pool_ptr,
-    row_pages,
+    slot_pages,
+    row_sub,
     first,
     row_live,
     k0,
@@ -297,16 +319,15 @@ def _row_dots(
     PAGE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_PAGE: tl.constexpr,
+    SUB: tl.constexpr,
 ):
-    """sum_k x[k0 + k] A[r, k0 + k] over one chunk of columns, for each row r of a block."""
+    """sum_k x[k0 + k] A[r, k0 + k] over one chunk of columns, for each row r of a block
+    (row r's sub-pages from row_sub[r]; ``first``: where they start, with ONE_PAGE)."""
     col_live = k0 + cols < k_hi
     xv = tl.load(x_row + k0 + cols, mask=col_live, other=0.0).to(tl.float32)
-    if ONE_PAGE:
-        page = first
-    else:
-        page = tl.load(row_pages + k0 // PAGE, mask=row_live, other=0).to(tl.int64)
+    at = first if ONE_PAGE else _row_page(slot_pages, row_sub + k0 // PAGE, row_live, PAGE, SUB)
     k_in_page = tl.multiple_of(k0 % PAGE, BLOCK_K)  # a block start: keeps 16-byte loads
-    a_ptrs = pool_ptr + page[:, None] * PAGE + k_in_page + cols[None, :]
+    a_ptrs = pool_ptr + at[:, None] + k_in_page + cols[None, :]
     a = tl.load(a_ptrs, mask=row_live[:, None] & col_live[None, :], other=0.0)
     return tl.sum(a.to(tl.float32) * xv[None, :], 1)
 
@@ -438,6 +459,7 @@ def lora_shrink(
     if num_tokens == 0 or num_segs == 0 or max_rank == 0:
         return
     page = pool_layer.shape[1]
+    rows_pool, scales = row_source(pool_layer, meta)
     span = _tiled_span(meta, num_tokens)
     rank_table, _, slot_stride, target_stride = module_tables(meta)
     ranks = (rank_table, slot_stride, target_stride)
@@ -461,7 +483,8 @@ def lora_shrink(
         _shrink_kernel[grid](
             x,
             x.stride(0),
-            pool_layer,
+            rows_pool,
+            scales,
             *common,
             *ranks,
             meta.slot_pages,
@@ -502,7 +525,8 @@ def lora_shrink(
         _shrink_vector_kernel[(rows, group * rank_blocks, splits)](
             x,
             x.stride(0),
-            pool_layer,
+            rows_pool,
+            scales,
             meta.b_slot,
             picked,
             meta.seg1_start,

@@ -78,6 +78,10 @@ class LoraMeta:
     # lora_B's bias (PEFT's lora_bias, added inside the scale), column 1 DoRA's two rows, g then
     # c (out = g * out + c + g * delta; ``adapters.residency`` computes them).
     slot_vectors: torch.Tensor | None = None
+    # Host: the A and B^T rows are e4m3 with a scale per row (``adapter_dtype: fp8``; the layout:
+    # ``slora_kernels.lora_fp8``), for every slot of the engine; vector rows stay in the pool's
+    # dtype. False: the rows are in the pool's dtype.
+    fp8_rows: bool = False
     # Host: some slot of the step has vector rows (the expand kernels compile their reads only
     # then: a step of plain adapters runs the kernels it always ran).
     has_vectors: bool = False

@@ -10,6 +10,10 @@ FP8 KV cache: ``kv_write``, ``attention`` and ``attention_decode`` take ``scales
 per token and head scale table, ``slora_kernels.fp8``); with it a page holds a token's K and V in e4m3
 and the attention dequantizes them (scores and softmax in fp32). Without it, the model dtype.
 
+FP8 adapter rows (``LoraMeta.fp8_rows``, ``slora_kernels.lora_fp8``): ``gather_lora_rows``
+dequantizes e4m3 A and B^T rows with their per row scales to fp32, so ``lora_shrink`` and
+``lora_expand`` compute on the rows fp8 storage gives; vector rows stay in the pool's dtype.
+
 Each function below has a Triton counterpart in ``kernels/`` with the same signature.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slora_kernels import fp8
+from slora_kernels import fp8, lora_fp8
 from slora_kernels.meta import AttnMeta, LoraMeta
 
 
@@ -175,12 +179,15 @@ def gather_lora_rows(
     Row j of the matrix lies in pages slot_pages[slot, start + j * pages_per_row + c],
     c = 0 .. pages_per_row - 1, with start = slot_offsets[slot, target, which] and
     pages_per_row = ceil(width / page_size). Returns [rank, width], the module's own rank at
-    ``meta.layer`` (``_module_rank``).
+    ``meta.layer`` (``_module_rank``). With ``meta.fp8_rows`` the rows are e4m3, page_size
+    counting bytes, and come dequantized in fp32 (``slora_kernels.lora_fp8``).
     """
     page_size = pool_layer.shape[1]
     rank = _module_rank(meta, slot, target)
-    per_row = -(-width // page_size)
     start = int(meta.slot_offsets[slot, target, which])
+    if meta.fp8_rows:
+        return lora_fp8.gather_rows(pool_layer, meta.slot_pages[slot], start, rank, width)
+    per_row = -(-width // page_size)
     pages = meta.slot_pages[slot, start : start + rank * per_row].long()
     return pool_layer[pages].reshape(rank, per_row * page_size)[:, :width]
 

@@ -97,6 +97,10 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 K/V, one page per token
     # (K and V side by side), scales per token and KV head (``slora_kernels.fp8``); cuda needs sm 8.9+
+    adapter_dtype: str = "auto"  # "auto": adapter rows in the model dtype; "fp8": LoRA's A and
+    # B rows in e4m3 with a scale per row (``slora_kernels.lora_fp8``): about half the pages of
+    # bf16, plus a page of scales per factor; lora_B biases, expert and embed/lm_head LoRA stay
+    # in the model dtype, DoRA adapters are refused; cuda needs sm 8.9+
     backend: str = "auto"  # kernels: "torch" (kernels/ref.py) or "triton"; auto: triton on cuda
     # base weights: "auto" as the checkpoint holds them (an FP8 checkpoint stays fp8); "fp8":
     # e4m3 per output channel, activations per token (models/quant.py); LoRA stays in dtype
@@ -153,6 +157,10 @@ class EngineConfig:
         check(
             self.kv_cache_dtype in ("auto", "fp8"),
             f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
+        )
+        check(
+            self.adapter_dtype in ("auto", "fp8"),
+            f"adapter_dtype must be auto or fp8, got {self.adapter_dtype!r}",
         )
         check(
             self.backend in ("auto", "torch", "triton"),

@@ -39,6 +39,7 @@ from slora_batch.engine.adapters.head_files import (
 )
 from slora_batch.engine.adapters.head_weights import head_block
 from slora_batch.engine.models.spec import EXPERT_TARGETS, TARGETS, ModelSpec
+from slora_kernels import lora_fp8
 
 __all__ = [
     "CONFIG_FILE",
@@ -217,17 +218,28 @@ def vector_rows(info: AdapterInfo) -> int:
     return int(info.lora_bias) + 2 * int(info.dora)
 
 
-def adapter_pages(info: AdapterInfo, spec: ModelSpec) -> int:
+def adapter_pages(info: AdapterInfo, spec: ModelSpec, fp8: int = 0) -> int:
     """Pages an adapter takes in ``spec``'s pool: each target at its largest rank over layers
-    (a page spans every layer), the expert targets as ``ModelSpec.adapter_pages`` counts them."""
+    (a page spans every layer), the expert targets as ``ModelSpec.adapter_pages`` counts them.
+    ``fp8``: the sub-pages a page holds when the A and B^T rows are e4m3 (``adapter_dtype:
+    fp8``, ``slora_kernels.lora_fp8``: the pool's element bytes; the rows' scales besides); 0:
+    the model dtype."""
     experts = tuple(t for t in info.targets if t in info.expert_ranks)
     pages = spec.adapter_pages(info.rank, experts, info.expert_ranks) if experts else 0
     for target in info.targets:
         if target not in info.expert_ranks:
             rank = max(info.module_ranks(target, spec.num_layers)[0])
-            pages += spec.adapter_pages(rank, (target,))
+            pages += _factor_pages(rank, spec.target_dims(target), spec, fp8)
             pages += vector_rows(info) * spec.pages_per_row(spec.target_dims(target)[1])
     return pages + head_pages(info.heads, spec)
+
+
+def _factor_pages(rank: int, dims: tuple[int, int], spec: ModelSpec, fp8: int) -> int:
+    """Pages of one target's A and B^T rows: in the model dtype, or e4m3 with their scales
+    (``fp8`` sub-pages a page)."""
+    if not fp8:
+        return rank * (spec.pages_per_row(dims[0]) + spec.pages_per_row(dims[1]))
+    return sum(lora_fp8.factor_pages(rank, width, spec.page_size, fp8) for width in dims)
 
 
 @dataclass
@@ -239,7 +251,10 @@ class PagedAdapter:
     the first page index of A or B^T (-1: absent), ``vectors[target, 0 or 1]`` that of the bias
     row or of the DoRA rows (-1: none; ``LoraMeta.slot_vectors``). After them all, the head
     block (LoRA on embed_tokens and lm_head, ``head_weights``) from page ``head_start`` on (-1:
-    none), its elements laid over the layers of those pages one layer after the other."""
+    none), its elements laid over the layers of those pages one layer after the other. With fp8
+    rows (``AdapterStore.fp8``) each A and B^T factor of a target other than the experts' is
+    e4m3 in sub-pages, its row scales in the pages just before ``offsets`` points
+    (``slora_kernels.lora_fp8``)."""
 
     info: AdapterInfo
     data: torch.Tensor  # [L, num_pages, page_size], pinned when a GPU is used
@@ -267,24 +282,30 @@ def to_pages(
     dtype: torch.dtype,
     pin: bool = False,
     num_layers: int = 0,
+    fp8: bool = False,
 ) -> PagedAdapter:
     """Pads each factor's rows to whole pages, in page order, written straight into one
     (pinned) buffer: each factor is copied once, only the pad rows and tails are zeroed. A
     factor is a stacked [L, r, width] tensor or a list of each layer's [r_l, width]
     (``load_weights``), taking the rows of the largest r_l. The head block follows them
-    (``num_layers``: the pages' layers, for an adapter on the heads alone)."""
+    (``num_layers``: the pages' layers, for an adapter on the heads alone). ``fp8``: the A and
+    B^T rows of the targets other than the experts' in e4m3, each factor's row scales in the
+    pages before its first row (``slora_kernels.lora_fp8``); the rest in ``dtype``."""
     offsets = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
     vectors = torch.full((len(TARGETS), 2), -1, dtype=torch.int32)
-    layout: list[tuple] = []  # (rows, first page, rows taken, pages a row, width)
+    # (rows, first row page, end page, rows taken, pages a row, width, scale pages)
+    layout: list[tuple] = []
+    subs = lora_fp8.sub_pages(dtype) if fp8 else 0
     for t_index, target in enumerate(TARGETS):
         if target not in info.targets:
             continue
+        in_fp8 = subs if target not in info.expert_ranks else 0
         for which, rows in enumerate((weights.a[target], weights.b_t[target])):
-            offsets[t_index, which] = _place(layout, rows, page_size)
+            offsets[t_index, which] = _place(layout, rows, page_size, in_fp8)
         if target in weights.vectors:
             start = _place(layout, weights.vectors[target], page_size)
-            vectors[t_index] = torch.tensor(vector_starts(info, start, layout[-1][3]))
-    cursor = layout[-1][1] + layout[-1][2] * layout[-1][3] if layout else 0
+            vectors[t_index] = torch.tensor(vector_starts(info, start, layout[-1][4]))
+    cursor = _end(layout)
     num_layers = len(layout[0][0]) if layout else num_layers
     head_start, heads = cursor, weights.heads
     if heads is not None:
@@ -294,25 +315,44 @@ def to_pages(
         block = torch.zeros(num_layers * (cursor - head_start) * page_size, dtype=dtype)
         block[: heads.numel()] = heads
         data[:, head_start:] = block.view(num_layers, cursor - head_start, page_size)
-    for rows, start, rank, per_row, width in layout:
-        padded = data[:, start : start + rank * per_row].view(num_layers, rank, -1)
-        padded[:, :, width:].zero_()
-        if isinstance(rows, torch.Tensor):
-            padded[:, :, :width].copy_(rows)
-            continue
-        for layer, tensor in enumerate(rows):
-            padded[layer, : tensor.shape[0], :width].copy_(tensor)
-            padded[layer, tensor.shape[0] :].zero_()
+    for rows, start, end, rank, _, width, scales in layout:
+        if scales:
+            lora_fp8.write_factor(data[:, start - scales : end], scales, rows, rank, width)
+        else:
+            _write_rows(data[:, start:end], rows, rank, width)
     head_start = head_start if heads is not None else -1
     return PagedAdapter(info, data, offsets, vectors, head_start=head_start)
 
 
-def _place(layout: list[tuple], rows, page_size: int) -> int:
-    """Appends a factor's rows to ``layout`` after the last one; returns its first page."""
-    start = layout[-1][1] + layout[-1][2] * layout[-1][3] if layout else 0
+def _write_rows(pages: torch.Tensor, rows, rank: int, width: int) -> None:
+    """A factor's rows into its pages [L, rank * per_row, page_size] of the buffer, each row
+    padded with zeros to whole pages; ``rows`` stacked [L, r, width] or each layer's."""
+    padded = pages.view(pages.shape[0], rank, -1)
+    padded[:, :, width:].zero_()
+    if isinstance(rows, torch.Tensor):
+        padded[:, :, :width].copy_(rows)
+        return
+    for layer, tensor in enumerate(rows):
+        padded[layer, : tensor.shape[0], :width].copy_(tensor)
+        padded[layer, tensor.shape[0] :].zero_()
+
+
+def _end(layout: list[tuple]) -> int:
+    """The page after the last factor of ``layout``."""
+    return layout[-1][2] if layout else 0
+
+
+def _place(layout: list[tuple], rows, page_size: int, fp8: int = 0) -> int:
+    """Appends a factor's rows to ``layout`` after the last one; returns its first row page.
+    ``fp8``: e4m3 rows, that many sub-pages a page, after their scale pages; 0: the model
+    dtype."""
     rank = rows.shape[1] if isinstance(rows, torch.Tensor) else max(t.shape[0] for t in rows)
     width = rows[0].shape[1]
-    layout.append((rows, start, rank, -(-width // page_size), width))
+    per_row = -(-width // page_size)
+    scales = lora_fp8.scale_pages(rank, page_size, fp8) if fp8 else 0
+    start = _end(layout) + scales
+    end = start + (-(-rank * per_row // fp8) if fp8 else rank * per_row)
+    layout.append((rows, start, end, rank, per_row, width, scales))
     return start
 
 
@@ -343,6 +383,7 @@ class AdapterStore:
         pin: bool = False,
         dtype: torch.dtype = torch.float32,
         shard: tuple[int, int] = (0, 1),
+        fp8: bool = False,
     ) -> None:
         self.spec = spec  # the whole model's: adapter files are checked against it
         # (rank, size) under tensor parallelism: this store holds rank's shard of every adapter
@@ -354,6 +395,8 @@ class AdapterStore:
         self.cache_bytes = cache_bytes
         self.pin = pin
         self.dtype = dtype
+        # ``adapter_dtype: fp8``: A and B^T rows in e4m3 with a scale per row (``to_pages``)
+        self.fp8 = fp8
         self._infos: dict[str, AdapterInfo] = {}
         self._pages: dict[str, int] = {}  # pages(name), asked for every row and admission
         self._paged: OrderedDict[str, PagedAdapter] = OrderedDict()
@@ -384,6 +427,7 @@ class AdapterStore:
         leave it (their rows become error rows; the others run)."""
         infos, broken = check_adapters(self.spec, self.sources)
         broken.update(self._unsharded(infos))
+        broken.update(self._not_fp8(infos))
         infos = [info for info in infos if info.name not in broken]
         self._infos.update((info.name, info) for info in infos)
         self._pages.clear()
@@ -416,6 +460,14 @@ class AdapterStore:
                 )
         return broken
 
+    def _not_fp8(self, infos: list[AdapterInfo]) -> dict[str, AdapterError]:
+        """Why each DoRA adapter cannot run with fp8 rows: its magnitudes' norms are computed
+        from the factors in the pool's pages, read in the model dtype (``residency``)."""
+        if not self.fp8:
+            return {}
+        reason = "DoRA is not supported with adapter_dtype fp8 (use adapter_dtype auto)"
+        return {i.name: AdapterError(i.name, i.path, reason) for i in infos if i.dora}
+
     def nearest(self, name: str, n: int = 3) -> list[str]:
         """Known adapter names closest to ``name`` (for "unknown adapter" messages)."""
         return difflib.get_close_matches(name, self.names, n=n, cutoff=0.5)
@@ -424,7 +476,8 @@ class AdapterStore:
         pages = self._pages.get(name)
         if pages is None:
             info = self.info(name)
-            pages = self._pages[name] = adapter_pages(info, self.page_spec)
+            subs = lora_fp8.sub_pages(self.dtype) if self.fp8 else 0
+            pages = self._pages[name] = adapter_pages(info, self.page_spec, subs)
         return pages
 
     def nbytes(self, name: str) -> int:
@@ -509,6 +562,6 @@ class AdapterStore:
                 whole_a = {t: a.to(self.dtype) for t, a in weights.a.items()}
             weights = shard_adapter(weights, *self.shard, spec=self.spec)
         page_size, layers = self.page_spec.page_size, self.spec.num_layers
-        paged = to_pages(info, weights, page_size, self.dtype, self.pin, layers)
+        paged = to_pages(info, weights, page_size, self.dtype, self.pin, layers, self.fp8)
         paged.whole_a = whole_a
         return paged

@@ -1,0 +1,82 @@
+"""``adapter_dtype: fp8`` in the adapter store: an adapter takes fewer pages, so more stay
+resident in one pool; DoRA adapters become error rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from factory import ADAPTERS, make_adapter, make_adapters, make_model
+
+from slora_batch import EngineConfig
+from slora_batch.engine.adapters.residency import AdapterResidency
+from slora_batch.engine.adapters.store import AdapterStore
+from slora_batch.engine.config import ConfigError
+from slora_batch.engine.models.spec import read_spec
+from slora_batch.engine.pool import PagePool, PoolExhausted
+from slora_kernels import lora_fp8
+
+# A pool that holds the first four of ADAPTERS in fp32 (7 + 87 + 112 + 464 pages; the fifth, of
+# rank 64, takes 1152) and all six in fp8 (537 pages in all).
+POOL_PAGES, FULL_RESIDENT = 1200, 4
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8-adapters")
+    model_dir = make_model(root, "gqa")
+    return model_dir, make_adapters(model_dir, root / "adapters")
+
+
+def resident_count(model_dir, adapters, fp8: bool, pages: int) -> tuple[int, dict[str, int]]:
+    """How many of ``adapters`` one pool of ``pages`` holds at once, loaded in order, and each
+    adapter's page count; the pool's pages in use equal the counts' sum."""
+    spec = read_spec(model_dir)
+    store = AdapterStore(spec, adapters, fp8=fp8)
+    pool = PagePool(pages, spec.page_size, spec.num_layers)
+    residency = AdapterResidency(pool, store, len(adapters), torch.device("cpu"))
+    held = []
+    for name in adapters:
+        try:
+            residency.acquire(name)
+        except PoolExhausted:
+            break
+        held.append(name)
+    assert pool.num_used == sum(store.pages(name) for name in held)
+    return len(held), {name: store.pages(name) for name in adapters}
+
+
+def test_fp8_adapters_take_fewer_pages_and_more_stay_resident(case):
+    """On fp32 pages of 32 elements a page holds 4 e4m3 sub-pages of 32: a factor of rank r on
+    rows of w takes ceil(r * ceil(w / 32) / 4) pages where fp32 takes r * ceil(w / 32), and
+    its scales ceil(r / 32) pages (at rank 1 the scale pages make it 8 pages to fp32's 7)."""
+    model_dir, adapters = case
+    spec = read_spec(model_dir)
+    full, full_pages = resident_count(model_dir, adapters, fp8=False, pages=POOL_PAGES)
+    small, fp8_pages = resident_count(model_dir, adapters, fp8=True, pages=POOL_PAGES)
+    for name, rank, targets, _, _ in ADAPTERS:
+        expected = 0
+        for module in targets:
+            d_in, d_out = spec.target_dims(module.split("_")[0])
+            dims = (d_in, d_out)
+            expected += sum(lora_fp8.factor_pages(rank, w, spec.page_size, 4) for w in dims)
+        assert fp8_pages[name] == expected, name
+    assert 3 * sum(fp8_pages.values()) < sum(full_pages.values()), (fp8_pages, full_pages)
+    assert (full, small) == (FULL_RESIDENT, len(ADAPTERS))
+
+
+def test_dora_adapters_are_refused_with_fp8(case, tmp_path):
+    model_dir, adapters = case
+    dora = make_adapter(
+        model_dir, tmp_path / "dora", 4, ["q_proj"], 8, False, seed=9, use_dora=True
+    )
+    spec = read_spec(model_dir)
+    store = AdapterStore(spec, {"dora": dora, "plain": adapters["r8-attn"]}, fp8=True)
+    _, broken = store.check_all()
+    assert list(broken) == ["dora"] and "adapter_dtype fp8" in str(broken["dora"])
+    assert AdapterStore(spec, {"dora": dora}).check_all()[1] == {}
+
+
+def test_adapter_dtype_is_checked():
+    assert EngineConfig().adapter_dtype == "auto"
+    with pytest.raises(ConfigError, match="adapter_dtype must be auto or fp8"):
+        EngineConfig(adapter_dtype="fp16")
