@@ -108,8 +108,16 @@ def unmatched_targets(cfg: dict, spec: ModelSpec) -> tuple[tuple[str, str], ...]
             if value != ALL_LINEAR and not _pattern_matches(value, layout):
                 unmatched.append((field, value))
         else:
-            unmatched += [(field, e) for e in value or () if e not in _name_ends(layout)]
+            unmatched += [(field, e) for e in value or () if not _entry_matches(field, e, layout)]
     return tuple(unmatched)
+
+
+def _entry_matches(field: str, entry: str, layout: _Layout) -> bool:
+    """A list entry names a module (or its end); a ``target_parameters`` entry may name a
+    module's own weight too, as PEFT writes the router's: "gate.weight"."""
+    if field == "target_parameters" and entry.endswith(".weight"):
+        entry = entry.removesuffix(".weight")
+    return entry in _name_ends(layout)
 
 
 def unmatched_text(unmatched: Iterable[tuple[str, str]]) -> str:
