@@ -259,3 +259,24 @@ def test_a_directory_loads_its_tokenizer_once_until_its_files_change(sample_mode
     config.write_text(config.read_text() + "\n")
     again = load_tokenizer(tmp_path / "a")
     assert again is not first and load_tokenizer(tmp_path / "a") is again
+
+
+def test_a_generic_fast_tokenizer_loads_as_auto_tokenizer_loads_it(sample_model_dir):
+    """The sample model's tokenizer (tokenizer_class PreTrainedTokenizerFast), loaded by its own
+    class: what AutoTokenizer gives, ids, special tokens and chat template alike."""
+    from transformers import AutoTokenizer
+
+    ours, auto = load_tokenizer(sample_model_dir), AutoTokenizer.from_pretrained(sample_model_dir)
+    assert type(ours) is type(auto) and len(ours) == len(auto)
+    text = "Hello <|im_start|>user\nsé 12345 ünïcode<|im_end|>"
+    assert ours.encode(text) == auto.encode(text)
+    assert ours.all_special_tokens == auto.all_special_tokens
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (
+        auto.eos_token_id,
+        auto.pad_token_id,
+        auto.bos_token_id,
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(
+        messages, tokenize=False
+    )
