@@ -15,6 +15,15 @@ import numpy as np
 import torch
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``; on the CPU from memory the OS hands out zeroed on first touch (numpy's
+    calloc), so a pool of gigabytes costs only the pages a run writes, not a memset of all."""
+    if device.type != "cpu" or 0 in shape:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class PoolExhausted(RuntimeError):
     """Not enough free pages; carries the numbers."""
 
@@ -52,7 +61,7 @@ class PagePool:
         # where index 0 expects 0: a duplicate.
         self._last_index = np.zeros(num_pages, dtype=np.int64)
         self.peak_used = 0
-        self.data = torch.zeros(num_layers, num_pages, page_size, dtype=dtype, device=device)
+        self.data = zeros((num_layers, num_pages, page_size), dtype, torch.device(device))
         # KV pages per token: a K page and a V page, or (fp8) one page holding both
         self.kv_pages_per_token = 2
         self.scales: torch.Tensor | None = None  # fp8: [num_layers, num_pages, 2 * kv_heads] fp32
