@@ -55,18 +55,19 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first cards with e4m3 conversions
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
-    """Refuses ``kv_cache_dtype: fp8`` on a CUDA card without fp8 (compute capability below
-    8.9), before any work. On the CPU the torch twins emulate e4m3."""
-    if kv_cache_dtype != "fp8" or device.type != "cuda":
+def check_fp8_settings(config, device: torch.device) -> None:
+    """Refuses ``kv_cache_dtype: fp8`` and ``adapter_dtype: fp8`` on a CUDA card without fp8
+    (compute capability below 8.9), before any work. On the CPU the torch twins emulate e4m3."""
+    keys = [key for key in ("kv_cache_dtype", "adapter_dtype") if getattr(config, key) == "fp8"]
+    if not keys or device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise ValueError(
-            f"engine setting kv_cache_dtype: fp8 needs a card with fp8 (compute capability "
-            f"8.9 or later); {device} is {name} with {capability[0]}.{capability[1]} "
-            f"(use kv_cache_dtype: auto)"
+            f"engine setting {keys[0]}: fp8 needs a card with fp8 (compute capability 8.9 or "
+            f"later); {device} is {name} with {capability[0]}.{capability[1]} (use {keys[0]}: "
+            "auto)"
         )
 
 

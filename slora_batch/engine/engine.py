@@ -21,7 +21,7 @@ import torch
 from slora_batch.engine.adapters.prefetch import AdapterPrefetcher
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
-from slora_batch.engine.device import check_kv_cache_dtype, pick_device, pick_dtype, set_cpu_threads
+from slora_batch.engine.device import check_fp8_settings, pick_device, pick_dtype, set_cpu_threads
 from slora_batch.engine.execution import live_engines
 from slora_batch.engine.execution.batch import plan_step
 from slora_batch.engine.execution.masks import grammar_masks
@@ -74,7 +74,7 @@ class Engine:
         self.model_path, adapters = resolve_model(located.model), located.adapters
         self.spec = spec = read_spec(self.model_path)
         self.device = pick_device(config.device)
-        check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+        check_fp8_settings(config, self.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             set_cpu_threads(config.cpu_threads)

@@ -139,6 +139,7 @@ def lora_meta(
         layer_targets=layer_targets,
         slot_vectors=residency.dev_vectors,
         has_vectors=has_vectors,
+        fp8_rows=residency.store.fp8,
     )
 
 

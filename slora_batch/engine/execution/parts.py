@@ -21,7 +21,7 @@ from slora_batch.engine.adapters.adapter_files import AdapterError
 from slora_batch.engine.adapters.residency import AdapterResidency
 from slora_batch.engine.adapters.store import AdapterStore
 from slora_batch.engine.config import AUTO_MAX_SEQS, AUTO_MIN_SEQS, ConfigError, EngineConfig
-from slora_batch.engine.device import check_kv_cache_dtype
+from slora_batch.engine.device import check_fp8_settings
 from slora_batch.engine.execution.memory import PoolFactory, num_pages, unified_pool
 from slora_batch.engine.execution.runner import ModelRunner
 from slora_batch.engine.execution.seats import auto_num_seqs, resolved
@@ -98,11 +98,14 @@ def build_parts(
     ``max_num_seqs: auto`` resolves here, from that page count (alike on every rank); on cuda
     the pool then takes the reserve that the resolved cap leaves (more pages, never fewer).
     ``given``: the model's tensors and the pool factory."""
-    check_kv_cache_dtype(config.kv_cache_dtype, device)
+    check_fp8_settings(config, device)
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     pool_spec = spec.shard(size)
     cuda = device.type == "cuda"
-    store = AdapterStore(spec, adapters, config.host_cache_bytes, cuda, dtype, (rank, size))
+    fp8_rows = config.adapter_dtype == "fp8"
+    store = AdapterStore(
+        spec, adapters, config.host_cache_bytes, cuda, dtype, (rank, size), fp8=fp8_rows
+    )
     _, broken = store.check_all()
     fp8 = config.weights == "fp8"
     if (fp8 or spec.quantization) and device.type == "cuda" and not fp8_matmul_supported(device):
@@ -118,7 +121,7 @@ def build_parts(
     else:
         pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
     pool, lora_pool = given.pools(pages, pool_spec, dtype, device)
-    if config.kv_cache_dtype == "fp8":  # the KV pool; adapter pages stay in the model dtype
+    if config.kv_cache_dtype == "fp8":  # the KV pool; adapter pages: adapter_dtype (store)
         pool.use_fp8_kv(pool_spec.num_kv_heads, pool_spec.kv_dim)
     residency = AdapterResidency(lora_pool, store, config.max_resident_adapters, device)
     return DeviceParts(store, broken, model, pool, lora_pool, residency, pool_spec, config)

@@ -149,7 +149,8 @@ def graph_runner(bucket: int) -> ModelRunner:
     table = torch.zeros(1)
     runner.residency = SimpleNamespace(dev_rank=table, dev_scale=table, dev_pages=table,
                                        dev_offsets=table, dev_layer_rank=table,
-                                       dev_layer_scale=table, dev_vectors=table)  # fmt: skip
+                                       dev_layer_scale=table, dev_vectors=table,
+                                       store=SimpleNamespace(fp8=False))  # fmt: skip
     runner.graph_table(bucket)
     return runner
 

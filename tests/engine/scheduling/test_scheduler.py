@@ -38,6 +38,7 @@ SPEC = tiny_spec(
 class FakeStore:
     ranks: dict[str, int]
     spec: ModelSpec = SPEC
+    fp8: bool = False  # adapter rows in the model dtype (``AdapterStore.fp8``)
 
     @property
     def names(self):
