@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks: bash benchmarks/device_run.sh MODE [PART], one mode per device call
 # (each fits the device's 600 s limit), from the repository root with the image's python3:
 #   tests [kernels|engine]  every GPU test on 4 workers, failures rerun alone; or one half, serially  ~5 min
-#   bench [prefix|score|json|tp|dora]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
+#   bench [prefix|score|json|tp|dora|fp8a]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
 #   profile [PRESET]   device time per step kind and kernel family on llama2-7b (or PRESET)  ~6 min
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
 #   fp8                bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
@@ -28,7 +28,7 @@ usage() { # the header above, as the usage text
 
 case "$mode:$part" in # the modes and the parts each takes (profile and families: a preset)
   tests: | tests:kernels | tests:engine | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
-  bench:dora) ;;
+  bench:dora | bench:fp8a) ;;
   profile:* | kernels: | fp8: | families:* | moe: | job: | job:dp | eval:) ;;
   *) usage ;;
 esac
@@ -175,6 +175,13 @@ mode_bench() {
       # about 4-5 min
       bench "$dir" 575 --systems slora,slora-dora --adapters 1000 --requests 2000 \
         --max-seconds 90 --total-seconds 545
+      ;;
+    fp8a)
+      # base, slora@1000 and slora-fp8a@1000 (the same requests and ids, the adapters' A and B
+      # rows in e4m3: adapter_dtype fp8), Llama-2-7B shapes, 2000 requests, side by side, cut
+      # at 40 s each (three set-ups and runs in about 4 min)
+      bench "$dir" 400 --systems base,slora,slora-fp8a --adapters 1000 --requests 2000 \
+        --max-seconds 40 --total-seconds 380
       ;;
     score)
       # the scoring rows: score at 1000 adapters against peft-score at 1 and 100, 120 s cuts

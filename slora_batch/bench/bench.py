@@ -25,7 +25,13 @@ from pathlib import Path
 
 import torch
 
-from slora_batch.bench.engine_run import ABLATIONS, DORA_SYSTEMS, run_engine, run_sources
+from slora_batch.bench.engine_run import (
+    ABLATIONS,
+    DORA_SYSTEMS,
+    FP8_ADAPTER_SYSTEMS,
+    run_engine,
+    run_sources,
+)
 from slora_batch.bench.eval_run import (
     copy_tokenizer,
     run_eval_score,
@@ -59,6 +65,7 @@ SYSTEMS = (
     "base",
     "slora",
     *DORA_SYSTEMS,
+    *FP8_ADAPTER_SYSTEMS,
     "json",
     "json-free",
     "eval-score",
@@ -265,6 +272,7 @@ class BenchConfig:
             "base": [0],
             "slora": self.adapters,
             "slora-dora": self.adapters,  # slora's requests, one adapter id in four DoRA
+            "slora-fp8a": self.adapters,  # slora's requests and adapters, A and B in e4m3
             "json": self.adapters,  # bench/json_run.py: slora's requests under a JSON schema
             "json-free": self.adapters,  # json's requests at json's lengths, unconstrained
             "eval-score": self.adapters,  # bench/eval_run.py: the lm-eval sweep's rows alone

@@ -1,7 +1,8 @@
 """One timed engine run of the bench: ``slora``, ``base``, the ablations ``bmm``,
 ``no-unified`` and ``arrival``, ``slora-off`` (``slora`` without the prefix cache), and
 ``slora-dora`` (``slora``'s requests and adapter ids, one id in four a DoRA adapter of its rank:
-``workload.is_dora``).
+``workload.is_dora``) and ``slora-fp8a`` (``slora`` with its adapters' A and B rows stored in
+e4m3, ``adapter_dtype: fp8``).
 
 The ablations are composed from engine parts (``EngineParts``: its ``ops`` and ``pools``) handed
 to ``engine.assemble``, never flags inside the engine: ``bmm`` swaps the backend's LoRA ops for
@@ -43,8 +44,18 @@ from slora_batch.engine.parallel.data_parallel import open_engine
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.requests.request import Request, Result
 
-ENGINE_SYSTEMS = ("slora", "base", "bmm", "no-unified", "arrival", "slora-off", "slora-dora")
+ENGINE_SYSTEMS = (
+    "slora",
+    "base",
+    "bmm",
+    "no-unified",
+    "arrival",
+    "slora-off",
+    "slora-dora",
+    "slora-fp8a",
+)
 DORA_SYSTEMS = ("slora-dora",)  # slora with one adapter id in four DoRA (workload.is_dora)
+FP8_ADAPTER_SYSTEMS = ("slora-fp8a",)  # slora with adapter_dtype: fp8
 ABLATIONS = ("bmm", "no-unified", "arrival")  # slora with one thing changed
 ADAPTER_POOL_FRACTION = 0.25  # no-unified: the adapters' share of the pages, KV the rest
 CACHE_OFF = ("slora-off", "prefix-off")  # EngineConfig(prefix_caching=False); others: on
@@ -222,6 +233,7 @@ def open_bench_engine(ctx, system: str, n: int) -> tuple[Engine, dict[str, Path]
                 kv_cache_dtype=cfg.kv_cache_dtype,
                 weights=cfg.weights,
                 max_adapters_per_batch=cfg.max_adapters_per_batch,
+                adapter_dtype="fp8" if system in FP8_ADAPTER_SYSTEMS else "auto",
             ),
             SamplingConfig(ignore_eos=True),
             parts,
