@@ -15,6 +15,7 @@ from slora_batch.engine.adapters.adapter_files import (
     AdapterError,
     AdapterInfo,
     check_adapters,
+    fp8_refusals,
     resolve_sources,
 )
 from slora_batch.engine.config import ConfigError, EngineConfig
@@ -137,6 +138,9 @@ def check_job(job: JobConfig, input_fs: Any = None, output: FsDir | None = None)
         _check_adapters_dir(located.adapters)
         sweep = fanout_adapters(job)
         adapters, broken = check_adapters(spec, located.adapters)
+        if engine.adapter_dtype == "fp8":  # as the engine's store refuses them
+            broken.update(fp8_refusals(adapters))
+            adapters = [a for a in adapters if a.name not in broken]
         files = input_files(job.input, input_fs)
         first = first_record(files, input_fs)
         openai = openai_batch(

@@ -37,9 +37,14 @@ def case(tmp_path_factory):
     rows = make_rows(18, VOCAB, list(adapters), seed=4)
     rng = random.Random(2)
     for i in range(6):  # scored rows: a logprob for each continuation token
-        rows.append(dict(id=f"s{i}", adapter=list(adapters)[i], continuation_token_ids=[
-            rng.randrange(3, VOCAB) for _ in range(4)],
-            prompt_token_ids=[rng.randrange(3, VOCAB) for _ in range(7 + i)]))  # fmt: skip
+        rows.append(
+            dict(
+                id=f"s{i}",
+                adapter=list(adapters)[i],
+                continuation_token_ids=[rng.randrange(3, VOCAB) for _ in range(4)],
+                prompt_token_ids=[rng.randrange(3, VOCAB) for _ in range(7 + i)],
+            )
+        )
     return model_dir, adapters, rounded, rows
 
 
@@ -59,8 +64,9 @@ def fp8_round_trip(src, dst):
 
 
 def run(model_dir, adapters, rows, **knobs):
-    config = EngineConfig(device="cpu", dtype="float32", backend="torch",
-                          max_num_batched_tokens=64, **knobs)  # fmt: skip
+    config = EngineConfig(
+        device="cpu", dtype="float32", backend="torch", max_num_batched_tokens=64, **knobs
+    )
     engine = Engine(model_dir, adapters=adapters, config=config)
     results = {r.id: r for r in engine.generate(Request(**row) for row in rows)}
     engine.close()
@@ -68,20 +74,35 @@ def run(model_dir, adapters, rows, **knobs):
     return results
 
 
-def outputs(results):
-    return {key: (r.token_ids, r.token_logprobs) for key, r in results.items()}
+# Two engines' fp32 log-probs of the same rows agree to float rounding, not bit for bit: when
+# the adapter loader thread finishes decides which rows share a step, and so the matmuls' shapes
+LOGPROB_ATOL = 1e-4
+
+
+def logprob_gap(a, b) -> float:
+    """The largest |difference| between two runs' log-probs, row by row (0 for none)."""
+    gaps = [
+        max(
+            (abs(x - y) for x, y in zip(ra.token_logprobs, b[key].token_logprobs, strict=True)),
+            default=0.0,
+        )
+        for key, ra in a.items()
+        if ra.token_logprobs is not None
+    ]
+    return max(gaps, default=0.0)
 
 
 def test_fp8_engine_equals_the_engine_on_round_tripped_weights(case):
-    """fp8 storage changes only the weights' rounding: every token and every logprob equals the
-    fp32 engine's on adapters whose weights went through e4m3, and differs from the fp32
-    engine's on the weights as they are (the rounding is there)."""
+    """fp8 storage changes only the weights' rounding: every token equals the fp32 engine's on
+    adapters whose weights went through e4m3, and every logprob up to float rounding; both
+    differ from the fp32 engine's on the weights as they are (the rounding is there)."""
     model_dir, adapters, rounded, rows = case
     fp8 = run(model_dir, adapters, rows, adapter_dtype="fp8")
-    assert outputs(fp8) == outputs(run(model_dir, rounded, rows))
+    same = run(model_dir, rounded, rows)
+    assert {k: r.token_ids for k, r in fp8.items()} == {k: r.token_ids for k, r in same.items()}
+    assert logprob_gap(fp8, same) < LOGPROB_ATOL, logprob_gap(fp8, same)
     exact = run(model_dir, adapters, rows)
-    scored = [key for key, r in exact.items() if r.token_logprobs is not None]
-    assert any(fp8[key].token_logprobs != exact[key].token_logprobs for key in scored)
+    assert logprob_gap(fp8, exact) > 100 * LOGPROB_ATOL, logprob_gap(fp8, exact)
 
 
 def resident_count(model_dir, adapters, fp8: bool, pages: int) -> tuple[int, dict[str, int]]:

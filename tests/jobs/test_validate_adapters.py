@@ -14,6 +14,7 @@ import pytest
 import torch
 from factory import make_adapter, rewrite_adapter, tiny_spec
 from test_jobrun import (
+    PAGES,
     build_tiny,
     forbid_weights,
     load_job,
@@ -235,3 +236,15 @@ def test_a_refused_adapter_costs_only_its_rows(tmp_path, tiny, zoo, monkeypatch,
             error = out[f"{name}-{i}"]["error"]
             assert f"row '{name}-{i}' (adapter {name!r}): " in error and reason in error
     assert all(out[i]["error"] is None for i in ("lora-0", "lora-1", "base-0"))
+
+
+def test_validate_and_run_refuse_dora_under_fp8_adapters(tmp_path, tiny, zoo):
+    """adapter_dtype fp8 runs no DoRA adapter: validate names it as run does, and its rows alone
+    become error rows."""
+    engine = {"device": "cpu", "dtype": "float32", "num_pages": PAGES, "adapter_dtype": "fp8"}
+    job = job_of(tmp_path, tiny, zoo, ["lora", "dora"], engine=engine)
+    report = validate_job(job)
+    assert set(report.broken) == {"dora"}
+    assert "DoRA is not supported with adapter_dtype fp8" in report.broken["dora"]
+    summary = run_job(job)
+    assert set(summary.broken) == {"dora"} and summary.stats["error_rows"] == 2

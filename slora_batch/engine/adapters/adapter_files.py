@@ -451,3 +451,10 @@ def check_adapters(
         except AdapterError as exc:
             broken[name] = exc
     return infos, broken
+
+
+def fp8_refusals(infos: list[AdapterInfo]) -> dict[str, AdapterError]:
+    """Why each DoRA adapter cannot run with ``adapter_dtype: fp8``: its magnitudes' norms are
+    computed from the factors in the pool's pages, read in the model dtype (``residency``)."""
+    reason = "DoRA is not supported with adapter_dtype fp8 (use adapter_dtype auto)"
+    return {i.name: AdapterError(i.name, i.path, reason) for i in infos if i.dora}

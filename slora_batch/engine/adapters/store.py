@@ -26,6 +26,7 @@ from slora_batch.engine.adapters.adapter_files import (
     AdapterError,
     AdapterInfo,
     check_adapters,
+    fp8_refusals,
     lora_key,
     parse_adapter,
     resolve_sources,
@@ -463,10 +464,7 @@ class AdapterStore:
     def _not_fp8(self, infos: list[AdapterInfo]) -> dict[str, AdapterError]:
         """Why each DoRA adapter cannot run with fp8 rows: its magnitudes' norms are computed
         from the factors in the pool's pages, read in the model dtype (``residency``)."""
-        if not self.fp8:
-            return {}
-        reason = "DoRA is not supported with adapter_dtype fp8 (use adapter_dtype auto)"
-        return {i.name: AdapterError(i.name, i.path, reason) for i in infos if i.dora}
+        return fp8_refusals(infos) if self.fp8 else {}
 
     def nearest(self, name: str, n: int = 3) -> list[str]:
         """Known adapter names closest to ``name`` (for "unknown adapter" messages)."""
