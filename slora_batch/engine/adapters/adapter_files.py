@@ -8,17 +8,15 @@ work. ``store.py`` reads the weights.
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
+from slora_batch.engine.adapters.adapter_info import AdapterInfo, ModuleRanks
 from slora_batch.engine.adapters.changes import change_refusal
 from slora_batch.engine.adapters.expert_files import (
     FUSED_KEY,
-    ExpertFactor,
     check_experts,
     is_expert_key,
     pattern_value,
@@ -29,7 +27,6 @@ from slora_batch.engine.adapters.head_files import (
     HEAD_KEY,
     HEAD_MODULES,
     SAVED_KEY,
-    HeadFactor,
     check_base_copies,
     check_heads,
     is_head_key,
@@ -79,79 +76,6 @@ class AdapterError(ValueError):
     def __init__(self, name: str, path: str | Path, reason: str) -> None:
         self.name, self.path, self.reason = name, str(path), reason
         super().__init__(f"adapter {name!r} ({path}): {reason}")
-
-
-@dataclass(frozen=True)
-class ModuleRanks:
-    """One target of an adapter on linear modules (not the experts): its rank and LoRA scale in
-    each layer of the model. A module's rank and alpha are the config's ``r`` and
-    ``lora_alpha``, or those of the first ``rank_pattern`` / ``alpha_pattern`` key matching its
-    name, as PEFT picks them; rank 0 (scale 0.0) in a layer the adapter leaves out
-    (``layers_to_transform``, a regular-expression ``target_modules``). Example: r 8,
-    rank_pattern {"model.layers.1.self_attn.q_proj": 4}, layers_to_transform [1, 2] on 3
-    layers: q's ranks (0, 4, 8)."""
-
-    target: str
-    ranks: tuple[int, ...]  # [num_layers]
-    scales: tuple[float, ...]  # [num_layers]
-
-    @property
-    def max_rank(self) -> int:
-        """The rank its rows take in pool pages: a page spans every layer."""
-        return max(self.ranks)
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """What the engine needs of an adapter before loading its weights."""
-
-    name: str
-    path: Path
-    rank: int
-    alpha: float
-    use_rslora: bool
-    targets: tuple[str, ...]  # in TARGETS order
-    # The expert targets among ``targets``, each with its rank per expert and its scale, and the
-    # format their tensors are in ("fused" or "per_expert": ``expert_files``); none without.
-    experts: tuple[ExpertFactor, ...] = ()
-    expert_format: str = ""
-    # The other targets' ranks and scales per layer; a target missing here has ``rank`` and
-    # ``scale`` in every layer it exists in.
-    modules: tuple[ModuleRanks, ...] = ()
-    lora_bias: bool = False  # each module's lora_B has a bias (PEFT's ``lora_bias``)
-    dora: bool = False  # DoRA (``use_dora``): each module has a magnitude per output channel
-    # LoRA on embed_tokens and lm_head (``head_files``), and saved copies of them
-    # (``modules_to_save``, ``saved_modules``), in HEAD_MODULES order
-    heads: tuple[HeadFactor, ...] = ()
-
-    @property
-    def kind(self) -> str:
-        """What the adapter is, as ``validate`` reports it: "LoRA", "LoRA + bias" or "DoRA"."""
-        return "DoRA" if self.dora else "LoRA + bias" if self.lora_bias else "LoRA"
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-    @property
-    def expert_ranks(self) -> dict[str, int]:
-        """Rank per expert of each expert target."""
-        return {f.target: f.rank for f in self.experts}
-
-    @property
-    def max_rank(self) -> int:
-        """The largest rank of the adapter's modules outside the experts (``rank`` without
-        per-module ranks): the width its LoRA takes in a step's scratch."""
-        return max((m.max_rank for m in self.modules), default=self.rank)
-
-    def module_ranks(
-        self, target: str, num_layers: int
-    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """A target's (ranks, scales) per layer (``ModuleRanks``)."""
-        for module in self.modules:
-            if module.target == target:
-                return module.ranks, module.scales
-        return (self.rank,) * num_layers, (self.scale,) * num_layers
 
 
 def parse_adapter(name: str, path: str | Path, spec: ModelSpec) -> AdapterInfo:

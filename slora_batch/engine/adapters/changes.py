@@ -26,7 +26,7 @@ from slora_batch.engine.models.spec import EXPERT_TARGETS, MODULE_OF, ModelSpec
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from slora_batch.engine.adapters.adapter_files import AdapterInfo
+    from slora_batch.engine.adapters.adapter_info import AdapterInfo
 
 # The config fields whose entries name the modules (parameters) the adapter's LoRA is on
 TARGET_FIELDS = ("target_modules", "target_parameters")
