@@ -223,19 +223,36 @@ def reference(model_dir: Path, adapters: dict[str, Path], rows: list[dict]) -> d
     return out
 
 
-def rewrite_adapter(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
-    """A copy of adapter ``src`` at ``dst``: its config updated with ``config``, its tensors
-    (name -> tensor) replaced by ``tensors(old)`` where given."""
+def edit_adapter(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path:
+    """A copy of adapter ``src`` at ``dst``, its tensors (name -> tensor) and its config edited
+    in place by ``edit_tensors`` and ``edit_config`` where given."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    weights = load_file(src / "adapter_model.safetensors")
+    tensors = load_file(src / "adapter_model.safetensors")
     cfg = json.loads((src / "adapter_config.json").read_text())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(cfg)
     dst.mkdir(parents=True)
-    save_file(tensors(weights) if tensors else weights, dst / "adapter_model.safetensors")
-    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    save_file(tensors, dst / "adapter_model.safetensors")
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def rewrite_adapter(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
+    """A copy of adapter ``src`` at ``dst``: its config updated with ``config``, its tensors
+    (name -> tensor) replaced by ``tensors(old)`` where given."""
+
+    def replace(weights: dict) -> None:
+        if tensors:
+            new = tensors(dict(weights))
+            weights.clear()
+            weights.update(new)
+
+    return edit_adapter(src, dst, replace, lambda cfg: cfg.update(config or {}))
 
 
 def randomize_heads(path: Path, seed: int) -> Path:

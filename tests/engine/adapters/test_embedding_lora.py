@@ -5,11 +5,9 @@ and the refusals that name the adapter and the tensor."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from factory import make_adapter, make_model, make_rows, reference
+from factory import edit_adapter, make_adapter, make_model, make_rows, reference
 from safetensors.torch import load_file, save_file
 
 from slora_batch import Engine, EngineConfig, Request
@@ -100,20 +98,6 @@ def test_head_factors_take_pages_and_bytes(family):
     assert store.pages("both") == attention + heads
 
 
-def rewrite(src, dst, edit_tensors=None, edit_config=None):
-    """A copy of adapter ``src`` at ``dst`` with its tensors or config edited."""
-    dst.mkdir()
-    tensors = load_file(src / "adapter_model.safetensors")
-    cfg = json.loads((src / "adapter_config.json").read_text())
-    if edit_tensors:
-        edit_tensors(tensors)
-    if edit_config:
-        edit_config(cfg)
-    save_file(tensors, dst / "adapter_model.safetensors")
-    (dst / "adapter_config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def test_refusals_name_adapter_and_tensor(family, tmp_path):
     model_dir, adapters = family
     spec = read_spec(model_dir)
@@ -122,26 +106,26 @@ def test_refusals_name_adapter_and_tensor(family, tmp_path):
     def short_vocab(t):
         t[key_a] = t[key_a][:, :-1].contiguous()
 
-    bad = rewrite(adapters["embed"], tmp_path / "vocab", short_vocab)
+    bad = edit_adapter(adapters["embed"], tmp_path / "vocab", short_vocab)
     with pytest.raises(AdapterError, match=r"'vocab'.*lora_embedding_A.*\[4, 299\].*\[4, 300\]"):
         parse_adapter("vocab", bad, spec)
 
     key_b = "base_model.model.lm_head.lora_B.weight"
-    bad = rewrite(adapters["head"], tmp_path / "no-b", lambda t: t.pop(key_b))
+    bad = edit_adapter(adapters["head"], tmp_path / "no-b", lambda t: t.pop(key_b))
     with pytest.raises(AdapterError, match=r"'no-b'.*lm_head needs both LoRA factors"):
         parse_adapter("no-b", bad, spec)
 
     def wide_b(t):
         t[key_b] = torch.zeros(VOCAB, 6)
 
-    bad = rewrite(adapters["head"], tmp_path / "rank", wide_b)
+    bad = edit_adapter(adapters["head"], tmp_path / "rank", wide_b)
     with pytest.raises(AdapterError, match=r"lm_head.lora_B.weight.*\[300, 6\].*\[300, 4\]"):
         parse_adapter("rank", bad, spec)
 
     def other_embedding(cfg):
         cfg["target_modules"] = ["wte"]
 
-    bad = rewrite(adapters["embed"], tmp_path / "wte", edit_config=other_embedding)
+    bad = edit_adapter(adapters["embed"], tmp_path / "wte", edit_config=other_embedding)
     with pytest.raises(AdapterError, match=r"embedding targets \['wte'\] are not supported"):
         parse_adapter("wte", bad, spec)
 

@@ -6,12 +6,16 @@ rows become error rows while the others run; an adapter whose copies never fit t
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from factory import make_adapter, make_model, make_rows, randomize_heads, reference_each
-from safetensors.torch import load_file, save_file
+from factory import (
+    edit_adapter,
+    make_adapter,
+    make_model,
+    make_rows,
+    randomize_heads,
+    reference_each,
+)
 
 from slora_batch import Engine, EngineConfig, Request
 from slora_batch.engine.adapters.store import AdapterError, AdapterStore, parse_adapter
@@ -163,20 +167,6 @@ def test_slot_table_lists_the_pages_the_lora_kernels_read(family):
         run.close()
 
 
-def rewrite(src, dst, edit_tensors=None, edit_config=None):
-    """A copy of adapter ``src`` at ``dst`` with its tensors or config edited."""
-    dst.mkdir()
-    tensors = load_file(src / "adapter_model.safetensors")
-    cfg = json.loads((src / "adapter_config.json").read_text())
-    if edit_tensors:
-        edit_tensors(tensors)
-    if edit_config:
-        edit_config(cfg)
-    save_file(tensors, dst / "adapter_model.safetensors")
-    (dst / "adapter_config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 def bad_adapters(adapters, root) -> dict[str, tuple]:
     """name -> (path, what its refusal says): copies of good adapters broken one way each."""
 
@@ -204,7 +194,7 @@ def bad_adapters(adapters, root) -> dict[str, tuple]:
                   r"embed_tokens is both in modules_to_save and a LoRA target"),
     }  # fmt: skip
     return {
-        name: (rewrite(src, root / name, tensors, cfg), match)
+        name: (edit_adapter(src, root / name, tensors, cfg), match)
         for name, (src, tensors, cfg, match) in cases.items()
     }
 
@@ -222,7 +212,7 @@ def test_ensure_weight_tying_refused_on_tied_embeddings_only(family, tmp_path):
     tied embeddings (refused); on an untied model it changes nothing (runs)."""
     model_dir, adapters = family
     spec = read_spec(model_dir)
-    path = rewrite(adapters["embed"], tmp_path / "tie", edit_config=lambda c: c.update(
+    path = edit_adapter(adapters["embed"], tmp_path / "tie", edit_config=lambda c: c.update(
         ensure_weight_tying=True))  # fmt: skip
     if spec.tie_word_embeddings:
         with pytest.raises(AdapterError, match=r"'tie'.*ensure_weight_tying on a model with tied"):
