@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,23 +86,43 @@ class Row:
     left: int
 
 
-def simulate(spec, weights, kv_token, active, card, rows, names, sizes, max_rows, max_adapters):
-    """Floor seconds, output tokens and decode steps of one run (see the module docstring)."""
-    queue = list(zip(names, rows, strict=True))
+@dataclass(frozen=True)
+class Setting:
+    """What a simulated run runs on: the model's floor figures, the card and the engine's caps."""
+
+    spec: ModelSpec
+    weights: WeightBytes
+    kv_token: int  # KV bytes a token
+    active: int  # parameters a token computes with
+    card: Card
+    max_rows: int = 1024
+    max_adapters: int = 256
+
+    @classmethod
+    def of(cls, model, card: Card, max_rows: int = 1024, max_adapters: int = 256) -> Setting:
+        """The setting of a bench model (``bench.model.build_model``) in bf16."""
+        spec = model.spec
+        weights = WeightBytes.of(spec, model.num_params, 2)
+        active = active_params(spec, model.num_params)
+        return cls(spec, weights, model.kv_bytes_per_token, active, card, max_rows, max_adapters)
+
+
+def simulate(run: Setting, rows, names, sizes) -> tuple[float, float, float]:
+    """Floor seconds, output tokens and decode steps of one run (see the module docstring):
+    ``rows`` (prompt length, output length) on adapters ``names`` of ``sizes``."""
+    queue = deque(zip(names, rows, strict=True))
     running: list[Row] = []
     seconds = tokens = steps = 0.0
+    card = run.card
     while queue or running:
-        seconds += _admit(
-            queue, running, spec, weights, kv_token, active, card, sizes, max_rows, max_adapters
-        )
+        seconds += _admit(run, queue, running, sizes)
         if not running:
             raise RuntimeError("a row does not fit the pool alone")
         per_adapter = Counter(r.adapter for r in running if r.adapter)
-        read = weights.step(len(running)) + kv_token * sum(r.context for r in running)
-        read += sum(sizes[a].read(spec, n) for a, n in per_adapter.items())
-        seconds += max(
-            read / card.copy_bytes_per_s, 2 * active * len(running) / card.matmul_flops_per_s
-        )
+        read = run.weights.step(len(running)) + run.kv_token * sum(r.context for r in running)
+        read += sum(sizes[a].read(run.spec, n) for a, n in per_adapter.items())
+        flops = 2 * run.active * len(running)
+        seconds += max(read / card.copy_bytes_per_s, flops / card.matmul_flops_per_s)
         tokens += len(running)
         steps += 1
         for r in running:
@@ -112,21 +132,21 @@ def simulate(spec, weights, kv_token, active, card, rows, names, sizes, max_rows
     return seconds, tokens, steps
 
 
-def _admit(queue, running, spec, weights, kv_token, active, card, sizes, max_rows, max_adapters):
+def _admit(run: Setting, queue: deque, running: list[Row], sizes) -> float:
     """Admits rows from the head of ``queue`` while they fit; the seconds of their prefill."""
-    used = kv_token * sum(r.context for r in running)
+    used = run.kv_token * sum(r.context for r in running)
     resident = {r.adapter for r in running if r.adapter}
-    used += sum(sizes[a].total(spec) for a in resident)
+    used += sum(sizes[a].total(run.spec) for a in resident)
     prompt = 0
-    while queue and len(running) < max_rows:
+    while queue and len(running) < run.max_rows:
         adapter, (length, out) = queue[0]
         new = adapter and adapter not in resident
-        if new and len(resident) >= max_adapters:
+        if new and len(resident) >= run.max_adapters:
             break
-        need = kv_token * length + (sizes[adapter].total(spec) if new else 0)
-        if used + need > card.pool_bytes:
+        need = run.kv_token * length + (sizes[adapter].total(run.spec) if new else 0)
+        if used + need > run.card.pool_bytes:
             break
-        queue.pop(0)
+        queue.popleft()
         used += need
         if new:
             resident.add(adapter)
@@ -134,19 +154,16 @@ def _admit(queue, running, spec, weights, kv_token, active, card, sizes, max_row
         prompt += length
     if not prompt:
         return 0.0
-    flops = 2 * active * prompt / card.matmul_flops_per_s
-    return max(flops, weights.step(prompt) / card.copy_bytes_per_s)
+    flops = 2 * run.active * prompt / run.card.matmul_flops_per_s
+    return max(flops, run.weights.step(prompt) / run.card.copy_bytes_per_s)
 
 
 def bounds(pool_gib: float, max_rows: int, copy: float, matmul: float, max_adapters: int) -> dict:
     config = BenchConfig(model_preset=PRESET, max_adapters_per_batch=max_adapters)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(PRESET, torch.device("cpu"), torch.bfloat16, Path(tmp), 0, hf=False)
-    spec = model.spec
-    weights = WeightBytes.of(spec, model.num_params, 2)
-    active = active_params(spec, model.num_params)
-    kv_token = model.kv_bytes_per_token
-    card = Card(pool_gib * GIB, copy, matmul)
+    run = Setting.of(model, Card(pool_gib * GIB, copy, matmul), max_rows, max_adapters)
+    spec = run.spec
     workload = Workload.generate(config, spec.vocab_size)
     figures = {"pool_gib": pool_gib, "max_rows": max_rows, "max_adapters": max_adapters}
     for label, n, experts, ranks in (
@@ -162,18 +179,7 @@ def bounds(pool_gib: float, max_rows: int, copy: float, matmul: float, max_adapt
             for name in set(names)
             if name
         }
-        seconds, tokens, steps = simulate(
-            spec,
-            weights,
-            kv_token,
-            active,
-            card,
-            rows,
-            names,
-            sizes,
-            max_rows,
-            config.max_adapters_per_batch,
-        )
+        seconds, tokens, steps = simulate(run, rows, names, sizes)
         figures[label] = tokens / seconds
         figures[f"{label} batch"] = tokens / steps
     for label in ("attention@1000", "experts@100"):

@@ -4,9 +4,8 @@ hand-made rows (the full workload takes a minute: run the script)."""
 import pytest
 import torch
 
-from benchmarks.moe_bounds import PRESET, AdapterBytes, Card, adapter_bytes, simulate
-from slora_batch.bench.floor import WeightBytes
-from slora_batch.bench.model import active_params, build_model
+from benchmarks.moe_bounds import PRESET, AdapterBytes, Card, Setting, adapter_bytes, simulate
+from slora_batch.bench.model import build_model
 
 GIB = 1 << 30
 
@@ -18,22 +17,8 @@ def model(tmp_path_factory):
 
 
 def run(model, rows, names, sizes, pool_gib=20.0, max_rows=1024, max_adapters=256):
-    spec = model.spec
-    weights = WeightBytes.of(spec, model.num_params, 2)
-    active = active_params(spec, model.num_params)
-    card = Card(pool_gib * GIB)
-    return simulate(
-        spec,
-        weights,
-        model.kv_bytes_per_token,
-        active,
-        card,
-        rows,
-        names,
-        sizes,
-        max_rows,
-        max_adapters,
-    )
+    setting = Setting.of(model, Card(pool_gib * GIB), max_rows, max_adapters)
+    return simulate(setting, rows, names, sizes)
 
 
 def test_adapter_bytes_are_the_pools_pages(model):
