@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fp8_accuracy import JOB, ROOT, Setting, compare, eval_requests, score
-from benchmarks.fp8_bounds import GREEDY_TOKENS, same_greedy
+from benchmarks.fp8_accuracy import Setting, compare, score
+from benchmarks.fp8_bounds import (
+    GREEDY_TOKENS,
+    random_rows,
+    same_greedy,
+    sample_rows,
+    write_cases,
+)
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.engine import Engine
 from slora_batch.engine.requests.request import Request
-from slora_batch.jobs.config import load_jobs
 
 FP32, BF16 = Setting("fp32", "float32"), Setting("bf16", "bfloat16")
 FP8 = "fp8"  # adapter_dtype of the fp8 settings
@@ -84,31 +86,12 @@ def measure(model, adapters, scored, generated, device, bf16: bool, from_fp32: b
 
 
 def sample_case(device: str, bf16: bool) -> dict[str, Any]:
-    job = load_jobs(JOB)[0]
-    scored = eval_requests(JOB)
-    rows = {}
-    for r in scored:  # one generation row per (question, adapter)
-        row_id, adapter, _ = r.id
-        rows.setdefault((row_id, adapter), dataclasses.replace(
-            r, id=(row_id, adapter), continuation=None, max_new_tokens=GREEDY_TOKENS,
-            temperature=0.0))  # fmt: skip
-    return measure(job.model, job.adapters, scored, list(rows.values()), device, bf16, False)
+    job, scored, generated = sample_rows()
+    return measure(job.model, job.adapters, scored, generated, device, bf16, False)
 
 
 def random_case(kind: str, rows: int, device: str, bf16: bool) -> dict[str, Any]:
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    from factory import make_adapters, make_model, make_rows  # the test suite's random models
-
-    with tempfile.TemporaryDirectory(prefix=f"fp8-adapters-{kind}-") as tmp:
-        model = make_model(Path(tmp), kind)
-        adapters = make_adapters(model, Path(tmp) / "adapters")
-        generated = [
-            Request(id=row["id"], adapter=row["adapter"], prompt_token_ids=row["prompt_token_ids"],
-                    temperature=0.0, max_new_tokens=GREEDY_TOKENS, ignore_eos=True)
-            for row in make_rows(rows, 300, list(adapters), seed=7)
-        ]  # fmt: skip
-        adapters = {n: str(p) for n, p in adapters.items()}
+    with random_rows(kind, rows) as (model, adapters, generated):
         return measure(model, adapters, [], generated, device, bf16, True)
 
 
@@ -143,12 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = {} if args.no_sample else {"smollm2-135m (sample)": sample_case(args.device, bf16)}
     for kind in filter(None, args.kinds.split(",")):
         cases[f"random {kind}"] = random_case(kind, args.rows, args.device, bf16)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown(cases)
-    (out / "fp8-adapters.md").write_text(table)
-    (out / "fp8-adapters.json").write_text(json.dumps(cases, indent=2, default=str) + "\n")
-    print(table, end="")
+    write_cases(Path(args.out), "fp8-adapters", cases, markdown(cases))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ continuations in each precision for the log-probabilities.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -131,11 +132,13 @@ def measure(
     }
 
 
-def sample_case(device: str) -> dict[str, Any]:
+def sample_rows() -> tuple[Any, list[Request], list[Request]]:
+    """The sample job, its eval's scored continuations, and one greedy generation row per
+    (question, adapter): the prompt, no choice."""
     job = load_jobs(JOB)[0]
     scored = eval_requests(JOB)
     rows = {}
-    for r in scored:  # one generation row per (question, adapter): the prompt, no choice
+    for r in scored:
         row_id, adapter, _ = r.id
         rows.setdefault(
             (row_id, adapter),
@@ -147,15 +150,24 @@ def sample_case(device: str) -> dict[str, Any]:
                 temperature=0.0,
             ),
         )
-    return measure(job.model, job.adapters, scored, list(rows.values()), device, False)
+    return job, scored, list(rows.values())
 
 
-def random_case(kind: str, rows: int, device: str) -> dict[str, Any]:
+def sample_case(device: str) -> dict[str, Any]:
+    job, scored, generated = sample_rows()
+    return measure(job.model, job.adapters, scored, generated, device, False)
+
+
+@contextlib.contextmanager
+def random_rows(kind: str, rows: int):
+    """The test suite's random model of ``kind`` (tests/factory.py) and its adapters in a
+    temporary directory, with ``rows`` greedy generation rows over them: (model, adapters by
+    name -> path string, requests)."""
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
-    from factory import make_adapters, make_model, make_rows  # the test suite's random models
+    from factory import make_adapters, make_model, make_rows
 
-    with tempfile.TemporaryDirectory(prefix=f"fp8-bounds-{kind}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"fp8-{kind}-") as tmp:
         model = make_model(Path(tmp), kind)
         adapters = make_adapters(model, Path(tmp) / "adapters")
         generated = [
@@ -169,7 +181,12 @@ def random_case(kind: str, rows: int, device: str) -> dict[str, Any]:
             )
             for row in make_rows(rows, 300, list(adapters), seed=7)
         ]
-        return measure(model, {n: str(p) for n, p in adapters.items()}, [], generated, device, True)
+        yield model, {n: str(p) for n, p in adapters.items()}, generated
+
+
+def random_case(kind: str, rows: int, device: str) -> dict[str, Any]:
+    with random_rows(kind, rows) as (model, adapters, generated):
+        return measure(model, adapters, [], generated, device, True)
 
 
 def markdown(cases: dict[str, dict[str, Any]]) -> str:
@@ -203,11 +220,14 @@ def main(argv: list[str] | None = None) -> None:
     cases = {} if args.no_sample else {"smollm2-135m (sample)": sample_case(args.device)}
     for kind in filter(None, args.kinds.split(",")):
         cases[f"random {kind}"] = random_case(kind, args.rows, args.device)
-    out = Path(args.out)
+    write_cases(Path(args.out), "fp8-bounds", cases, markdown(cases))
+
+
+def write_cases(out: Path, stem: str, cases: dict, table: str) -> None:
+    """``table`` to out/STEM.md and the cases to out/STEM.json, and the table to stdout."""
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(cases)
-    (out / "fp8-bounds.md").write_text(table)
-    (out / "fp8-bounds.json").write_text(json.dumps(cases, indent=2, default=str) + "\n")
+    (out / f"{stem}.md").write_text(table)
+    (out / f"{stem}.json").write_text(json.dumps(cases, indent=2, default=str) + "\n")
     print(table, end="")
 
 
