@@ -140,6 +140,10 @@ class ScoringProcess:
         if self.process.poll() is None:
             self.process.terminate()
         self.process.wait()
+        # the feeder is done before the pipe closes: a send in flight would otherwise write to
+        # whatever pipe takes the closed descriptor's number next (another job's process);
+        # with the process gone a blocked send fails at once
+        self._feeder.join()
         self.tasks.close()
         self.results.close()
         self.stderr.close()

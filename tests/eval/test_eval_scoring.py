@@ -127,6 +127,8 @@ def test_scoring_process_equals_scoring_here(tmp_path, eval_setup, caplog):
     hasty = ScoringProcess(config, str(model_dir), max_length, tmp_path / "hasty")
     hasty.submit("a", rows["a"])
     assert hasty.collect(["a"]) == {} and hasty.process.poll() is not None
+    # its feeder is done: a send still in flight would land in the next process's pipe
+    assert not hasty._feeder.is_alive()
 
     worker = ScoringProcess(config, str(model_dir), max_length, tmp_path)
     for adapter in adapters:

@@ -172,8 +172,16 @@ def expert_adapters(root, model_dir, kind) -> dict:
         }
         adapters["w1"] = write_adapter(root / "w1", w1, target_modules=["w1"])
     if kind == "qwen2-moe":
-        adapters["shared-mlp"] = make_adapter(
-            model_dir, root / "shared-mlp", 2, ["q_proj", "gate_proj"], 4, False, seed=0
+        shared = {  # written by hand: PEFT turns "gate_proj" on a Qwen2-MoE into the experts'
+            # fused gate_up_proj and refuses it without up_proj
+            f"model.layers.{i}.mlp.shared_expert.gate_proj.lora_{f}.weight": (2, 64)
+            if f == "A"
+            else (48, 2)
+            for i in range(2)
+            for f in "AB"
+        }
+        adapters["shared-mlp"] = write_adapter(
+            root / "shared-mlp", shared, target_modules=["gate_proj"]
         )
     return adapters
 
