@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -48,6 +47,7 @@ import torch
 from slora_batch.engine.config import ConfigError
 from slora_batch.engine.device import pick_device, pick_dtype, set_cpu_threads
 from slora_batch.engine.execution.parts import EngineParts, build_parts, make_runner
+from slora_batch.engine.execution.processes import call_in_environment, worker_args, worker_context
 from slora_batch.engine.execution.tp_tables import PageTableReceiver, PageTableSender
 from slora_batch.engine.models.spec import read_spec
 
@@ -184,14 +184,26 @@ def launch(model, adapters, config, given: EngineParts) -> TensorParallel:
             "are visible"
         )
     address = f"tcp://127.0.0.1:{_free_port()}"
-    context = mp.get_context("spawn")
+    context = worker_context()
     tp = TensorParallel(0, size, device)
     level = logging.getLogger().getEffectiveLevel()
     for rank in range(1, size):
         ours, theirs = context.Pipe()
         process = context.Process(
-            target=worker_main,
-            args=(rank, size, address, model, adapters, config, given, level, theirs),
+            target=call_in_environment,
+            args=worker_args(
+                worker_main,
+                rank,
+                size,
+                address,
+                model,
+                adapters,
+                config,
+                given,
+                level,
+                theirs,
+                os.getpid(),
+            ),
             name=f"slora-tp-{rank}",
             daemon=True,
         )
@@ -252,11 +264,12 @@ def build_shard(model, adapters, config, tp: TensorParallel, given: EngineParts)
     return parts, make_runner(parts, ops, tp.device, max_len)
 
 
-def worker_main(rank, size, address, model, adapters, config, given, level, pipe) -> None:
-    """Ranks 1..N-1: build the shard, then repeat rank 0's steps until told to stop."""
+def worker_main(rank, size, address, model, adapters, config, given, level, pipe, rank0) -> None:
+    """Ranks 1..N-1: build the shard, then repeat rank 0's steps until told to stop (``rank0``:
+    rank 0's pid)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the group: rank 0 stops us
     logging.basicConfig(level=level, format=f"%(levelname)s tp rank {rank}: %(message)s")
-    threading.Thread(target=_watch_parent, args=(os.getppid(), rank), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(rank0, rank), daemon=True).start()
     try:
         device = device_of(config, rank)
         if device.type == "cpu":
@@ -273,12 +286,14 @@ def worker_main(rank, size, address, model, adapters, config, given, level, pipe
     os._exit(0)
 
 
-def _watch_parent(parent: int, rank: int) -> None:
-    """A rank ends as soon as rank 0, its parent, is gone, also while it waits in a collective
-    (which would otherwise wait ``worker_timeout_s`` for a rank that will never come)."""
+def _watch_parent(rank0: int, rank: int) -> None:
+    """A rank ends as soon as rank 0 is gone, also while it waits in a collective (which would
+    otherwise wait ``worker_timeout_s`` for a rank that will never come): its parent process,
+    rank 0 or rank 0's fork server (``processes``), which ends with rank 0, is gone."""
+    parent = os.getppid()
     while os.getppid() == parent:
         time.sleep(PARENT_POLL_S)
-    log.error("tensor-parallel rank %d: rank 0 (pid %d) is gone; exiting", rank, parent)
+    log.error("tensor-parallel rank %d: rank 0 (pid %d) is gone; exiting", rank, rank0)
     os._exit(1)
 
 

@@ -1,8 +1,8 @@
 """Data parallelism: M engine worker processes, one device each, behind ``Engine``'s surface.
 
-``DataParallelEngine`` starts one ``spawn`` process per worker (each sees only its GPU through
-``CUDA_VISIBLE_DEVICES``; on cpu the workers share the cores) that builds an ``Engine`` and runs
-``generate`` over the rows the driver sends it. The driver, in the caller's process, cuts the
+``DataParallelEngine`` starts one process per worker (``execution.processes``; each sees only
+its GPU through ``CUDA_VISIBLE_DEVICES``, on cpu the workers share the cores) that builds an
+``Engine`` and runs ``generate`` over the rows the driver sends it. The driver, in the caller's process, cuts the
 request stream (already sorted by adapter in windows) into chunks of consecutive rows and hands
 the next chunk to the worker with the fewest rows outstanding, up to a bound of its engine's
 ``lookahead`` plus two chunks: a fast worker takes more (work stealing), so skewed adapter
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import time
 import weakref
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from slora_batch.engine.config import EngineConfig, SamplingConfig
 from slora_batch.engine.counters import EngineCounters
+from slora_batch.engine.execution.processes import call_in_environment, worker_args, worker_context
 from slora_batch.engine.parallel.dp_handle import WorkerDied, WorkerHandle, expected_results
 from slora_batch.engine.parallel.dp_worker import (
     WorkerSlot,
@@ -142,7 +142,7 @@ class DataParallelEngine:
         self.workers: list[WorkerHandle] = []
         self._epoch = 0
         self._active: weakref.ref | None = None
-        context = mp.get_context("spawn")
+        context = worker_context()
         level = min(logging.getLogger("slora_batch").getEffectiveLevel(), logging.INFO)
         try:
             for slot in self.slots:
@@ -150,8 +150,8 @@ class DataParallelEngine:
                 outbox, outbox_writer = context.Pipe(duplex=False)
                 args = (slot, model, adapters, worker_config, sampling, level)
                 process = context.Process(
-                    target=worker_main,
-                    args=(*args, inbox_reader, outbox_writer, parts),
+                    target=call_in_environment,
+                    args=worker_args(worker_main, *args, inbox_reader, outbox_writer, parts),
                     name=f"slora-dp-{slot.index}",
                     # a tensor-parallel worker starts its own ranks: daemons cannot
                     daemon=config.tensor_parallel == 1,
