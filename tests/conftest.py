@@ -33,7 +33,27 @@ def xdist_group(nodeid: str) -> str | None:
     module = path.split("::", 1)[0]
     if module.endswith(MODEL_CASE_MODULES) and "[" in name:
         return f"gpu-model::{model_case(name)}"
+    if module.endswith(WHOLE_MODULES):
+        return module
+    if module.endswith(PARAM_MODULES) and "[" in name:
+        return f"{module}::{name[name.index('[') + 1 :].split('-')[0].rstrip(']')}"
     return None
+
+
+# CPU test modules whose module-scoped fixture builds models and their transformers + PEFT
+# references: per model parameter (the first part of a test's id, ``[gqa-bmm]``: ``gqa``) or
+# once for the module. Their tests of one model share a worker, which builds it once; split
+# between the two workers each built it.
+PARAM_MODULES = (
+    "engine/test_parity.py",
+    "engine/models/test_families.py",
+    "engine/models/test_moe_lora.py",
+    "engine/models/test_moe_families.py",
+    "engine/adapters/test_lora_variants.py",
+    "engine/execution/test_tensor_parallel.py",
+    "engine/requests/test_scoring.py",
+)
+WHOLE_MODULES = ("engine/parallel/test_data_parallel.py",)
 
 
 # GPU test modules whose module-scoped fixture builds a model per parameter: under xdist (the
