@@ -20,7 +20,11 @@ ADAPTERS = [
     ("r5-qo", 5, ["q_proj", "o_proj"], 5, False),
 ]
 
-KINDS = ("mha", "gqa", "qwen2", "mistral")
+KINDS = (
+    "mha",
+    "gqa",
+    "qwen2",
+)  # Mistral, Gemma, Phi-3, Qwen3: tests/engine/models/test_families.py
 
 
 def tiny_spec(**overrides):
@@ -36,7 +40,7 @@ def tiny_spec(**overrides):
 
 
 def model_config(kind: str, layers: int = 2):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
         vocab_size=300,
@@ -79,14 +83,6 @@ def model_config(kind: str, layers: int = 2):
             num_key_value_heads=2,
             tie_word_embeddings=False,
             use_sliding_window=False,
-            **common,
-        )
-    if kind == "mistral":  # GQA with a sliding window wider than the context the tests use
-        return MistralConfig(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            sliding_window=4096,
             **common,
         )
     raise ValueError(kind)
