@@ -111,13 +111,17 @@ def prefill_rows(kind: str, bw: float) -> list[tuple]:
     q = torch.randn(8 * 512, heads, 128, dtype=DTYPE, device="cuda")
     packed, scales, meta8 = fp8_pages(pool, meta, kv_heads)
     case = f"{kind} 8 x 512 new on 512 context"
-    us = _us(partial(triton_ops.attention, q, pool, meta, kv_heads, 0.088))
-    rows.append(("prefill bf16 pages", case, us, "", ""))
-    for f16 in (True, False):
-        attention.FP8_F16 = f16
-        us = _us(partial(triton_ops.attention, q, packed, meta8, kv_heads, 0.088, scales=scales))
-        rows.append(("prefill fp8 pages", f"{case} fp16 dots {f16}", us, "", ""))
-    attention.FP8_F16 = True
+    # the step's own K/V rows (the engine passes them): the 512 new keys read from them
+    own = tuple(torch.randn(8 * 512, kv_dim, dtype=DTYPE, device="cuda") for _ in range(2))
+    for label, kw in (("", {}), (", own rows", {"own": own})):
+        us = _us(partial(triton_ops.attention, q, pool, meta, kv_heads, 0.088, **kw))
+        rows.append((f"prefill bf16 pages{label}", case, us, "", ""))
+        for f16 in (True, False):
+            attention.FP8_F16 = f16
+            fn = partial(triton_ops.attention, q, packed, meta8, kv_heads, 0.088, **kw)
+            us = _us(partial(fn, scales=scales))
+            rows.append((f"prefill fp8 pages{label}", f"{case} fp16 dots {f16}", us, "", ""))
+        attention.FP8_F16 = True
     return rows
 
 

@@ -84,6 +84,53 @@ def _v_scaled(p, sv, F16: tl.constexpr):
     return p * sv[None, :], 1.0
 
 
+@triton.jit
+def _key_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    sk,
+    sv,
+    jj,
+    k_live,
+    q_pos,
+    qk_scale,
+    cap_log2,
+    window,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SCALED: tl.constexpr,
+    F16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One block of keys (positions jj, k_live where real) in the online softmax of a query
+    tile: (acc, m, l) updated. SCALED: k and v are e4m3 pages' bytes with their per-key scales
+    sk and sv (module doc), else values of q's dtype (sk, sv unused)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if SCALED:
+        s = s * sk[None, :]
+    s = _logits(s, qk_scale, cap_log2, SOFTCAP)
+    seen = (jj[None, :] <= q_pos[:, None]) & k_live[None, :]
+    if HAS_WINDOW:
+        seen = seen & (q_pos[:, None] - jj[None, :] < window)
+    s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if HAS_WINDOW:  # a later query's window may start past this block: no key seen yet
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    factor = 1.0
+    if SCALED:
+        p, factor = _v_scaled(p, sv, F16)
+    pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * factor
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["pt_stride"])
 def _prefill_kernel(
     q_ptr,
@@ -92,6 +139,10 @@ def _prefill_kernel(
     o_ptr,
     pool_ptr,
     scale_ptr,
+    own_k_ptr,
+    own_k_stride,
+    own_v_ptr,
+    own_v_stride,
     b1_start_ptr,
     b_seq_len_ptr,
     pt_ptr,
@@ -110,6 +161,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     F16: tl.constexpr,
+    OWN: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     m0 = tl.program_id(0) * BLOCK_M
@@ -126,11 +178,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_live = d < HEAD_DIM
     q_rows = (lo + ii).to(tl.int64) * q_stride_t + h * q_stride_h
-    q = tl.load(
-        q_ptr + q_rows[:, None] + d[None, :], mask=q_live[:, None] & d_live[None, :], other=0.0
-    )
+    q_mask = q_live[:, None] & d_live[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
+    q_pages = q
     if F16:
-        q = _f16_query(q)
+        q_pages = _f16_query(q)
     kv_head = h // GROUP
     kv_cols = kv_head * HEAD_DIM + d
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
@@ -141,41 +193,82 @@ def _prefill_kernel(
     start = 0
     if HAS_WINDOW:  # the first key the tile's first query sees: the blocks before it are skipped
         start = tl.maximum(ctx - n + m0 - window + 1, 0)
-    for j0 in range(start, end, BLOCK_N):
+    own_from = ctx - n  # the step's own keys, positions L - n .. L - 1
+    page_end = end
+    if OWN:  # read from the step's K/V rows, not the pages (launcher doc)
+        page_end = tl.minimum(end, own_from)
+    for j0 in range(start, page_end, BLOCK_N):
         jj = j0 + tl.arange(0, BLOCK_N)
-        k_live = jj < end
+        k_live = jj < page_end
         kv_mask = k_live[:, None] & d_live[None, :]
         page_k = tl.load(pt_row + jj * 2, mask=k_live, other=0).to(tl.int64)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-        if FP8:
-            s = s * _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)[None, :]
-        s = _logits(s, qk_scale, cap_log2, SOFTCAP)
-        seen = (jj[None, :] <= q_pos[:, None]) & k_live[None, :]
-        if HAS_WINDOW:
-            seen = seen & (q_pos[:, None] - jj[None, :] < window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if HAS_WINDOW:  # a later query's window may start past this block: no key seen yet
-            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
         v_cols = kv_cols
         if FP8:  # V after the token's K bytes
             v_cols = kv_cols + KV_HEADS * HEAD_DIM
         v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
-        factor = 1.0
+        sk = 1.0
+        sv = 1.0
         if FP8:
+            sk = _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)
             sv = _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)
-            p, factor = _v_scaled(p, sv, F16)
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * factor
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc, m_i, l_i = _key_block(
+            acc,
+            m_i,
+            l_i,
+            q_pages,
+            k,
+            v,
+            sk,
+            sv,
+            jj,
+            k_live,
+            q_pos,
+            qk_scale,
+            cap_log2,
+            window,
+            HAS_WINDOW,
+            SOFTCAP,
+            FP8,
+            F16,
+            PRECISION,
+        )
+    if OWN:
+        for j0 in range(tl.maximum(start, own_from), end, BLOCK_N):
+            jj = j0 + tl.arange(0, BLOCK_N)
+            k_live = jj < end
+            kv_mask = k_live[:, None] & d_live[None, :]
+            rows = (lo + jj - own_from).to(tl.int64)
+            k = tl.load(
+                own_k_ptr + rows[:, None] * own_k_stride + kv_cols[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                own_v_ptr + rows[:, None] * own_v_stride + kv_cols[None, :], mask=kv_mask, other=0.0
+            )
+            acc, m_i, l_i = _key_block(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k,
+                v,
+                1.0,
+                1.0,
+                jj,
+                k_live,
+                q_pos,
+                qk_scale,
+                cap_log2,
+                window,
+                HAS_WINDOW,
+                SOFTCAP,
+                False,
+                False,
+                PRECISION,
+            )
     out = acc / l_i[:, None]
-    tl.store(o_ptr + q_rows[:, None] + d[None, :], out, mask=q_live[:, None] & d_live[None, :])
+    tl.store(o_ptr + q_rows[:, None] + d[None, :], out, mask=q_mask)
 
 
 def _check(
@@ -236,6 +329,7 @@ def attention(
     window: int = 0,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
@@ -248,6 +342,11 @@ def attention(
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end);
       scales [P, 2 * num_kv_heads] fp32: fp8 pages (module doc), None: the model dtype.
+      own (k, v), each [T, kv_dim] of q's dtype, rows of unit column stride: the step's own
+      tokens' K and V, row t for query t. Given, the keys at positions L_b - n_b .. L_b - 1 are
+      read from them, not from the pages: on fp8 pages a chunk attends to itself unrounded (as
+      SGLang's extend does) and to earlier context through e4m3; on model-dtype pages the
+      values are the same.
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
     Grid (ceil(max_new / BLOCK_M), B, num_heads): BLOCK_M queries x 64 keys per tile, one query
     head; BLOCK_M and warps from PREFILL_TILE (head_dim > WIDE_HEAD_DIM: PREFILL_WIDE). With a
@@ -255,6 +354,13 @@ def attention(
     """
     _check(q, pool_layer, meta, num_kv_heads, scales)
     assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
+    own_k, own_v = own if own is not None else (q, q)  # (q, q): pointers the kernel never reads
+    if own is not None:
+        for x in own:
+            assert x.dtype == q.dtype and x.shape == (q.shape[0], num_kv_heads * q.shape[2]), (
+                f"own K/V {tuple(x.shape)} {x.dtype}: [T, kv_dim] of q's dtype"
+            )
+            assert x.stride(1) == 1, "own K/V rows: unit column stride"
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
     kv = kv_pointers(pool_layer, scales)
@@ -273,6 +379,10 @@ def attention(
         out,
         kv["pool"],
         kv["scales"],
+        own_k,
+        own_k.stride(0),
+        own_v,
+        own_v.stride(0),
         meta.b1_start,
         meta.b_seq_len,
         meta.page_table,
@@ -291,6 +401,7 @@ def attention(
         SOFTCAP=softcap > 0,
         FP8=kv["fp8"],
         F16=fp8_f16(kv["fp8"], q.dtype, FP8_F16),
+        OWN=own is not None,
         PRECISION=_precision(q.dtype),
         num_warps=warps,
         num_stages=stages,

@@ -76,6 +76,7 @@ def attention(
     window: int = 0,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    own: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
@@ -89,6 +90,9 @@ def attention(
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32. scales: fp8 pages (module doc).
+    own: (k, v) [T, kv_dim], the step's own tokens' K and V (row t for query t): the keys at
+      positions L_b - n_b .. L_b - 1 are read from them, not from the pages (on fp8 pages: a
+      chunk attends to itself unrounded).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -102,6 +106,8 @@ def attention(
         if n == 0:
             continue
         k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim, scales)
+        if own is not None:  # gather's tensors are its own: written in place
+            k[ctx - n :], v[ctx - n :] = own[0][lo:hi].float(), own[1][lo:hi].float()
         k = k.view(ctx, num_kv_heads, head_dim)
         v = v.view(ctx, num_kv_heads, head_dim)
         qb = q[lo:hi].float().view(n, num_kv_heads, group, head_dim)

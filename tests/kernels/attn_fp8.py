@@ -78,3 +78,22 @@ def poisoned(
     scales[~owned] = float("nan")
     stale = torch.where(table >= 0, table, int(torch.nonzero(~owned)[0])).contiguous()
     return pool, scales, AttnMeta(meta.b1_start, meta.b_seq_len, stale, meta.max_new)
+
+
+def own_rows(meta: AttnMeta, kv_dim: int, dtype: torch.dtype, seed: int, pool=None):
+    """(k, v) [T, kv_dim]: the step's own tokens' K and V for ``attention(..., own=)``, v with
+    rows strided as the model's (a slice of its qkv rows). With ``pool`` (model-dtype pages):
+    the values the pages hold at the step's positions; else random values no page holds."""
+    news = (meta.b1_start[1:] - meta.b1_start[:-1]).tolist()
+    rows = []
+    for b, (n, ctx) in enumerate(zip(news, meta.b_seq_len.tolist(), strict=True)):
+        pages = meta.page_table[b, ctx - n : ctx].long()
+        if pool is None:
+            gen = torch.Generator().manual_seed(seed + b)
+            rows.append(torch.randn(n, 2 * kv_dim, generator=gen).to(dtype))
+        else:
+            rows.append(torch.cat([pool[pages[:, 0], :kv_dim], pool[pages[:, 1], :kv_dim]], 1))
+    qkv = torch.cat([r.to(meta.b1_start.device) for r in rows]).to(dtype)
+    wide = qkv.new_zeros(qkv.shape[0], 3 * kv_dim)  # [q | k | v] rows
+    wide[:, kv_dim:] = qkv
+    return wide[:, kv_dim : 2 * kv_dim].contiguous(), wide[:, 2 * kv_dim :]

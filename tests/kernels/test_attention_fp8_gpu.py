@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from attn_fp8 import check_fp8, fp8_attn_case
+from attn_fp8 import check_fp8, fp8_attn_case, own_rows
 from test_kernels_gpu import HEADS, PREFILL_SEQS, WINDOW_PREFILL_SEQS, WINDOW_RUNS, _scale
 from test_kernels_interpret import assert_close
 
@@ -56,6 +56,22 @@ def test_attention_fp8_prefill(ops, dtype, kind):
     scale, kv_heads = _scale(kind), HEADS[kind][1]
     mine = ops[1].attention(q, pool, meta, kv_heads, scale, scales=scales)
     check_fp8(mine, q, pool, scales, meta, kv_heads, scale, 0, 0.0, dtype, ref.attention)
+
+
+@pytest.mark.parametrize("window", [0, 256], ids=["full", "window"])
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_attention_fp8_prefill_reads_the_steps_own_rows(ops, kind, window):
+    """bf16: the step's keys from its own K/V rows (random, V's rows strided), the earlier
+    ones from the fp8 pages."""
+    seqs = WINDOW_PREFILL_SEQS if window else PREFILL_SEQS
+    q, pool, scales, meta = _case(kind, seqs, torch.bfloat16, seed=3)
+    scale, kv_heads = _scale(kind), HEADS[kind][1]
+    own = own_rows(meta, kv_heads * q.shape[2], torch.bfloat16, seed=4)
+    args = (q, pool, meta, kv_heads, scale, window)
+    expected = ref.attention(*args, scales=scales, own=own)
+    assert_close(ops[1].attention(*args, scales=scales, own=own), expected, torch.bfloat16)
+    assert not torch.allclose(ref.attention(*args, scales=scales).float(), expected.float(),
+                              atol=0.1)  # fmt: skip
 
 
 @pytest.mark.parametrize("splits", [1, 4, None])

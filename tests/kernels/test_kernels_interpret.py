@@ -668,6 +668,36 @@ class TestInterpreted:
         mine = tk.triton_ops.attention(q, pool, meta, 2, 0.25, window, softcap, scales=scales)
         check_fp8(mine, q, pool, scales, meta, 2, 0.25, window, softcap, dtype, ref.attention)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+    def test_attention_fp8_prefill_reads_the_steps_own_rows(self, tk, dtype):
+        """``own``: the step's keys come from its K/V rows (random, no page holds them; V's
+        rows strided), earlier ones from the fp8 pages; fp16 with a window and a soft-cap (the
+        own keys' dots in q's dtype, the pages' in fp16), fp32 without."""
+        from attn_fp8 import fp8_attn_case, own_rows
+
+        window, softcap = (16, 2.0) if dtype == torch.float16 else (0, 0.0)
+        q, pool, scales, meta = fp8_attn_case(seqs=[(5, 5), (17, 40), (1, 7), (16, 16)],
+                                              num_heads=4, num_kv_heads=2, head_dim=16,
+                                              dtype=dtype, device="cpu", seed=13)  # fmt: skip
+        own = own_rows(meta, 32, dtype, seed=14)
+        args = (q, pool, meta, 2, 0.25, window, softcap)
+        mine = tk.triton_ops.attention(*args, scales=scales, own=own)
+        expected = ref.attention(*args, scales=scales, own=own)
+        assert_close(mine, expected, dtype)
+        assert not torch.allclose(ref.attention(*args, scales=scales), expected, atol=0.1)
+
+    def test_attention_prefill_own_rows_of_the_pages_change_nothing(self, tk):
+        """On model-dtype pages the step's own rows hold what its pages hold: the same output."""
+        from attn_fp8 import own_rows
+
+        q, pool, meta = attn_case(seqs=[(5, 5), (17, 40), (1, 7), (70, 90)], num_heads=4,
+                                  num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                                  device="cpu", seed=15)  # fmt: skip
+        own = own_rows(meta, 32, torch.float32, seed=0, pool=pool)
+        mine = tk.triton_ops.attention(q, pool, meta, 2, 0.25, own=own)
+        assert_close(mine, tk.triton_ops.attention(q, pool, meta, 2, 0.25), torch.float32)
+        assert_close(mine, ref.attention(q, pool, meta, 2, 0.25), torch.float32)
+
     @pytest.mark.parametrize("kind,splits,window", [("gqa", 4, 0), ("mha", None, 16)], ids=str)
     def test_attention_fp8_decode(self, tk, monkeypatch, kind, splits, window):
         """GQA on tensor-core tiles over 4 splits with a soft-cap; MHA on the CUDA-core path."""

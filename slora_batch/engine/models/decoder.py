@@ -140,8 +140,10 @@ class DecoderModel:
             table = self.local_cos_sin if window and self.local_cos_sin is not None else None
             rot = self.rotary_dim
             ops.rope(q[..., :rot], k[..., :rot], rope_pos, self.cos_sin if table is None else table)
-            ops.kv_write(pool_layer, k.view(-1, spec.kv_dim), v, step.out_pages, **kv)
-            attn = self._attend(q, pool_layer, step, ops, window, kv).view(-1, spec.q_dim)
+            k = k.view(-1, spec.kv_dim)
+            ops.kv_write(pool_layer, k, v, step.out_pages, **kv)
+            attn = self._attend(q, (k, v), pool_layer, step, ops, window, kv)
+            attn = attn.view(-1, spec.q_dim)
             # o and down are row-parallel under tensor parallelism: partial sums with the rank's
             # LoRA columns in them, joined by one all-reduce (o's bias added once, after it)
             o = linear(attn, layer.o, layer.o_bias if tp is None else None)
@@ -229,6 +231,7 @@ class DecoderModel:
     def _attend(
         self,
         q: torch.Tensor,
+        own: tuple[torch.Tensor, torch.Tensor],
         pool_layer: torch.Tensor,
         step: StepInput,
         ops: ModuleType,
@@ -236,18 +239,20 @@ class DecoderModel:
         kv: dict,
     ) -> torch.Tensor:
         """Attention of the step's queries: decode kernel, prefill kernel, or both on a split
-        (``kv``: the fp8 scale table, or nothing)."""
+        (``own``: the step's K and V [T, kv_dim], which the prefill kernel reads for the
+        step's own keys; ``kv``: the fp8 scale table, or nothing)."""
         kv_heads, scale, cap = self.spec.num_kv_heads, self.spec.attn_scale, self.spec.attn_softcap
         extra = dict(window=window, softcap=cap) if window or cap else {}
         extra.update(kv)
         if step.decode_only:
             return ops.attention_decode(q, pool_layer, step.attn, kv_heads, scale, **extra)
         if step.attn_split is None:
-            return ops.attention(q, pool_layer, step.attn, kv_heads, scale, **extra)
+            return ops.attention(q, pool_layer, step.attn, kv_heads, scale, own=own, **extra)
         d, decode, prefill = step.attn_split
         out = torch.empty_like(q)
         out[:d] = ops.attention_decode(q[:d], pool_layer, decode, kv_heads, scale, **extra)
-        out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, scale, **extra)
+        own = (own[0][d:], own[1][d:])
+        out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, scale, own=own, **extra)
         return out
 
     def _lora(
