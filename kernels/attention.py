@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from slora_kernels import fp8
+from slora_kernels.kv import e4m3_round
 from slora_kernels.meta import AttnMeta
 
 LOG2E = 1.4426950408889634
@@ -180,9 +181,8 @@ def _prefill_kernel(
     q_rows = (lo + ii).to(tl.int64) * q_stride_t + h * q_stride_h
     q_mask = q_live[:, None] & d_live[None, :]
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0)
-    q_pages = q
     if F16:
-        q_pages = _f16_query(q)
+        q = _f16_query(q)
     kv_head = h // GROUP
     kv_cols = kv_head * HEAD_DIM + d
     pt_row = pt_ptr + b.to(tl.int64) * pt_stride
@@ -217,7 +217,7 @@ def _prefill_kernel(
             acc,
             m_i,
             l_i,
-            q_pages,
+            q,
             k,
             v,
             sk,
@@ -246,6 +246,15 @@ def _prefill_kernel(
             v = tl.load(
                 own_v_ptr + rows[:, None] * own_v_stride + kv_cols[None, :], mask=kv_mask, other=0.0
             )
+            sk = 1.0
+            sv = 1.0
+            if FP8:  # rounded in registers as kv_write rounded them into the pages
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                k, sk = e4m3_round(k, tl.max(tl.abs(k), 1)[:, None])
+                v, sv = e4m3_round(v, tl.max(tl.abs(v), 1)[:, None])
+                sk = tl.reshape(sk, [BLOCK_N])
+                sv = tl.reshape(sv, [BLOCK_N])
             acc, m_i, l_i = _key_block(
                 acc,
                 m_i,
@@ -253,8 +262,8 @@ def _prefill_kernel(
                 q,
                 k,
                 v,
-                1.0,
-                1.0,
+                sk,
+                sv,
                 jj,
                 k_live,
                 q_pos,
@@ -263,8 +272,8 @@ def _prefill_kernel(
                 window,
                 HAS_WINDOW,
                 SOFTCAP,
-                False,
-                False,
+                FP8,
+                F16,
                 PRECISION,
             )
     out = acc / l_i[:, None]
@@ -343,10 +352,11 @@ def attention(
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end);
       scales [P, 2 * num_kv_heads] fp32: fp8 pages (module doc), None: the model dtype.
       own (k, v), each [T, kv_dim] of q's dtype, rows of unit column stride: the step's own
-      tokens' K and V, row t for query t. Given, the keys at positions L_b - n_b .. L_b - 1 are
-      read from them, not from the pages: on fp8 pages a chunk attends to itself unrounded (as
-      SGLang's extend does) and to earlier context through e4m3; on model-dtype pages the
-      values are the same.
+      tokens' K and V (row t for query t), which kv_write put in the pages. Given, the keys at
+      positions L_b - n_b .. L_b - 1 are read from these rows instead of the pages, on fp8
+      pages rounded in registers as kv_write rounds them (``kv.e4m3_round``): the values the
+      pages hold, read contiguously in the model dtype, without the page table, the scale
+      table or e4m3 bytes in the operand layouts.
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
     Grid (ceil(max_new / BLOCK_M), B, num_heads): BLOCK_M queries x 64 keys per tile, one query
     head; BLOCK_M and warps from PREFILL_TILE (head_dim > WIDE_HEAD_DIM: PREFILL_WIDE). With a

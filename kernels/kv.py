@@ -77,6 +77,16 @@ def kv_write(
 
 
 @triton.jit
+def e4m3_round(x, amax):
+    """x (fp32) as e4m3 values and its scale: s = amax / 448 (1 where amax is 0), q = e4m3(x /
+    s) (``slora_kernels.fp8.quantize``). ``amax`` broadcasts against x: the write's per-head
+    row, and the prefill kernel's own K/V rows (``attention``), round the same way."""
+    s = amax / 448.0
+    s = tl.where(s > 0, s, 1.0)
+    return tl.clamp(x / s, -448.0, 448.0).to(tl.float8e4nv), s
+
+
+@triton.jit
 def _kv_write_fp8_kernel(
     data_ptr,
     scale_ptr,
@@ -102,9 +112,7 @@ def _kv_write_fp8_kernel(
                 x = tl.load(k_ptr + t * k_stride + cols, mask=live, other=0.0).to(tl.float32)
             else:
                 x = tl.load(v_ptr + t * v_stride + cols, mask=live, other=0.0).to(tl.float32)
-            s = tl.max(tl.abs(x), 0) / 448.0
-            s = tl.where(s > 0, s, 1.0)
-            q = tl.clamp(x / s, -448.0, 448.0).to(tl.float8e4nv)
+            q, s = e4m3_round(x, tl.max(tl.abs(x), 0))
             tl.store(data_ptr + page * PAGE + which * KV_HEADS * HEAD_DIM + cols, q, mask=live)
             tl.store(scale_ptr + page * 2 * KV_HEADS + which * KV_HEADS + h, s)
 

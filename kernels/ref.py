@@ -60,6 +60,14 @@ def gather_kv(
     return pool_layer[pages[..., 0], :kv_dim].float(), pool_layer[pages[..., 1], :kv_dim].float()
 
 
+def _as_paged(rows: torch.Tensor, kv_heads: int, scales: torch.Tensor | None) -> torch.Tensor:
+    """K or V rows [n, kv_dim] as fp32 values as the pages hold them: rounded through e4m3
+    (``fp8.quantize``) on fp8 pages, else as they are."""
+    if scales is None:
+        return rows.float()
+    return fp8.dequantize(*fp8.quantize(rows, kv_heads))
+
+
 def _scores(raw: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
     """Attention logits: q.k * scale, soft-capped to (-softcap, softcap) by softcap * tanh(s /
     softcap) when softcap > 0 (Gemma 2)."""
@@ -90,9 +98,10 @@ def attention(
     Shape: q [T, num_heads, head_dim]; pool_layer [P, page_size]; meta.b1_start [B+1];
       meta.b_seq_len [B]; meta.page_table [B, max_ctx, 2] int32 (-1 past the end).
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32. scales: fp8 pages (module doc).
-    own: (k, v) [T, kv_dim], the step's own tokens' K and V (row t for query t): the keys at
-      positions L_b - n_b .. L_b - 1 are read from them, not from the pages (on fp8 pages: a
-      chunk attends to itself unrounded).
+    own: (k, v) [T, kv_dim], the step's own tokens' K and V (row t for query t), which
+      kv_write put in the pages: the keys at positions L_b - n_b .. L_b - 1 are read from them,
+      as the pages hold them (on fp8 pages rounded through e4m3 the way kv_write rounds): the
+      same values, without the page gathers.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -107,7 +116,7 @@ def attention(
             continue
         k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim, scales)
         if own is not None:  # gather's tensors are its own: written in place
-            k[ctx - n :], v[ctx - n :] = own[0][lo:hi].float(), own[1][lo:hi].float()
+            k[ctx - n :], v[ctx - n :] = (_as_paged(x[lo:hi], num_kv_heads, scales) for x in own)
         k = k.view(ctx, num_kv_heads, head_dim)
         v = v.view(ctx, num_kv_heads, head_dim)
         qb = q[lo:hi].float().view(n, num_kv_heads, group, head_dim)

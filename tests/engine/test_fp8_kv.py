@@ -106,7 +106,8 @@ def test_fp8_equals_rounded_kv_with_prefix_hits_and_preemption(case, monkeypatch
     kv_heads, write = engine.spec.num_kv_heads, ref.kv_write
 
     def rounded_write(pool_layer, k, v, out_pages):
-        k, v = (fp8.dequantize(*fp8.quantize(x, kv_heads)) for x in (k, v))
+        for x in (k, v):  # in place: the step's own rows, which attention reads, rounded too
+            x.copy_(fp8.dequantize(*fp8.quantize(x, kv_heads)))
         write(pool_layer, k, v, out_pages)
 
     monkeypatch.setattr(ref, "kv_write", rounded_write)

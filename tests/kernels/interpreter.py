@@ -4,7 +4,8 @@ cannot switch (``TRITON_INTERPRET=1`` must be set before the kernel modules are 
 
 In that process (``INTERPRETED``), importing this module also spares the interpreter work whose
 result it never uses (``speed_up_interpreter``): the kernels run the same operations on the same
-values, in about half the time.
+values, in about half the time; and its casts to e4m3 round as the GPU's do
+(``round_e4m3_as_the_gpu``).
 """
 
 from __future__ import annotations
@@ -112,8 +113,40 @@ def cache_numpy_dtypes(interpreter) -> bool:
     return True
 
 
+def round_e4m3_as_the_gpu() -> bool:
+    """The interpreter's cast to e4m3 (``_convert_float``) adds the rounding bit to the mantissa
+    without carrying it into the exponent: 125.2 becomes 64 where the GPU's ``cvt.rn`` gives
+    128. Here casts from fp32, fp16 and bf16 to e4m3 go through torch's, which rounds to the
+    nearest even as the GPU does (the kernels clamp to +-448 first, as the GPU saturates)."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        return False
+    if getattr(convert, "e4m3", False):
+        return True
+    views = {tl.float32: (np.float32, None), tl.float16: (np.float16, None),
+             tl.bfloat16: (np.int16, torch.bfloat16)}  # fmt: skip
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in views:
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        storage, torch_dtype = views[input_dtype]
+        values = torch.from_numpy(np.ascontiguousarray(data).view(storage))
+        values = values.view(torch_dtype) if torch_dtype is not None else values
+        return values.float().to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+    convert_float.e4m3 = True
+    interpreter._convert_float = convert_float
+    return True
+
+
 if INTERPRETED:
     speed_up_interpreter()
+    round_e4m3_as_the_gpu()
 
 
 def run_interpreted(*tests: str, timeout: int = 600) -> str:

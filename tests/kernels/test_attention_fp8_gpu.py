@@ -61,8 +61,8 @@ def test_attention_fp8_prefill(ops, dtype, kind):
 @pytest.mark.parametrize("window", [0, 256], ids=["full", "window"])
 @pytest.mark.parametrize("kind", list(HEADS))
 def test_attention_fp8_prefill_reads_the_steps_own_rows(ops, kind, window):
-    """bf16: the step's keys from its own K/V rows (random, V's rows strided), the earlier
-    ones from the fp8 pages."""
+    """bf16: the step's keys from its own K/V rows (random, V's rows strided) rounded through
+    e4m3 in registers, the earlier ones from the fp8 pages."""
     seqs = WINDOW_PREFILL_SEQS if window else PREFILL_SEQS
     q, pool, scales, meta = _case(kind, seqs, torch.bfloat16, seed=3)
     scale, kv_heads = _scale(kind), HEADS[kind][1]

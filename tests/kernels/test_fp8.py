@@ -137,22 +137,17 @@ def test_attention_decode_fp8_ignores_nan_bytes_past_a_sequence(dtype):
 
 
 @pytest.mark.parametrize("window", [0, 6])
-def test_attention_fp8_with_own_rows_reads_the_step_unrounded(window):
-    """``own``: on fp8 pages the step's own keys attend unrounded, earlier ones through e4m3:
-    the same as full-precision pages holding the dequantized earlier K/V and the step's own."""
+def test_attention_fp8_with_own_rows_reads_them_as_the_pages_hold_them(window):
+    """``own``: the step's own keys come from its K/V rows rounded through e4m3 as kv_write
+    rounds them: the rows kv_write wrote give the paged result exactly; other rows differ."""
     seq_lens, new = [7, 30, 13], [7, 4, 5]
-    (full, packed, scales), metas, (k, v) = case(seq_lens, new, kv_heads=2, seed=4)
-    mixed = full.clone()  # earlier tokens' K/V as the fp8 pages give them back
-    starts, own_rows = [0, *torch.tensor(seq_lens).cumsum(0).tolist()], []
-    for b, (n, ctx) in enumerate(zip(new, seq_lens, strict=True)):
-        earlier = metas[0].page_table[b, : ctx - n].long()
-        k8, v8 = ref.gather_kv(packed, metas[1].page_table[b, : ctx - n], k.shape[1], scales)
-        mixed[earlier[:, 0]], mixed[earlier[:, 1]] = k8, v8
-        own_rows.append(torch.arange(starts[b] + ctx - n, starts[b] + ctx))
-    rows = torch.cat(own_rows)
+    (_, packed, scales), metas, (k, v) = case(seq_lens, new, kv_heads=2, seed=4)
+    starts = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
+    ends = zip(starts, seq_lens, new, strict=False)  # starts: one more
+    rows = torch.cat([torch.arange(s + c - n, s + c) for s, c, n in ends])
     q = torch.randn(sum(new), 4, 16)
-    got = ref.attention(q, packed, metas[1], 2, 0.25, window, scales=scales, own=(k[rows], v[rows]))
-    want = ref.attention(q, mixed, metas[0], 2, 0.25, window)
-    assert torch.allclose(got, want, atol=1e-5)
-    rounded = ref.attention(q, packed, metas[1], 2, 0.25, window, scales=scales)
-    assert not torch.allclose(rounded, want, atol=1e-3)  # the own rows were read
+    args = (q, packed, metas[1], 2, 0.25, window)
+    paged = ref.attention(*args, scales=scales)
+    assert torch.equal(ref.attention(*args, scales=scales, own=(k[rows], v[rows])), paged)
+    other = ref.attention(*args, scales=scales, own=(k[rows] + 1, v[rows] - 1))
+    assert not torch.allclose(other, paged, atol=1e-3)  # the own rows were read

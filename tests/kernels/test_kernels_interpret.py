@@ -488,6 +488,25 @@ class TestInterpreted:
 
         assert all(speed_up_interpreter().values()), speed_up_interpreter()
 
+    def test_e4m3_casts_round_as_the_gpu(self, tk):
+        """``interpreter.round_e4m3_as_the_gpu`` applies: a kernel's casts to e4m3 give torch's
+        values, also where rounding carries into the exponent (125.2 -> 128) and at ties."""
+        import triton
+        import triton.language as tl
+        from interpreter import round_e4m3_as_the_gpu
+
+        assert round_e4m3_as_the_gpu()
+
+        @triton.jit
+        def cast(x_ptr, y_ptr, N: tl.constexpr):
+            i = tl.arange(0, N)
+            tl.store(y_ptr + i, tl.load(x_ptr + i).to(tl.float8e4nv).to(tl.float32))
+
+        x = torch.tensor([125.2, -127.8, 31.07, 0.0, 1.0625, 1.1875, -448.0, 0.001953125])
+        y = torch.empty_like(x)
+        cast[(1,)](x, y, 8)
+        assert torch.equal(y, x.to(torch.float8_e4m3fn).float()), (y, x)
+
     def test_triton_ops_has_refs_signatures(self, tk):
         public = [
             n
@@ -671,8 +690,8 @@ class TestInterpreted:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
     def test_attention_fp8_prefill_reads_the_steps_own_rows(self, tk, dtype):
         """``own``: the step's keys come from its K/V rows (random, no page holds them; V's
-        rows strided), earlier ones from the fp8 pages; fp16 with a window and a soft-cap (the
-        own keys' dots in q's dtype, the pages' in fp16), fp32 without."""
+        rows strided), rounded through e4m3 as kv_write rounds them, earlier ones from the fp8
+        pages; fp16 with a window and a soft-cap (fp16 dots), fp32 without."""
         from attn_fp8 import fp8_attn_case, own_rows
 
         window, softcap = (16, 2.0) if dtype == torch.float16 else (0, 0.0)
