@@ -281,3 +281,20 @@ def reference_each(model_dir: Path, adapters: dict[str, Path], rows: list[dict])
             mine += [r for r in rows if r["adapter"] is None]
         want.update(reference(model_dir, {name: path}, mine) if mine else {})
     return want
+
+
+def round_kv_writes(monkeypatch, kv_heads: int) -> None:
+    """The torch twin's kv_write rounds each K/V row through e4m3 (as fp8 pages hold it) before
+    writing it to full-precision pages, in place: the step's own rows, which the prefill
+    attention reads beside the pages, are rounded too. A full-precision cache so fed differs
+    from fp8 pages by nothing but where the rounding happens."""
+    from slora_kernels import fp8, ref
+
+    write = ref.kv_write
+
+    def rounded_write(pool_layer, k, v, out_pages):
+        for x in (k, v):
+            x.copy_(fp8.dequantize(*fp8.quantize(x, kv_heads)))
+        write(pool_layer, k, v, out_pages)
+
+    monkeypatch.setattr(ref, "kv_write", rounded_write)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pool_garbage
 import pytest
 import torch
-from factory import ADAPTERS, make_adapter, make_adapters, make_model, make_rows
+from factory import ADAPTERS, make_adapter, make_adapters, make_model, make_rows, round_kv_writes
 
 import slora_batch
 from slora_batch import Engine, EngineConfig, Request
-from slora_kernels import fp8, ref
+from slora_kernels import ref
 
 VOCAB = 300
 # Criteria against the full-precision cache (fp32 model): a scored token's logprob moves by at
@@ -103,14 +103,7 @@ def test_fp8_equals_rounded_kv_with_prefix_hits_and_preemption(case, monkeypatch
                         max_adapters_per_batch=3)  # fmt: skip
     assert engine.counters.preemptions > 0 and engine.counters.prefix_hit_tokens > 0
     assert engine.counters.peak_pages <= 1300
-    kv_heads, write = engine.spec.num_kv_heads, ref.kv_write
-
-    def rounded_write(pool_layer, k, v, out_pages):
-        for x in (k, v):  # in place: the step's own rows, which attention reads, rounded too
-            x.copy_(fp8.dequantize(*fp8.quantize(x, kv_heads)))
-        write(pool_layer, k, v, out_pages)
-
-    monkeypatch.setattr(ref, "kv_write", rounded_write)
+    round_kv_writes(monkeypatch, engine.spec.num_kv_heads)
     want, _ = run(model_dir, adapters, rows, num_pages=8000)
     for key, w in want.items():
         assert tight[key].token_ids == w.token_ids, key

@@ -16,12 +16,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from factory import make_rows
+from factory import make_rows, round_kv_writes
 from moe_factory import VOCAB, assert_parity, make_expert_adapter, make_moe_model, reference_each
 from structured import FORMATS, TOKENIZER_VOCAB, constrained_reference, save_tokenizer
 
 from slora_batch import Engine, EngineConfig, Request
-from slora_kernels import fp8, ref
 
 ADAPTERS = [None, "experts"]
 
@@ -126,13 +125,7 @@ def test_fp8_kv_equals_the_rounded_full_precision_cache(moe, monkeypatch):
     got, engine = run(model_dir, adapters, rows, num_pages=1200, kv_cache_dtype="fp8")
     assert engine.pool.kv_pages_per_token == 1 and engine.pool.scales is not None
     assert engine.counters.prefix_hit_tokens > 0
-    kv_heads, write = engine.spec.num_kv_heads, ref.kv_write
-
-    def rounded_write(pool_layer, k, v, out_pages):
-        k, v = (fp8.dequantize(*fp8.quantize(x, kv_heads)) for x in (k, v))
-        write(pool_layer, k, v, out_pages)
-
-    monkeypatch.setattr(ref, "kv_write", rounded_write)
+    round_kv_writes(monkeypatch, engine.spec.num_kv_heads)
     want, _ = run(model_dir, adapters, rows, num_pages=6000)
     assert got.keys() == want.keys()
     for key, w in want.items():
