@@ -86,15 +86,12 @@ def _v_scaled(p, sv, F16: tl.constexpr):
 
 
 @triton.jit
-def _key_block(
-    acc,
-    m_i,
-    l_i,
+def _probs(
     q,
     k,
-    v,
     sk,
-    sv,
+    m_i,
+    l_i,
     jj,
     k_live,
     q_pos,
@@ -104,12 +101,11 @@ def _key_block(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SCALED: tl.constexpr,
-    F16: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One block of keys (positions jj, k_live where real) in the online softmax of a query
-    tile: (acc, m, l) updated. SCALED: k and v are e4m3 pages' bytes with their per-key scales
-    sk and sv (module doc), else values of q's dtype (sk, sv unused)."""
+    """A block of keys (positions jj, k_live where real) in the online softmax of a query
+    tile: (p, alpha, m, l), the block's probabilities under the new running max m, the factor
+    of the earlier sums and l updated. SCALED: k is e4m3 with per-key scales sk (module doc)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if SCALED:
         s = s * sk[None, :]
@@ -124,12 +120,34 @@ def _key_block(
         m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _add_values(
+    acc, alpha, p, v, sv, q, SCALED: tl.constexpr, F16: tl.constexpr, PRECISION: tl.constexpr
+):
+    """acc after a block: the earlier sum times alpha plus p . V (SCALED: V e4m3 with per-key
+    scales sv, folded into p; the dot in q's dtype)."""
     factor = 1.0
     if SCALED:
         p, factor = _v_scaled(p, sv, F16)
     pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION) * factor
-    return acc * alpha[:, None] + pv, m_new, l_i
+    return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _own_rows(ptr, stride, rows, cols, mask, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A block of the step's own K or V rows [BLOCK_N, BLOCK_D] and their per-key scales: with
+    FP8, rounded through e4m3 in registers as kv_write rounded them into the pages (the
+    scales those pages hold), else as they are (scale 1, unused)."""
+    x = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    scale = 1.0
+    if FP8:
+        x = x.to(tl.float32)
+        x, scale = e4m3_round(x, tl.max(tl.abs(x), 1)[:, None])
+        scale = tl.reshape(scale, [BLOCK_N])
+    return x, scale
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
@@ -203,79 +221,35 @@ def _prefill_kernel(
         kv_mask = k_live[:, None] & d_live[None, :]
         page_k = tl.load(pt_row + jj * 2, mask=k_live, other=0).to(tl.int64)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
+        sk = 1.0
+        if FP8:
+            sk = _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)
+        p, alpha, m_i, l_i = _probs(
+            q, k, sk, m_i, l_i, jj, k_live, q_pos, qk_scale, cap_log2, window, HAS_WINDOW,
+            SOFTCAP, FP8, PRECISION,
+        )  # fmt: skip
         page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
         v_cols = kv_cols
         if FP8:  # V after the token's K bytes
             v_cols = kv_cols + KV_HEADS * HEAD_DIM
         v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
-        sk = 1.0
         sv = 1.0
         if FP8:
-            sk = _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)
             sv = _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)
-        acc, m_i, l_i = _key_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            sk,
-            sv,
-            jj,
-            k_live,
-            q_pos,
-            qk_scale,
-            cap_log2,
-            window,
-            HAS_WINDOW,
-            SOFTCAP,
-            FP8,
-            F16,
-            PRECISION,
-        )
+        acc = _add_values(acc, alpha, p, v, sv, q, FP8, F16, PRECISION)
     if OWN:
         for j0 in range(tl.maximum(start, own_from), end, BLOCK_N):
             jj = j0 + tl.arange(0, BLOCK_N)
             k_live = jj < end
             kv_mask = k_live[:, None] & d_live[None, :]
             rows = (lo + jj - own_from).to(tl.int64)
-            k = tl.load(
-                own_k_ptr + rows[:, None] * own_k_stride + kv_cols[None, :], mask=kv_mask, other=0.0
-            )
-            v = tl.load(
-                own_v_ptr + rows[:, None] * own_v_stride + kv_cols[None, :], mask=kv_mask, other=0.0
-            )
-            sk = 1.0
-            sv = 1.0
-            if FP8:  # rounded in registers as kv_write rounded them into the pages
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                k, sk = e4m3_round(k, tl.max(tl.abs(k), 1)[:, None])
-                v, sv = e4m3_round(v, tl.max(tl.abs(v), 1)[:, None])
-                sk = tl.reshape(sk, [BLOCK_N])
-                sv = tl.reshape(sv, [BLOCK_N])
-            acc, m_i, l_i = _key_block(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k,
-                v,
-                sk,
-                sv,
-                jj,
-                k_live,
-                q_pos,
-                qk_scale,
-                cap_log2,
-                window,
-                HAS_WINDOW,
-                SOFTCAP,
-                FP8,
-                F16,
-                PRECISION,
-            )
+            k, sk = _own_rows(own_k_ptr, own_k_stride, rows, kv_cols, kv_mask, FP8, BLOCK_N)
+            p, alpha, m_i, l_i = _probs(
+                q, k, sk, m_i, l_i, jj, k_live, q_pos, qk_scale, cap_log2, window, HAS_WINDOW,
+                SOFTCAP, FP8, PRECISION,
+            )  # fmt: skip
+            v, sv = _own_rows(own_v_ptr, own_v_stride, rows, kv_cols, kv_mask, FP8, BLOCK_N)
+            acc = _add_values(acc, alpha, p, v, sv, q, FP8, F16, PRECISION)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] + d[None, :], out, mask=q_mask)
 

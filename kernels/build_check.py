@@ -47,11 +47,17 @@ def cuobjdump() -> str:
 
 
 def build(
-    fn, constexprs: dict, warps: int, pointers: dict | None = None, aligned: tuple[str, ...] = ()
+    fn,
+    constexprs: dict,
+    warps: int,
+    pointers: dict | None = None,
+    aligned: tuple[str, ...] = (),
+    scalars: dict | None = None,
 ) -> bytes:
     """The sm_90 cubin of ``fn`` (a ``triton.jit`` function) with ``constexprs`` and ``warps``;
-    integer arguments are int32, pointers as ``POINTERS`` and ``pointers`` say (else int32
-    tables). Every pointer and the integers in ``aligned`` carry the multiple-of-16 hint."""
+    integer arguments are int32 unless ``scalars`` names their type ({"qk_scale": "fp32"}),
+    pointers as ``POINTERS`` and ``pointers`` say (else int32 tables). Every pointer and the
+    integers in ``aligned`` carry the multiple-of-16 hint."""
     pointers = {**POINTERS, **(pointers or {})}
     unhinted = set(aligned) & {p.name for p in fn.params if p.do_not_specialize}
     assert not unhinted, f"{sorted(unhinted)}: do_not_specialize, never hinted at launch"
@@ -61,7 +67,9 @@ def build(
             signature[name] = "constexpr"
             continue
         pointer = name.endswith("_ptr")
-        signature[name] = pointers.get(name, "*i32") if pointer else "i32"
+        signature[name] = (
+            pointers.get(name, "*i32") if pointer else (scalars or {}).get(name, "i32")
+        )
         if pointer or name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     index = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}

@@ -114,3 +114,24 @@ def test_lora_kernel_builds_for_sm90_without_spills_and_with_vector_loads(name):
     # bf16 read 2 bytes an instruction: the pool-page offsets lost their alignment (a page index
     # times PAGE plus a block start is a multiple of the block only if the kernel says so)
     assert loads["LDG.E.U16"] == 0, f"{name}: scalar bf16 loads {dict(loads)}"
+
+
+@pytest.mark.parametrize("fp8,own", [(False, False), (True, False), (True, True)], ids=str)
+def test_prefill_attention_builds_for_sm90(fp8, own):
+    """The prefill kernel on bf16 pages, on fp8 pages, and on fp8 pages reading the step's own
+    K/V rows (``own``) compiles for the card at Llama-3-8B's heads (8 KV heads of 128, GQA 4)
+    and the launcher's tile."""
+    from slora_kernels import attention
+
+    (block_m, warps), head_dim, kv_heads = attention.PREFILL_TILE, 128, 8
+    constexprs = dict(PAGE=kv_heads * head_dim * (2 if fp8 else 1), KV_HEADS=kv_heads, GROUP=4,
+                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=64,
+                      HAS_WINDOW=False, SOFTCAP=False, FP8=fp8, F16=fp8, OWN=own,
+                      PRECISION="tf32")  # fmt: skip
+    pointers = {"q_ptr": "*bf16", "o_ptr": "*bf16", "pool_ptr": "*fp8e4nv" if fp8 else "*bf16",
+                "own_k_ptr": "*bf16", "own_v_ptr": "*bf16"}  # fmt: skip
+    floats = {"qk_scale": "fp32", "cap_log2": "fp32"}
+    usage = resource_usage(
+        build(attention._prefill_kernel, constexprs, warps, pointers, (), floats)
+    )
+    assert 0 < usage["REG"] <= 255, usage

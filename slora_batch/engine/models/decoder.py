@@ -231,7 +231,7 @@ class DecoderModel:
     def _attend(
         self,
         q: torch.Tensor,
-        own: tuple[torch.Tensor, torch.Tensor],
+        own: tuple[torch.Tensor, torch.Tensor] | None,
         pool_layer: torch.Tensor,
         step: StepInput,
         ops: ModuleType,
@@ -239,11 +239,15 @@ class DecoderModel:
         kv: dict,
     ) -> torch.Tensor:
         """Attention of the step's queries: decode kernel, prefill kernel, or both on a split
-        (``own``: the step's K and V [T, kv_dim], which the prefill kernel reads for the
-        step's own keys; ``kv``: the fp8 scale table, or nothing)."""
+        (``kv``: the fp8 scale table, or nothing). On fp8 pages the prefill kernel reads the
+        step's own keys from ``own``, its K and V rows [T, kv_dim], rounded as the pages hold
+        them, not from e4m3 pages; on model-dtype pages it reads the pages (the same values,
+        and the sm_90 build of the kernel reading rows spills more registers)."""
         kv_heads, scale, cap = self.spec.num_kv_heads, self.spec.attn_scale, self.spec.attn_softcap
         extra = dict(window=window, softcap=cap) if window or cap else {}
         extra.update(kv)
+        if not kv:
+            own = None
         if step.decode_only:
             return ops.attention_decode(q, pool_layer, step.attn, kv_heads, scale, **extra)
         if step.attn_split is None:
@@ -251,7 +255,7 @@ class DecoderModel:
         d, decode, prefill = step.attn_split
         out = torch.empty_like(q)
         out[:d] = ops.attention_decode(q[:d], pool_layer, decode, kv_heads, scale, **extra)
-        own = (own[0][d:], own[1][d:])
+        own = (own[0][d:], own[1][d:]) if own is not None else None
         out[d:] = ops.attention(q[d:], pool_layer, prefill, kv_heads, scale, own=own, **extra)
         return out
 
