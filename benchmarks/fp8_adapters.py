@@ -25,6 +25,7 @@ from typing import Any
 from benchmarks.fp8_accuracy import Setting, compare, score
 from benchmarks.fp8_bounds import (
     GREEDY_TOKENS,
+    add_case_args,
     random_rows,
     same_greedy,
     sample_rows,
@@ -114,10 +115,7 @@ def markdown(cases: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--kinds", default="mha,gqa,qwen2,mistral", help="random test models")
-    parser.add_argument("--rows", type=int, default=60, help="prompts per random model")
-    parser.add_argument("--no-sample", action="store_true", help="random models only")
+    add_case_args(parser)
     parser.add_argument("--bf16", action="store_true", help="bf16 settings too (on cuda: always)")
     parser.add_argument("--out", default="out/fp8-adapters")
     args = parser.parse_args(argv)

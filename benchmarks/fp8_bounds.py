@@ -1,7 +1,7 @@
 """FP8 KV accuracy against bounds relative to bf16's own noise, on the sample model and the random
 test models.
 
-    python -m benchmarks.fp8_bounds [--device cpu|cuda] [--kinds mha,gqa,qwen2,mistral] [--out DIR]
+    python -m benchmarks.fp8_bounds [--device cpu|cuda] [--kinds mha,gqa,qwen2] [--out DIR]
 
 The bounds, relative to the noise bf16 brings by itself (e4m3 K and V at one scale per token and
 head cannot be held to an absolute bound below bf16's own delta):
@@ -158,13 +158,30 @@ def sample_case(device: str) -> dict[str, Any]:
     return measure(job.model, job.adapters, scored, generated, device, False)
 
 
+def _tests_on_path() -> None:
+    """tests/ on sys.path: its factory builds the random test models."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+
+
+def add_case_args(parser: argparse.ArgumentParser) -> None:
+    """The options that pick the models compared: the device, the random test models (the
+    test factory's kinds by default), their prompts, and whether the sample model runs."""
+    _tests_on_path()
+    from factory import KINDS
+
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--kinds", default=",".join(KINDS), help="random test models")
+    parser.add_argument("--rows", type=int, default=60, help="prompts per random model")
+    parser.add_argument("--no-sample", action="store_true", help="random models only")
+
+
 @contextlib.contextmanager
 def random_rows(kind: str, rows: int):
     """The test suite's random model of ``kind`` (tests/factory.py) and its adapters in a
     temporary directory, with ``rows`` greedy generation rows over them: (model, adapters by
     name -> path string, requests)."""
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
+    _tests_on_path()
     from factory import make_adapters, make_model, make_rows
 
     with tempfile.TemporaryDirectory(prefix=f"fp8-{kind}-") as tmp:
@@ -210,10 +227,7 @@ def markdown(cases: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--kinds", default="mha,gqa,qwen2,mistral", help="random test models")
-    parser.add_argument("--rows", type=int, default=60, help="prompts per random model")
-    parser.add_argument("--no-sample", action="store_true", help="random models only")
+    add_case_args(parser)
     parser.add_argument("--out", default="out/fp8-bounds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

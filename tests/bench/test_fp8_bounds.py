@@ -3,7 +3,7 @@ measured end to end (a few rows)."""
 
 import pytest
 
-from benchmarks.fp8_bounds import GREEDY_TOKENS, bounds, random_case, same_greedy
+from benchmarks.fp8_bounds import GREEDY_TOKENS, add_case_args, bounds, random_case, same_greedy
 
 
 def test_same_greedy_compares_the_first_tokens_and_says_where_rows_part():
@@ -30,3 +30,18 @@ def test_a_random_model_is_measured_in_every_precision():
     assert case["tokens"] == 6 * GREEDY_TOKENS  # fp32's outputs scored, EOS ignored
     assert case["bf16_delta"] > 0 and case["fp8_delta"] > 0
     assert len(case["checks"]) == 2
+
+
+def test_the_default_kinds_are_the_factorys():
+    """Every default random model is one the test factory builds (its kinds changed once, and
+    the scripts' defaults named a kind it no longer had)."""
+    import argparse
+
+    from factory import KINDS, model_config
+
+    parser = argparse.ArgumentParser()
+    add_case_args(parser)
+    kinds = parser.parse_args([]).kinds.split(",")
+    assert kinds == list(KINDS)
+    for kind in kinds:
+        model_config(kind)
