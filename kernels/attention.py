@@ -86,34 +86,37 @@ def _v_scaled(p, sv, F16: tl.constexpr):
 
 
 @triton.jit
+def _seen(jj, k_live, q_pos, window, HAS_WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N]: which of a block's keys (positions jj, k_live where real) each query
+    (at q_pos) sees: causal, and within the window."""
+    seen = (jj[None, :] <= q_pos[:, None]) & k_live[None, :]
+    if HAS_WINDOW:
+        seen = seen & (q_pos[:, None] - jj[None, :] < window)
+    return seen
+
+
+@triton.jit
 def _probs(
     q,
     k,
     sk,
     m_i,
     l_i,
-    jj,
-    k_live,
-    q_pos,
+    seen,
     qk_scale,
     cap_log2,
-    window,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SCALED: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """A block of keys (positions jj, k_live where real) in the online softmax of a query
+    """A block of keys (``seen``: which each query sees) in the online softmax of a query
     tile: (p, alpha, m, l), the block's probabilities under the new running max m, the factor
     of the earlier sums and l updated. SCALED: k is e4m3 with per-key scales sk (module doc)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if SCALED:
         s = s * sk[None, :]
-    s = _logits(s, qk_scale, cap_log2, SOFTCAP)
-    seen = (jj[None, :] <= q_pos[:, None]) & k_live[None, :]
-    if HAS_WINDOW:
-        seen = seen & (q_pos[:, None] - jj[None, :] < window)
-    s = tl.where(seen, s, float("-inf"))
+    s = tl.where(seen, _logits(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = m_new
     if HAS_WINDOW:  # a later query's window may start past this block: no key seen yet
@@ -224,10 +227,10 @@ def _prefill_kernel(
         sk = 1.0
         if FP8:
             sk = _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)
+        seen = _seen(jj, k_live, q_pos, window, HAS_WINDOW)
         p, alpha, m_i, l_i = _probs(
-            q, k, sk, m_i, l_i, jj, k_live, q_pos, qk_scale, cap_log2, window, HAS_WINDOW,
-            SOFTCAP, FP8, PRECISION,
-        )  # fmt: skip
+            q, k, sk, m_i, l_i, seen, qk_scale, cap_log2, HAS_WINDOW, SOFTCAP, FP8, PRECISION
+        )
         page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
         v_cols = kv_cols
         if FP8:  # V after the token's K bytes
@@ -244,10 +247,10 @@ def _prefill_kernel(
             kv_mask = k_live[:, None] & d_live[None, :]
             rows = (lo + jj - own_from).to(tl.int64)
             k, sk = _own_rows(own_k_ptr, own_k_stride, rows, kv_cols, kv_mask, FP8, BLOCK_N)
+            seen = _seen(jj, k_live, q_pos, window, HAS_WINDOW)
             p, alpha, m_i, l_i = _probs(
-                q, k, sk, m_i, l_i, jj, k_live, q_pos, qk_scale, cap_log2, window, HAS_WINDOW,
-                SOFTCAP, FP8, PRECISION,
-            )  # fmt: skip
+                q, k, sk, m_i, l_i, seen, qk_scale, cap_log2, HAS_WINDOW, SOFTCAP, FP8, PRECISION
+            )
             v, sv = _own_rows(own_v_ptr, own_v_stride, rows, kv_cols, kv_mask, FP8, BLOCK_N)
             acc = _add_values(acc, alpha, p, v, sv, q, FP8, F16, PRECISION)
     out = acc / l_i[:, None]
