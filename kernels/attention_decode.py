@@ -41,6 +41,9 @@ MAX_SPLITS = 64
 # under 16 are); False: CUDA-core dot products (H200, B=256, contexts 256-1024: 0.54 of the copy
 # bandwidth for every tile tried, where GQA's tensor-core path reached 0.83).
 # fp8_f16: fp8 pages under a 16-bit q take fp16 dots (``slora_kernels.attention``'s FP8_F16);
+# heads_fastest: the grid (KV heads, B, splits), so a sequence's heads run in adjacent programs
+# and share the L2 sectors of its page-table and fp8 scale rows (a 4-byte scale a key and head
+# otherwise costs a 32-byte sector: up to a quarter more than fp8 K/V's 256 bytes).
 # fp8_stages: the stages on fp8 pages. H200, B=256, contexts 256-1024 (benchmarks/fp8_kernels.py):
 # MHA 737 us with 3 stages, 703 with 4, 811 with bf16 dots; bf16 pages 659 us. The fp8 kernel
 # reads half the bytes in about the same time. Triton loads V (the B operand of p . V, reduced
@@ -55,6 +58,7 @@ DECODE = {
     "mha_dot": True,
     "fp8_f16": True,
     "fp8_stages": 4,
+    "heads_fastest": False,
 }
 # head_dim past WIDE_HEAD_DIM (Gemma 2: 256): DECODE with these overrides. H200, 16/8 heads of
 # 256, bf16, B=64 at 8192 keys (window 4096): 0.52 ms, 4.1 TB/s of K/V read; GQA blocks of 128
@@ -74,6 +78,25 @@ def _decode_span(
         first = tl.maximum(ctx - window, 0)
     split_len = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     return first, split_len
+
+
+@triton.jit
+def _decode_program(HEADS_FASTEST: tl.constexpr):
+    """(sequence, KV head) of this program: grid (B, KV heads, splits), or (KV heads, B, splits)
+    with HEADS_FASTEST, so a sequence's heads run in adjacent programs (DECODE's note)."""
+    if HEADS_FASTEST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _decode_pages(pt_row, jj, live, FP8: tl.constexpr):
+    """The K and V pages of keys jj; on fp8 pages one page holds a token's K and V (the table
+    names it twice), so V's entry is not read."""
+    page_k = tl.load(pt_row + jj * 2, mask=live, other=0).to(tl.int64)
+    if FP8:
+        return page_k, page_k
+    return page_k, tl.load(pt_row + jj * 2 + 1, mask=live, other=0).to(tl.int64)
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
@@ -107,9 +130,9 @@ def _decode_split_kernel(
     FP8: tl.constexpr,
     F16: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    b, kv_head = _decode_program(HEADS_FASTEST)
     split = tl.program_id(2)
     ctx = tl.load(b_seq_len_ptr + b)
     first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
@@ -140,8 +163,7 @@ def _decode_split_kernel(
         jj = j0 + tl.arange(0, BLOCK_N)
         k_live = jj < k_hi
         kv_mask = k_live[:, None] & d_live[None, :]
-        page_k = tl.load(pt_row + jj * 2, mask=k_live, other=0).to(tl.int64)
-        page_v = tl.load(pt_row + jj * 2 + 1, mask=k_live, other=0).to(tl.int64)
+        page_k, page_v = _decode_pages(pt_row, jj, k_live, FP8)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
         if USE_DOT:  # GQA: the group's query heads form the rows of one tensor-core tile
@@ -288,7 +310,10 @@ def decode_splits(
         part_lse = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     qk_scale, cap_log2 = _logit_args(scale, softcap)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if tiles["heads_fastest"]:
+        grid = (num_kv_heads, num_seqs, num_splits)
+    _decode_split_kernel[grid](
         q,
         q.stride(0),
         q.stride(1),
@@ -318,6 +343,7 @@ def decode_splits(
         FP8=kv["fp8"],
         F16=fp8_f16(kv["fp8"], q.dtype, tiles["fp8_f16"]),
         PRECISION=_precision(q.dtype),
+        HEADS_FASTEST=tiles["heads_fastest"],
         num_warps=tiles["warps"],
         num_stages=tiles["fp8_stages" if kv["fp8"] else "stages"],
     )

@@ -91,6 +91,13 @@ def test_attention_fp8_decode_mha_cuda_cores(ops, monkeypatch):
     test_attention_fp8_decode(ops, torch.bfloat16, "mha", None)
 
 
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_attention_fp8_decode_heads_fastest(ops, monkeypatch, kind):
+    """DECODE["heads_fastest"]: a sequence's KV heads in adjacent programs, the same output."""
+    monkeypatch.setitem(ops[0].DECODE, "heads_fastest", True)
+    test_attention_fp8_decode(ops, torch.bfloat16, kind, None)
+
+
 @pytest.mark.parametrize("run", WINDOW_RUNS, ids=lambda r: "-".join(map(str, r)))
 def test_attention_fp8_window_softcap(ops, run):
     """Prefill chunks whose windows start inside the earlier context, and decode over 1, 4 and

@@ -170,6 +170,13 @@ def test_attention_decode_mha_cuda_cores(ops, monkeypatch, dtype):
     test_attention_decode(ops, dtype, "mha", None)
 
 
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_attention_decode_heads_fastest(ops, monkeypatch, kind):
+    """DECODE["heads_fastest"]: a sequence's KV heads in adjacent programs, the same output."""
+    monkeypatch.setitem(ops.attention_decode.DECODE, "heads_fastest", True)
+    test_attention_decode(ops, torch.bfloat16, kind, None)
+
+
 # Sliding windows and soft-caps: (heads, window, softcap). gemma2: Gemma-2-9B's local layers
 # (head_dim 256, window 4096, softcap 50) and its global ones (no window); the Mistral-style
 # window on the head_dim 128 tiles.

@@ -717,12 +717,16 @@ class TestInterpreted:
         assert_close(mine, tk.triton_ops.attention(q, pool, meta, 2, 0.25), torch.float32)
         assert_close(mine, ref.attention(q, pool, meta, 2, 0.25), torch.float32)
 
-    @pytest.mark.parametrize("kind,splits,window", [("gqa", 4, 0), ("mha", None, 16)], ids=str)
-    def test_attention_fp8_decode(self, tk, monkeypatch, kind, splits, window):
-        """GQA on tensor-core tiles over 4 splits with a soft-cap; MHA on the CUDA-core path."""
+    @pytest.mark.parametrize("kind,splits,window,heads_fastest",
+                             [("gqa", 4, 0, False), ("mha", None, 16, False), ("gqa", 2, 0, True)],
+                             ids=str)  # fmt: skip
+    def test_attention_fp8_decode(self, tk, monkeypatch, kind, splits, window, heads_fastest):
+        """GQA on tensor-core tiles over 4 splits with a soft-cap; MHA on the CUDA-core path;
+        GQA with a sequence's heads in adjacent programs (DECODE["heads_fastest"])."""
         from attn_fp8 import check_fp8, fp8_attn_case
 
         monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
+        monkeypatch.setitem(tk.attention_decode.DECODE, "heads_fastest", heads_fastest)
         num_heads, num_kv_heads = HEADS[kind]
         softcap = 1.0 if kind == "gqa" else 0.0
         q, pool, scales, meta = fp8_attn_case(seqs=[(1, c) for c in (1, 9, 40, 300)],
