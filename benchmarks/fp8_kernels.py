@@ -5,6 +5,8 @@ of the same sequences, and the decode tile variants on fp8 pages.
     python3 -m benchmarks.fp8_kernels --default-tiles  # every shape, the default tiles only
     python3 -m benchmarks.fp8_kernels --quick          # the default tiles, MHA at B=256
 
+First the fp8 projections' input quantization, alone after its op and fused into it.
+
 Decode: B sequences with contexts U[256, 1024] (the acceptance workload's), Llama-2-7B (MHA,
 32 KV heads) and Llama-3-8B (GQA, 8 KV heads) shapes, head_dim 128, graph-replayed. Each row
 gives the time, the KV bytes read per second (fp8: 1 byte an element plus a 4-byte scale per
@@ -128,12 +130,51 @@ def prefill_rows(kind: str, bw: float) -> list[tuple]:
     return rows
 
 
+def _act_quant_case(op: str, tokens: int, width: int):
+    """(unfused, fused, bytes the fused op moves) of one case of ``act_quant_rows``."""
+    from slora_kernels import act_quant
+
+    if op == "rms_norm":
+        x = torch.randn(tokens, width, dtype=DTYPE, device="cuda")
+        w, res = torch.ones(width, dtype=DTYPE, device="cuda"), torch.randn_like(x)
+
+        def unfused():
+            return act_quant.quantize_rows(triton_ops.rms_norm(x, w, 1e-5, res)[0], 16)
+
+        fused = partial(triton_ops.rms_norm_fp8, x, w, 1e-5, res, pad_to=16)
+        return unfused, fused, tokens * width * (2 + 2 + 2 + 2 + 1)  # x, res in; r, y, q out
+    gate_up = torch.randn(tokens, 2 * width, dtype=DTYPE, device="cuda")
+
+    def unfused_act():
+        return act_quant.quantize_rows(triton_ops.silu_mul(gate_up), 16)
+
+    fused = partial(triton_ops.silu_mul_fp8, gate_up, pad_to=16)
+    return unfused_act, fused, tokens * width * (4 + 2 + 1)  # gate_up in; a, q out
+
+
+def act_quant_rows(bw: float) -> list[tuple]:
+    """The fp8 projections' input quantization on Llama-3-8B widths: RMSNorm (4096) and
+    SiLU-and-multiply (14336) then ``quantize_rows``, against the fused op; graph-replayed.
+    Bytes: what the fused op must move (its input, its output and the e4m3 rows)."""
+    rows = []
+    for tokens in (256, 1024):
+        for op, width in (("rms_norm", 4096), ("silu_mul", 14336)):
+            unfused, fused, nbytes = _act_quant_case(op, tokens, width)
+            for label, fn in (("then quantize_rows", unfused), ("fused", fused)):
+                us = _graph_us(fn)
+                gbs = nbytes / us / 1e3
+                case = f"{tokens} rows"
+                rows.append((f"{op} {label}", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))
+    return rows
+
+
 def main() -> None:
     quick = "--quick" in sys.argv[1:]  # the default tiles only, MHA at B=256 and prefill
     default_tiles = quick or "--default-tiles" in sys.argv[1:]
     bw = copy_gbps()
     rows = Table()
     rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
+    rows += act_quant_rows(bw)
     if default_tiles:
         VARIANTS[1:] = []
     for kind in ["mha"] if quick else SHAPES:

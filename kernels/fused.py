@@ -27,6 +27,39 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    _rms_norm_row(
+        x_ptr,
+        x_stride,
+        res_ptr,
+        res_stride,
+        r_ptr,
+        y_ptr,
+        w_ptr,
+        eps,
+        hidden,
+        t,
+        HAS_RESIDUAL,
+        BLOCK,
+    )
+
+
+@triton.jit
+def _rms_norm_row(
+    x_ptr,
+    x_stride,
+    res_ptr,
+    res_stride,
+    r_ptr,
+    y_ptr,
+    w_ptr,
+    eps,
+    hidden,
+    t,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row t of ``rms_norm``: stores r (with a residual) and y; returns y as stored, in fp32, and
+    its columns and their mask (``slora_kernels.act_quant`` quantizes it)."""
     cols = tl.arange(0, BLOCK)
     live = cols < hidden
     x = tl.load(x_ptr + t * x_stride + cols, mask=live, other=0.0)
@@ -40,7 +73,9 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(h * h, 0) / hidden + eps)
     normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded, as ref does
     w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * hidden + cols, w * normed, mask=live)
+    y = (w * normed).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * hidden + cols, y, mask=live)
+    return y.to(tl.float32), cols, live
 
 
 @triton.jit
@@ -99,8 +134,16 @@ def _act_mul_kernel(gu_ptr, gu_stride, out_ptr, inter, ACT: tl.constexpr, BLOCK:
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < inter
-    gate = tl.load(gu_ptr + t * gu_stride + cols, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + t * gu_stride + inter + cols, mask=live, other=0.0)
+    a = _act_mul_block(gu_ptr + t * gu_stride, cols, live, inter, ACT)
+    tl.store(out_ptr + t * inter + cols, a, mask=live)
+
+
+@triton.jit
+def _act_mul_block(gu_row, cols, live, inter, ACT: tl.constexpr):
+    """act(gate) * up at ``cols`` of one row of gate_up, in fp32 (act rounded to the input
+    dtype first, as F.silu and F.gelu round)."""
+    gate = tl.load(gu_row + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(gu_row + inter + cols, mask=live, other=0.0)
     if ACT == "silu":
         act = gate / (1.0 + tl.exp(-gate))
     else:  # "gelu_tanh": 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
@@ -108,7 +151,23 @@ def _act_mul_kernel(gu_ptr, gu_stride, out_ptr, inter, ACT: tl.constexpr, BLOCK:
         tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # +-1 at large |x|: e^2x is inf or 0
         act = 0.5 * gate * (1.0 + tanh)
     act = act.to(up.dtype)  # F.silu and F.gelu round to the input dtype
-    tl.store(out_ptr + t * inter + cols, act.to(tl.float32) * up.to(tl.float32), mask=live)
+    return act.to(tl.float32) * up.to(tl.float32)
+
+
+def rms_norm_buffers(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+    """``rms_norm``'s checks and outputs: (y, r, the residual operand, BLOCK); r is x itself
+    without a residual."""
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],), (x.shape, weight)
+    assert weight.is_contiguous()
+    num_tokens, hidden = x.shape
+    r = x
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        r = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    y_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(num_tokens, hidden, dtype=y_dtype, device=x.device)
+    res = x if residual is None else residual
+    return y, r, res, triton.next_power_of_2(hidden)
 
 
 def rms_norm(
@@ -120,19 +179,10 @@ def rms_norm(
     Shape: x, residual [T, H]; weight [H]. Returns (y, r).
     Grid (T,): one row per program, BLOCK = next_pow2(H).
     """
-    assert x.dim() == 2 and x.stride(1) == 1 and weight.shape == (x.shape[1],), (x.shape, weight)
-    assert weight.is_contiguous()
+    y, r, res, block = rms_norm_buffers(x, weight, residual)
     num_tokens, hidden = x.shape
-    r = x
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
-        r = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    y_dtype = torch.promote_types(weight.dtype, x.dtype)
-    y = torch.empty(num_tokens, hidden, dtype=y_dtype, device=x.device)
     if num_tokens == 0:
         return y, r
-    block = triton.next_power_of_2(hidden)
-    res = x if residual is None else residual
     _rms_norm_kernel[(num_tokens,)](
         x,
         x.stride(0),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slora_kernels import fp8, lora_fp8
+from slora_kernels import act_quant, fp8, lora_fp8
 from slora_kernels.meta import AttnMeta, LoraMeta
 
 
@@ -346,6 +346,31 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     Shape: gate_up [T, 2 * I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pad_to: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``rms_norm`` and the per-token e4m3 quantization of its y for an fp8 projection (y, r,
+    (q, scale)): ``slora_kernels.act_quant.quantize_rows_ref(y, pad_to)``."""
+    y, r = rms_norm(x, weight, eps, residual)
+    return y, r, act_quant.quantize_rows_ref(y, pad_to)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, pad_to: int = 1):
+    """``silu_mul`` and the per-token e4m3 quantization of its output: (a, (q, scale))."""
+    a = silu_mul(gate_up)
+    return a, act_quant.quantize_rows_ref(a, pad_to)
+
+
+def gelu_tanh_mul_fp8(gate_up: torch.Tensor, pad_to: int = 1):
+    """``gelu_tanh_mul`` and the per-token e4m3 quantization of its output: (a, (q, scale))."""
+    a = gelu_tanh_mul(gate_up)
+    return a, act_quant.quantize_rows_ref(a, pad_to)
 
 
 def fused_moe(

@@ -9,6 +9,7 @@ With ``scales`` (an fp8 KV cache, ``slora_kernels.fp8``) ``kv_write`` writes e4m
 
 from __future__ import annotations
 
+from slora_kernels.act_quant import gelu_tanh_mul_fp8, rms_norm_fp8, silu_mul_fp8
 from slora_kernels.attention import attention
 from slora_kernels.attention_decode import attention_decode
 from slora_kernels.fused import gelu_tanh_mul, rms_norm, rope, silu_mul
@@ -30,11 +31,14 @@ __all__ = [
     "gather_kv",
     "gather_lora_rows",
     "gelu_tanh_mul",
+    "gelu_tanh_mul_fp8",
     "kv_write",
     "lora_expand",
     "lora_group",
     "lora_shrink",
     "rms_norm",
+    "rms_norm_fp8",
     "rope",
     "silu_mul",
+    "silu_mul_fp8",
 ]

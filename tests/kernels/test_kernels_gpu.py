@@ -413,3 +413,34 @@ def test_act_quant_bytes_equal_twin():
     q_ref, s_ref = act_quant.quantize_rows_ref(x, pad_to=16)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA card with fp8",
+)
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "gelu_tanh_mul"])
+def test_fused_act_quant_is_the_op_then_quantize_rows(op):
+    """bf16, Llama-3-8B widths at 1021 rows: the fused op's output is the unfused kernel's bit
+    for bit, and its e4m3 bytes and scales the twin quantizer's of that output."""
+    from slora_kernels import act_quant, triton_ops
+
+    torch.manual_seed(1)
+    width = 4096 if op == "rms_norm" else 2 * 14336
+    x = torch.randn(1021, width, dtype=torch.bfloat16, device="cuda")
+    x[3] = 0
+    x[7] *= 1e3
+    if op == "rms_norm":
+        w = torch.rand(width, dtype=torch.bfloat16, device="cuda") + 0.5
+        res = torch.randn_like(x)
+        out, r, (q, s) = triton_ops.rms_norm_fp8(x, w, 1e-5, res, pad_to=16)
+        unfused, r_unfused = triton_ops.rms_norm(x, w, 1e-5, res)
+        assert torch.equal(r, r_unfused)
+    else:
+        out, (q, s) = getattr(triton_ops, f"{op}_fp8")(x, pad_to=16)
+        unfused = getattr(triton_ops, op)(x)
+    assert torch.equal(out, unfused)
+    q_ref, s_ref = act_quant.quantize_rows_ref(out, pad_to=16)
+    assert q.shape[0] == 1024 and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

@@ -616,6 +616,45 @@ class TestInterpreted:
         err = (q_ref[:5].float() * s_ref[:5] - x.float()).abs()  # e4m3: 2^-4 relative at most
         assert bool((err <= x.float().abs() / 16 + s_ref[:5] * 2**-9).all())
 
+    @pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_rms_norm_fp8_is_rms_norm_then_quantize_rows(self, tk, dtype, residual):
+        """The fused RMSNorm + quantizer: y and r those of the unfused kernel bit for bit (and
+        of the twin within tolerance), its e4m3 bytes and scales the twin quantizer's of that y
+        bit for bit; a row of zeros, rows padded to 16."""
+        torch.manual_seed(6)
+        x = (torch.randn(5, 96) * torch.tensor([0.01, 1, 30, 0, 1e3])[:, None]).to(dtype)
+        res = torch.randn(5, 96).to(dtype) if residual else None
+        if residual:
+            res[3] = -x[3]  # r's row of zeros
+        w = torch.rand(96).to(dtype) + 0.5
+        y, r, (q, s) = tk.triton_ops.rms_norm_fp8(x, w, 1e-6, res, pad_to=16)
+        y_unfused, r_unfused = tk.triton_ops.rms_norm(x, w, 1e-6, res)
+        assert torch.equal(y, y_unfused) and torch.equal(r, r_unfused)
+        y_ref, r_ref, _ = ref.rms_norm_fp8(x, w, 1e-6, res, pad_to=16)
+        assert_close(y, y_ref, dtype)
+        assert_close(r, r_ref, dtype)
+        q_ref, s_ref = tk.act_quant.quantize_rows_ref(y, pad_to=16)
+        assert q.shape == (16, 96) and torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(q[5:].float(), torch.zeros(11, 96)) and bool((s[5:] == 1).all())
+
+    @pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
+    def test_act_mul_fp8_is_act_mul_then_quantize_rows(self, tk, act):
+        """The fused gated activation + quantizer against its twin, fp16, I = 1500 (two column
+        blocks, the second partial), rows padded to 16; its output as the unfused op's."""
+        torch.manual_seed(7)
+        gate_up = (torch.randn(3, 3000) * torch.tensor([0.1, 3, 20])[:, None]).half()
+        a, (q, s) = getattr(tk.triton_ops, f"{act}_fp8")(gate_up, pad_to=16)
+        a_ref, (q_ref, s_ref) = getattr(ref, f"{act}_fp8")(gate_up, pad_to=16)
+        assert torch.equal(a, getattr(tk.triton_ops, act)(gate_up))
+        assert_close(a, a_ref, torch.float16)
+        assert q.shape == (16, 1500) and bool((s[3:] == 1).all())
+        # the twin's own quantization of the Triton op's output: the same bytes and scales
+        q_own, s_own = tk.act_quant.quantize_rows_ref(a, pad_to=16)
+        assert torch.equal(s, s_own)
+        assert torch.equal(q.view(torch.uint8), q_own.view(torch.uint8))
+
     def test_lora_all_base_tokens_write_nothing(self, tk):
         pool, meta = lora_case(
             page=32,

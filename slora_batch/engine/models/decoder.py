@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from slora_batch.engine.models.layers import add_lora, rope_cos_sin
 from slora_batch.engine.models.moe import MoeWeights, moe_mlp
-from slora_batch.engine.models.quant import linear
+from slora_batch.engine.models.quant import GEMM_ROWS, Fp8Weight, linear
 from slora_batch.engine.models.shard import RankGroup
 from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.models.step import StepInput
@@ -131,8 +131,8 @@ class DecoderModel:
             kv = pool.kv_args(index)  # fp8 pages: the layer's scale table
             meta = step.lora.at_layer(index) if step.lora is not None else None
             lora = (lora_layer, meta, lora_buf, ops)
-            h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            h, residual, h_fp8 = self._norm(ops, x, layer.input_norm, residual, layer.qkv)
+            qkv = linear(h, layer.qkv, layer.qkv_bias, h_fp8)
             self._lora(h, qkv, self.qkv_cols, *lora, cut=True)
             q, k, v = qkv.split(self.split, dim=1)
             q, k = self._heads(q, k, layer, ops)
@@ -153,11 +153,11 @@ class DecoderModel:
                 if layer.o_bias is not None:
                     o += layer.o_bias
             if layer.ff_norms is None:
-                h, residual = ops.rms_norm(o, layer.post_norm, eps, residual)
+                h, residual, h_fp8 = self._norm(ops, o, layer.post_norm, residual, layer.gate_up)
             else:  # Gemma: the attention output normalized, then the pre-MLP norm
                 o = ops.rms_norm(o, layer.post_norm, eps)[0]
-                h, residual = ops.rms_norm(o, layer.ff_norms[0], eps, residual)
-            down = self._mlp(h, layer, lora, ops)
+                h, residual, h_fp8 = self._norm(ops, o, layer.ff_norms[0], residual, layer.gate_up)
+            down = self._mlp(h, h_fp8, layer, lora, ops)
             if tp is not None:
                 tp.all_reduce(down)
             x = down if layer.ff_norms is None else ops.rms_norm(down, layer.ff_norms[1], eps)[0]
@@ -182,19 +182,44 @@ class DecoderModel:
             heads.add_embed(x, input_ids, lora_pool.data, self.spec)
         return x * self.embed_scale if self.embed_scale is not None else x
 
+    def _norm(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor | None,
+        projection: torch.Tensor | Fp8Weight | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``ops.rms_norm``'s (y, r) and, when the projection that reads y is in fp8, y's e4m3
+        rows and scales from the same launch (``rms_norm_fp8``); else None."""
+        eps = self.spec.rms_norm_eps
+        if isinstance(projection, Fp8Weight):
+            return ops.rms_norm_fp8(x, weight, eps, residual, pad_to=GEMM_ROWS)
+        return (*ops.rms_norm(x, weight, eps, residual), None)
+
     def _mlp(
-        self, h: torch.Tensor, layer: LayerWeights, lora: tuple, ops: ModuleType
+        self,
+        h: torch.Tensor,
+        h_fp8: tuple[torch.Tensor, torch.Tensor] | None,
+        layer: LayerWeights,
+        lora: tuple,
+        ops: ModuleType,
     ) -> torch.Tensor:
         """The MLP's output [T, H] (under tensor parallelism a partial sum, for the all-reduce):
         the gated MLP or the mixture of experts, with their LoRA deltas (``lora``: ``_lora``'s
         pool, meta, buffer and ops; the router's and the experts' run on one rank only, as
-        the store refuses them under tensor parallelism)."""
+        the store refuses them under tensor parallelism). h_fp8: h's e4m3 rows for an fp8
+        gate_up; an fp8 down gets its input's from the activation's launch."""
         if layer.moe is not None:
             return moe_mlp(h, layer.moe, ops, lora)
-        gate_up = linear(h, layer.gate_up)
+        gate_up = linear(h, layer.gate_up, None, h_fp8)
         self._lora(h, gate_up, self.gate_up_cols, *lora, cut=True)
-        a = getattr(ops, self.act)(gate_up)
-        down = linear(a, layer.down)
+        a_fp8 = None
+        if isinstance(layer.down, Fp8Weight):
+            a, a_fp8 = getattr(ops, f"{self.act}_fp8")(gate_up, pad_to=GEMM_ROWS)
+        else:
+            a = getattr(ops, self.act)(gate_up)
+        down = linear(a, layer.down, None, a_fp8)
         self._lora(a, down, {"down": self.hidden_cols}, *lora)
         return down
 

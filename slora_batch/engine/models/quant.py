@@ -23,6 +23,7 @@ from slora_kernels import act_quant
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
 _TINY = 1e-12
+GEMM_ROWS = 16  # the fp8 GEMM wants its activation rows a multiple of this
 
 
 @dataclass
@@ -70,13 +71,21 @@ def fp8_matmul_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None):
-    """``F.linear`` for a weight in the model's dtype or in fp8 (out: x's dtype)."""
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor | Fp8Weight,
+    bias: torch.Tensor | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
+    """``F.linear`` for a weight in the model's dtype or in fp8 (out: x's dtype). x_fp8: x's
+    rows already quantized (``quantize_rows(x, pad_to=GEMM_ROWS)``'s values, as the fused ops
+    ``rms_norm_fp8`` and ``silu_mul_fp8`` make them); None: quantized here."""
     if not isinstance(w, Fp8Weight):
         return F.linear(x, w, bias)
+    rows = x.shape[0]
     if fp8_matmul_supported(x.device):
-        rows = x.shape[0]
-        xq, x_scale = quantize_rows(x, pad_to=16)  # the fp8 GEMM wants multiples of 16
+        xq, x_scale = x_fp8 or quantize_rows(x, pad_to=GEMM_ROWS)
+        assert xq.shape[0] % GEMM_ROWS == 0 and xq.shape[0] - rows < GEMM_ROWS, xq.shape
         out = torch._scaled_mm(
             xq,
             w.weight.t(),
@@ -86,8 +95,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
             out_dtype=x.dtype,
         )
         return out[:rows]
-    xq, x_scale = quantize_rows(x)
-    out = (xq.float() * x_scale) @ (w.weight.float() * w.scale[:, None]).t()
+    xq, x_scale = x_fp8 or quantize_rows(x)
+    out = (xq[:rows].float() * x_scale[:rows]) @ (w.weight.float() * w.scale[:, None]).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
