@@ -106,6 +106,47 @@ def decode_rows(kind: str, batch: int, bw: float) -> list[tuple]:
         finally:
             attention_decode.DECODE.clear()
             attention_decode.DECODE.update(saved)
+    rows += grouped_rows(q, (packed, scales, meta8), kv_heads, want, (case, nbytes, bw))
+    return rows
+
+
+def grouped_rows(q, pages, kv_heads: int, want, labels) -> list[tuple]:
+    """The same fp8 tokens in the grouped V layout (``fp8.to_grouped``, groups of 16): decode
+    with the default tiles, and with a sequence's heads adjacent."""
+    packed, scales, meta8 = pages
+    case, nbytes, bw = labels
+    pool_g, scales_g, table_g = fp8.to_grouped(
+        packed, scales, meta8.page_table, meta8.b_seq_len, kv_heads * 128, 16
+    )
+    meta_g = AttnMeta(meta8.b1_start, meta8.b_seq_len, table_g, meta8.max_new)
+    rows = []
+    for heads_fastest in (False, True):
+        attention_decode.DECODE["heads_fastest"] = heads_fastest
+        fn = partial(
+            attention_decode.decode_splits, q, pool_g, meta_g, kv_heads, 0.088, None,
+            scales=scales_g, v_group=16,
+        )  # fmt: skip
+        try:
+            diff = float((fn().float() - want).abs().max())
+            us = _graph_us(fn)
+        except Exception as exc:  # noqa: BLE001 - a build failure is a result here
+            rows.append(
+                ("decode fp8 grouped V", case, float("nan"), type(exc).__name__, str(exc)[:80])
+            )
+            continue
+        finally:
+            attention_decode.DECODE["heads_fastest"] = False
+        gbs = nbytes / us / 1e3
+        label = f"{case} heads fastest" if heads_fastest else case
+        rows.append(
+            (
+                "decode fp8 grouped V",
+                label,
+                us,
+                f"{gbs:.0f} GB/s",
+                f"{gbs / bw:.2f}; diff {diff:.1e}",
+            )
+        )
     return rows
 
 

@@ -99,6 +99,40 @@ def _decode_pages(pt_row, jj, live, FP8: tl.constexpr):
     return page_k, tl.load(pt_row + jj * 2 + 1, mask=live, other=0).to(tl.int64)
 
 
+@triton.jit
+def _values(
+    pool_ptr,
+    page_v,
+    v_cols,
+    kv_mask,
+    pt_row,
+    j0,
+    k_hi,
+    kv_cols,
+    d_live,
+    KV_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """V [BLOCK_N, BLOCK_D] of keys j0 .. j0 + BLOCK_N: each key's row of its V page, or with
+    V_GROUP the grouped V layout of ``slora_kernels.fp8`` (j0 a multiple of V_GROUP), loaded
+    as [BLOCK_D, BLOCK_N] with each group's keys adjacent bytes, whole groups at a time (a
+    group's slots past the sequence's end hold zeros there, and their p is 0)."""
+    if V_GROUP == 0:
+        return tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+    jj = tl.multiple_of(j0, V_GROUP) + tl.arange(0, BLOCK_N)
+    first = (jj // V_GROUP) * V_GROUP  # each key's group's first position
+    g_live = first < k_hi
+    g0 = tl.load(pt_row + first * 2, mask=g_live, other=0).to(tl.int64)  # its page
+    per_page: tl.constexpr = KV_DIM // V_GROUP  # columns of a group a page holds
+    rows = (g0[None, :] + (kv_cols // per_page)[:, None]) * PAGE + KV_DIM
+    offs = rows + (kv_cols % per_page)[:, None] * V_GROUP + (jj % V_GROUP)[None, :]
+    offs = tl.max_contiguous(tl.multiple_of(offs, [V_GROUP, V_GROUP]), [1, V_GROUP])
+    vt = tl.load(pool_ptr + offs, mask=d_live[:, None] & g_live[None, :], other=0.0)
+    return tl.trans(vt)
+
+
 @triton.jit(do_not_specialize=["pt_stride"])
 def _decode_split_kernel(
     q_ptr,
@@ -131,6 +165,7 @@ def _decode_split_kernel(
     F16: tl.constexpr,
     PRECISION: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     b, kv_head = _decode_program(HEADS_FASTEST)
     split = tl.program_id(2)
@@ -165,7 +200,10 @@ def _decode_split_kernel(
         kv_mask = k_live[:, None] & d_live[None, :]
         page_k, page_v = _decode_pages(pt_row, jj, k_live, FP8)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+        v = _values(
+            pool_ptr, page_v, v_cols, kv_mask, pt_row, j0, k_hi, kv_cols, d_live,
+            KV_HEADS * HEAD_DIM, PAGE, BLOCK_N, V_GROUP,
+        )  # fmt: skip
         if USE_DOT:  # GQA: the group's query heads form the rows of one tensor-core tile
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         else:  # one query head per KV head: a dot product per key on CUDA cores
@@ -277,6 +315,7 @@ def decode_splits(
     window: int = 0,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    v_group: int = 0,
 ) -> torch.Tensor:
     """Decode attention in two stages. Stage 1, grid (B, num_kv_heads, num_splits): the query
     heads of one KV head over one split of the keys (``_decode_span``), DECODE["gqa_block_n"]
@@ -285,7 +324,8 @@ def decode_splits(
     dot products instead; head_dim > WIDE_HEAD_DIM: DECODE_WIDE's overrides). It writes the
     normalized partial output and its log2-sum-exp. Stage 2, grid (B, num_heads): the merge.
     With one split, stage 1 writes the output and stage 2 is skipped. num_splits None:
-    ``num_splits_for`` over the longest context, or the window when shorter.
+    ``num_splits_for`` over the longest context, or the window when shorter. v_group G > 0:
+    fp8 pages in the grouped V layout of ``slora_kernels.fp8`` (an experiment; no window).
     """
     _check(q, pool_layer, meta, num_kv_heads, scales)
     kv = kv_pointers(pool_layer, scales)
@@ -300,6 +340,7 @@ def decode_splits(
         num_splits = num_splits_for(q.device, num_seqs, num_kv_heads, keys)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of two"
     tiles = DECODE if head_dim <= WIDE_HEAD_DIM else {**DECODE, **DECODE_WIDE}
+    assert v_group == 0 or (kv["fp8"] and window == 0), "the grouped V layout: fp8, no window"
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     use_dot = group > 1 or tiles["mha_dot"]
@@ -344,6 +385,7 @@ def decode_splits(
         F16=fp8_f16(kv["fp8"], q.dtype, tiles["fp8_f16"]),
         PRECISION=_precision(q.dtype),
         HEADS_FASTEST=tiles["heads_fastest"],
+        V_GROUP=v_group,
         num_warps=tiles["warps"],
         num_stages=tiles["fp8_stages" if kv["fp8"] else "stages"],
     )

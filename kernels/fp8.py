@@ -75,3 +75,50 @@ def gather(
     k = dequantize(data[pages[..., 0], :kv_dim], scales[pages[..., 0], :kv_heads])
     v = dequantize(data[pages[..., 1], kv_dim : 2 * kv_dim], scales[pages[..., 1], kv_heads:])
     return k, v
+
+
+# The grouped V layout (an experiment: ``attention_decode.decode_splits(v_group=G)`` reads it,
+# ``benchmarks/fp8_kernels.py`` times it; the engine does not write it). A sequence's tokens
+# sit in groups of G consecutive positions, each group on G consecutive pages g0 .. g0 + G - 1
+# (g0 a multiple of G), the token at position p on page g0 + p % G. K stays in bytes 0 ..
+# kv_dim of the token's own page; the group's V bytes (kv_dim .. 2 * kv_dim of its G pages,
+# seen as one run of G * kv_dim bytes) hold V transposed: column c of token i at c * G + i,
+# so the G keys of a column are G adjacent bytes, the layout the p . V dot reads as its
+# K-major operand. Running example, G 16, kv_dim 256: column 17 of the group's token 3 is at
+# 17 * 16 + 3 = 275, byte kv_dim + 275 % 256 = 275 of page g0 + 275 // 256 = g0 + 1.
+
+
+def to_grouped(
+    pool_layer: torch.Tensor,
+    scales: torch.Tensor,
+    page_table: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    kv_dim: int,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8 pages (the table naming a token's page twice) rewritten in the grouped V layout
+    above: (pool, scales, page table) with every sequence's groups on fresh pages in order, the
+    V bytes of slots past a sequence's end zero. Shapes as the inputs'."""
+    assert kv_dim % group == 0, (kv_dim, group)
+    data = bytes_view(pool_layer)
+    counts = [-(-int(n) // group) for n in b_seq_len.tolist()]
+    pages_new = sum(counts) * group
+    out = torch.zeros(pages_new, data.shape[1], dtype=torch.uint8, device=data.device)
+    out_scales = torch.ones(pages_new, scales.shape[1], dtype=scales.dtype, device=scales.device)
+    table = torch.full_like(page_table, -1)
+    g0 = 0
+    for b, (n, groups) in enumerate(zip(b_seq_len.tolist(), counts, strict=True)):
+        old = page_table[b, :n, 0].long()
+        new = torch.arange(g0 * group, g0 * group + n, device=data.device)
+        table[b, :n] = new[:, None].to(table.dtype)
+        raw = data.view(torch.uint8)
+        out[new, :kv_dim] = raw[old, :kv_dim]
+        out_scales[new] = scales[old]
+        values = torch.zeros(groups * group, kv_dim, dtype=torch.uint8, device=data.device)
+        values[:n] = raw[old, kv_dim : 2 * kv_dim]
+        # [groups, G tokens, kv_dim] -> [groups, kv_dim, G]: the group's run of G * kv_dim
+        runs = values.view(groups, group, kv_dim).transpose(1, 2).reshape(groups * group, kv_dim)
+        out[g0 * group : (g0 + groups) * group, kv_dim : 2 * kv_dim] = runs
+        g0 += groups
+    pool = out.view(pool_layer.dtype).view(pages_new, pool_layer.shape[1])
+    return pool, out_scales, table

@@ -777,6 +777,30 @@ class TestInterpreted:
         check_fp8(mine, q, pool, scales, meta, num_kv_heads, 0.25, window, softcap,
                   torch.float32, ref.attention_decode)  # fmt: skip
 
+    @pytest.mark.parametrize("kind", ["gqa", "mha"])
+    def test_attention_fp8_decode_grouped_values(self, tk, kind):
+        """The grouped V layout (``fp8.to_grouped``, groups of 16) gives the output of the
+        same tokens on per-token pages: contexts inside, at and across group ends, 2 splits."""
+        from attn_fp8 import fp8_attn_case
+
+        from slora_kernels import fp8
+
+        num_heads, num_kv_heads = HEADS[kind]
+        q, pool, scales, meta = fp8_attn_case(seqs=[(1, c) for c in (1, 15, 16, 17, 70)],
+                                              num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                              head_dim=16, dtype=torch.float32, device="cpu",
+                                              seed=16)  # fmt: skip
+        kv_dim = num_kv_heads * 16
+        pool_g, scales_g, table_g = fp8.to_grouped(pool, scales, meta.page_table, meta.b_seq_len,
+                                                   kv_dim, 16)  # fmt: skip
+        meta_g = AttnMeta(meta.b1_start, meta.b_seq_len, table_g, meta.max_new)
+        run = tk.attention_decode.decode_splits
+        mine = run(q, pool_g, meta_g, num_kv_heads, 0.25, 2, scales=scales_g, v_group=16)
+        expected = run(q, pool, meta, num_kv_heads, 0.25, 2, scales=scales)
+        assert_close(mine, expected, torch.float32)
+        assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, 0.25, scales=scales),
+                     torch.float32)  # fmt: skip
+
     @pytest.mark.parametrize("kind", ["prefill", "decode"])
     def test_attention_fp8_reads_no_garbage(self, tk, kind):
         """NaN bytes and scales wherever no sequence wrote, stale pages past each sequence's end
