@@ -1,5 +1,6 @@
-"""FP8 KV pages on the card: decode and prefill attention on e4m3 pages against the bf16 pages
-of the same sequences, and the decode tile variants on fp8 pages.
+"""FP8 on the card: decode and prefill attention on e4m3 pages against the bf16 pages of the
+same sequences, the decode tile variants and launch orders on fp8 pages, the same tokens in the
+grouped V layout (``slora_kernels.fp8.to_grouped``), and the fused activation quantizers.
 
     python3 -m benchmarks.fp8_kernels                  # from the repo root, on a CUDA device
     python3 -m benchmarks.fp8_kernels --default-tiles  # every shape, the default tiles only
