@@ -172,6 +172,14 @@ def prefill_rows(kind: str, bw: float) -> list[tuple]:
     return rows
 
 
+ACT_TILES = [  # act_quant.ACT_FP8_TILE choices timed for the fused gated activation
+    {},
+    {"block": 1024, "warps": 4},
+    {"block": 4096, "warps": 8},
+    {"block": 2048, "warps": 16},
+]
+
+
 def _act_quant_case(op: str, tokens: int, width: int):
     """(unfused, fused, bytes the fused op moves) of one case of ``act_quant_rows``."""
     from slora_kernels import act_quant
@@ -198,14 +206,20 @@ def act_quant_rows(bw: float) -> list[tuple]:
     """The fp8 projections' input quantization on Llama-3-8B widths: RMSNorm (4096) and
     SiLU-and-multiply (14336) then ``quantize_rows``, against the fused op; graph-replayed.
     Bytes: what the fused op must move (its input, its output and the e4m3 rows)."""
-    rows = []
+    from slora_kernels import act_quant
+
+    rows, saved = [], dict(act_quant.ACT_FP8_TILE)
     for tokens in (256, 1024):
         for op, width in (("rms_norm", 4096), ("silu_mul", 14336)):
             unfused, fused, nbytes = _act_quant_case(op, tokens, width)
-            for label, fn in (("then quantize_rows", unfused), ("fused", fused)):
+            tiles = [{}] if op == "rms_norm" else ACT_TILES
+            runs = [("then quantize_rows", unfused, {})] + [("fused", fused, t) for t in tiles]
+            for label, fn, tile in runs:
+                act_quant.ACT_FP8_TILE.update(tile)
                 us = _graph_us(fn)
+                act_quant.ACT_FP8_TILE.update(saved)
                 gbs = nbytes / us / 1e3
-                case = f"{tokens} rows"
+                case = f"{tokens} rows {tile or ''}"
                 rows.append((f"{op} {label}", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}"))
     return rows
 

@@ -206,13 +206,19 @@ def _act_mul_fp8_kernel(
     tl.store(s_ptr + t, s)
 
 
+# The fused gated activation's tile: columns a step and warps. One program a row walks the row
+# twice, so at a few hundred rows each program needs many loads in flight (benchmarks/
+# fp8_kernels.py times the choices beside the unfused pair).
+ACT_FP8_TILE = {"block": 2048, "warps": 8}
+
+
 def _act_mul_fp8(gate_up: torch.Tensor, act: str, pad_to: int):
     assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     q, scale = _quantized(rows, inter, pad_to, gate_up.device)
     if q.shape[0]:
-        block = min(1024, triton.next_power_of_2(inter))
+        block = min(ACT_FP8_TILE["block"], triton.next_power_of_2(inter))
         _act_mul_fp8_kernel[(q.shape[0],)](
             gate_up,
             gate_up.stride(0),
@@ -223,7 +229,7 @@ def _act_mul_fp8(gate_up: torch.Tensor, act: str, pad_to: int):
             inter,
             ACT=act,
             BLOCK=block,
-            num_warps=4,
+            num_warps=ACT_FP8_TILE["warps"],
         )
     return out, (q, scale)
 

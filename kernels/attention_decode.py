@@ -120,7 +120,27 @@ def _values(
     as [BLOCK_D, BLOCK_N] with each group's keys adjacent bytes, whole groups at a time (a
     group's slots past the sequence's end hold zeros there, and their p is 0)."""
     if V_GROUP == 0:
-        return tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+    else:
+        v = _grouped_values(pool_ptr, pt_row, j0, k_hi, kv_cols, d_live, KV_DIM, PAGE, BLOCK_N,
+                            V_GROUP)  # fmt: skip
+    return v
+
+
+@triton.jit
+def _grouped_values(
+    pool_ptr,
+    pt_row,
+    j0,
+    k_hi,
+    kv_cols,
+    d_live,
+    KV_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """``_values`` in the grouped V layout (V_GROUP > 0)."""
     jj = tl.multiple_of(j0, V_GROUP) + tl.arange(0, BLOCK_N)
     first = (jj // V_GROUP) * V_GROUP  # each key's group's first position
     g_live = first < k_hi

@@ -99,3 +99,12 @@ def global_loads(cubin: bytes) -> collections.Counter:
     return collections.Counter(
         re.findall(r"\bLDG[A-Z]*(?:\.[A-Z0-9_]+)*", _dump(cubin, "--dump-sass"))
     )
+
+
+def shared_loads(cubin: bytes) -> collections.Counter:
+    """Shared-memory load instructions of a cubin by kind, e.g. {"LDSM.16.M88.4": 16,
+    "LDS.U8": 128}: an fp8 tile the tensor cores read byte by byte shows as LDS.U8, one read
+    with ldmatrix as LDSM."""
+    return collections.Counter(
+        re.findall(r"\bLDS(?:M)?(?:\.[A-Z0-9_]+)*", _dump(cubin, "--dump-sass"))
+    )

@@ -18,6 +18,7 @@ from slora_kernels.build_check import (
     cuobjdump,
     global_loads,
     resource_usage,
+    shared_loads,
 )
 
 pytestmark = pytest.mark.skipif(not os.path.exists(cuobjdump()), reason="Triton ships no cuobjdump")
@@ -135,3 +136,30 @@ def test_prefill_attention_builds_for_sm90(fp8, own):
         build(attention._prefill_kernel, constexprs, warps, pointers, (), floats)
     )
     assert 0 < usage["REG"] <= 255, usage
+
+
+@pytest.mark.parametrize("v_group", [0, 16], ids=["per-token-pages", "grouped-v"])
+def test_fp8_decode_attention_reads_grouped_values_with_ldmatrix(v_group):
+    """Decode on fp8 pages at Llama-3-8B's heads and the launcher's GQA tile: per-token pages
+    leave V's bytes to single-byte shared loads (the p . V dot's operand is transposed); the
+    grouped V layout feeds it with ldmatrix and no byte loads."""
+    from slora_kernels import attention_decode
+
+    kv_heads, head_dim = 8, 128
+    tiles = attention_decode.DECODE
+    constexprs = dict(NUM_HEADS=4 * kv_heads, PAGE=2 * kv_heads * head_dim, KV_HEADS=kv_heads,
+                      GROUP=4, HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_D=head_dim,
+                      BLOCK_N=tiles["gqa_block_n"], NUM_SPLITS=4, USE_DOT=True, HAS_WINDOW=False,
+                      SOFTCAP=False, FP8=True, F16=True, PRECISION="tf32",
+                      HEADS_FASTEST=False, V_GROUP=v_group)  # fmt: skip
+    pointers = {"q_ptr": "*bf16", "o_ptr": "*bf16", "pool_ptr": "*fp8e4nv",
+                "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+    floats = {"qk_scale": "fp32", "cap_log2": "fp32"}
+    cubin = build(attention_decode._decode_split_kernel, constexprs, tiles["warps"], pointers, (),
+                  floats)  # fmt: skip
+    usage, loads = resource_usage(cubin), shared_loads(cubin)
+    assert usage["LOCAL"] + usage["STACK"] == 0, usage
+    if v_group:
+        assert loads["LDS.U8"] == 0 and sum(n for k, n in loads.items() if "LDSM" in k) > 0, loads
+    else:
+        assert loads["LDS.U8"] > 0, loads
