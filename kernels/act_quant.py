@@ -209,7 +209,7 @@ def _act_mul_fp8_kernel(
 # The fused gated activation's tile: columns a step and warps. One program a row walks the row
 # twice, so at a few hundred rows each program needs many loads in flight (benchmarks/
 # fp8_kernels.py times the choices beside the unfused pair).
-ACT_FP8_TILE = {"block": 2048, "warps": 8}
+ACT_FP8_TILE = {"block": 2048, "warps": 16}
 
 
 def _act_mul_fp8(gate_up: torch.Tensor, act: str, pad_to: int):

@@ -58,7 +58,7 @@ DECODE = {
     "mha_dot": True,
     "fp8_f16": True,
     "fp8_stages": 4,
-    "heads_fastest": False,
+    "heads_fastest": True,
 }
 # head_dim past WIDE_HEAD_DIM (Gemma 2: 256): DECODE with these overrides. H200, 16/8 heads of
 # 256, bf16, B=64 at 8192 keys (window 4096): 0.52 ms, 4.1 TB/s of K/V read; GQA blocks of 128
