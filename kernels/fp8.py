@@ -49,10 +49,13 @@ def kv_write(
     v: torch.Tensor,
     out_pages: torch.Tensor,
     scales: torch.Tensor,
+    v_group: int = 0,
 ) -> None:
     """``slora_kernels.ref.kv_write`` on fp8 pages: K quantized into bytes 0 .. kv_dim of page
-    out_pages[t, 0], V into bytes kv_dim .. 2 * kv_dim of page out_pages[t, 1], their scales
-    into scales[page, :kv_heads] and scales[page, kv_heads:] (page -1: nothing written).
+    out_pages[t, 0], V into bytes kv_dim .. 2 * kv_dim of page out_pages[t, 1] (v_group G > 0:
+    V's bytes where the grouped layout below puts them, and the rest of a group the step
+    starts zeroed after its last token, ``_zero_after``), their scales into scales[page,
+    :kv_heads] and scales[page, kv_heads:] (page -1: nothing written).
     Shape: scales [P, 2 * kv_heads] fp32."""
     kv_heads, kv_dim = scales.shape[1] // 2, k.shape[1]
     data = bytes_view(pool_layer)
@@ -61,31 +64,71 @@ def kv_write(
     for which, rows in enumerate((k, v)):
         keep = pages[:, which] >= 0
         q, s = quantize(rows[keep], kv_heads)
-        data[pages[keep, which], which * kv_dim : (which + 1) * kv_dim] = q
+        if which == 1 and v_group:
+            data[v_locations(pages[keep, 1], kv_dim, v_group)] = q
+        else:
+            data[pages[keep, which], which * kv_dim : (which + 1) * kv_dim] = q
         scales[pages[keep, which], which * kv_heads : (which + 1) * kv_heads] = s
+    if v_group:
+        _zero_after(data, pages[:, 1], kv_dim, v_group)
 
 
 def gather(
-    pool_layer: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor, kv_dim: int
+    pool_layer: torch.Tensor,
+    scales: torch.Tensor,
+    pages: torch.Tensor,
+    kv_dim: int,
+    v_group: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized K and V (fp32) at pages [..., 2] (K page, V page) -> k, v [..., kv_dim]."""
+    """Dequantized K and V (fp32) at pages [..., 2] (K page, V page) -> k, v [..., kv_dim];
+    v_group G > 0: V in the grouped layout."""
     kv_heads = scales.shape[1] // 2
     data = bytes_view(pool_layer)
     pages = pages.long()
     k = dequantize(data[pages[..., 0], :kv_dim], scales[pages[..., 0], :kv_heads])
-    v = dequantize(data[pages[..., 1], kv_dim : 2 * kv_dim], scales[pages[..., 1], kv_heads:])
-    return k, v
+    if v_group:
+        v_bytes = data[v_locations(pages[..., 1], kv_dim, v_group)]
+    else:
+        v_bytes = data[pages[..., 1], kv_dim : 2 * kv_dim]
+    return k, dequantize(v_bytes, scales[pages[..., 1], kv_heads:])
 
 
-# The grouped V layout (an experiment: ``attention_decode.decode_splits(v_group=G)`` reads it,
-# ``benchmarks/fp8_kernels.py`` times it; the engine does not write it). A sequence's tokens
-# sit in groups of G consecutive positions, each group on G consecutive pages g0 .. g0 + G - 1
-# (g0 a multiple of G), the token at position p on page g0 + p % G. K stays in bytes 0 ..
-# kv_dim of the token's own page; the group's V bytes (kv_dim .. 2 * kv_dim of its G pages,
-# seen as one run of G * kv_dim bytes) hold V transposed: column c of token i at c * G + i,
-# so the G keys of a column are G adjacent bytes, the layout the p . V dot reads as its
-# K-major operand. Running example, G 16, kv_dim 256: column 17 of the group's token 3 is at
-# 17 * 16 + 3 = 275, byte kv_dim + 275 % 256 = 275 of page g0 + 275 // 256 = g0 + 1.
+# The grouped V layout (``v_group`` G, ``KV_GROUP`` in the engine). A sequence's tokens sit
+# in groups of G consecutive positions, each group on G consecutive pages g0 .. g0 + G - 1 (g0
+# a multiple of G), the token at position p on page g0 + p % G: a page's slot in its group is
+# page % G. K stays in bytes 0 .. kv_dim of the token's own page, the scales in its row of the
+# table; the group's V bytes (kv_dim .. 2 * kv_dim of its G pages, seen as one run of G *
+# kv_dim bytes) hold V transposed: column c of the token in slot i at c * G + i, so the G keys
+# of a column are G adjacent bytes, the layout the p . V dot reads as its K-major operand.
+# Running example, G 16, kv_dim 256: column 17 of the token in slot 3 is at 17 * 16 + 3 = 275,
+# byte kv_dim + 275 % 256 = 275 of page g0 + 275 // 256 = g0 + 1. The decode kernel reads a
+# group's V whole, so the slots past a sequence's last token hold zeros (``_zero_after``).
+KV_GROUP = 16
+
+
+def v_locations(pages: torch.Tensor, kv_dim: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, byte) of each V column of the tokens at ``pages`` [...] in the grouped layout,
+    [..., kv_dim] each: an index of the pool's bytes."""
+    pages = pages.long()
+    slot = pages % group
+    run = torch.arange(kv_dim, device=pages.device) * group + slot[..., None]
+    return (pages - slot)[..., None] + run // kv_dim, kv_dim + run % kv_dim
+
+
+def _zero_after(data: torch.Tensor, v_pages: torch.Tensor, kv_dim: int, group: int) -> None:
+    """Zeros the V of the slots after a step's last token in a group the step starts: token t
+    (V page p, slot i = p % G) whose next token is not at p + 1 and whose group's slot 0 the
+    step wrote too (token t - i at p - i) zeroes slots i + 1 .. G - 1. Each group thus holds
+    zeros past its sequence's end from the step it is first written in, and nothing the step
+    writes is zeroed (the tokens after t in the group, if any, come in later steps)."""
+    for t in torch.nonzero(v_pages >= 0).flatten().tolist():
+        page = int(v_pages[t])
+        slot = page % group
+        last = t + 1 == v_pages.shape[0] or int(v_pages[t + 1]) != page + 1
+        starts = t >= slot and int(v_pages[t - slot]) == page - slot
+        if slot < group - 1 and last and starts:
+            after = torch.arange(page + 1, page - slot + group, device=v_pages.device)
+            data[v_locations(after, kv_dim, group)] = 0
 
 
 def to_grouped(

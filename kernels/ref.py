@@ -32,16 +32,18 @@ def kv_write(
     v: torch.Tensor,
     out_pages: torch.Tensor,
     scales: torch.Tensor | None = None,
+    v_group: int = 0,
 ) -> None:
     """Store the step's keys and values in their pages.
 
     Semantics: pool_layer[out_pages[t, 0], :kv_dim] = k[t]; pool_layer[out_pages[t, 1], :kv_dim] = v[t]
       for every t whose page is not -1 (the sentinel writes nothing).
     Shape: pool_layer [P, page_size]; k, v [T, kv_dim]; out_pages [T, 2] int32 (K page, V page).
-    With scales [P, 2 * kv_heads] fp32: e4m3 pages (``slora_kernels.fp8.kv_write``).
+    With scales [P, 2 * kv_heads] fp32: e4m3 pages (``slora_kernels.fp8.kv_write``), V in
+    the grouped layout with v_group G > 0.
     """
     if scales is not None:
-        fp8.kv_write(pool_layer, k, v, out_pages, scales)
+        fp8.kv_write(pool_layer, k, v, out_pages, scales, v_group)
         return
     kv_dim = k.shape[1]
     pages = out_pages.long()
@@ -51,11 +53,16 @@ def kv_write(
 
 
 def gather_kv(
-    pool_layer: torch.Tensor, pages: torch.Tensor, kv_dim: int, scales: torch.Tensor | None = None
+    pool_layer: torch.Tensor,
+    pages: torch.Tensor,
+    kv_dim: int,
+    scales: torch.Tensor | None = None,
+    v_group: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V at pages [..., 2] (K page, V page) -> k, v [..., kv_dim] in fp32."""
+    """K and V at pages [..., 2] (K page, V page) -> k, v [..., kv_dim] in fp32 (fp8 pages:
+    ``slora_kernels.fp8.gather``)."""
     if scales is not None:
-        return fp8.gather(pool_layer, scales, pages, kv_dim)
+        return fp8.gather(pool_layer, scales, pages, kv_dim, v_group)
     pages = pages.long()
     return pool_layer[pages[..., 0], :kv_dim].float(), pool_layer[pages[..., 1], :kv_dim].float()
 
@@ -85,6 +92,7 @@ def attention(
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
     own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    v_group: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
@@ -101,7 +109,8 @@ def attention(
     own: (k, v) [T, kv_dim], the step's own tokens' K and V (row t for query t), which
       kv_write put in the pages: the keys at positions L_b - n_b .. L_b - 1 are read from them,
       as the pages hold them (on fp8 pages rounded through e4m3 the way kv_write rounds): the
-      same values, without the page gathers.
+      same values, without the page gathers. v_group: fp8 pages with V in the grouped layout
+      (``slora_kernels.fp8``).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
@@ -114,7 +123,7 @@ def attention(
         n = hi - lo
         if n == 0:
             continue
-        k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim, scales)
+        k, v = gather_kv(pool_layer, meta.page_table[b, :ctx], kv_dim, scales, v_group)
         if own is not None:  # gather's tensors are its own: written in place
             k[ctx - n :], v[ctx - n :] = (_as_paged(x[lo:hi], num_kv_heads, scales) for x in own)
         k = k.view(ctx, num_kv_heads, head_dim)
@@ -144,6 +153,7 @@ def attention_decode(
     window: int = 0,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    v_group: int = 0,
 ) -> torch.Tensor:
     """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B),
     batched over sequences: keys past a sequence's length (and, with a window, keys j <
@@ -153,7 +163,7 @@ def attention_decode(
     kv_dim = num_kv_heads * head_dim
     ctx = int(meta.b_seq_len.max())
     pages = meta.page_table[:, :ctx].long().clamp(min=0)  # [B, ctx, 2]
-    k, v = gather_kv(pool_layer, pages, kv_dim, scales)
+    k, v = gather_kv(pool_layer, pages, kv_dim, scales, v_group)
     k = k.view(batch, ctx, num_kv_heads, head_dim)
     v = v.view(batch, ctx, num_kv_heads, head_dim)
     qb = q.float().view(batch, num_kv_heads, group, head_dim)

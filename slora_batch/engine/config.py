@@ -191,6 +191,11 @@ class EngineConfig:
                 f"{name} must be an integer >= 1, got {value!r}",
             )
         check(
+            self.kv_cache_dtype != "fp8" or self.prefix_block_tokens % 16 == 0,
+            "with kv_cache_dtype fp8 the KV pages come in groups of 16 positions: "
+            f"prefix_block_tokens must be a multiple of 16, got {self.prefix_block_tokens}",
+        )
+        check(
             self.max_num_seqs == "auto"
             or isinstance(self.max_num_seqs, int)
             and not isinstance(self.max_num_seqs, bool)

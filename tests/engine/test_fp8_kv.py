@@ -215,6 +215,8 @@ def test_fp8_triton_kernels_read_no_garbage(one_layer):
 
 
 def test_fp8_takes_one_page_per_token(case):
+    """One page a token (two with model-dtype pages), in whole groups of 16 positions: 45
+    tokens take 90 pages, or 48 fp8 pages."""
     model_dir, adapters, _ = case
     row = dict(id=0, adapter=None, prompt_token_ids=list(range(3, 40)), max_new_tokens=9)
     kv = {}
@@ -222,7 +224,7 @@ def test_fp8_takes_one_page_per_token(case):
         _, engine = run(model_dir, adapters, [row], num_pages=500, kv_cache_dtype=dtype,
                         prefix_caching=False)  # fmt: skip
         kv[dtype] = engine.counters.peak_pages - engine.pool.num_used  # less the idle scratch
-    assert kv["fp8"] >= 37 and kv["auto"] == 2 * kv["fp8"], kv
+    assert kv["auto"] >= 2 * 37 and kv["fp8"] == -(-kv["auto"] // 2 // 16) * 16, kv
 
 
 def test_fp8_refused_on_a_card_without_fp8(case, monkeypatch):

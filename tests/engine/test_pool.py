@@ -62,3 +62,49 @@ def test_layer_view_shares_storage():
     pool = PagePool(3, page_size=2, num_layers=2, dtype=torch.float16)
     pool.layer(1)[2] = 5
     assert pool.data[1, 2].tolist() == [5, 5] and pool.data.dtype == torch.float16
+
+
+def test_groups_hand_out_aligned_runs_and_return_when_wholly_freed():
+    """fp8 KV pools allocate in aligned groups of 16: an adapter of 20 pages takes two groups
+    (12 pages of slack counted as used), KV slots come as whole groups, and a group goes back
+    to the free list when the last page handed out of it is freed, in whatever order."""
+    pool = PagePool(70, page_size=8, num_layers=1)
+    pool.use_fp8_kv(kv_heads=1, kv_dim=4)
+    assert (pool.group, pool.num_free) == (16, 64)  # 70 pages: 4 whole groups
+    adapter = pool.alloc(20, "adapter")
+    assert adapter.tolist() == list(range(20)) and pool.num_used == 32
+    kv = pool.kv_pages(pool.kv_slots(17))
+    assert kv.shape == (32, 2) and (kv[:, 0] == kv[:, 1]).all()
+    assert kv[0, 0] % 16 == 0 and (np.diff(kv[:, 0]) == 1).all()  # one aligned run
+    assert pool.footprint(20) == 32 and pool.kv_slots(16) == 16 and pool.kv_slots(0) == 0
+    with pytest.raises(PoolExhausted) as err:
+        pool.alloc(1)
+    assert (err.value.need, err.value.free) == (1, 0)
+    pool.free(adapter[16:])  # the second group's 4 pages: it is free again
+    assert pool.num_free == 16
+    pool.free(adapter[:10])
+    assert pool.num_free == 16  # 6 pages of the first group still out
+    pool.free(adapter[10:16])
+    assert pool.num_free == 32
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(adapter[:1])
+    pool.free(kv[:, 0])
+    assert pool.num_free == 64 and pool.num_used == 0
+
+
+def test_group_churn_keeps_invariants():
+    rng = np.random.default_rng(1)
+    pool = PagePool(160, page_size=8)
+    pool.use_fp8_kv(kv_heads=1, kv_dim=4)
+    held = []
+    for _ in range(400):
+        if held and rng.random() < 0.5:
+            pool.free(held.pop(rng.integers(len(held))))
+        else:
+            n = int(rng.integers(1, 40))
+            if pool.footprint(n) <= pool.num_free:
+                held.append(pool.alloc(n))
+        in_use = np.concatenate(held) if held else np.zeros(0, dtype=np.int32)
+        groups = np.unique(in_use // 16)
+        assert np.unique(in_use).size == in_use.size
+        assert pool.num_used == groups.size * 16 == 160 - pool.num_free

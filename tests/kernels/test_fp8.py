@@ -151,3 +151,38 @@ def test_attention_fp8_with_own_rows_reads_them_as_the_pages_hold_them(window):
     assert torch.equal(ref.attention(*args, scales=scales, own=(k[rows], v[rows])), paged)
     other = ref.attention(*args, scales=scales, own=(k[rows] + 1, v[rows] - 1))
     assert not torch.allclose(other, paged, atol=1e-3)  # the own rows were read
+
+
+def test_grouped_v_layout_holds_the_same_values_and_zeros_after_the_last_token():
+    """kv_write with v_group 16: a sequence's 20 tokens in a prefill chunk of 13 then 7 decode
+    rows (groups on pages 32..47 and 80..95), beside another sequence's 3 tokens (pages 0..2): K, V and the
+    scales read back as the per-token layout stores them; V column c of slot i sits at byte c *
+    16 + i of the group's run; the slots after a group's last token hold zeros from the step
+    that starts the group, and a later step writes them without zeroing anything it wrote."""
+    torch.manual_seed(3)
+    kv_heads, kv_dim, group = 2, 32, 16
+    pool = torch.randn(128, kv_dim, dtype=torch.bfloat16)  # 64-byte pages: K and V of a token
+    flat = pool.clone()
+    scales, flat_scales = torch.rand(128, 2 * kv_heads), torch.rand(128, 2 * kv_heads)
+    k, v = torch.randn(23, kv_dim), torch.randn(23, kv_dim)
+    pages = torch.tensor(list(range(32, 48)) + list(range(80, 84)) + [0, 1, 2], dtype=torch.int32)
+    steps = [list(range(13)) + [20, 21, 22], *[[t] for t in range(13, 20)]]  # prefill, decode
+    for step in steps:
+        out = pages[step][:, None].repeat(1, 2).contiguous()
+        ref.kv_write(pool, k[step], v[step], out, scales, v_group=group)
+        ref.kv_write(flat, k[step], v[step], out, flat_scales)
+        if step[0] == 0:  # after the chunk: its group's slots 13.., the other's 3.. are zeros
+            data = fp8.bytes_view(pool)
+            assert not data[fp8.v_locations(torch.arange(45, 48), kv_dim, group)].float().any()
+            assert not data[fp8.v_locations(torch.arange(3, 16), kv_dim, group)].float().any()
+    pairs = pages[:, None].repeat(1, 2)
+    want = ref.gather_kv(flat, pairs, kv_dim, flat_scales)
+    got = ref.gather_kv(pool, pairs, kv_dim, scales, v_group=group)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    data, flat_data = fp8.bytes_view(pool), fp8.bytes_view(flat)
+    run = data[32:48, kv_dim:].reshape(-1)  # the first group's V run
+    assert torch.equal(
+        run.view(torch.uint8)[17 * 16 + 3], flat_data[35, kv_dim + 17].view(torch.uint8)
+    )
+    # the second group: 4 written slots, the rest zeros (the chunk did not start it)
+    assert not data[fp8.v_locations(torch.arange(84, 96), kv_dim, group)].float().any()

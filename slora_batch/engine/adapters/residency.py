@@ -187,7 +187,7 @@ class AdapterResidency:
         copy goes on ``stream``. Returns whether it loaded."""
         if name in self._resident or not self._free_slots or not self.store.ready(name):
             return False  # not yet in host memory: the loader thread reads it meanwhile
-        if self.store.pages(name) > self.pool.num_free:
+        if self.pool.footprint(self.store.pages(name)) > self.pool.num_free:
             return False
         self._load(name, stream).prefetched = True
         return True
@@ -205,7 +205,7 @@ class AdapterResidency:
             if not idle:
                 raise PoolExhausted(1, 0, self.max_slots, f"adapter slot for {name!r}")
             self._evict(idle[0])
-        if not self.make_room(need):
+        if not self.make_room(self.pool.footprint(need)):
             raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
         self.store.paged(name)  # read first: a file that fails raises before pages are taken
         pages = self.pool.alloc(need, f"adapter {name!r}")

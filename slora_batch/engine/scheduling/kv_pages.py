@@ -39,8 +39,11 @@ class KVPages:
     def never_fits(self, seq: Sequence) -> str | None:
         """Why a sequence could never run, even alone: its whole context's KV pages and its
         adapter's pages against the pools that hold them (one pool for both when unified)."""
-        kv = self.pool.kv_pages_per_token * (len(seq.prompt_ids) + seq.max_new_tokens)
+        kv = self.pool.kv_pages_per_token * self.pool.kv_slots(
+            len(seq.prompt_ids) + seq.max_new_tokens
+        )
         adapter = self.residency.store.pages(seq.adapter) if seq.adapter else 0
+        adapter = self.residency.pool.footprint(adapter)
         for pool, need in self.by_pool(kv, adapter).values():
             if need > pool.num_pages:
                 return (
@@ -117,8 +120,16 @@ class KVPages:
         room = {id(self.pool): self.pool.num_free + cached}
         lora_pool = self.residency.pool
         room[id(lora_pool)] = room.get(id(lora_pool), lora_pool.num_free) + evictable
-        demand = self.by_pool(self.pool.kv_pages_per_token * n, self.residency.cost(adapter))
+        cost = self.residency.pool.footprint(self.residency.cost(adapter))
+        demand = self.by_pool(self.kv_need(seq, n), cost)
         return all(want <= room[key] for key, (_, want) in demand.items())
+
+    def kv_need(self, seq: Sequence, n: int) -> int:
+        """KV pages a sequence's next ``n`` tokens take beyond the token slots it holds (slots
+        come in whole groups of positions with fp8 KV, ``PagePool.kv_slots``)."""
+        have = seq.pages.shape[0]
+        slots = self.pool.kv_slots(seq.num_computed + n) - have
+        return self.pool.kv_pages_per_token * max(slots, 0)
 
     def attach(self, seq: Sequence, hit: list[Block]) -> None:
         """The cached prefix becomes the sequence's first pages, its KV computed."""
@@ -134,14 +145,14 @@ class KVPages:
         return self.residency.make_room(need, self.pool)
 
     def take(self, seq: Sequence, n: int) -> None:
-        """Pages for a sequence's next ``n`` tokens (those it lacks)."""
-        start = seq.num_computed
-        have = seq.pages.shape[0]
-        if start + n > have:
-            seq.add_pages(self.pool.kv_pages(start + n - have))
+        """Pages for a sequence's next ``n`` tokens (those it lacks, in whole groups)."""
+        slots = self.pool.kv_slots(seq.num_computed + n) - seq.pages.shape[0]
+        if slots > 0:
+            seq.add_pages(self.pool.kv_pages(slots))
 
     def take_one_each(self, seqs: list[Sequence], table: RowTable, whole: bool = False) -> bool:
-        """A page pair for the next token of each sequence that lacks one, in one ``alloc``,
+        """Page pairs for the next token of each sequence that lacks one (a group's slots with
+        fp8 KV), in one ``alloc``,
         written into the sequences' rows of ``table`` (running sequences: all seated; ``whole``:
         ``seqs`` are the table's rows in order); False (nothing taken) when the pool has no room
         for all of them."""
@@ -150,10 +161,12 @@ class KVPages:
         else:
             rows = np.array([s.row for s in seqs], dtype=np.int64)
         short = rows[table.b_computed[rows] + 1 > table.b_paged[rows]]
-        if not self.room(self.pool.kv_pages_per_token * short.size):
+        group = self.pool.group  # slots a row lacking one takes: a whole group of them
+        if not self.room(self.pool.kv_pages_per_token * group * short.size):
             return False
         if short.size:
-            table.add_one_each(short, self.pool.kv_pages(short.size))
+            pairs = self.pool.kv_pages(group * short.size).reshape(short.size, group, 2)
+            table.add_each(short, pairs)
         return True
 
     def cache_computed(self, seq: Sequence) -> None:

@@ -224,12 +224,14 @@ class RowTable:
         self.pages[row, start:end] = new
         self.b_paged[row] = end
 
-    def add_one_each(self, rows: np.ndarray, pairs: np.ndarray) -> None:
-        """One token's page pair for each of ``rows`` (distinct), [k] and [k, 2]."""
+    def add_each(self, rows: np.ndarray, pairs: np.ndarray) -> None:
+        """The same number m of token slots' page pairs for each of ``rows`` (distinct): [k]
+        and [k, m, 2]."""
         ends = self.b_paged[rows]
-        self._fit(int(ends.max()) + 1)
-        self.pages[rows, ends] = pairs
-        self.b_paged[rows] = ends + 1
+        m = pairs.shape[1]
+        self._fit(int(ends.max()) + m)
+        self.pages[rows[:, None], ends[:, None] + np.arange(m)] = pairs
+        self.b_paged[rows] = ends + m
 
     def _fit(self, width: int) -> None:
         have = self.pages.shape[1]

@@ -197,7 +197,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence, preempting later arrivals if needed."""
-        need = self.pool.kv_pages_per_token * n
+        need = self.pages.kv_need(seq, n)
         while not self.pages.room(need):
             victim = self.running[-1]
             self._preempt(victim)
@@ -321,7 +321,7 @@ class Scheduler:
         if adapter:
             seq.slot = self.residency.acquire(adapter)
             self.pinned[adapter] += 1
-        need = self.pool.kv_pages_per_token * n
+        need = self.pages.kv_need(seq, n)
         if not self.pages.room(need):
             raise AssertionError(
                 f"admission counted {need} KV pages, {self.pool.num_free} free "
