@@ -40,6 +40,7 @@ def kv_write(
     v: torch.Tensor,
     out_pages: torch.Tensor,
     scales: torch.Tensor | None = None,
+    v_group: int = 0,
 ) -> None:
     """Store the step's keys and values in their pages.
 
@@ -48,15 +49,17 @@ def kv_write(
     Shape: pool_layer [P, page_size]; k, v [T, kv_dim] (rows may be strided, e.g. column slices
       of the fused qkv output); out_pages [T, 2] int32 (K page, V page).
     Grid (T, ceil(kv_dim / BLOCK)), BLOCK = min(1024, next_pow2(kv_dim)). With scales
-    [P, 2 * kv_heads] fp32: fp8 pages (``kv_write_fp8``).
+    [P, 2 * kv_heads] fp32: fp8 pages (``kv_write_fp8``), V in the grouped layout with
+    v_group G > 0.
     """
     assert pool_layer.dim() == 2 and pool_layer.is_contiguous(), "pool_layer: [P, page_size]"
     assert k.dim() == 2 and k.shape == v.shape and k.shape[1] <= pool_layer.shape[1], k.shape
     assert k.stride(1) == 1 and v.stride(1) == 1, "k and v rows must be contiguous"
     assert out_pages.dtype == torch.int32 and out_pages.is_contiguous()
     assert out_pages.shape == (k.shape[0], 2), out_pages.shape
+    assert v_group == 0 or scales is not None, "the grouped V layout is one of fp8 pages"
     if scales is not None:
-        kv_write_fp8(pool_layer, k, v, out_pages, scales)
+        kv_write_fp8(pool_layer, k, v, out_pages, scales, v_group)
         return
     num_tokens, kv_dim = k.shape
     if num_tokens == 0:
@@ -87,6 +90,45 @@ def e4m3_round(x, amax):
 
 
 @triton.jit
+def grouped_v_offsets(
+    g0, slot, cols, KV_DIM: tl.constexpr, PAGE: tl.constexpr, V_GROUP: tl.constexpr
+):
+    """Byte offsets (from the pool's start) of V columns ``cols`` of the tokens in slots
+    ``slot`` of the group whose first page is g0, in the grouped V layout of
+    ``slora_kernels.fp8`` (column c of slot i at c * V_GROUP + i of the group's run of
+    V_GROUP * KV_DIM bytes, the V halves of its pages); slot and cols broadcast."""
+    run = cols * V_GROUP + slot
+    return (g0 + run // KV_DIM) * PAGE + KV_DIM + run % KV_DIM
+
+
+@triton.jit
+def _zero_after(
+    data_ptr,
+    pages_ptr,
+    t,
+    num_tokens,
+    page,
+    cols,
+    live,
+    KV_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """``slora_kernels.fp8._zero_after`` for token t (V page ``page``) and one head's columns:
+    when t is the launch's last token in its group (the next token's V page is not page + 1)
+    and the launch wrote the group's slot 0 too (token t - slot at page - slot), zeros the V
+    of slots slot + 1 .. V_GROUP - 1, where no token of the launch writes."""
+    slot = page % V_GROUP
+    nxt = tl.load(pages_ptr + (t + 1) * 2 + 1, mask=t + 1 < num_tokens, other=-1)
+    head = tl.load(pages_ptr + (t - slot) * 2 + 1, mask=t >= slot, other=-1)
+    if (slot < V_GROUP - 1) & (nxt != page + 1) & (head == page - slot):
+        after = tl.arange(0, V_GROUP)
+        offs = grouped_v_offsets(page - slot, after[:, None], cols[None, :], KV_DIM, PAGE, V_GROUP)
+        zeros = tl.zeros(offs.shape, data_ptr.dtype.element_ty)
+        tl.store(data_ptr + offs, zeros, mask=(after > slot)[:, None] & live[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _kv_write_fp8_kernel(
     data_ptr,
     scale_ptr,
@@ -95,16 +137,19 @@ def _kv_write_fp8_kernel(
     v_ptr,
     v_stride,
     pages_ptr,
+    num_tokens,
     KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     live = d < HEAD_DIM
     cols = h * HEAD_DIM + d
+    KV_DIM: tl.constexpr = KV_HEADS * HEAD_DIM
     for which in tl.static_range(2):  # K into bytes 0 .. kv_dim, V into kv_dim .. 2 * kv_dim
         page = tl.load(pages_ptr + t * 2 + which).to(tl.int64)
         if page >= 0:
@@ -113,7 +158,14 @@ def _kv_write_fp8_kernel(
             else:
                 x = tl.load(v_ptr + t * v_stride + cols, mask=live, other=0.0).to(tl.float32)
             q, s = e4m3_round(x, tl.max(tl.abs(x), 0))
-            tl.store(data_ptr + page * PAGE + which * KV_HEADS * HEAD_DIM + cols, q, mask=live)
+            offs = page * PAGE + which * KV_DIM + cols
+            if which == 1 and V_GROUP > 0:  # V in the grouped layout, the group's tail zeroed
+                slot = page % V_GROUP
+                offs = grouped_v_offsets(page - slot, slot, cols, KV_DIM, PAGE, V_GROUP)
+                _zero_after(
+                    data_ptr, pages_ptr, t, num_tokens, page, cols, live, KV_DIM, PAGE, V_GROUP
+                )
+            tl.store(data_ptr + offs, q, mask=live)
             tl.store(scale_ptr + page * 2 * KV_HEADS + which * KV_HEADS + h, s)
 
 
@@ -123,13 +175,18 @@ def kv_write_fp8(
     v: torch.Tensor,
     out_pages: torch.Tensor,
     scales: torch.Tensor,
+    v_group: int = 0,
 ) -> None:
     """``slora_kernels.fp8.kv_write``: e4m3 K and V of a token side by side in one page, scales per
-    token and KV head. Grid (T, kv_heads): one program quantizes one head of K and of V."""
+    token and KV head; v_group G > 0: V in the grouped layout, the rest of each group the launch
+    starts zeroed after its last token (``fp8._zero_after``; the launch's tokens of a group on
+    distinct pages, as a step's are). Grid (T, kv_heads): one program quantizes one head of K
+    and of V (and zeroes that head's columns of the group's tail)."""
     data = fp8.bytes_view(pool_layer)
     kv_heads, kv_dim = scales.shape[1] // 2, k.shape[1]
     assert scales.dtype == torch.float32 and scales.is_contiguous()
     assert scales.shape[0] == pool_layer.shape[0] and data.shape[1] >= 2 * kv_dim
+    assert v_group >= 0 and kv_dim % max(v_group, 1) == 0, f"kv_dim {kv_dim}, v_group {v_group}"
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -142,9 +199,11 @@ def kv_write_fp8(
         v,
         v.stride(0),
         out_pages,
+        num_tokens,
         KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,
         PAGE=data.shape[1],
         BLOCK_D=triton.next_power_of_2(head_dim),
+        V_GROUP=v_group,
         num_warps=1,
     )

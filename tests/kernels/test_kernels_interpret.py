@@ -478,6 +478,38 @@ def check_window_softcap(mine, q, pool, meta, kv_heads, scale, window, softcap, 
         assert not torch.allclose(fn(q, pool, meta, kv_heads, scale, window, 0.0), expected)
 
 
+GROUP = 16  # the grouped V layout's group (slora_kernels.fp8.KV_GROUP)
+
+
+def on(group: int, slots: range) -> list[int]:
+    """The pages of slots ``slots`` of group ``group`` in the grouped V layout."""
+    return [group * GROUP + i for i in slots]
+
+
+GROUPED_WRITES = {  # launch: (V pages of its rows in order, slots it zeroes, slots it keeps)
+    # E fills group 0 (its last row's next page, 16, is page + 1: no tail); F: 3 tokens on
+    # group 1 (tail 3..15); A: 21 tokens, group 3 then group 4's slots 0..4 (tail 5..15);
+    # a padding row; B decoding at slot 3 of group 5 (its slot 0 not in the launch: no tail)
+    "prefill": (
+        on(0, range(16))
+        + on(1, range(3))
+        + on(3, range(16))
+        + on(4, range(5))
+        + [-1]
+        + on(5, range(3, 4)),
+        on(1, range(3, 16)) + on(4, range(5, 16)),
+        on(5, range(4, 16)),
+    ),
+    # A's next chunk at slots 5..9 of group 4, B's next token, D's decode token at slot 0 of
+    # group 2 (tail 1..15), a padding row, C's at slot 15 of group 6
+    "continue": (
+        on(4, range(5, 10)) + on(5, range(4, 5)) + on(2, range(1)) + [-1] + on(6, range(15, 16)),
+        on(2, range(1, 16)),
+        on(4, range(10, 16)) + on(5, range(5, 16)),
+    ),
+}
+
+
 class TestInterpreted:
     """Run in the interpreter child process (see the module docstring)."""
 
@@ -597,6 +629,34 @@ class TestInterpreted:
         same = pools_[0].view(torch.uint8) == pools_[1].view(torch.uint8)
         assert same.float().mean() > 0.95, float(same.float().mean())
         assert torch.equal(pools_[0][pages[2]], torch.zeros_like(pools_[0][0]))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_kv_write_fp8_grouped_matches_twin(self, tk, dtype):
+        """The Triton kv_write on fp8 pages in the grouped V layout (groups of 16) against its
+        twin byte for byte, each launch on the same noisy pool; the rows that start a group
+        zero the rest of it after their last token (``fp8._zero_after``), no other row does.
+        GROUPED_WRITES holds the launches."""
+        from slora_kernels import fp8
+
+        kv_heads, head_dim = 2, 16
+        kv_dim = kv_heads * head_dim
+        gen = torch.Generator().manual_seed(17)
+        pool = torch.randn(8 * GROUP, kv_dim + 8, generator=gen).to(dtype)  # 8 groups
+        for name, (rows, zeroed, kept) in GROUPED_WRITES.items():
+            pages = torch.tensor(rows, dtype=torch.int32)[:, None].repeat(1, 2).contiguous()
+            qkv = torch.randn(len(rows), 3 * kv_dim, generator=gen).to(dtype)
+            k, v = qkv[:, kv_dim : 2 * kv_dim] * 3, qkv[:, 2 * kv_dim :]  # strided rows
+            scales = torch.rand(pool.shape[0], 2 * kv_heads, generator=gen)
+            mine, theirs, mine_scales = pool.clone(), pool.clone(), scales.clone()
+            tk.kv.kv_write(mine, k, v, pages, scales=mine_scales, v_group=GROUP)
+            ref.kv_write(theirs, k, v, pages, scales=scales, v_group=GROUP)
+            assert torch.equal(mine_scales, scales), name
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
+            where = fp8.v_locations(torch.tensor(zeroed + kept), kv_dim, GROUP)
+            before, after = (fp8.bytes_view(x).view(torch.uint8)[where] for x in (pool, mine))
+            cut = len(zeroed)  # the zeroed slots held noise; the kept ones hold it still
+            assert bool(before[:cut].any()) and not bool(after[:cut].any()), name
+            assert torch.equal(after[cut:], before[cut:]), name
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
     def test_act_quant_matches_twin(self, tk, dtype):
