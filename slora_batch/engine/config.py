@@ -96,7 +96,8 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": e4m3 K/V, one page per token
-    # (K and V side by side), scales per token and KV head (``slora_kernels.fp8``); cuda needs sm 8.9+
+    # (K and V side by side, pages in groups of 16 positions), scales per token and KV head
+    # (``slora_kernels.fp8``); cuda needs sm 8.9+
     adapter_dtype: str = "auto"  # "auto": adapter rows in the model dtype; "fp8": LoRA's A and
     # B rows in e4m3 with a scale per row (``slora_kernels.lora_fp8``): about half the pages of
     # bf16, plus a page of scales per factor; lora_B biases, expert and embed/lm_head LoRA stay
@@ -134,7 +135,7 @@ class EngineConfig:
     gpus: str | None = None  # "all": data_parallel = the number of visible CUDA devices
     # divided by tensor_parallel
     prefix_caching: bool = True  # keep full blocks of prompt KV for later rows of the adapter
-    prefix_block_tokens: int = 16  # tokens per cached block
+    prefix_block_tokens: int = 16  # tokens per cached block (a multiple of 16 with fp8 KV)
     tensor_parallel: int = 1  # devices per engine (S-LoRA tensor parallelism, ``tp``): rank 0
     # schedules, every rank holds 1/N of the weights, of the KV cache and of each adapter
     worker_timeout_s: float = 300.0  # a data-parallel worker silent this long (or making no

@@ -33,6 +33,7 @@ from slora_batch.engine.models.spec import ModelSpec
 from slora_batch.engine.pool import PagePool
 from slora_batch.engine.resolution import backend_name
 from slora_batch.engine.scheduling.kv_pages import PAGES_PER_TOKEN
+from slora_kernels.fp8 import KV_GROUP
 
 
 class TensorSource(Protocol):
@@ -117,6 +118,8 @@ def build_parts(
     model = load_model(spec, dtype, device, max_model_len, given.weights, tp, fp8)
     if config.max_num_seqs == "auto":
         adapters = [store.pages(name) for name in store.names if name not in broken]
+        if config.kv_cache_dtype == "fp8":  # the pool hands out whole groups (``PagePool``)
+            adapters = [-(-n // KV_GROUP) * KV_GROUP for n in adapters]
         config, pages = _auto_seats(config, pool_spec, dtype, device, max_model_len, tp, adapters)
     else:
         pages = _pages(config, pool_spec, dtype, device, max_model_len, tp)
