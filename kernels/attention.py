@@ -22,6 +22,13 @@ widens to fp16 in one instruction per pair (to bf16 it goes through fp32), and f
 e4m3 value and every bf16 q under 65504 exactly (q is clamped to +-65504 first). fp16's range is
 narrow where p * s_v is small, so each key block's p * s_v is divided by the block's largest s_v
 before the dot and the dot's result multiplied by it: p_j * s_j / max(s) stays in [0, 1].
+
+Grouped V (``v_group`` G > 0, constexpr V_GROUP; fp8 pages): V in the layout of
+``slora_kernels.fp8`` (G consecutive keys on G aligned pages, V column-major within the
+group), which ``_grouped_values`` loads a whole group at a time with each column's G keys
+adjacent, the K-major operand of p . V; K and the scales are read as on per-token pages. The
+key loops over pages then start at a multiple of G (``group_start``), the keys before the
+window masked as keys past the end are.
 """
 
 from __future__ import annotations
@@ -153,6 +160,48 @@ def _own_rows(ptr, stride, rows, cols, mask, FP8: tl.constexpr, BLOCK_N: tl.cons
     return x, scale
 
 
+@triton.jit
+def _grouped_values(
+    pool_ptr,
+    pt_row,
+    j0,
+    k_hi,
+    kv_cols,
+    d_live,
+    KV_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """V [BLOCK_N, BLOCK_D] of keys j0 .. j0 + BLOCK_N in the grouped V layout of
+    ``slora_kernels.fp8``, j0 a multiple of V_GROUP (the compiler is told so: the loads are
+    vectorized on it) and BLOCK_N of whole groups: loaded as [BLOCK_D, BLOCK_N], each group's
+    keys adjacent bytes of a column (the p . V dot's K-major operand), the groups whose first
+    key is before k_hi whole, found from that key's page-table entry. Their slots at and past
+    k_hi hold later keys' V or zeros (``kv.kv_write`` zeroes a group's tail): finite values,
+    which the callers give p 0."""
+    jj = tl.multiple_of(j0, V_GROUP) + tl.arange(0, BLOCK_N)
+    first = (jj // V_GROUP) * V_GROUP  # each key's group's first position
+    g_live = first < k_hi
+    g0 = tl.load(pt_row + first * 2, mask=g_live, other=0).to(tl.int64)  # its page
+    per_page: tl.constexpr = KV_DIM // V_GROUP  # columns of a group a page holds
+    rows = (g0[None, :] + (kv_cols // per_page)[:, None]) * PAGE + KV_DIM
+    offs = rows + (kv_cols % per_page)[:, None] * V_GROUP + (jj % V_GROUP)[None, :]
+    offs = tl.max_contiguous(tl.multiple_of(offs, [V_GROUP, V_GROUP]), [1, V_GROUP])
+    vt = tl.load(pool_ptr + offs, mask=d_live[:, None] & g_live[None, :], other=0.0)
+    return tl.trans(vt)
+
+
+@triton.jit
+def group_start(first, V_GROUP: tl.constexpr):
+    """The first key a loop over keys reads: ``first``, or with V_GROUP aligned down to a
+    multiple of it (the grouped loader reads whole groups; the callers mask the keys before
+    ``first``)."""
+    if V_GROUP > 0:
+        first = first // V_GROUP * V_GROUP
+    return first
+
+
 @triton.jit(do_not_specialize=["pt_stride"])
 def _prefill_kernel(
     q_ptr,
@@ -185,6 +234,7 @@ def _prefill_kernel(
     F16: tl.constexpr,
     OWN: tl.constexpr,
     PRECISION: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
@@ -218,7 +268,7 @@ def _prefill_kernel(
     page_end = end
     if OWN:  # read from the step's K/V rows, not the pages (launcher doc)
         page_end = tl.minimum(end, own_from)
-    for j0 in range(start, page_end, BLOCK_N):
+    for j0 in range(group_start(start, V_GROUP), page_end, BLOCK_N):  # keys before start: unseen
         jj = j0 + tl.arange(0, BLOCK_N)
         k_live = jj < page_end
         kv_mask = k_live[:, None] & d_live[None, :]
@@ -235,7 +285,23 @@ def _prefill_kernel(
         v_cols = kv_cols
         if FP8:  # V after the token's K bytes
             v_cols = kv_cols + KV_HEADS * HEAD_DIM
-        v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
+        if V_GROUP > 0:
+            v = _grouped_values(
+                pool_ptr,
+                pt_row,
+                j0,
+                page_end,
+                kv_cols,
+                d_live,
+                KV_HEADS * HEAD_DIM,
+                PAGE,
+                BLOCK_N,
+                V_GROUP,
+            )
+        else:
+            v = tl.load(
+                pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0
+            )
         sv = 1.0
         if FP8:
             sv = _kv_scale(scale_ptr, page_v, kv_head, k_live, 1, KV_HEADS)
@@ -263,6 +329,7 @@ def _check(
     meta: AttnMeta,
     num_kv_heads: int,
     scales: torch.Tensor | None,
+    v_group: int = 0,
 ) -> None:
     assert q.dim() == 3 and q.is_contiguous(), "q must be a contiguous [T, num_heads, head_dim]"
     assert pool_layer.dim() == 2 and pool_layer.is_contiguous(), "pool_layer must be [P, page_size]"
@@ -278,6 +345,8 @@ def _check(
         assert scales.dtype == torch.float32 and scales.is_contiguous(), "scales: contiguous fp32"
         assert scales.shape == (pool_layer.shape[0], 2 * num_kv_heads), (scales.shape, num_kv_heads)
         assert page_bytes >= 2 * kv_dim, f"an fp8 page of {page_bytes} B holds K and V of {kv_dim}"
+    assert v_group >= 0 and (v_group == 0 or scales is not None), "grouped V: fp8 pages only"
+    assert (num_kv_heads * q.shape[2]) % max(v_group, 1) == 0, f"kv_dim by groups of {v_group}"
 
 
 def kv_pointers(pool_layer: torch.Tensor, scales: torch.Tensor | None) -> dict:
@@ -316,6 +385,7 @@ def attention(
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
     own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    v_group: int = 0,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each sequence's paged K/V (prefill with earlier
     context, chunked prefill and decode alike).
@@ -334,12 +404,14 @@ def attention(
       pages rounded in registers as kv_write rounds them (``kv.e4m3_round``): the values the
       pages hold, read contiguously in the model dtype, without the page table, the scale
       table or e4m3 bytes in the operand layouts.
+      v_group G > 0: fp8 pages with V in the grouped layout of ``slora_kernels.fp8``.
     Returns [T, num_heads, head_dim] in q's dtype; softmax in fp32.
     Grid (ceil(max_new / BLOCK_M), B, num_heads): BLOCK_M queries x 64 keys per tile, one query
     head; BLOCK_M and warps from PREFILL_TILE (head_dim > WIDE_HEAD_DIM: PREFILL_WIDE). With a
-    window a tile's key loop starts at its first query's first key.
+    window a tile's key loop starts at its first query's first key (v_group G: at the start of
+    its group, the keys before it masked).
     """
-    _check(q, pool_layer, meta, num_kv_heads, scales)
+    _check(q, pool_layer, meta, num_kv_heads, scales, v_group)
     assert window >= 0, f"window {window}: 0 (none) or the keys a query sees"
     own_k, own_v = own if own is not None else (q, q)  # (q, q): pointers the kernel never reads
     if own is not None:
@@ -357,6 +429,7 @@ def attention(
         (block_m, warps), block_n, stages = PREFILL_TILE, 64, 2
     else:
         block_m, block_n, warps, stages = PREFILL_WIDE
+    assert block_n % max(v_group, 1) == 0, f"{block_n} keys a step: whole groups of {v_group}"
     qk_scale, cap_log2 = _logit_args(scale, softcap)
     grid = (triton.cdiv(meta.max_new, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
@@ -390,6 +463,7 @@ def attention(
         F16=fp8_f16(kv["fp8"], q.dtype, FP8_F16),
         OWN=own is not None,
         PRECISION=_precision(q.dtype),
+        V_GROUP=v_group,
         num_warps=warps,
         num_stages=stages,
     )

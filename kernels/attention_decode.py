@@ -9,7 +9,10 @@ Running example (2 splits, BLOCK_N 64): sequence b has b_seq_len 300: split_len 
 ceil(ceil(300 / 2) / 64) * 64 = 192, split 0 reads keys 0..191, split 1 keys 192..299; the merge
 weighs each split's normalized output by 2^(lse_split - max lse). With window 100 only the keys
 200..299 are split: split_len = ceil(ceil(100 / 2) / 64) * 64 = 64, split 0 reads keys 200..263,
-split 1 keys 264..299 (``_decode_span``, which the merge calls too).
+split 1 keys 264..299 (``_decode_span``, which the merge calls too). In the grouped V layout
+(v_group 16, the grouped values of ``slora_kernels.attention``) the split keys start at 192,
+the first key of 200's group: split_len = ceil(ceil(108 / 2) / 64) * 64 = 64, split 0 reads
+keys 192..255 with 192..199 masked, split 1 keys 256..299.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from slora_kernels.attention import (
     WIDE_HEAD_DIM,
     _check,
     _f16_query,
+    _grouped_values,
     _kv_scale,
     _logit_args,
     _logits,
     _precision,
     _v_scaled,
     fp8_f16,
+    group_start,
     kv_pointers,
     sm_count,
 )
@@ -68,16 +73,35 @@ DECODE_WIDE = {"gqa_block_n": 32, "stages": 3}
 
 @triton.jit
 def _decode_span(
-    ctx, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr
+    ctx,
+    window,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     """(first key, keys per split) of a decode query at position ctx - 1: the keys
     [max(0, ctx - window), ctx) (all ctx without a window) cut in NUM_SPLITS runs of whole
-    BLOCK_N blocks. The split kernel and the merge both call it, so they agree on the splits."""
+    BLOCK_N blocks; with V_GROUP from the start of the first key's group (``group_start``, the
+    keys before the window masked by ``_decode_seen``). The split kernel and the merge both
+    call it, so they agree on the splits."""
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(ctx - window, 0)
+    first = group_start(first, V_GROUP)
     split_len = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     return first, split_len
+
+
+@triton.jit
+def _decode_seen(jj, k_live, ctx, window, HAS_WINDOW: tl.constexpr, V_GROUP: tl.constexpr):
+    """Which keys jj of a block the query at ctx - 1 sees: the live ones (before the split's
+    end), and with V_GROUP and a window not those before the window, which the group-aligned
+    span (``_decode_span``) reads."""
+    seen = k_live
+    if HAS_WINDOW and V_GROUP > 0:
+        seen = seen & (jj >= ctx - window)
+    return seen
 
 
 @triton.jit
@@ -115,42 +139,16 @@ def _values(
     BLOCK_N: tl.constexpr,
     V_GROUP: tl.constexpr,
 ):
-    """V [BLOCK_N, BLOCK_D] of keys j0 .. j0 + BLOCK_N: each key's row of its V page, or with
-    V_GROUP the grouped V layout of ``slora_kernels.fp8`` (j0 a multiple of V_GROUP), loaded
-    as [BLOCK_D, BLOCK_N] with each group's keys adjacent bytes, whole groups at a time (a
-    group's slots past the sequence's end hold zeros there, and their p is 0)."""
+    """V [BLOCK_N, BLOCK_D] of keys j0 .. j0 + BLOCK_N (those before k_hi live): each key's row
+    of its V page (columns v_cols), or with V_GROUP the grouped V layout (``_grouped_values`` of
+    ``slora_kernels.attention``, which the prefill kernel reads it with too)."""
     if V_GROUP == 0:
         v = tl.load(pool_ptr + page_v[:, None] * PAGE + v_cols[None, :], mask=kv_mask, other=0.0)
     else:
-        v = _grouped_values(pool_ptr, pt_row, j0, k_hi, kv_cols, d_live, KV_DIM, PAGE, BLOCK_N,
-                            V_GROUP)  # fmt: skip
+        v = _grouped_values(
+            pool_ptr, pt_row, j0, k_hi, kv_cols, d_live, KV_DIM, PAGE, BLOCK_N, V_GROUP
+        )
     return v
-
-
-@triton.jit
-def _grouped_values(
-    pool_ptr,
-    pt_row,
-    j0,
-    k_hi,
-    kv_cols,
-    d_live,
-    KV_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    V_GROUP: tl.constexpr,
-):
-    """``_values`` in the grouped V layout (V_GROUP > 0)."""
-    jj = tl.multiple_of(j0, V_GROUP) + tl.arange(0, BLOCK_N)
-    first = (jj // V_GROUP) * V_GROUP  # each key's group's first position
-    g_live = first < k_hi
-    g0 = tl.load(pt_row + first * 2, mask=g_live, other=0).to(tl.int64)  # its page
-    per_page: tl.constexpr = KV_DIM // V_GROUP  # columns of a group a page holds
-    rows = (g0[None, :] + (kv_cols // per_page)[:, None]) * PAGE + KV_DIM
-    offs = rows + (kv_cols % per_page)[:, None] * V_GROUP + (jj % V_GROUP)[None, :]
-    offs = tl.max_contiguous(tl.multiple_of(offs, [V_GROUP, V_GROUP]), [1, V_GROUP])
-    vt = tl.load(pool_ptr + offs, mask=d_live[:, None] & g_live[None, :], other=0.0)
-    return tl.trans(vt)
 
 
 @triton.jit(do_not_specialize=["pt_stride"])
@@ -190,7 +188,7 @@ def _decode_split_kernel(
     b, kv_head = _decode_program(HEADS_FASTEST)
     split = tl.program_id(2)
     ctx = tl.load(b_seq_len_ptr + b)
-    first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW, V_GROUP)
     k_lo = first + split * split_len
     if k_lo >= ctx:
         return
@@ -221,16 +219,28 @@ def _decode_split_kernel(
         page_k, page_v = _decode_pages(pt_row, jj, k_live, FP8)
         k = tl.load(pool_ptr + page_k[:, None] * PAGE + kv_cols[None, :], mask=kv_mask, other=0.0)
         v = _values(
-            pool_ptr, page_v, v_cols, kv_mask, pt_row, j0, k_hi, kv_cols, d_live,
-            KV_HEADS * HEAD_DIM, PAGE, BLOCK_N, V_GROUP,
-        )  # fmt: skip
+            pool_ptr,
+            page_v,
+            v_cols,
+            kv_mask,
+            pt_row,
+            j0,
+            k_hi,
+            kv_cols,
+            d_live,
+            KV_HEADS * HEAD_DIM,
+            PAGE,
+            BLOCK_N,
+            V_GROUP,
+        )
         if USE_DOT:  # GQA: the group's query heads form the rows of one tensor-core tile
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         else:  # one query head per KV head: a dot product per key on CUDA cores
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(q.dtype).to(tl.float32)[None, :, :], 2)
         if FP8:
             s = s * _kv_scale(scale_ptr, page_k, kv_head, k_live, 0, KV_HEADS)[None, :]
-        s = tl.where(k_live[None, :], _logits(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
+        seen = _decode_seen(jj, k_live, ctx, window, HAS_WINDOW, V_GROUP)
+        s = tl.where(seen[None, :], _logits(s, qk_scale, cap_log2, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -270,11 +280,12 @@ def _decode_merge_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(b_seq_len_ptr + b)
-    first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW)
+    first, split_len = _decode_span(ctx, window, NUM_SPLITS, BLOCK_N, HAS_WINDOW, V_GROUP)
     num_live = tl.cdiv(ctx - first, tl.maximum(split_len, 1))  # the splits that ran
     sp = tl.arange(0, NUM_SPLITS)
     sp_live = sp < num_live
@@ -312,6 +323,7 @@ def attention_decode(
     window: int = 0,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    v_group: int = 0,
 ) -> torch.Tensor:
     """``attention`` when every sequence has exactly one new token (b1_start = 0, 1, ..., B):
     the query of sequence b at position L_b - 1 sees keys max(0, L_b - window) .. L_b - 1 (all
@@ -320,9 +332,12 @@ def attention_decode(
     Split-KV: see ``decode_splits``. Sequences with b_seq_len 0 (padding rows of a captured
     batch) get an unspecified output row. window and softcap are per-layer constants: the
     splits depend on host ints only, so a CUDA graph captures the step (with fp8 pages the
-    scale table too: the pool's own buffer, at a fixed address). scales: ``attention``'s.
+    scale table too: the pool's own buffer, at a fixed address). scales and v_group:
+    ``attention``'s.
     """
-    return decode_splits(q, pool_layer, meta, num_kv_heads, scale, None, window, softcap, scales)
+    return decode_splits(
+        q, pool_layer, meta, num_kv_heads, scale, None, window, softcap, scales, v_group
+    )
 
 
 def decode_splits(
@@ -345,9 +360,10 @@ def decode_splits(
     normalized partial output and its log2-sum-exp. Stage 2, grid (B, num_heads): the merge.
     With one split, stage 1 writes the output and stage 2 is skipped. num_splits None:
     ``num_splits_for`` over the longest context, or the window when shorter. v_group G > 0:
-    fp8 pages in the grouped V layout of ``slora_kernels.fp8`` (an experiment; no window).
+    fp8 pages in the grouped V layout of ``slora_kernels.fp8``, the keys split from the start
+    of the window's first group (``_decode_span``).
     """
-    _check(q, pool_layer, meta, num_kv_heads, scales)
+    _check(q, pool_layer, meta, num_kv_heads, scales, v_group)
     kv = kv_pointers(pool_layer, scales)
     num_seqs, num_heads, head_dim = meta.b_seq_len.shape[0], q.shape[1], q.shape[2]
     assert q.shape[0] == num_seqs, "decode: one query per sequence"
@@ -360,11 +376,11 @@ def decode_splits(
         num_splits = num_splits_for(q.device, num_seqs, num_kv_heads, keys)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of two"
     tiles = DECODE if head_dim <= WIDE_HEAD_DIM else {**DECODE, **DECODE_WIDE}
-    assert v_group == 0 or (kv["fp8"] and window == 0), "the grouped V layout: fp8, no window"
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     use_dot = group > 1 or tiles["mha_dot"]
     block_n = tiles["gqa_block_n"] if use_dot else tiles["mha_block_n"]
+    assert block_n % max(v_group, 1) == 0, f"{block_n} keys a step: whole groups of {v_group}"
     part_o = part_lse = out  # unused with one split
     if num_splits > 1:
         part_o = q.new_empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32)
@@ -424,6 +440,7 @@ def decode_splits(
             BLOCK_N=block_n,
             NUM_SPLITS=num_splits,
             HAS_WINDOW=window > 0,
+            V_GROUP=v_group,
             num_warps=4,
         )
     return out

@@ -117,40 +117,74 @@ def test_lora_kernel_builds_for_sm90_without_spills_and_with_vector_loads(name):
     assert loads["LDG.E.U16"] == 0, f"{name}: scalar bf16 loads {dict(loads)}"
 
 
-@pytest.mark.parametrize("fp8,own", [(False, False), (True, False), (True, True)], ids=str)
-def test_prefill_attention_builds_for_sm90(fp8, own):
-    """The prefill kernel on bf16 pages, on fp8 pages, and on fp8 pages reading the step's own
-    K/V rows (``own``) compiles for the card at Llama-3-8B's heads (8 KV heads of 128, GQA 4)
-    and the launcher's tile."""
+PREFILL_BUILDS = {  # name: (fp8 pages, own K/V rows, v_group)
+    "bf16 pages": (False, False, 0),
+    "fp8 pages": (True, False, 0),
+    "fp8 pages, own rows": (True, True, 0),
+    "fp8 pages, grouped V": (True, False, 16),
+    "fp8 pages, grouped V, own rows": (True, True, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_BUILDS))
+def test_prefill_attention_builds_for_sm90_without_spills(name):
+    """The prefill kernel on bf16 pages, on fp8 pages, on fp8 pages reading the step's own K/V
+    rows (``own``), and on fp8 pages in the grouped V layout, compiles for the card at
+    Llama-3-8B's heads (8 KV heads of 128, GQA 4) and the launcher's tile without spills, its
+    row strides hinted as multiples of 16 as they are at launch (q: 4096 and 128)."""
     from slora_kernels import attention
 
+    fp8, own, v_group = PREFILL_BUILDS[name]
     (block_m, warps), head_dim, kv_heads = attention.PREFILL_TILE, 128, 8
-    constexprs = dict(PAGE=kv_heads * head_dim * (2 if fp8 else 1), KV_HEADS=kv_heads, GROUP=4,
-                      HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=64,
-                      HAS_WINDOW=False, SOFTCAP=False, FP8=fp8, F16=fp8, OWN=own,
-                      PRECISION="tf32")  # fmt: skip
-    pointers = {"q_ptr": "*bf16", "o_ptr": "*bf16", "pool_ptr": "*fp8e4nv" if fp8 else "*bf16",
-                "own_k_ptr": "*bf16", "own_v_ptr": "*bf16"}  # fmt: skip
-    floats = {"qk_scale": "fp32", "cap_log2": "fp32"}
-    usage = resource_usage(
-        build(attention._prefill_kernel, constexprs, warps, pointers, (), floats)
+    constexprs = dict(
+        PAGE=kv_heads * head_dim * (2 if fp8 else 1),
+        KV_HEADS=kv_heads,
+        GROUP=4,
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        HAS_WINDOW=False,
+        SOFTCAP=False,
+        FP8=fp8,
+        F16=fp8,
+        OWN=own,
+        PRECISION="tf32",
+        V_GROUP=v_group,
     )
+    pointers = {
+        "q_ptr": "*bf16",
+        "o_ptr": "*bf16",
+        "pool_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        "own_k_ptr": "*bf16",
+        "own_v_ptr": "*bf16",
+    }
+    floats = {"qk_scale": "fp32", "cap_log2": "fp32"}
+    aligned = ("q_stride_t", "q_stride_h", "own_k_stride", "own_v_stride")
+    cubin = build(attention._prefill_kernel, constexprs, warps, pointers, aligned, floats)
+    usage = resource_usage(cubin)
+    assert usage["LOCAL"] + usage["STACK"] == 0, f"{name}: spilled, {usage}"
     assert 0 < usage["REG"] <= 255, usage
 
 
-@pytest.mark.parametrize("v_group", [0, 16], ids=["per-token-pages", "grouped-v"])
-def test_fp8_decode_attention_reads_grouped_values_with_ldmatrix(v_group):
+@pytest.mark.parametrize(
+    "v_group,window",
+    [(0, False), (16, False), (16, True)],
+    ids=["per-token-pages", "grouped-v", "grouped-v-window"],
+)
+def test_fp8_decode_attention_reads_grouped_values_with_ldmatrix(v_group, window):
     """Decode on fp8 pages at Llama-3-8B's heads and the launcher's GQA tile: per-token pages
     leave V's bytes to single-byte shared loads (the p . V dot's operand is transposed); the
-    grouped V layout feeds it with ldmatrix and no byte loads."""
+    grouped V layout feeds it with ldmatrix and no byte loads, with a window and soft-cap
+    too."""
     from slora_kernels import attention_decode
 
     kv_heads, head_dim = 8, 128
     tiles = attention_decode.DECODE
     constexprs = dict(NUM_HEADS=4 * kv_heads, PAGE=2 * kv_heads * head_dim, KV_HEADS=kv_heads,
                       GROUP=4, HEAD_DIM=head_dim, BLOCK_G=16, BLOCK_D=head_dim,
-                      BLOCK_N=tiles["gqa_block_n"], NUM_SPLITS=4, USE_DOT=True, HAS_WINDOW=False,
-                      SOFTCAP=False, FP8=True, F16=True, PRECISION="tf32",
+                      BLOCK_N=tiles["gqa_block_n"], NUM_SPLITS=4, USE_DOT=True, HAS_WINDOW=window,
+                      SOFTCAP=window, FP8=True, F16=True, PRECISION="tf32",
                       HEADS_FASTEST=False, V_GROUP=v_group)  # fmt: skip
     pointers = {"q_ptr": "*bf16", "o_ptr": "*bf16", "pool_ptr": "*fp8e4nv",
                 "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip

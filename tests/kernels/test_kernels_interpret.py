@@ -861,28 +861,108 @@ class TestInterpreted:
         assert_close(mine, ref.attention_decode(q, pool, meta, num_kv_heads, 0.25, scales=scales),
                      torch.float32)  # fmt: skip
 
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32-own"])
+    def test_attention_fp8_prefill_grouped_values(self, tk, dtype):
+        """Prefill on fp8 pages in the grouped V layout (groups of 16) against the twin, with a
+        window (16) and a soft-cap: windows that start inside a group (the 5 new tokens on 60
+        see keys from 40, whose group starts at 32) and at a group's start; fp32 with the
+        step's own K/V rows, so the pages end inside a group (keys up to 55 of 60)."""
+        from attn_fp8 import check_fp8, fp8_attn_case, own_rows
+
+        window, softcap = 16, 2.0
+        q, pool, scales, meta = fp8_attn_case(
+            seqs=[(5, 5), (17, 40), (1, 7), (16, 16), (5, 60), (1, 33)],
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype=dtype,
+            device="cpu",
+            seed=18,
+            v_group=GROUP,
+        )
+        args = (q, pool, meta, 2, 0.25, window, softcap)
+        if dtype == torch.float16:
+            mine = tk.triton_ops.attention(*args, scales=scales, v_group=GROUP)
+            case = (q, pool, scales, meta, 2, 0.25, window, softcap, dtype)
+            check_fp8(mine, *case, ref.attention, GROUP)
+            return
+        own = own_rows(meta, 32, dtype, seed=19)
+        mine = tk.triton_ops.attention(*args, scales=scales, own=own, v_group=GROUP)
+        expected = ref.attention(*args, scales=scales, own=own, v_group=GROUP)
+        assert_close(mine, expected, dtype)
+        per_token = ref.attention(*args, scales=scales, own=own)  # V read from the wrong bytes
+        assert not torch.allclose(per_token, expected, atol=0.1)
+
+    @pytest.mark.parametrize(
+        "kind,dtype,splits,softcap",
+        [("gqa", torch.float32, 4, 1.0), ("mha", torch.float16, 4, 0.0)],
+        ids=["gqa-fp32", "mha-fp16"],
+    )
+    def test_attention_fp8_decode_grouped_values_window(
+        self, tk, monkeypatch, kind, dtype, splits, softcap
+    ):
+        """Decode on fp8 pages in the grouped V layout with a window of 150 against the twin:
+        the split keys start at the window's first group (the context of 300 sees keys from
+        150, split from 144), over several splits of 32-key blocks; GQA on tensor-core tiles
+        with a soft-cap, MHA on the CUDA-core path, each also with the launcher's splits
+        (``attention_decode``)."""
+        from attn_fp8 import check_fp8, fp8_attn_case
+
+        monkeypatch.setitem(tk.attention_decode.DECODE, "gqa_block_n", 32)
+        monkeypatch.setitem(tk.attention_decode.DECODE, "mha_dot", False)
+        num_heads, num_kv_heads = HEADS[kind]
+        q, pool, scales, meta = fp8_attn_case(
+            seqs=[(1, c) for c in (1, 15, 17, 70, 166, 200, 300)],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            dtype=dtype,
+            device="cpu",
+            seed=20,
+            v_group=GROUP,
+        )
+        args = (q, pool, meta, num_kv_heads, 0.25, 150, softcap, scales)
+        case = (q, pool, scales, meta, num_kv_heads, 0.25, 150, softcap, dtype)
+        mine = tk.attention_decode.decode_splits(*args[:5], splits, *args[5:], v_group=GROUP)
+        check_fp8(mine, *case, ref.attention_decode, GROUP)
+        mine = tk.triton_ops.attention_decode(*args, v_group=GROUP)
+        check_fp8(mine, *case, ref.attention_decode, GROUP)
+
+    @pytest.mark.parametrize("v_group", [0, GROUP], ids=["per-token", "grouped"])
     @pytest.mark.parametrize("kind", ["prefill", "decode"])
-    def test_attention_fp8_reads_no_garbage(self, tk, kind):
+    def test_attention_fp8_reads_no_garbage(self, tk, kind, v_group):
         """NaN bytes and scales wherever no sequence wrote, stale pages past each sequence's end
         in the page table (attn_fp8.poisoned): the same output bit for bit. Prefill in fp16
         (fp16 dots, as under bf16 on the GPU), with a window and a soft-cap; decode in fp32
-        (pages with bytes past K and V) over 4 splits, merged."""
+        (pages with bytes past K and V) over 4 splits, merged, with a window in the grouped V
+        layout (its groups' slots past a sequence's end hold zeros, not NaN)."""
         from attn_fp8 import fp8_attn_case, poisoned
 
         dtype = torch.float16 if kind == "prefill" else torch.float32
         seqs = [(5, 5), (17, 40), (1, 7)] if kind == "prefill" else [(1, c) for c in (1, 9, 300)]
-        q, pool, scales, meta = fp8_attn_case(seqs=seqs, num_heads=4, num_kv_heads=2,
-                                              head_dim=16, dtype=dtype, device="cpu",
-                                              seed=16)  # fmt: skip
+        q, pool, scales, meta = fp8_attn_case(
+            seqs=seqs,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            dtype=dtype,
+            device="cpu",
+            seed=16,
+            v_group=v_group,
+        )
+        window = 100 if v_group else 0
 
         def run(pool, scales, meta):
             if kind == "prefill":
-                return tk.triton_ops.attention(q, pool, meta, 2, 0.25, 16, 2.0, scales=scales)
-            return tk.attention_decode.decode_splits(q, pool, meta, 2, 0.25, 4, 0, 1.0,
-                                                     scales=scales)  # fmt: skip
+                return tk.triton_ops.attention(
+                    q, pool, meta, 2, 0.25, 16, 2.0, scales=scales, v_group=v_group
+                )
+            return tk.attention_decode.decode_splits(
+                q, pool, meta, 2, 0.25, 4, window, 1.0, scales=scales, v_group=v_group
+            )
 
         clean = run(pool, scales, meta)
-        dirty = run(*poisoned(pool, scales, meta, 32))
+        dirty = run(*poisoned(pool, scales, meta, 32, v_group))
         assert torch.isfinite(clean).all() and torch.equal(dirty, clean)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
