@@ -155,10 +155,12 @@ def test_fp8_twins_read_no_garbage(case, clean_tight, monkeypatch, kind):
 
 
 def tiny_rows(names: list[str]) -> list[dict]:
-    """Rows for the interpreter: 8-token prefixes per adapter (hits in blocks of 4), a scored
-    row; on 64 pages with one adapter resident they preempt and evict in 8 steps."""
+    """Rows for the interpreter: 30-token prefixes per adapter (a hit of one block of 16), a
+    scored row; prompts of 31-32 tokens fill two groups of 16 KV slots, so their first new
+    token takes a third. On 112 pages (seven groups) with one adapter resident they preempt
+    and evict in 11 steps."""
     rng = random.Random(2)
-    shared = {a: [rng.randrange(3, VOCAB) for _ in range(8)] for a in [None, *names]}
+    shared = {a: [rng.randrange(3, VOCAB) for _ in range(30)] for a in [None, *names]}
     rows = []
     for i in range(5):
         adapter = [None, *names][i % 3]
@@ -193,8 +195,8 @@ def test_fp8_triton_kernels_read_no_garbage(one_layer):
     on a tiny workload of a one-layer model (the interpreter takes ms per program)."""
     model_dir, adapters = one_layer
     names = ["r5-qo", "r1-attn"]
-    knobs = dict(backend="triton", dtype="float16", max_num_batched_tokens=64, num_pages=64,
-                 max_resident_adapters=1, max_adapters_per_batch=1, prefix_block_tokens=4)  # fmt: skip
+    knobs = dict(backend="triton", dtype="float16", max_num_batched_tokens=64, num_pages=112,
+                 max_resident_adapters=1, max_adapters_per_batch=1)  # fmt: skip
     rows, kinds = tiny_rows(names), list(pool_garbage.GARBAGE)
     spec = dict(model=str(model_dir), adapters=adapters, rows=rows, kinds=kinds, knobs=knobs)
     # the checkout's root (slora_kernels resolves through the install: pyproject's package-dir),
