@@ -345,8 +345,10 @@ def _check(
         assert scales.dtype == torch.float32 and scales.is_contiguous(), "scales: contiguous fp32"
         assert scales.shape == (pool_layer.shape[0], 2 * num_kv_heads), (scales.shape, num_kv_heads)
         assert page_bytes >= 2 * kv_dim, f"an fp8 page of {page_bytes} B holds K and V of {kv_dim}"
-    assert v_group >= 0 and (v_group == 0 or scales is not None), "grouped V: fp8 pages only"
-    assert (num_kv_heads * q.shape[2]) % max(v_group, 1) == 0, f"kv_dim by groups of {v_group}"
+    if v_group:  # the grouped loader reads a column's keys as one aligned run of v_group bytes
+        kv_dim, page_bytes = num_kv_heads * q.shape[2], pool_layer.shape[1] * q.element_size()
+        assert v_group > 0 and scales is not None, f"v_group {v_group}: a layout of fp8 pages"
+        assert kv_dim % v_group == 0 and page_bytes % v_group == 0, (kv_dim, page_bytes, v_group)
 
 
 def kv_pointers(pool_layer: torch.Tensor, scales: torch.Tensor | None) -> dict:
