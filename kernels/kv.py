@@ -1,4 +1,6 @@
-"""Triton KV store: each token's K and V row into its own pool page (page -1: nothing written)."""
+"""Triton KV store: each token's K and V row into its own pool page (page -1: nothing written);
+on fp8 pages (``slora_kernels.fp8``) K and V e4m3 in one page, V optionally in the grouped
+layout (``kv_write_fp8``)."""
 
 from __future__ import annotations
 
@@ -90,9 +92,7 @@ def e4m3_round(x, amax):
 
 
 @triton.jit
-def grouped_v_offsets(
-    g0, slot, cols, KV_DIM: tl.constexpr, PAGE: tl.constexpr, V_GROUP: tl.constexpr
-):
+def _v_offsets(g0, slot, cols, KV_DIM: tl.constexpr, PAGE: tl.constexpr, V_GROUP: tl.constexpr):
     """Byte offsets (from the pool's start) of V columns ``cols`` of the tokens in slots
     ``slot`` of the group whose first page is g0, in the grouped V layout of
     ``slora_kernels.fp8`` (column c of slot i at c * V_GROUP + i of the group's run of
@@ -123,7 +123,7 @@ def _zero_after(
     head = tl.load(pages_ptr + (t - slot) * 2 + 1, mask=t >= slot, other=-1)
     if (slot < V_GROUP - 1) & (nxt != page + 1) & (head == page - slot):
         after = tl.arange(0, V_GROUP)
-        offs = grouped_v_offsets(page - slot, after[:, None], cols[None, :], KV_DIM, PAGE, V_GROUP)
+        offs = _v_offsets(page - slot, after[:, None], cols[None, :], KV_DIM, PAGE, V_GROUP)
         zeros = tl.zeros(offs.shape, data_ptr.dtype.element_ty)
         tl.store(data_ptr + offs, zeros, mask=(after > slot)[:, None] & live[None, :])
 
@@ -161,7 +161,7 @@ def _kv_write_fp8_kernel(
             offs = page * PAGE + which * KV_DIM + cols
             if which == 1 and V_GROUP > 0:  # V in the grouped layout, the group's tail zeroed
                 slot = page % V_GROUP
-                offs = grouped_v_offsets(page - slot, slot, cols, KV_DIM, PAGE, V_GROUP)
+                offs = _v_offsets(page - slot, slot, cols, KV_DIM, PAGE, V_GROUP)
                 _zero_after(
                     data_ptr, pages_ptr, t, num_tokens, page, cols, live, KV_DIM, PAGE, V_GROUP
                 )

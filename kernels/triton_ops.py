@@ -4,7 +4,8 @@ The engine picks it with ``backend="triton"`` (``from slora_kernels import trito
 helpers ``gather_kv``, ``gather_lora_rows``, ``gather_expert_rows`` and ``lora_group`` are no
 per-step kernels and come from ``ref``.
 With ``scales`` (an fp8 KV cache, ``slora_kernels.fp8``) ``kv_write`` writes e4m3 pages and
-``attention`` / ``attention_decode`` read them, as the twins do.
+``attention`` / ``attention_decode`` read them, as the twins do (with ``v_group``, V in the
+grouped layout).
 """
 
 from __future__ import annotations
