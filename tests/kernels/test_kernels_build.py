@@ -197,3 +197,15 @@ def test_fp8_decode_attention_reads_grouped_values_with_ldmatrix(v_group, window
         assert loads["LDS.U8"] == 0 and sum(n for k, n in loads.items() if "LDSM" in k) > 0, loads
     else:
         assert loads["LDS.U8"] > 0, loads
+
+
+@pytest.mark.parametrize("v_group", [0, 16], ids=["per-token-pages", "grouped-v"])
+def test_fp8_kv_write_builds_for_sm90_without_spills(v_group):
+    """The fp8 kv_write at Llama-3-8B's KV (8 heads of 128), per-token pages and the grouped V
+    layout with its tail zeroing, compiles for the card without spills."""
+    from slora_kernels import kv
+
+    constexprs = dict(KV_HEADS=8, HEAD_DIM=128, PAGE=2048, BLOCK_D=128, V_GROUP=v_group)
+    pointers = {"data_ptr": "*fp8e4nv", "k_ptr": "*bf16", "v_ptr": "*bf16"}
+    usage = resource_usage(build(kv._kv_write_fp8_kernel, constexprs, 1, pointers))
+    assert usage["LOCAL"] + usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
