@@ -121,14 +121,16 @@ def _zero_after(data: torch.Tensor, v_pages: torch.Tensor, kv_dim: int, group: i
     step wrote too (token t - i at p - i) zeroes slots i + 1 .. G - 1. Each group thus holds
     zeros past its sequence's end from the step it is first written in, and nothing the step
     writes is zeroed (the tokens after t in the group, if any, come in later steps)."""
-    for t in torch.nonzero(v_pages >= 0).flatten().tolist():
-        page = int(v_pages[t])
-        slot = page % group
-        last = t + 1 == v_pages.shape[0] or int(v_pages[t + 1]) != page + 1
-        starts = t >= slot and int(v_pages[t - slot]) == page - slot
-        if slot < group - 1 and last and starts:
-            after = torch.arange(page + 1, page - slot + group, device=v_pages.device)
-            data[v_locations(after, kv_dim, group)] = 0
+    pages = v_pages.long()
+    slot = pages % group
+    after = torch.cat([pages[1:], pages.new_full((1,), -1)])
+    back = torch.arange(pages.shape[0], device=pages.device) - slot
+    starts = (back >= 0) & (pages[back.clamp(min=0)] == pages - slot)
+    chosen = (pages >= 0) & (after != pages + 1) & starts & (slot < group - 1)
+    first, slot = (pages - slot)[chosen], slot[chosen]
+    lanes = torch.arange(group, device=pages.device)
+    rest = (first[:, None] + lanes)[lanes[None, :] > slot[:, None]]  # the slots after each
+    data[v_locations(rest, kv_dim, group)] = 0
 
 
 def to_grouped(

@@ -85,7 +85,8 @@ class PagePool:
                 f"an fp8 KV page holds K and V: {2 * kv_dim} bytes, pages have {page_bytes}"
             )
         self.kv_pages_per_token = 1
-        self._use_groups(KV_GROUP)
+        if kv_dim % KV_GROUP == 0 and page_bytes % KV_GROUP == 0:  # else V stays per token
+            self._use_groups(KV_GROUP)
         self.scales = torch.ones(
             self.data.shape[0],
             self.num_pages,
@@ -127,7 +128,9 @@ class PagePool:
     def kv_args(self, index: int) -> dict:
         """Keywords of the KV kernels for one layer: with fp8 its scale table and the V
         layout's group (``slora_kernels.fp8``), else none."""
-        return {} if self.scales is None else {"scales": self.scales[index], "v_group": self.group}
+        if self.scales is None:
+            return {}
+        return {"scales": self.scales[index], "v_group": self.group if self.group > 1 else 0}
 
     def free_pages(self) -> np.ndarray:
         """The ids of the pages not in use, ascending."""

@@ -69,7 +69,7 @@ def test_groups_hand_out_aligned_runs_and_return_when_wholly_freed():
     (12 pages of slack counted as used), KV slots come as whole groups, and a group goes back
     to the free list when the last page handed out of it is freed, in whatever order."""
     pool = PagePool(70, page_size=8, num_layers=1)
-    pool.use_fp8_kv(kv_heads=1, kv_dim=4)
+    pool.use_fp8_kv(kv_heads=1, kv_dim=16)
     assert (pool.group, pool.num_free) == (16, 64)  # 70 pages: 4 whole groups
     adapter = pool.alloc(20, "adapter")
     assert adapter.tolist() == list(range(20)) and pool.num_used == 32
@@ -95,7 +95,7 @@ def test_groups_hand_out_aligned_runs_and_return_when_wholly_freed():
 def test_group_churn_keeps_invariants():
     rng = np.random.default_rng(1)
     pool = PagePool(160, page_size=8)
-    pool.use_fp8_kv(kv_heads=1, kv_dim=4)
+    pool.use_fp8_kv(kv_heads=1, kv_dim=16)
     held = []
     for _ in range(400):
         if held and rng.random() < 0.5:
@@ -108,3 +108,15 @@ def test_group_churn_keeps_invariants():
         groups = np.unique(in_use // 16)
         assert np.unique(in_use).size == in_use.size
         assert pool.num_used == groups.size * 16 == 160 - pool.num_free
+
+
+def test_fp8_kv_widths_off_the_group_keep_v_per_token():
+    """A kv_dim that is no multiple of 16 cannot hold V column-major in groups of 16: the pool
+    stays page by page and the kernels get no group (v_group 0)."""
+    pool = PagePool(40, page_size=16, num_layers=1)
+    pool.use_fp8_kv(kv_heads=3, kv_dim=24)
+    assert pool.group == 1 and pool.kv_args(0)["v_group"] == 0
+    assert pool.kv_pages(3).tolist() == [[0, 0], [1, 1], [2, 2]]
+    grouped = PagePool(40, page_size=16, num_layers=1)
+    grouped.use_fp8_kv(kv_heads=2, kv_dim=32)
+    assert grouped.group == 16 and grouped.kv_args(0)["v_group"] == 16
