@@ -145,25 +145,21 @@ def to_grouped(
     above: (pool, scales, page table) with every sequence's groups on fresh pages in order, the
     V bytes of slots past a sequence's end zero. Shapes as the inputs'."""
     assert kv_dim % group == 0, (kv_dim, group)
-    data = bytes_view(pool_layer)
-    counts = [-(-int(n) // group) for n in b_seq_len.tolist()]
-    pages_new = sum(counts) * group
+    data = bytes_view(pool_layer).view(torch.uint8)
+    lengths = b_seq_len.long().cpu()
+    firsts = torch.cumsum(-(-lengths // group) * group, 0)  # each sequence's run ends here
+    pages_new = int(firsts[-1]) if len(firsts) else 0
     out = torch.zeros(pages_new, data.shape[1], dtype=torch.uint8, device=data.device)
     out_scales = torch.ones(pages_new, scales.shape[1], dtype=scales.dtype, device=scales.device)
     table = torch.full_like(page_table, -1)
-    g0 = 0
-    for b, (n, groups) in enumerate(zip(b_seq_len.tolist(), counts, strict=True)):
-        old = page_table[b, :n, 0].long()
-        new = torch.arange(g0 * group, g0 * group + n, device=data.device)
-        table[b, :n] = new[:, None].to(table.dtype)
-        raw = data.view(torch.uint8)
-        out[new, :kv_dim] = raw[old, :kv_dim]
-        out_scales[new] = scales[old]
-        values = torch.zeros(groups * group, kv_dim, dtype=torch.uint8, device=data.device)
-        values[:n] = raw[old, kv_dim : 2 * kv_dim]
-        # [groups, G tokens, kv_dim] -> [groups, kv_dim, G]: the group's run of G * kv_dim
-        runs = values.view(groups, group, kv_dim).transpose(1, 2).reshape(groups * group, kv_dim)
-        out[g0 * group : (g0 + groups) * group, kv_dim : 2 * kv_dim] = runs
-        g0 += groups
+    positions = torch.arange(page_table.shape[1])
+    live = (positions[None, :] < lengths[:, None]).to(page_table.device)
+    new = (firsts - firsts.diff(prepend=firsts.new_zeros(1)))[:, None] + positions
+    new = new.to(data.device)[live]
+    old = page_table[..., 0][live].long()
+    table[live] = new[:, None].to(table.dtype)
+    out[new, :kv_dim] = data[old, :kv_dim]
+    out_scales[new] = scales[old]
+    out[v_locations(new, kv_dim, group)] = data[old, kv_dim : 2 * kv_dim]  # kv_write's layout
     pool = out.view(pool_layer.dtype).view(pages_new, pool_layer.shape[1])
     return pool, out_scales, table
