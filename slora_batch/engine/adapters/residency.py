@@ -121,7 +121,12 @@ class AdapterResidency:
         """Pages that admitting a request on ``name`` takes beyond its KV (0 when resident)."""
         if not name or name in self._resident:
             return 0
-        return self.store.pages(name)
+        return self.footprint(name)
+
+    def footprint(self, name: str) -> int:
+        """Pages loading ``name`` takes from the pool's free count: its pages, in whole groups
+        where the pool hands out groups (``PagePool.footprint``)."""
+        return self.pool.footprint(self.store.pages(name))
 
     def make_room(self, need: int, pool: PagePool | None = None) -> bool:
         """Evicts until ``need`` pages are free in ``pool`` (default: the adapters' own): idle
@@ -187,7 +192,7 @@ class AdapterResidency:
         copy goes on ``stream``. Returns whether it loaded."""
         if name in self._resident or not self._free_slots or not self.store.ready(name):
             return False  # not yet in host memory: the loader thread reads it meanwhile
-        if self.pool.footprint(self.store.pages(name)) > self.pool.num_free:
+        if self.footprint(name) > self.pool.num_free:
             return False
         self._load(name, stream).prefetched = True
         return True
@@ -205,7 +210,7 @@ class AdapterResidency:
             if not idle:
                 raise PoolExhausted(1, 0, self.max_slots, f"adapter slot for {name!r}")
             self._evict(idle[0])
-        if not self.make_room(self.pool.footprint(need)):
+        if not self.make_room(self.footprint(name)):
             raise PoolExhausted(need, self.pool.num_free, self.pool.num_pages, f"adapter {name!r}")
         self.store.paged(name)  # read first: a file that fails raises before pages are taken
         pages = self.pool.alloc(need, f"adapter {name!r}")

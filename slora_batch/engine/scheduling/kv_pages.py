@@ -42,8 +42,7 @@ class KVPages:
         kv = self.pool.kv_pages_per_token * self.pool.kv_slots(
             len(seq.prompt_ids) + seq.max_new_tokens
         )
-        adapter = self.residency.store.pages(seq.adapter) if seq.adapter else 0
-        adapter = self.residency.pool.footprint(adapter)
+        adapter = self.residency.footprint(seq.adapter) if seq.adapter else 0
         for pool, need in self.by_pool(kv, adapter).values():
             if need > pool.num_pages:
                 return (
@@ -120,8 +119,7 @@ class KVPages:
         room = {id(self.pool): self.pool.num_free + cached}
         lora_pool = self.residency.pool
         room[id(lora_pool)] = room.get(id(lora_pool), lora_pool.num_free) + evictable
-        cost = self.residency.pool.footprint(self.residency.cost(adapter))
-        demand = self.by_pool(self.kv_need(seq, n), cost)
+        demand = self.by_pool(self.kv_need(seq, n), self.residency.cost(adapter))
         return all(want <= room[key] for key, (_, want) in demand.items())
 
     def kv_need(self, seq: Sequence, n: int) -> int:
