@@ -15,11 +15,21 @@ from slora_kernels.meta import VECTOR_ALL, LoraMeta
 
 SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the shrinks alone
     {},  # vk, vr, vstages, vwarps and vgrid overrides were swept on an H200: defaults kept
+    {"vwaves": 16},  # more splits of d_in: smaller programs, a shorter tail
+    {"vwaves": 16, "split_min_k": 512},
+    {"vr": 8},  # rank blocks of 8 rows: no half-empty block on rank-8 adapters
+    {"vsorted": 0},  # the tokens in batch order: an adapter's rows read once per token
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},  # the rank loop software-pipelined in 2 stages timed the same on an H200
+    {"vn": 128},
+    {"vn": 512},
+    {"vnwarps": 8},
+    {"vsorted": 0},
 ]
-VECTOR_CASES = [(247, 2000), (256, 1000)]  # (decode tokens, adapters drawn from)
+# (decode tokens, adapters drawn from); 365 from 300: about 213 adapters, as the engine's decode
+# steps at slora@1000 on Llama-3-8B shapes hold them (several tokens an adapter, in batch order)
+VECTOR_CASES = [(247, 2000), (256, 1000), (365, 300)]
 TILED_SHRINK_VARIANTS = [  # a step with prefill: both families run; the tiled knobs vary
     {},
     {"k": 64},  # 138 -> 96 registers on sm_90, yet 18% slower on an H200

@@ -31,6 +31,7 @@ BLOCKS = {
     "det": 16,  # tiled expand: tokens per block in decode-sized steps
     "vr": 16,  # vector kernels: rank rows per step (0: the largest rank of the step at once)
     "vgrid": 1,  # vector shrink: 1 puts the rank-row blocks in the grid instead of a loop
+    "vsorted": 1,  # vector kernels of graph decode steps: 1 runs the tokens in slot order
     "vstages": 2,  # vector shrink: software-pipeline stages of the d_in loop (0: plain loop)
     "twarps": 4,  # tiled kernels: warps per program
     "er": 16,  # tiled expand: rank rows per dot, looped to each segment's own rank (0: the

@@ -32,7 +32,9 @@ prompt chunks and 248 decode rows on their own adapters, about 15 of them betwee
 Vector (MBGMV), for segments of at most vector_max tokens: one program per token (and target,
 and split of d_in, or block of output columns), reading its own adapter's rows, stepping through
 its own rank. A step of 256 tokens on 200 adapters needs no segment walk; in CUDA-graph decode
-steps (vector_max = VECTOR_ALL) program t is token t and reads its slot from b_slot. Eager steps
+steps (vector_max = VECTOR_ALL) program t takes the t-th token in slot order (``token_order``)
+and reads its slot from b_slot, so the tokens of one adapter run in adjacent programs and its
+rows come from memory once. Eager steps
 that list their vector tokens (``LoraMeta.vector_tokens``: a step's 248 decode rows next to its
 prefill chunks) run one program per listed token.
 
@@ -52,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slora_kernels.lora_blocks import BLOCKS
 from slora_kernels.meta import VECTOR_ALL, LoraMeta
 
 
@@ -175,11 +178,15 @@ def _tiled_span(meta: LoraMeta, num_tokens: int) -> int:
 
 def _vector_pick(meta: LoraMeta, num_tokens: int) -> tuple[int, torch.Tensor, dict, torch.Tensor]:
     """How the vector kernels find their tokens: (programs, the array passed as token_order,
-    the ALL/INDEXED flags, the array passed as pos_seg). Graph decode steps: every token, its
-    slot from b_slot. Steps with ``vector_tokens``: just those tokens. Else every sorted
+    the ALL/INDEXED flags, the array passed as pos_seg). Graph decode steps: every token, in
+    slot order (token_order, base tokens last) or in batch order, its slot from b_slot. Steps with ``vector_tokens``: just those tokens. Else every sorted
     position, its segment from ``position_segments``. pos_seg is read only in the last case."""
     if meta.vector_max >= VECTOR_ALL:
-        return num_tokens, meta.token_order, {"ALL": True, "INDEXED": False}, meta.seg1_start
+        # in slot order (BLOCKS["vsorted"]): the programs of one adapter's tokens run side by
+        # side and read its rows once from memory, the others from L2; else in batch order
+        in_slots = bool(BLOCKS["vsorted"])
+        pick = {"ALL": not in_slots, "INDEXED": in_slots}
+        return num_tokens, meta.token_order, pick, meta.seg1_start
     if meta.vector_tokens is not None:
         picked = meta.vector_tokens
         return picked.shape[0], picked, {"ALL": False, "INDEXED": True}, meta.seg1_start

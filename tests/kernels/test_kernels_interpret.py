@@ -238,6 +238,7 @@ SMALL_LORA_BLOCKS = {
     "det": 16,
     "vr": 16,
     "vgrid": 0,
+    "vsorted": 0,  # graph decode steps' vector programs in batch order (default: slot order)
     "vstages": 0,
     "twarps": 8,
     "er": 0,
