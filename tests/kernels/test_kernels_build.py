@@ -48,10 +48,10 @@ def split_reduction(*, vector: bool) -> tuple:
 
 
 BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
-    "shrink vector, graph": vector_shrink(
+    "shrink vector, graph, batch order": vector_shrink(
         partial=False, all_tokens=True, indexed=False, one_page=True
     ),
-    "shrink vector, indexed, split": vector_shrink(
+    "shrink vector, indexed (graph in slot order), split": vector_shrink(
         partial=True, all_tokens=False, indexed=True, one_page=True
     ),
     "shrink vector, searched, a row over several pages (down)": vector_shrink(
