@@ -151,6 +151,44 @@ def grouped_rows(q, pages, kv_heads: int, want, labels) -> list[tuple]:
     return rows
 
 
+def engine_decode_rows(kind: str, bw: float, batch: int = 256) -> list[tuple]:
+    """Decode attention as the engine runs it, default tiles, graph-replayed: bf16 pages, then
+    the same tokens on fp8 pages in the grouped V layout (the engine's fp8 KV), each as the
+    fraction of the copy bandwidth its bytes take (fp8: scales included)."""
+    heads, kv_heads, _, _ = SHAPES[kind]
+    kv_dim = kv_heads * 128
+    gen = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(256, 1025, (batch,), generator=gen).tolist()
+    pool, meta = attn_meta(contexts, [1] * batch, kv_dim)
+    q = torch.randn(batch, heads, 128, dtype=DTYPE, device="cuda")
+    tokens, case = sum(contexts), f"{kind} B={batch} ctx 256-1024"
+    us = _graph_us(partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088))
+    gbs = tokens * 2 * kv_dim * 2 / us / 1e3
+    rows = [("attention_decode bf16 pages", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}")]
+    packed, scales, meta8 = fp8_pages(pool, meta, kv_heads)
+    del pool
+    pool_g, scales_g, table_g = fp8.to_grouped(
+        packed, scales, meta8.page_table, meta8.b_seq_len, kv_dim, fp8.KV_GROUP
+    )
+    meta_g = AttnMeta(meta8.b1_start, meta8.b_seq_len, table_g, meta8.max_new)
+    fn = partial(
+        triton_ops.attention_decode,
+        q,
+        pool_g,
+        meta_g,
+        kv_heads,
+        0.088,
+        scales=scales_g,
+        v_group=fp8.KV_GROUP,
+    )
+    us = _graph_us(fn)
+    gbs = tokens * 2 * (kv_dim + 4 * kv_heads) / us / 1e3
+    rows.append(
+        ("attention_decode fp8 pages, grouped V", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}")
+    )
+    return rows
+
+
 def prefill_rows(kind: str, bw: float) -> list[tuple]:
     heads, kv_heads, _, _ = SHAPES[kind]
     kv_dim, rows = kv_heads * 128, []

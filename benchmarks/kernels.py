@@ -5,7 +5,10 @@
     python3 -m benchmarks.kernels --quick    # fewer points
 
 Prints one Markdown table: kernel, case, microseconds, achieved GB/s or TFLOP/s, and the fraction
-of the card's measured copy bandwidth (for memory-bound kernels) or bf16 matmul rate.
+of the card's measured copy bandwidth (for memory-bound kernels) or bf16 matmul rate. Decode
+attention also runs as the engine does at B=256 on bf16 pages and on fp8 pages in the grouped V
+layout (``fp8_kernels.engine_decode_rows``); the decode LoRA kernels' fractions count the
+distinct adapters' rows a step reads (``lora_rows``, the vector sweep's shrink and expand apart).
 """
 
 from __future__ import annotations
@@ -317,6 +320,8 @@ def main() -> None:
     parser.add_argument("--vector-sweep", action="store_true", help="only the vector LoRA sweep")
     parser.add_argument("--tiled-sweep", action="store_true", help="only the tiled decode sweep")
     args = parser.parse_args()
+    from benchmarks import fp8_kernels  # it imports this module's helpers
+
     bw, rate = copy_gbps(), matmul_tflops()
     rows = Table()
     rows.append(("copy", "1 GiB", 0.0, f"{bw:.0f} GB/s", "1.00"))
@@ -339,6 +344,7 @@ def main() -> None:
             rows += decode_sweep_rows(kind, bw)
         if not args.lora_only:
             rows += attention_rows(kind, batches, bw, rate)
+            rows += fp8_kernels.engine_decode_rows(kind, bw)
         rows += lora_rows(kind, bw)
     for tokens in [256, 4096]:
         x = torch.randn(tokens, 4096, dtype=DTYPE, device="cuda")
