@@ -265,6 +265,8 @@ def _shrink_vector_kernel(
         else:
             first = rows.to(tl.int64) * 0  # unused
         x_row = x_ptr + tok * x_stride
+        if FP8:  # the rows' scales, loaded before the d_in loop so their latency hides in it
+            row_scale = _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE, SUB)
         acc = tl.zeros([BLOCK_R], tl.float32)
         if STAGES > 0:
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -301,7 +303,7 @@ def _shrink_vector_kernel(
                     SUB,
                 )
         if FP8:
-            acc = acc * _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE, SUB)
+            acc = acc * row_scale
         tl.store(out_ptr + row * out_stride + j * rank_cap + rows, acc, mask=row_live)
 
 
