@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import triton.testing
 
-from slora_kernels import attention_decode, ref, triton_ops
+from slora_kernels import attention_decode, lora_fp8, ref, triton_ops
 from slora_kernels.lora_blocks import BLOCKS
 from slora_kernels.lora_paths import position_segments
 from slora_kernels.lora_shrink import shrink_splits
@@ -57,19 +57,36 @@ def attn_meta(contexts: list[int], news: list[int], kv_dim: int):
     return pool, AttnMeta(b1, seq_len, table, max(news))
 
 
-def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]], page: int):
-    """Adapters with every target in ``dims``, rows on random pages; metadata as batch.py does."""
-    per = [r * sum(-(-i // page) + -(-o // page) for i, o in dims) for r in ranks]
+def _factor_pages(rank: int, width: int, page: int, fp8: bool) -> tuple[int, int]:
+    """(pages of one factor, of them its scale pages before its rows): bf16 rows, or e4m3 rows
+    two sub-pages a bf16 page after their scales (``slora_kernels.lora_fp8``)."""
+    if not fp8:
+        return rank * -(-width // page), 0
+    return lora_fp8.factor_pages(rank, width, page, 2), lora_fp8.scale_pages(rank, page, 2)
+
+
+def lora_meta(
+    b_slot: torch.Tensor,
+    ranks: list[int],
+    dims: list[tuple[int, int]],
+    page: int,
+    fp8: bool = False,
+):
+    """Adapters with every target in ``dims``, rows on random pages; metadata as batch.py does.
+    ``fp8``: the rows in e4m3 (random finite bytes, every scale 1), ``LoraMeta.fp8_rows``; the
+    bytes returned count them at 1 byte an element and their scales."""
+    factors = [[_factor_pages(r, w, page, fp8) for i, o in dims for w in (i, o)] for r in ranks]
+    per = [sum(n for n, _ in slot) for slot in factors]
     perm = torch.randperm(sum(per), device="cuda").int()
     slot_pages = torch.full((len(ranks), max(per)), -1, dtype=torch.int32, device="cuda")
     offsets = torch.full((len(ranks), len(dims), 2), -1, dtype=torch.int32)
     start = 0
-    for s, r in enumerate(ranks):
+    for s in range(len(ranks)):
         slot_pages[s, : per[s]] = perm[start : start + per[s]]
         start, cursor = start + per[s], 0
-        for t, (i, o) in enumerate(dims):
-            offsets[s, t, 0], offsets[s, t, 1] = cursor, cursor + r * -(-i // page)
-            cursor += r * (-(-i // page) + -(-o // page))
+        for n, (pages, scale_count) in enumerate(factors[s]):
+            offsets[s, n // 2, n % 2] = cursor + scale_count  # rows after their scales
+            cursor += pages
     order = torch.sort(torch.where(b_slot < 0, 1 << 40, b_slot), stable=True).indices
     used = b_slot[order][b_slot[order] >= 0]
     seg_slot, counts = torch.unique_consecutive(used, return_counts=True)
@@ -88,7 +105,26 @@ def lora_meta(b_slot: torch.Tensor, ranks: list[int], dims: list[tuple[int, int]
     )
     meta.pos_seg = position_segments(meta, b_slot.numel())  # as eager steps bring it
     pool = torch.randn(sum(per), page, dtype=DTYPE, device="cuda")
-    return pool, meta, sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist()) * 2
+    elements = sum(ranks[s] * sum(i + o for i, o in dims) for s in seg_slot.tolist())
+    if not fp8:
+        return pool, meta, elements * 2
+    meta.fp8_rows = True
+    finite = torch.randint(0, 0x78, pool.shape + (2,), dtype=torch.uint8, device="cuda")
+    signs = torch.randint(0, 2, finite.shape, dtype=torch.uint8, device="cuda") << 7
+    pool.view(torch.uint8).view(finite.shape).copy_(finite | signs)  # no NaN bytes
+    pool.view(torch.float32)[_scale_pages(slot_pages, offsets, factors)] = 1.0
+    scales = sum(ranks[s] * 2 * len(dims) for s in seg_slot.tolist())
+    return pool, meta, elements + 4 * scales
+
+
+def _scale_pages(slot_pages: torch.Tensor, offsets: torch.Tensor, factors) -> torch.Tensor:
+    """The pool pages holding the fp8 factors' scales (just before each factor's rows)."""
+    pages = []
+    for s, slot in enumerate(factors):
+        for n, (_, scale_count) in enumerate(slot):
+            first = int(offsets[s, n // 2, n % 2])
+            pages.append(slot_pages[s, first - scale_count : first])
+    return torch.cat(pages).long()
 
 
 def lora_grouped(x, pool, meta, buf, out, dims, fns) -> None:
@@ -333,9 +369,10 @@ def main() -> None:
             rows += lora_sweep.tiled_decode_rows(bw)
             return
         # case by case, so that a run cut at its time limit keeps what it measured
-        rows += lora_sweep.mixed_case(bw)
         for tokens, adapters in lora_sweep.VECTOR_CASES:
             rows += lora_sweep.vector_case(tokens, adapters, bw)
+        rows += lora_sweep.vector_case(256, 1000, bw, fp8=True)
+        rows += lora_sweep.mixed_case(bw)
         rows += lora_sweep.few_adapters_case(bw)
         return
     batches = [1, 64, 256] if args.quick else [1, 16, 64, 128, 256]

@@ -83,11 +83,14 @@ def tiled_decode_rows(bw: float) -> list[tuple]:
     return rows
 
 
-def vector_case(tokens: int, adapters: int, bw: float) -> list[tuple]:
+def vector_case(tokens: int, adapters: int, bw: float, fp8: bool = False) -> list[tuple]:
+    """A graph decode step of ``tokens`` rows on adapters drawn from ``adapters``; ``fp8``: their
+    rows in e4m3 (``adapter_dtype: fp8``), the default blocks only."""
     gen = torch.Generator().manual_seed(tokens + adapters)
     b_slot = torch.randint(0, adapters, (tokens,), generator=gen)
-    label = f"mha decode T={tokens} {adapters} adapters"
-    return _lora_case(b_slot, adapters, VECTOR_ALL, label, SHRINK_VARIANTS, EXPAND_VARIANTS, bw)
+    label = f"mha decode T={tokens} {adapters} adapters{' e4m3 rows' if fp8 else ''}"
+    shrinks, expands = ([{}], [{}]) if fp8 else (SHRINK_VARIANTS, EXPAND_VARIANTS)
+    return _lora_case(b_slot, adapters, VECTOR_ALL, label, shrinks, expands, bw, fp8=fp8)
 
 
 def few_adapters_case(bw: float, tokens: int = 256, adapters: int = 10) -> list[tuple]:
@@ -154,6 +157,7 @@ def _lora_case(
     bw,
     upload=None,
     rank_cycle=(8, 16, 32, 64),
+    fp8=False,
 ):
     """q/k/v then o LoRA of one Llama-2-7B layer on the step's tokens ``b_slot``, shrinks and
     expands timed apart (replayed from CUDA graphs) for each BLOCKS variant. The fraction is of
@@ -165,7 +169,7 @@ def _lora_case(
     q, kv = dims[0][1], dims[1][1]
     tokens = b_slot.numel()
     ranks = [rank_cycle[s % len(rank_cycle)] for s in range(adapters)]
-    pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim)
+    pool, meta, nbytes = lora_meta(b_slot, ranks, dims, kv_dim, fp8)
     meta.vector_max = vector_max
     if upload is not None:
         _as_uploaded(meta, upload)
@@ -174,7 +178,11 @@ def _lora_case(
     buf = torch.zeros(tokens, 3 * rank, device="cuda")
     out = torch.zeros(tokens, q + 2 * kv, dtype=DTYPE, device="cuda")
     v_in = torch.randn_like(buf)  # the expands' input, the same for every variant
-    a_bytes = sum(ranks[s] * sum(i for i, _ in dims) for s in meta.seg_slot.tolist()) * 2
+    # A's bytes: 2 an element, or 1 and a 4-byte scale a row
+    a_bytes = sum(
+        ranks[s] * sum(i + 4 * fp8 if fp8 else 2 * i for i, _ in dims)
+        for s in meta.seg_slot.tolist()
+    )
 
     def shrinks():
         triton_ops.lora_shrink(x, pool, meta, (0, 1, 2), buf[:, : 3 * rank])
