@@ -5,7 +5,8 @@
 #   bench [prefix|score|json|tp|dora|fp8a]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
 #   profile [PRESET]   device time per step kind and kernel family on llama2-7b (or PRESET)  ~6 min
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
-#   fp8                bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
+#   fp8 [slora]        bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
+#                      (slora: llama3-8b slora@1000, bf16 against fp8 weights + KV)
 #   families [PRESET]  base and slora@1000 on llama3-8b, qwen3-8b, gemma2-9b, 15 s cuts; PRESET: uncut  ~8 min
 #   moe                qwen3-30b-a3b: base beside slora@1000 on attention, then beside slora@100 on the
 #                      experts, each pair in one bench process, 45 s cuts  ~9 min
@@ -29,7 +30,7 @@ usage() { # the header above, as the usage text
 case "$mode:$part" in # the modes and the parts each takes (profile and families: a preset)
   tests: | tests:kernels | tests:engine | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
   bench:dora | bench:fp8a) ;;
-  profile:* | kernels: | fp8: | families:* | moe: | job: | job:dp | eval:) ;;
+  profile:* | kernels: | fp8: | fp8:slora | families:* | moe: | job: | job:dp | eval:) ;;
   *) usage ;;
 esac
 dir=${OUT:-out/device}/$mode${part:+/$part}
@@ -235,7 +236,18 @@ mode_fp8() {
   # decode and prefill attention on fp8 pages against bf16 pages and the fused activation
   # quantizers (fp8_kernels --quick: MHA decode at B=256, default tiles), then the engine
   # uncut at max_num_seqs auto: Llama-2-7B slora@1000 with bf16 KV and fp8 KV, then Llama-3-8B
-  # base with bf16 against fp8 weights + fp8 KV
+  # base with bf16 against fp8 weights + fp8 KV. Part slora: Llama-3-8B slora@1000 with bf16
+  # against fp8 weights + fp8 KV, uncut
+  if [ "$part" = slora ]; then
+    for weights in auto fp8; do
+      local kv=auto
+      [ "$weights" = fp8 ] && kv=fp8
+      bench "$dir/llama3-8b-slora-$weights" 270 --model-preset llama3-8b --requests 2000 \
+        --systems slora --adapters 1000 --weights "$weights" --kv-cache-dtype "$kv" \
+        --max-seconds 0 --total-seconds 0
+    done
+    return
+  fi
   timeout 100 python3 -m benchmarks.fp8_kernels --quick > "$dir/fp8-kernels.md" 2>&1 \
     || status=1
   cat "$dir/fp8-kernels.md"
