@@ -19,6 +19,8 @@ SHRINK_VARIANTS = [  # BLOCKS overrides swept by --vector-sweep, timed on the sh
     {"vwaves": 16, "split_min_k": 512},
     {"vr": 8},  # rank blocks of 8 rows: no half-empty block on rank-8 adapters
     {"vsorted": 0},  # the tokens in batch order: an adapter's rows read once per token
+    {"valign": 1},  # the tiled kernel, one adapter chunk a program: its rows read once a step
+    {"valign": 1, "ar": 32},
 ]
 EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {},  # the rank loop software-pipelined in 2 stages timed the same on an H200
@@ -26,6 +28,9 @@ EXPAND_VARIANTS = [  # likewise, timed on the expands alone
     {"vn": 512},
     {"vnwarps": 8},
     {"vsorted": 0},
+    {"valign": 1},
+    {"valign": 1, "an": 128},
+    {"valign": 1, "an": 512},
 ]
 # (decode tokens, adapters drawn from); 365 from 300: about 213 adapters, as the engine's decode
 # steps at slora@1000 on Llama-3-8B shapes hold them (several tokens an adapter, in batch order)

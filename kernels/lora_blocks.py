@@ -36,6 +36,11 @@ BLOCKS = {
     "twarps": 4,  # tiled kernels: warps per program
     "er": 16,  # tiled expand: rank rows per dot, looped to each segment's own rank (0: the
     # step's largest rank in one dot, every segment padded to it: 26% slower in the mixed step)
+    "valign": 0,  # graph decode steps: 1 runs the tiled kernels one adapter chunk a program
+    # (``lora_paths.aligned_step``) instead of the vector kernels one token a program
+    "at": 16,  # aligned steps: tokens of a segment per program
+    "ar": 16,  # aligned shrink: rank rows per program
+    "an": 256,  # aligned expand: columns per program
 }
 
 
@@ -63,6 +68,12 @@ def expand_rank_block(max_rank: int) -> int:
     tl.dot needs), or with BLOCKS["er"] that many, looped to each segment's own rank."""
     whole = _whole_rank(max_rank)
     return min(whole, max(16, BLOCKS["er"])) if BLOCKS["er"] else whole
+
+
+def aligned_rank_block(max_rank: int) -> int:
+    """Rank rows per program of the tiled shrink in an aligned step: BLOCKS["ar"], at most the
+    step's largest rank as one tile."""
+    return min(max(16, BLOCKS["ar"]), _whole_rank(max_rank))
 
 
 def tiled_rank_block(max_rank: int) -> int:

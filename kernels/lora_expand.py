@@ -29,13 +29,16 @@ from slora_kernels.lora_blocks import (
 from slora_kernels.lora_paths import (
     _check,
     _factor,
+    _next_segment,
     _padded,
     _precision,
     _row_page,
     _row_scales,
+    _segment_chunk,
     _tiled_span,
     _vector_pick,
     _vector_token,
+    aligned_step,
     module_tables,
     position_segments,
     row_source,
@@ -234,10 +237,14 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
+    """A block of BLOCK_T sorted positions (program_id(0)) and one of BLOCK_N columns, its
+    segments walked one dot each; ALIGNED: as ``_shrink_kernel``'s, one adapter chunk a
+    program."""
     FP8: tl.constexpr = pool_ptr.dtype.element_ty == tl.float8e4nv  # ``row_source``
     SUB: tl.constexpr = vec_ptr.dtype.element_ty.primitive_bitwidth // 8 if FP8 else 1
-    b0 = tl.program_id(0) * BLOCK_T
+    b0 = tl.program_id(0) if ALIGNED else tl.program_id(0) * BLOCK_T
     seg = tl.load(pos_seg_ptr + b0)  # the first segment ending after b0
     if seg >= num_segs:
         return
@@ -256,8 +263,7 @@ def _expand_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     touched = ii < 0  # rows added to at the end: those whose adapter has the target (not DoRA)
     o_ptrs = out_ptr + tok[:, None] * out_stride + col + n0 + cols[None, :]
-    lo = tl.load(seg1_start_ptr + seg)
-    hi = tl.load(seg1_start_ptr + seg + 1)
+    lo, hi = _segment_chunk(seg1_start_ptr, seg, b0, BLOCK_T, ALIGNED)
     while (lo < b0 + BLOCK_T) & (lo < hi):
         slot = tl.load(seg_slot_ptr + seg)
         start, rank, slot_pages = _factor(
@@ -322,8 +328,7 @@ def _expand_kernel(
                 acc += delta * scale
                 touched = touched | in_seg
         seg += 1
-        lo = hi
-        hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
+        lo, hi = _next_segment(seg1_start_ptr, seg, hi, num_segs, ALIGNED)
     live = touched[:, None] & col_live[None, :]
     tl.store(o_ptrs, tl.load(o_ptrs, mask=live).to(tl.float32) + acc, mask=live)
 
@@ -364,7 +369,8 @@ def lora_expand(
 
     Vector grid (tokens, see ``_vector_pick``; column blocks of all G targets), one token each,
     stepping through its adapter's rank. Tiled grid (ceil(T / BLOCK_T), column blocks of all G
-    targets): tl.dot tiles [BLOCK_T, R'] x [R', BLOCK_N] (R' from ``expand_rank_block``: the
+    targets; in an aligned step, ``aligned_step``, T programs a column block, one adapter chunk
+    each): tl.dot tiles [BLOCK_T, R'] x [R', BLOCK_N] (R' from ``expand_rank_block``: the
     step's largest rank, or BLOCKS["er"] rows a dot up to each segment's own rank), on
     BLOCKS["twarps"] warps. v is fp32: the dot runs in tf32 (ieee for fp32 pools).
     """
@@ -395,9 +401,13 @@ def lora_expand(
         *_padded(tuple(starts)),
         *_padded(tuple(widths)),
     )
-    if meta.longest > meta.vector_max and span > 0:
+    aligned = aligned_step(meta)
+    if aligned:  # one program a sorted position, working where an adapter chunk starts
+        span, block_t = num_tokens, BLOCKS["at"]
+        block_n = _pow2_divisor(page, BLOCKS["an"])
+    if aligned or (meta.longest > meta.vector_max and span > 0):
         first1, first2, total = _column_blocks(widths, block_n)
-        grid = (triton.cdiv(span, block_t), total)
+        grid = (span if aligned else triton.cdiv(span, block_t), total)
         _expand_kernel[grid](
             v,
             v.stride(0),
@@ -416,7 +426,7 @@ def lora_expand(
             out,
             out.stride(0),
             rank_cap,
-            meta.vector_max,
+            0 if aligned else meta.vector_max,  # aligned: every segment
             PAGE=page,
             NUM_TARGETS=meta.slot_offsets.shape[1],
             VECTORS=vectors,
@@ -424,9 +434,10 @@ def lora_expand(
             BLOCK_R=expand_rank_block(max_rank),
             BLOCK_N=block_n,
             PRECISION=_precision(pool_layer.dtype),
+            ALIGNED=aligned,
             num_warps=BLOCKS["twarps"],
         )
-    if meta.shortest <= meta.vector_max:
+    if not aligned and meta.shortest <= meta.vector_max:
         block_r, block_n = vector_block(page, max_rank, "vn")
         first1, first2, total = _column_blocks(widths, block_n)
         rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)

@@ -103,6 +103,26 @@ def _row_scales(row_scale_ptr, slot_pages, rows, row_live, PAGE: tl.constexpr, S
     return tl.load(row_scale_ptr + page * spp + rows % spp, mask=row_live, other=0.0)
 
 
+@triton.jit
+def _segment_chunk(seg1_start_ptr, seg, b0, BLOCK_T: tl.constexpr, ALIGNED: tl.constexpr):
+    """(lo, hi) of segment ``seg``, the first a tiled block at sorted position b0 walks.
+    ALIGNED: the block works only where a chunk of BLOCK_T of the segment starts (b0 - lo a
+    multiple of BLOCK_T); elsewhere hi = lo, an empty walk."""
+    lo = tl.load(seg1_start_ptr + seg)
+    hi = tl.load(seg1_start_ptr + seg + 1)
+    if ALIGNED:
+        hi = tl.where((b0 - lo) % BLOCK_T == 0, hi, lo)
+    return lo, hi
+
+
+@triton.jit
+def _next_segment(seg1_start_ptr, seg, hi, num_segs, ALIGNED: tl.constexpr):
+    """(lo, hi) of segment ``seg`` after a tiled block finished the one ending at ``hi``;
+    ALIGNED blocks take one chunk of one segment: an empty range ends their walk."""
+    nxt = hi if ALIGNED else tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
+    return hi, nxt
+
+
 def row_source(pool_layer: torch.Tensor, meta: LoraMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """(the pool as the kernels read the A and B^T rows, the pool as fp32 for their scales):
     with ``meta.fp8_rows`` e4m3 bytes, which the kernels see in their pool pointer's type (FP8,
@@ -168,6 +188,13 @@ def position_segments(meta: LoraMeta, num_tokens: int) -> torch.Tensor:
         return meta.pos_seg
     positions = torch.arange(num_tokens, dtype=torch.int32, device=meta.seg1_start.device)
     return torch.searchsorted(meta.seg1_start[1:], positions, right=True).to(torch.int32)
+
+
+def aligned_step(meta: LoraMeta) -> bool:
+    """Whether the step runs every segment on the tiled kernels one adapter chunk a program
+    (BLOCKS["valign"], graph decode steps only): each adapter's rows are read once a step for
+    all its tokens, and a program's bytes are its rank block's, not its token count's."""
+    return meta.vector_max >= VECTOR_ALL and bool(BLOCKS["valign"])
 
 
 def _tiled_span(meta: LoraMeta, num_tokens: int) -> int:

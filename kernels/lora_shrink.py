@@ -10,6 +10,8 @@ partial carries its rows' scales, so the sum does too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ from slora_kernels.attention import sm_count
 from slora_kernels.lora_blocks import (
     BLOCKS,
     _pow2_divisor,
+    aligned_rank_block,
     block_tokens,
     tiled_rank_block,
     vector_block,
@@ -25,13 +28,16 @@ from slora_kernels.lora_blocks import (
 from slora_kernels.lora_paths import (
     _check,
     _factor,
+    _next_segment,
     _padded,
     _precision,
     _row_page,
     _row_scales,
+    _segment_chunk,
     _tiled_span,
     _vector_pick,
     _vector_token,
+    aligned_step,
     module_tables,
     position_segments,
     row_source,
@@ -93,10 +99,14 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     PARTIAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
+    """A block of BLOCK_T sorted positions (program_id(0)), its segments walked one dot each;
+    ALIGNED: program i is sorted position i, working only where a chunk of BLOCK_T of its
+    segment begins, on that chunk (``lora_paths``: one program per adapter chunk)."""
     FP8: tl.constexpr = pool_ptr.dtype.element_ty == tl.float8e4nv  # ``row_source``
     SUB: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8 if FP8 else 1
-    b0 = tl.program_id(0) * BLOCK_T
+    b0 = tl.program_id(0) if ALIGNED else tl.program_id(0) * BLOCK_T
     j = tl.program_id(1) // rank_blocks  # the group's j-th target; its rows at columns j * rank_cap
     r0 = (tl.program_id(1) % rank_blocks) * BLOCK_R
     target = tl.where(j == 0, target0, tl.where(j == 1, target1, target2))
@@ -114,8 +124,7 @@ def _shrink_kernel(
     else:  # partial sums [splits, T, out_stride], added up by _shrink_reduce_kernel
         part = tl.program_id(2) * num_tokens + tok
         dst = out_ptr + part[:, None] * out_stride + j * rank_cap + rows[None, :]
-    lo = tl.load(seg1_start_ptr + seg)
-    hi = tl.load(seg1_start_ptr + seg + 1)
+    lo, hi = _segment_chunk(seg1_start_ptr, seg, b0, BLOCK_T, ALIGNED)
     while (lo < b0 + BLOCK_T) & (lo < hi):
         slot = tl.load(seg_slot_ptr + seg)
         start, rank, slot_pages = _factor(
@@ -152,8 +161,7 @@ def _shrink_kernel(
                 acc = acc * scales[None, :]
             tl.store(dst, acc, mask=in_seg[:, None] & row_live[None, :])
         seg += 1
-        lo = hi
-        hi = tl.load(seg1_start_ptr + tl.minimum(seg + 1, num_segs))
+        lo, hi = _next_segment(seg1_start_ptr, seg, hi, num_segs, ALIGNED)
 
 
 @triton.jit(
@@ -447,7 +455,8 @@ def lora_shrink(
     of ``slora_kernels.ref.lora_shrink``, in one launch of each kernel family for the whole group.
 
     Tiled grid (ceil(T / BLOCK_T), G * ceil(max_rank / BLOCK_R), splits): tl.dot tiles
-    [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_R] on BLOCKS["twarps"] warps. Vector grid (tokens, see
+    [BLOCK_T, BLOCK_K] x [BLOCK_K, BLOCK_R] on BLOCKS["twarps"] warps; in an aligned step
+    (``aligned_step``) T programs a rank block, one adapter chunk each. Vector grid (tokens, see
     ``_vector_pick``; G * rank blocks, or G with ``vgrid`` 0; splits). With splits > 1 a second
     kernel, grid (tokens, G), adds the fp32 partial sums into out.
     """
@@ -455,111 +464,153 @@ def lora_shrink(
     assert x.dtype == pool_layer.dtype, "x and the pool must share a dtype for tl.dot"
     targets = lora_group(target)
     group, targets = len(targets), _padded(targets)
-    num_tokens, d_in = x.shape
+    num_tokens = x.shape[0]
     rank_cap = out.shape[1] // group
-    max_rank, num_segs = min(meta.max_rank, rank_cap), meta.seg_slot.shape[0]
-    if num_tokens == 0 or num_segs == 0 or max_rank == 0:
+    max_rank = min(meta.max_rank, rank_cap)
+    if num_tokens == 0 or meta.seg_slot.shape[0] == 0 or max_rank == 0:
         return
-    page = pool_layer.shape[1]
-    rows_pool, scales = row_source(pool_layer, meta)
-    span = _tiled_span(meta, num_tokens)
-    rank_table, _, slot_stride, target_stride = module_tables(meta)
-    ranks = (rank_table, slot_stride, target_stride)
-    if meta.longest > meta.vector_max and span > 0:  # tiled: segments longer than vector_max
-        common = (
-            meta.token_order,
-            meta.seg1_start,
-            meta.seg_slot,
-            position_segments(meta, num_tokens),
-            num_tokens,
-            num_segs,
-        )
-        block_t, block_k = block_tokens(span), _pow2_divisor(page, BLOCKS["k"])
-        block_r = tiled_rank_block(max_rank)
-        rank_blocks = triton.cdiv(max_rank, block_r)
-        splits = shrink_splits(x.device, span, max_rank, d_in, group)
-        k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
-        splits = triton.cdiv(d_in, k_per_split)  # every split has work
-        dst = _partials(out, splits)
-        grid = (triton.cdiv(span, block_t), group * rank_blocks, splits)
-        _shrink_kernel[grid](
-            x,
-            x.stride(0),
-            rows_pool,
-            scales,
-            *common,
-            *ranks,
-            meta.slot_pages,
-            meta.slot_pages.stride(0),
-            meta.slot_offsets,
-            *targets,
-            rank_blocks,
-            dst,
-            dst.stride(-2),
-            rank_cap,
-            d_in,
-            k_per_split,
-            meta.vector_max,
-            PAGE=page,
-            NUM_TARGETS=meta.slot_offsets.shape[1],
-            BLOCK_T=block_t,
-            BLOCK_R=block_r,
-            BLOCK_K=block_k,
-            PARTIAL=splits > 1,
-            PRECISION=_precision(x.dtype),
-            num_warps=BLOCKS["twarps"],
-        )
-        _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=False)
-    if meta.shortest <= meta.vector_max:  # vector: one token per program
-        block_r, block_k = vector_block(page, max_rank, "vk")
-        # the rank as one span walked block by block, or each block its own program
-        rank_blocks = triton.cdiv(max_rank, block_r) if BLOCKS["vgrid"] else 1
-        r_span = block_r if BLOCKS["vgrid"] else rank_cap
-        rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
-        programs = rows * group * rank_blocks
-        want = triton.cdiv(BLOCKS["vwaves"] * sm_count(x.device), max(programs, 1))
-        splits = max(1, min(want, d_in // BLOCKS["split_min_k"], MAX_VECTOR_SPLITS))
-        k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
-        splits = triton.cdiv(d_in, k_per_split)
-        dst = _partials(out, splits)
-        if rows == 0:
-            return
-        _shrink_vector_kernel[(rows, group * rank_blocks, splits)](
-            x,
-            x.stride(0),
-            rows_pool,
-            scales,
-            meta.b_slot,
-            picked,
-            meta.seg1_start,
-            meta.seg_slot,
-            pos_seg,
-            num_tokens,
-            num_segs,
-            *ranks,
-            meta.slot_pages,
-            meta.slot_pages.stride(0),
-            meta.slot_offsets,
-            *targets,
-            rank_blocks,
-            r_span,
-            dst,
-            dst.stride(-2),
-            rank_cap,
-            d_in,
-            k_per_split,
-            meta.vector_max,
-            PAGE=page,
-            NUM_TARGETS=meta.slot_offsets.shape[1],
-            BLOCK_R=block_r,
-            BLOCK_K=block_k,
-            PARTIAL=splits > 1,
-            **pick,
-            STAGES=BLOCKS["vstages"],
-            ONE_PAGE=d_in <= page,
-            num_warps=BLOCKS["vwarps"],
-        )
-        _reduce(dst, splits, meta, targets, group, out, rank_cap, vector=True)
+    launch = _Launch(x, pool_layer, meta, targets, group, out, rank_cap, max_rank)
+    aligned = aligned_step(meta)
+    if aligned or (meta.longest > meta.vector_max and _tiled_span(meta, num_tokens) > 0):
+        _tiled(launch, aligned)
+    if not aligned and meta.shortest <= meta.vector_max:  # vector: one token per program
+        _vector(launch)
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One lora_shrink call's operands, as its two kernel families take them."""
+
+    x: torch.Tensor
+    pool_layer: torch.Tensor
+    meta: LoraMeta
+    targets: tuple[int, int, int]
+    group: int
+    out: torch.Tensor
+    rank_cap: int
+    max_rank: int
+
+    def ranks(self) -> tuple:
+        rank_table, _, slot_stride, target_stride = module_tables(self.meta)
+        return rank_table, slot_stride, target_stride
+
+
+def _tiled(launch: _Launch, aligned: bool) -> None:
+    """The tiled kernel on the step's long segments, or in an aligned step on all of them (one
+    program a sorted position, the split count as the vector kernel's, its reduction too)."""
+    x, meta, group = launch.x, launch.meta, launch.group
+    num_tokens, d_in = x.shape
+    page = launch.pool_layer.shape[1]
+    rows_pool, scales = row_source(launch.pool_layer, meta)
+    span = num_tokens if aligned else _tiled_span(meta, num_tokens)
+    block_k = _pow2_divisor(page, BLOCKS["k"])
+    if aligned:
+        block_t, block_r = BLOCKS["at"], aligned_rank_block(launch.max_rank)
+        rank_blocks = triton.cdiv(launch.max_rank, block_r)
+        splits = _vector_splits(x.device, span * group * rank_blocks, d_in)
+    else:
+        block_t, block_r = block_tokens(span), tiled_rank_block(launch.max_rank)
+        rank_blocks = triton.cdiv(launch.max_rank, block_r)
+        splits = shrink_splits(x.device, span, launch.max_rank, d_in, group)
+    k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
+    splits = triton.cdiv(d_in, k_per_split)  # every split has work
+    dst = _partials(launch.out, splits)
+    grid = (span if aligned else triton.cdiv(span, block_t), group * rank_blocks, splits)
+    _shrink_kernel[grid](
+        x,
+        x.stride(0),
+        rows_pool,
+        scales,
+        meta.token_order,
+        meta.seg1_start,
+        meta.seg_slot,
+        position_segments(meta, num_tokens),
+        num_tokens,
+        meta.seg_slot.shape[0],
+        *launch.ranks(),
+        meta.slot_pages,
+        meta.slot_pages.stride(0),
+        meta.slot_offsets,
+        *launch.targets,
+        rank_blocks,
+        dst,
+        dst.stride(-2),
+        launch.rank_cap,
+        d_in,
+        k_per_split,
+        0 if aligned else meta.vector_max,  # aligned: every segment
+        PAGE=page,
+        NUM_TARGETS=meta.slot_offsets.shape[1],
+        BLOCK_T=block_t,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        PARTIAL=splits > 1,
+        PRECISION=_precision(x.dtype),
+        ALIGNED=aligned,
+        num_warps=BLOCKS["twarps"],
+    )
+    _reduce(dst, splits, meta, launch.targets, group, launch.out, launch.rank_cap, aligned)
+
+
+def _vector_splits(device: torch.device, programs: int, d_in: int) -> int:
+    """Splits of d_in for the vector shrink (and an aligned step's tiled one): until the grid
+    holds BLOCKS["vwaves"] programs an SM, each split at least BLOCKS["split_min_k"] long."""
+    want = triton.cdiv(BLOCKS["vwaves"] * sm_count(device), max(programs, 1))
+    return max(1, min(want, d_in // BLOCKS["split_min_k"], MAX_VECTOR_SPLITS))
+
+
+def _vector(launch: _Launch) -> None:
+    x, meta, group = launch.x, launch.meta, launch.group
+    num_tokens, d_in = x.shape
+    page = launch.pool_layer.shape[1]
+    rows_pool, scales = row_source(launch.pool_layer, meta)
+    block_r, block_k = vector_block(page, launch.max_rank, "vk")
+    # the rank as one span walked block by block, or each block its own program
+    rank_blocks = triton.cdiv(launch.max_rank, block_r) if BLOCKS["vgrid"] else 1
+    r_span = block_r if BLOCKS["vgrid"] else launch.rank_cap
+    rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
+    splits = _vector_splits(x.device, rows * group * rank_blocks, d_in)
+    k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
+    splits = triton.cdiv(d_in, k_per_split)
+    dst = _partials(launch.out, splits)
+    if rows == 0:
+        return
+    _shrink_vector_kernel[(rows, group * rank_blocks, splits)](
+        x,
+        x.stride(0),
+        rows_pool,
+        scales,
+        meta.b_slot,
+        picked,
+        meta.seg1_start,
+        meta.seg_slot,
+        pos_seg,
+        num_tokens,
+        meta.seg_slot.shape[0],
+        *launch.ranks(),
+        meta.slot_pages,
+        meta.slot_pages.stride(0),
+        meta.slot_offsets,
+        *launch.targets,
+        rank_blocks,
+        r_span,
+        dst,
+        dst.stride(-2),
+        launch.rank_cap,
+        d_in,
+        k_per_split,
+        meta.vector_max,
+        PAGE=page,
+        NUM_TARGETS=meta.slot_offsets.shape[1],
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        PARTIAL=splits > 1,
+        **pick,
+        STAGES=BLOCKS["vstages"],
+        ONE_PAGE=d_in <= page,
+        num_warps=BLOCKS["vwarps"],
+    )
+    _reduce(dst, splits, meta, launch.targets, group, launch.out, launch.rank_cap, vector=True)
 
 
 def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ RUNS = [  # (pool dtype, page elements, LoraMeta.vector_max, blocks)
     (torch.float16, 32, VECTOR_ALL, "default"),
     (torch.float16, 32, 2, "small"),  # splits of d_in, rank rows 8 at a time
     (torch.float32, 16, VECTOR_ALL, "small"),
+    (torch.float16, 32, VECTOR_ALL, "aligned"),  # the tiled kernels, one adapter chunk a program
 ]
 
 if not INTERPRETED:
@@ -80,9 +81,12 @@ def check_groups(shrink, expand, case, dtype, seed) -> None:
 def test_kernels_on_fp8_rows_match_twins(kernels, monkeypatch, run):
     shrink, expand, blocks = kernels
     dtype, page, vector_max, setting = run
-    if setting == "small":
+    if setting in ("small", "aligned"):
         for knob, value in SMALL_BLOCKS.items():
             monkeypatch.setitem(blocks, knob, value)
+    if setting == "aligned":
+        monkeypatch.setitem(blocks, "valign", 1)
+        monkeypatch.setitem(blocks, "at", 16)
     case = fp8_case(ranks=[1, 3, 64, 16], num_tokens=10, dtype=dtype, seed=page + vector_max % 7,
                     page=page, bias_slots=(1,))  # fmt: skip
     case.meta.vector_max = vector_max

@@ -29,7 +29,7 @@ B = lora_blocks.BLOCKS  # the launchers' knobs; their tiles come from the launch
 VR, VK = lora_blocks.vector_block(PAGE, RANK, "vk")
 _, VN = lora_blocks.vector_block(PAGE, RANK, "vn")
 VECTOR = dict(PAGE=PAGE, NUM_TARGETS=7, BLOCK_R=VR)
-TILED = dict(PAGE=PAGE, NUM_TARGETS=7, PRECISION="tf32")
+TILED = dict(PAGE=PAGE, NUM_TARGETS=7, PRECISION="tf32", ALIGNED=False)
 
 
 def vector_shrink(*, partial: bool, all_tokens: bool, indexed: bool, one_page: bool) -> tuple:
@@ -65,6 +65,31 @@ BUILDS = {  # name: (kernel, constexprs, warps, aligned integers)
     ),
     "split reduction, indexed": split_reduction(vector=True),
     "split reduction, tiled": split_reduction(vector=False),
+    "shrink tiled, aligned decode": (  # BLOCKS["valign"]: one adapter chunk a program
+        lora_shrink._shrink_kernel,
+        dict(
+            TILED,
+            BLOCK_T=B["at"],
+            BLOCK_R=lora_blocks.aligned_rank_block(RANK),
+            BLOCK_K=lora_blocks._pow2_divisor(PAGE, B["k"]),
+            PARTIAL=True,
+            ALIGNED=True,
+        ),
+        B["twarps"],
+        SHRINK_ALIGNED,
+    ),
+    "expand tiled, aligned decode": (
+        lora_expand._expand_kernel,
+        dict(
+            TILED,
+            BLOCK_T=B["at"],
+            BLOCK_R=lora_blocks.expand_rank_block(RANK),
+            BLOCK_N=lora_blocks._pow2_divisor(PAGE, B["an"]),
+            ALIGNED=True,
+        ),
+        B["twarps"],
+        EXPAND_ALIGNED,
+    ),
     "shrink tiled, prefill": (
         lora_shrink._shrink_kernel,
         dict(

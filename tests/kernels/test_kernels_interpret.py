@@ -242,10 +242,16 @@ SMALL_LORA_BLOCKS = {
     "vstages": 0,
     "twarps": 8,
     "er": 0,
+    "valign": 0,
+    "at": 16,
+    "ar": 16,
+    "an": 16,
 }  # splits; blocks in pages
 # the vector shrink with rank-row blocks of 8 in the grid, its d_in loop pipelined
 # ... and the tiled expand 16 rank rows a dot (up to rank 64: several dots)
 GRID_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "vr": 8, "vgrid": 1, "vstages": 2, "er": 16}
+# graph decode steps on the tiled kernels, one adapter chunk of 16 tokens a program, d_in split
+ALIGNED_LORA_BLOCKS = {**SMALL_LORA_BLOCKS, "valign": 1}
 LORA_CASES = {  # popularity, share of base-model tokens, tokens, dtype, page size
     "uniform": ("uniform", 0.25, 13, torch.float32, 32),
     "skewed": ("skewed", 0.1, 23, torch.float16, 32),
@@ -298,6 +304,8 @@ LORA_RUNS = [  # (case, blocks, tokens per block (None: the launcher's choice), 
     ("one", "small", 64, "tiled"),
     ("skewed", "grid", None, "vector"),
     ("uniform", "grid", None, "upload"),
+    ("skewed", "aligned", None, "vector"),  # a segment of 18 tokens: two chunks
+    ("uniform", "aligned", None, "vector"),
 ]
 
 
@@ -313,7 +321,7 @@ def test_lora_runs_reach_every_case_block_setting_and_path():
     """LORA_RUNS holds each case, block setting and path, and each case has the segments it is
     there for (LORA_SEGMENTS), so a change to lora_case or a seed that loses one fails here."""
     assert {run[0] for run in LORA_RUNS} == set(LORA_CASES)
-    assert {run[1] for run in LORA_RUNS} == {"default", "small", "grid"}
+    assert {run[1] for run in LORA_RUNS} == {"default", "small", "grid", "aligned"}
     assert {run[3] for run in LORA_RUNS} == set(VECTOR_PATHS)
     for case in LORA_CASES:
         _, meta = lora_run_case(case)
@@ -561,6 +569,8 @@ class TestInterpreted:
         num_tokens, dtype = LORA_CASES[case][2:4]
         if blocks == "grid":
             use_blocks(tk, monkeypatch, GRID_LORA_BLOCKS)
+        if blocks == "aligned":
+            use_blocks(tk, monkeypatch, ALIGNED_LORA_BLOCKS)
         if blocks == "small":
             use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
             splits = tk.lora_shrink.shrink_splits(torch.device("cpu"), num_tokens, 64, 64)
@@ -574,14 +584,16 @@ class TestInterpreted:
 
     @pytest.mark.parametrize(
         ("blocks", "vector_max"),
-        [("default", 0), ("default", VECTOR_ALL), ("small", 2)],
-        ids=["default-tiled", "default-vector", "small-both"],
+        [("default", 0), ("default", VECTOR_ALL), ("small", 2), ("aligned", VECTOR_ALL)],
+        ids=["default-tiled", "default-vector", "small-both", "aligned-vector"],
     )
     def test_lora_padded_segments(self, tk, monkeypatch, blocks, vector_max):
         """The runner's captured layout: segments padded to T with empty slot -1 segments, and
         max_rank the largest rank of all adapters (slot 0: 6 tokens, slot 1: 2, 6 base)."""
         if blocks == "small":
             use_blocks(tk, monkeypatch, SMALL_LORA_BLOCKS)
+        if blocks == "aligned":
+            use_blocks(tk, monkeypatch, ALIGNED_LORA_BLOCKS)
         pool, meta = lora_case(
             page=32,
             target_dims=TARGET_DIMS,

@@ -71,10 +71,9 @@ def gather_previous(
     input_ids.copy_(torch.where(rows >= 0, taken, input_ids))
 
 
-def fill_lora(arrays: dict[str, np.ndarray], pos_seg: bool) -> None:
+def fill_lora(arrays: dict[str, np.ndarray]) -> None:
     """A decode step's LoRA segments of its staged b_slot (padded to the bucket), as
-    ``lora_segments`` with ``pad_to`` lays them out, into the staged set's views, and pos_seg when
-    the graph reads it.
+    ``lora_segments`` with ``pad_to`` lays them out, into the staged set's views, and pos_seg.
     Segments by a count per slot: b_slot [5, 2, 2, -1] -> counts at slots 2 and 5 of [2, 1],
     seg_slot [2, 5, -1, -1], seg1_start [0, 2, 3, 3, 3]; order [1, 2, 0, 3] (base tokens last)."""
     b_slot = arrays["b_slot"]
@@ -90,8 +89,7 @@ def fill_lora(arrays: dict[str, np.ndarray], pos_seg: bool) -> None:
     seg1_start[segments + 1 :] = seg1_start[segments]
     arrays["seg_slot"][:segments] = seg_slot
     arrays["seg_slot"][segments:] = -1
-    if pos_seg:
-        arrays["pos_seg"][:] = position_segments(seg1_start, b_slot.size)
+    arrays["pos_seg"][:] = position_segments(seg1_start, b_slot.size)
 
 
 # A decode graph's per-row inputs staged on the host (``StagedInputs``), and the value of a
@@ -207,8 +205,9 @@ class ModelRunner:
                 has_vectors=self.vectors,
             )
             lora.vector_max = 0 if tiled else VECTOR_ALL  # which LoRA kernels the graph holds
-            if tiled:  # where each tiled block starts its segment walk, refilled every step
-                lora.pos_seg = views["pos_seg"]
+            # where each tiled block starts its segment walk, refilled every step (the vector
+            # graphs' aligned steps, ``lora_paths.aligned_step``, run tiled kernels too)
+            lora.pos_seg = views["pos_seg"]
         return StepInput(
             input_ids=views["input_ids"],
             positions=views["positions"],
@@ -230,7 +229,7 @@ class ModelRunner:
             array[:batch] = getattr(host, name)
             array[batch:] = self.scratch if name == "out_pages" else fill
         if self.max_rank > 0:
-            fill_lora(arrays, tiled)
+            fill_lora(arrays)
         if host.prev_rows is not None:
             arrays["prev_rows"][:batch] = host.prev_rows
         packed.copy_(staged, non_blocking=True)

@@ -15,7 +15,7 @@ import torch
 
 # name, dtype, shape as (rows per bucket row, extra rows, trailing dims): seg1_start is
 # [bucket + 1], out_pages [bucket, 2]. prev_rows: the previous step's row drawing each row's input
-# id (-1: none); pos_seg: read by the tiled graphs alone.
+# id (-1: none); pos_seg: read by the tiled kernels (tiled graphs, aligned steps of vector ones).
 FIELDS = (
     ("input_ids", torch.int64, 0, ()),
     ("positions", torch.int64, 0, ()),

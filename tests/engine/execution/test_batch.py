@@ -1,5 +1,6 @@
 """Per-step tensors: positions, page tables, LoRA segments and the targets a step needs."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -159,9 +160,10 @@ def test_graph_inputs_from_one_staged_copy_equal_a_rebuild():
     """Each step's packed copy leaves in a graph's static inputs what ``lora_segments`` (padded
     to the bucket), ``position_segments`` and the step's rows say, padding rows past the batch,
     the previous step's tokens gathered where prev_rows points (at some rows, or at every row);
-    steps alternate the two staged sets and the tiled and vector graphs. A vector graph never
-    keeps a pos_seg (a warm-up before capture would otherwise fix the warm-up's segments into
-    the graph, and every replay would skip its adapters)."""
+    steps alternate the two staged sets and the tiled and vector graphs. Each graph's pos_seg
+    is the staged one, refilled every step, never one the launchers built (a warm-up before
+    capture would otherwise fix the warm-up's segments into the graph, and every replay would
+    skip its adapters)."""
     bucket, gen = 16, np.random.default_rng(4)
     runner = graph_runner(bucket)
     statics = {tiled: runner._static_input(bucket, tiled) for tiled in (False, True)}
@@ -192,13 +194,13 @@ def test_graph_inputs_from_one_staged_copy_equal_a_rebuild():
         assert lora.token_order.tolist() == order.tolist()
         assert lora.seg1_start.tolist() == starts.tolist()
         assert lora.seg_slot.tolist() == slots.tolist()
-        if tiled:
-            assert lora.pos_seg.tolist() == position_segments(starts, bucket).tolist()
-        else:
-            assert lora.pos_seg is None
-            built = device_position_segments(lora, bucket)
-            assert built.tolist() == position_segments(starts, bucket).tolist()
-            assert lora.pos_seg is None
+        # both graphs read the staged pos_seg (the vector graph's aligned steps run the tiled
+        # kernels), refilled every step; the launchers' own build of it agrees and is not kept
+        assert lora.pos_seg.tolist() == position_segments(starts, bucket).tolist()
+        unstaged = dataclasses.replace(lora, pos_seg=None)
+        built = device_position_segments(unstaged, bucket)
+        assert built.tolist() == position_segments(starts, bucket).tolist()
+        assert unstaged.pos_seg is None
         ids = host.input_ids.copy()
         if prev is not None:
             ids[prev >= 0] = 100 + prev[prev >= 0]
