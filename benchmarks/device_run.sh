@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks: bash benchmarks/device_run.sh MODE [PART], one mode per device call
 # (each fits the device's 600 s limit), from the repository root with the image's python3:
 #   tests [kernels|engine]  every GPU test on 4 workers, failures rerun alone; or one half, serially  ~5 min
-#   bench [prefix|score|json|tp|dora|fp8a]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
+#   bench [prefix|score|json|tp|dora|fp8a|lora]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
 #   profile [PRESET]   device time per step kind and kernel family on llama2-7b (or PRESET)  ~6 min
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
 #   fp8 [slora]        bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
@@ -29,7 +29,7 @@ usage() { # the header above, as the usage text
 
 case "$mode:$part" in # the modes and the parts each takes (profile and families: a preset)
   tests: | tests:kernels | tests:engine | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
-  bench:dora | bench:fp8a) ;;
+  bench:dora | bench:fp8a | bench:lora) ;;
   profile:* | kernels: | fp8: | fp8:slora | families:* | moe: | job: | job:dp | eval:) ;;
   *) usage ;;
 esac
@@ -196,6 +196,14 @@ mode_bench() {
         || { echo "bench json: install xgrammar from wheels/ (carry it)" >&2; exit 2; }
       bench "$dir" 570 --requests 2000 --systems json,json-free --adapters 1000 --max-seconds 0 \
         --total-seconds 540
+      ;;
+    lora)
+      # llama3-8b slora@1000 uncut with the decode LoRA kernels' default knobs, then the tokens
+      # in batch order (vsorted 0), then aligned steps (valign 1): SLORA_LORA_BLOCKS a run
+      for knobs in default:'{}' batch-order:'{"vsorted": 0}' aligned:'{"valign": 1}'; do
+        SLORA_LORA_BLOCKS=${knobs#*:} bench "$dir/${knobs%%:*}" 180 --model-preset llama3-8b \
+          --requests 2000 --systems slora --adapters 1000 --max-seconds 0 --total-seconds 0
+      done
       ;;
     tp)
       # two GPUs: base and slora on one device beside base-par and slora-par at tensor parallel

@@ -3,10 +3,15 @@ launchers pick from them for a step (tokens per block, rank rows, row elements).
 
 ``BLOCKS`` is one dict that ``slora_kernels.lora_shrink`` and ``slora_kernels.lora_expand`` import: change
 its items (``monkeypatch.setitem``, ``BLOCKS.update``), never rebind the name, which the
-launchers would not see.
+launchers would not see. A process started with ``SLORA_LORA_BLOCKS`` set to a JSON object
+(``'{"valign": 1}'``) starts from those items: engine runs side by side, a knob apiece
+(``overrides``).
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import triton
 
@@ -42,6 +47,26 @@ BLOCKS = {
     "ar": 16,  # aligned shrink: rank rows per program
     "an": 256,  # aligned expand: columns per program
 }
+
+
+def overrides(text: str) -> dict[str, int]:
+    """The knobs a ``SLORA_LORA_BLOCKS`` value sets: a JSON object of known knobs to ints;
+    anything else is a ValueError naming the variable and the knob."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"SLORA_LORA_BLOCKS is not JSON: {exc}") from exc
+    if not isinstance(items, dict):
+        raise ValueError(f"SLORA_LORA_BLOCKS must be a JSON object of knobs, not {text!r}")
+    for knob, value in items.items():
+        if knob not in BLOCKS:
+            raise ValueError(f"SLORA_LORA_BLOCKS: unknown knob {knob!r} (known: {sorted(BLOCKS)})")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"SLORA_LORA_BLOCKS: knob {knob!r} takes an int, not {value!r}")
+    return items
+
+
+BLOCKS.update(overrides(os.environ.get("SLORA_LORA_BLOCKS", "{}")))
 
 
 def block_tokens(num_tokens: int, expand: bool = False) -> int:
