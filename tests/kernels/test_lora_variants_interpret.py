@@ -172,15 +172,24 @@ def check_layer(kernels, pool, meta, dtype, seed) -> None:
 
 @pytest.mark.parametrize(
     ("path", "dtype"),
-    [("tiled", torch.float32), ("both", torch.float16), ("vector", torch.float32)],
+    [
+        ("tiled", torch.float32),
+        ("both", torch.float16),
+        ("vector", torch.float32),
+        ("aligned", torch.float16),  # a graph decode step on the tiled kernels, a chunk a program
+    ],
 )
-def test_variants_mixed_in_one_step(kernels, path, dtype):
+def test_variants_mixed_in_one_step(kernels, monkeypatch, path, dtype):
     """rank_pattern / alpha_pattern, layer subsets, lora_B's bias and DoRA beside plain LoRA and
     base rows: every layer's launches read that layer's ranks and scales
     (``LoraMeta.at_layer``), the bias is added inside the scale and DoRA's rows rescale the
     output, in the layers the adapter has the module only."""
     kinds = ["plain", "patterns", "layers", "bias", "dora"]
     pool, meta = variant_case(kinds, 16, dtype, seed=7)
-    meta.vector_max = {"tiled": 0, "both": 1, "vector": VECTOR_ALL}[path]
+    meta.vector_max = {"tiled": 0, "both": 1, "vector": VECTOR_ALL, "aligned": VECTOR_ALL}[path]
+    if path == "aligned":
+        from slora_kernels.lora_blocks import BLOCKS
+
+        monkeypatch.setitem(BLOCKS, "valign", 1)
     for layer in range(LAYERS):
         check_layer(kernels, pool[layer], meta.at_layer(layer), dtype, seed=layer)
