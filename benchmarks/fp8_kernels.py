@@ -33,6 +33,15 @@ VARIANTS = [  # attention_decode.DECODE overrides on fp8 pages
 ]
 
 
+GROUPED_VARIANTS = [  # attention_decode.DECODE overrides on fp8 pages in the grouped V layout
+    {"fp8_stages": 3},
+    {"fp8_stages": 2},
+    {"gqa_block_n": 64},
+    {"mha_block_n": 64},
+    {"warps": 8},
+]
+
+
 def fp8_pages(pool: torch.Tensor, meta: AttnMeta, kv_heads: int):
     """The bf16 pages of ``attn_meta`` rewritten as fp8 pages: each token's K and V quantized
     into its K page (one page a token, named twice), scales per token and head."""
@@ -113,16 +122,19 @@ def decode_rows(kind: str, batch: int, bw: float) -> list[tuple]:
 
 def grouped_rows(q, pages, kv_heads: int, want, labels) -> list[tuple]:
     """The same fp8 tokens in the grouped V layout (``fp8.to_grouped``, groups of 16): decode
-    with the default tiles, and with a sequence's heads adjacent."""
+    with the sequence fastest, with the default tiles (heads fastest), and unless the tiles are
+    the defaults only, GROUPED_VARIANTS."""
     packed, scales, meta8 = pages
     case, nbytes, bw = labels
     pool_g, scales_g, table_g = fp8.to_grouped(
         packed, scales, meta8.page_table, meta8.b_seq_len, kv_heads * 128, 16
     )
     meta_g = AttnMeta(meta8.b1_start, meta8.b_seq_len, table_g, meta8.max_new)
-    rows, default_order = [], attention_decode.DECODE["heads_fastest"]
-    for heads_fastest in (False, True):
-        attention_decode.DECODE["heads_fastest"] = heads_fastest
+    rows, saved = [], dict(attention_decode.DECODE)
+    extra = GROUPED_VARIANTS if len(VARIANTS) > 1 else []  # --default-tiles empties VARIANTS
+    tiles = [{"heads_fastest": False}, {}, *extra]
+    for variant in tiles:
+        attention_decode.DECODE.update(variant)
         fn = partial(
             attention_decode.decode_splits, q, pool_g, meta_g, kv_heads, 0.088, None,
             scales=scales_g, v_group=16,
@@ -136,9 +148,10 @@ def grouped_rows(q, pages, kv_heads: int, want, labels) -> list[tuple]:
             )
             continue
         finally:
-            attention_decode.DECODE["heads_fastest"] = default_order
+            attention_decode.DECODE.clear()
+            attention_decode.DECODE.update(saved)
         gbs = nbytes / us / 1e3
-        label = f"{case} heads fastest" if heads_fastest else case
+        label = f"{case} {variant or 'default (heads fastest)'}"
         rows.append(
             (
                 "decode fp8 grouped V",
