@@ -305,7 +305,6 @@ LORA_RUNS = [  # (case, blocks, tokens per block (None: the launcher's choice), 
     ("skewed", "grid", None, "vector"),
     ("uniform", "grid", None, "upload"),
     ("skewed", "aligned", None, "vector"),  # a segment of 18 tokens: two chunks
-    ("uniform", "aligned", None, "vector"),
 ]
 
 
