@@ -58,14 +58,20 @@ def fp8_pages(pool: torch.Tensor, meta: AttnMeta, kv_heads: int):
     return packed, scales, AttnMeta(meta.b1_start, meta.b_seq_len, table8, meta.max_new)
 
 
-def decode_rows(kind: str, batch: int, bw: float) -> list[tuple]:
+def decode_case(kind: str, batch: int):
+    """(bf16 pages, their AttnMeta, queries, KV heads, keys read) of ``batch`` decode rows at
+    contexts U[256, 1024], seeded by the batch size."""
     heads, kv_heads, _, _ = SHAPES[kind]
-    kv_dim, rows = kv_heads * 128, []
     gen = torch.Generator().manual_seed(batch)
     contexts = torch.randint(256, 1025, (batch,), generator=gen).tolist()
-    pool, meta = attn_meta(contexts, [1] * batch, kv_dim)
+    pool, meta = attn_meta(contexts, [1] * batch, kv_heads * 128)
     q = torch.randn(batch, heads, 128, dtype=DTYPE, device="cuda")
-    tokens = sum(contexts)
+    return pool, meta, q, kv_heads, sum(contexts)
+
+
+def decode_rows(kind: str, batch: int, bw: float) -> list[tuple]:
+    pool, meta, q, kv_heads, tokens = decode_case(kind, batch)
+    kv_dim, rows = kv_heads * 128, []
     case = f"{kind} B={batch} ctx 256-1024"
     fn = partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088)
     want = ref.attention_decode(q, pool, meta, kv_heads, 0.088).float()
@@ -168,13 +174,8 @@ def engine_decode_rows(kind: str, bw: float, batch: int = 256) -> list[tuple]:
     """Decode attention as the engine runs it, default tiles, graph-replayed: bf16 pages, then
     the same tokens on fp8 pages in the grouped V layout (the engine's fp8 KV), each as the
     fraction of the copy bandwidth its bytes take (fp8: scales included)."""
-    heads, kv_heads, _, _ = SHAPES[kind]
-    kv_dim = kv_heads * 128
-    gen = torch.Generator().manual_seed(batch)
-    contexts = torch.randint(256, 1025, (batch,), generator=gen).tolist()
-    pool, meta = attn_meta(contexts, [1] * batch, kv_dim)
-    q = torch.randn(batch, heads, 128, dtype=DTYPE, device="cuda")
-    tokens, case = sum(contexts), f"{kind} B={batch} ctx 256-1024"
+    pool, meta, q, kv_heads, tokens = decode_case(kind, batch)
+    kv_dim, case = kv_heads * 128, f"{kind} B={batch} ctx 256-1024"
     us = _graph_us(partial(triton_ops.attention_decode, q, pool, meta, kv_heads, 0.088))
     gbs = tokens * 2 * kv_dim * 2 / us / 1e3
     rows = [("attention_decode bf16 pages", case, us, f"{gbs:.0f} GB/s", f"{gbs / bw:.2f}")]

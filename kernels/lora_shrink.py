@@ -512,8 +512,7 @@ def _tiled(launch: _Launch, aligned: bool) -> None:
         block_t, block_r = block_tokens(span), tiled_rank_block(launch.max_rank)
         rank_blocks = triton.cdiv(launch.max_rank, block_r)
         splits = shrink_splits(x.device, span, launch.max_rank, d_in, group)
-    k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
-    splits = triton.cdiv(d_in, k_per_split)  # every split has work
+    k_per_split, splits = _split_k(d_in, splits, block_k)
     dst = _partials(launch.out, splits)
     grid = (span if aligned else triton.cdiv(span, block_t), group * rank_blocks, splits)
     _shrink_kernel[grid](
@@ -552,6 +551,13 @@ def _tiled(launch: _Launch, aligned: bool) -> None:
     _reduce(dst, splits, meta, launch.targets, group, launch.out, launch.rank_cap, aligned)
 
 
+def _split_k(d_in: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(elements a split reduces, splits): ``splits`` cuts of d_in rounded up to whole blocks,
+    then as many splits as that leaves work for (d_in 4096, 3 splits, blocks 256 -> 1536, 3)."""
+    k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
+    return k_per_split, triton.cdiv(d_in, k_per_split)
+
+
 def _vector_splits(device: torch.device, programs: int, d_in: int) -> int:
     """Splits of d_in for the vector shrink (and an aligned step's tiled one): until the grid
     holds BLOCKS["vwaves"] programs an SM, each split at least BLOCKS["split_min_k"] long."""
@@ -570,8 +576,7 @@ def _vector(launch: _Launch) -> None:
     r_span = block_r if BLOCKS["vgrid"] else launch.rank_cap
     rows, picked, pick, pos_seg = _vector_pick(meta, num_tokens)
     splits = _vector_splits(x.device, rows * group * rank_blocks, d_in)
-    k_per_split = triton.cdiv(triton.cdiv(d_in, splits), block_k) * block_k
-    splits = triton.cdiv(d_in, k_per_split)
+    k_per_split, splits = _split_k(d_in, splits, block_k)
     dst = _partials(launch.out, splits)
     if rows == 0:
         return
