@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks: bash benchmarks/device_run.sh MODE [PART], one mode per device call
 # (each fits the device's 600 s limit), from the repository root with the image's python3:
-#   tests [kernels|engine]  every GPU test on 4 workers, failures rerun alone; or one half, serially  ~5 min
+#   tests [kernels|engine|fp8]  every GPU test on 4 workers, failures rerun alone; or one half,
+#                      serially; fp8: the fp8 attention, fp8 KV engine and decode LoRA kernel tests  ~5 min
 #   bench [prefix|score|json|tp|dora|fp8a|lora]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
 #   profile [PRESET]   device time per step kind and kernel family on llama2-7b (or PRESET)  ~6 min
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
-#   fp8 [slora]        bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
-#                      (slora: llama3-8b slora@1000, bf16 against fp8 weights + KV)
+#   fp8 [slora|kv]     bf16 against fp8 KV and fp8 weights + KV, engine uncut; fp8 attention kernels  ~9 min
+#                      (slora: llama3-8b slora@1000, bf16 against fp8 weights + KV; kv: the kernels and
+#                      llama2-7b slora@1000, bf16 against fp8 KV, ~5 min)
 #   families [PRESET]  base and slora@1000 on llama3-8b, qwen3-8b, gemma2-9b, 15 s cuts; PRESET: uncut  ~8 min
 #   moe                qwen3-30b-a3b: base beside slora@1000 on attention, then beside slora@100 on the
 #                      experts, each pair in one bench process, 45 s cuts  ~9 min
@@ -28,9 +30,9 @@ usage() { # the header above, as the usage text
 }
 
 case "$mode:$part" in # the modes and the parts each takes (profile and families: a preset)
-  tests: | tests:kernels | tests:engine | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
+  tests: | tests:kernels | tests:engine | tests:fp8 | bench: | bench:prefix | bench:score | bench:json | bench:tp) ;;
   bench:dora | bench:fp8a | bench:lora) ;;
-  profile:* | kernels: | fp8: | fp8:slora | families:* | moe: | job: | job:dp | eval:) ;;
+  profile:* | kernels: | fp8: | fp8:slora | fp8:kv | families:* | moe: | job: | job:dp | eval:) ;;
   *) usage ;;
 esac
 dir=${OUT:-out/device}/$mode${part:+/$part}
@@ -125,6 +127,11 @@ mode_tests() {
     kernels | engine) # one half, serially
       gpu_tests "gpu-tests-$part.log" "$(left "${TESTS_LIMIT:-560}")" --durations=10 --maxfail=10 \
         "tests/$part" || status=1
+      ;;
+    fp8) # the kernels and engine paths fp8 pages and the decode LoRA kernels take, on 4 workers
+      gpu_tests gpu-tests-fp8.log "$(left "${TESTS_LIMIT:-300}")" --durations=10 -n 4 \
+        --dist loadgroup tests/kernels/test_attention_fp8_gpu.py tests/engine/test_fp8_kv_gpu.py \
+        tests/kernels/test_kernels_gpu.py tests/kernels/test_fp8_adapters_gpu.py || status=1
       ;;
     "")
       # On 4 xdist workers (Triton's builds take most of a serial run; 8 ran an H100 out of
@@ -263,6 +270,7 @@ mode_fp8() {
     bench "$dir/llama2-7b-kv-$kv" 130 --requests 2000 --systems slora --adapters 1000 \
       --kv-cache-dtype "$kv" --max-seconds 0 --total-seconds 0
   done
+  [ "$part" = kv ] && return
   bench "$dir/llama3-8b-bf16" 95 --model-preset llama3-8b --requests 2000 --systems base \
     --max-seconds 0 --total-seconds 0
   bench "$dir/llama3-8b-fp8" 95 --model-preset llama3-8b --requests 2000 --systems base \
