@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks: bash benchmarks/device_run.sh MODE [PART], one mode per device call
 # (each fits the device's 600 s limit), from the repository root with the image's python3:
 #   tests [kernels|engine|fp8]  every GPU test on 4 workers, failures rerun alone; or one half,
-#                      serially; fp8: the fp8 attention, fp8 KV engine and decode LoRA kernel tests  ~5 min
+#                      serially; fp8: the fp8 attention, fp8 KV, fp8 adapter and LoRA kernel tests  ~5 min
 #   bench [prefix|score|json|tp|dora|fp8a|lora]  the acceptance workload; or a feature's workload beside its baseline  ~10 min
 #   profile [PRESET]   device time per step kind and kernel family on llama2-7b (or PRESET)  ~6 min
 #   kernels            LoRA and attention kernel timings, then the LoRA kernel variant sweeps  ~8 min
