@@ -185,8 +185,7 @@ def _lora_case(
     v_in = torch.randn_like(buf)  # the expands' input, the same for every variant
     # A's bytes: 2 an element, or 1 and a 4-byte scale a row
     a_bytes = sum(
-        ranks[s] * sum(i + 4 * fp8 if fp8 else 2 * i for i, _ in dims)
-        for s in meta.seg_slot.tolist()
+        ranks[s] * sum(i + 4 if fp8 else 2 * i for i, _ in dims) for s in meta.seg_slot.tolist()
     )
 
     def shrinks():
